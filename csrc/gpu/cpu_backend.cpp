@@ -1,0 +1,1 @@
+// CPU backend of the neutral gpu:: API (placeholder until csrc/gpu/gpu.h lands).

@@ -1,0 +1,1 @@
+// hip backend of the neutral gpu:: API (placeholder until csrc/gpu/gpu.h lands).
