@@ -1,0 +1,9 @@
+"""Activation runtime: tracing of operators and per-storage keep / offload / recompute."""
+
+from bagualu2.activations.runtime import ActivationRuntime, Frame, FrameStats, ResidencyLedger
+from bagualu2.activations.tracing import StorageNode, TracingMode, is_recomputing
+
+__all__ = [
+    "ActivationRuntime", "Frame", "FrameStats", "ResidencyLedger", "StorageNode", "TracingMode",
+    "is_recomputing",
+]

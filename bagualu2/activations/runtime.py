@@ -1,0 +1,512 @@
+"""Saved-tensor runtime: applies KEEP / OFFLOAD / RECOMPUTE to every saved activation.
+
+Design note
+-----------
+While a provisioned forward runs (a *frame*, one micro-batch), ``ActivationRuntime`` has a
+``TracingMode`` and a pair of saved-tensor hooks installed. For every tensor autograd saves, the
+pack hook finds the storage's ``StorageNode`` (its producing op) and applies that op's choice
+from the frame's plan:
+
+* KEEP: the tensor itself is held, as autograd would.
+* OFFLOAD: the whole storage is copied once into the ``HostArena`` through the ``CopyEngine``;
+  every saved view of it refers to that one copy. Backward reloads it, prefetching the next
+  offloaded storages of the frame (in reverse pack order) so the copy overlaps compute.
+* RECOMPUTE: nothing is held but the node; unpack replays the recipe (``Replayer``), rebuilding
+  inputs that were dropped or offloaded first, in dependency order.
+
+Invariants:
+
+* Exactness: the tensor unpack returns is bitwise equal to, and has the same size, strides,
+  storage offset and dtype as, the tensor that was packed.
+* Nothing lost: data is freed only with the packed objects that own it. Autograd drops those
+  when the graph dies (after backward, or when the graph is discarded without one), so a packed
+  activation may be unpacked any number of times (``retain_graph``) or never.
+* Exact accounting: ``ResidencyLedger`` counts the device bytes of every storage the runtime
+  holds (kept tensors, offload sources still in flight, leaves pinned by recipes), once per
+  storage, whichever frames hold it. Parameters and buffers are not activations and are not
+  counted.
+* Budget: with ``enforce_budget`` set, a storage that would push the ledger over the budget is
+  offloaded or recomputed instead of kept (waiting for in-flight offloads first); what cannot be
+  released is a violation, reported through ``on_exceed``.
+* Fallbacks never lose data: an offload the arena cannot take becomes a recompute (or a keep),
+  a recompute that cannot be replayed becomes an offload (or a keep), and each is recorded.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Set
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from bagualu2.activations.tracing import (
+    Leaf, Replayer, StorageNode, TracingMode, ViewMeta, view_meta, view_of,
+)
+from bagualu2.planner import Choice
+
+__all__ = ["ActivationRuntime", "Frame", "ResidencyLedger"]
+
+# Creating ops whose output is only a dtype cast or copy of their one tensor input: when that
+# input is already stored, the output is regenerated from it instead of being stored twice.
+_CAST_OPS = frozenset({"aten._to_copy.default", "aten.clone.default", "aten._to_dtype.default"})
+
+
+class ResidencyLedger:
+    """Device bytes held for activations, counted once per storage.
+
+    ``acquire`` and ``release`` are reference counted per storage; ``resident`` is the sum of
+    the sizes of storages with a positive count, ``peak`` its high-water mark.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: Dict[int, List[Any]] = {}  # cdata -> [count, nbytes, StorageWeakRef]
+        self.resident = 0
+        self.peak = 0
+
+    def acquire(self, storage: torch.UntypedStorage) -> int:
+        cdata = storage._cdata
+        with self._lock:
+            entry = self._held.get(cdata)
+            if entry is None:
+                nbytes = storage.nbytes()
+                self._held[cdata] = [1, nbytes, StorageWeakRef(storage)]
+                self.resident += nbytes
+                if self.resident > self.peak:
+                    self.peak = self.resident
+            else:
+                entry[0] += 1
+        return cdata
+
+    def release(self, cdata: int) -> None:
+        with self._lock:
+            entry = self._held[cdata]
+            entry[0] -= 1
+            if entry[0] == 0:
+                del self._held[cdata]
+                self.resident -= entry[1]
+
+    def holds(self, storage: torch.UntypedStorage) -> bool:
+        return storage._cdata in self._held
+
+    def reset_peak(self) -> None:
+        self.peak = self.resident
+
+
+class _Pin:
+    """Holds one ledger count on a storage for as long as this object lives."""
+
+    __slots__ = ("_ledger", "_cdata")
+
+    def __init__(self, ledger: ResidencyLedger, storage: torch.UntypedStorage) -> None:
+        self._ledger = ledger
+        self._cdata = ledger.acquire(storage)
+
+    def drop(self) -> None:
+        if self._cdata is not None:
+            self._ledger.release(self._cdata)
+            self._cdata = None
+
+    def __del__(self) -> None:
+        self.drop()
+
+
+@dataclass
+class FrameStats:
+    """What one frame (micro-batch forward) did with its saved activations."""
+
+    packed: int = 0
+    bytes_by_choice: Dict[str, int] = field(default_factory=lambda: {"keep": 0, "offload": 0, "recompute": 0})
+    shared_bytes: int = 0       # re-saves of a storage already held: stored once
+    regenerated_bytes: int = 0  # casts/copies of a stored activation, rebuilt from it
+    fallbacks: List[str] = field(default_factory=list)
+    violations: int = 0
+    peak_resident: int = 0      # ledger high-water mark while this frame's forward ran
+    start_resident: int = 0
+
+
+class Frame:
+    """One micro-batch's forward through a provisioned module.
+
+    ``choices`` maps operator keys to a ``Choice``; keys not in it get ``default``. The
+    provisioner may update ``choices`` while the forward runs (at MoE gating): a storage's
+    choice is taken when it is first saved.
+    """
+
+    def __init__(self, choices: Optional[Mapping[str, Choice]] = None, default: Choice = Choice.KEEP,
+                 index: int = 0) -> None:
+        self.choices: Dict[str, Choice] = dict(choices or {})
+        self.default = default
+        self.index = index
+        self.stats = FrameStats()
+        self.keys_seen: Dict[str, int] = {}  # operator key -> storage bytes, first save
+        self._offloads: List["weakref.ref[_OffloadStore]"] = []
+        self._anchors: List[StorageNode] = []
+
+    def choice(self, key: str) -> Choice:
+        return self.choices.get(key, self.default)
+
+
+class _OffloadStore:
+    """One storage's copy in the host arena, shared by every saved view of it."""
+
+    __slots__ = ("engine", "handle", "device", "nbytes", "pin", "prefetched", "frame", "index", "__weakref__")
+
+    def __init__(self, engine: Any, handle: Any, device: torch.device, nbytes: int, pin: _Pin,
+                 frame: Frame) -> None:
+        self.engine = engine
+        self.handle = handle
+        self.device = device
+        self.nbytes = nbytes
+        self.pin: Optional[_Pin] = pin  # device source held until the copy completes
+        self.prefetched: Any = None
+        self.frame = weakref.ref(frame)
+        self.index = len(frame._offloads)
+        frame._offloads.append(weakref.ref(self))
+
+    def settle(self, wait: bool = False) -> bool:
+        """Drop the device source once the copy is done; True when it is."""
+        if self.pin is None:
+            return True
+        if wait:
+            self.handle.wait()
+        elif not self.handle.done():
+            return False
+        self.pin.drop()
+        self.pin = None
+        return True
+
+    def prefetch(self) -> None:
+        if self.prefetched is None:
+            self.prefetched = self.engine.reload_async(self.handle, device=self.device)
+
+    def storage(self) -> torch.UntypedStorage:
+        if self.prefetched is not None:
+            buffer = self.prefetched.wait()
+            self.prefetched = None
+        else:
+            buffer = self.engine.reload(self.handle, device=self.device)
+        return buffer.untyped_storage()
+
+    def __del__(self) -> None:
+        try:
+            if self.prefetched is not None:
+                self.prefetched.wait()
+            self.handle.release()
+        finally:
+            if self.pin is not None:
+                self.pin.drop()
+
+
+class _Kept:
+    __slots__ = ("tensor", "pin")
+
+    def __init__(self, tensor: torch.Tensor, pin: _Pin) -> None:
+        self.tensor = tensor
+        self.pin = pin
+
+
+class _Offloaded:
+    __slots__ = ("store", "meta")
+
+    def __init__(self, store: _OffloadStore, meta: ViewMeta) -> None:
+        self.store = store
+        self.meta = meta
+
+
+class _Recomputed:
+    __slots__ = ("node", "state", "meta")
+
+    def __init__(self, node: StorageNode, state: int, meta: ViewMeta) -> None:
+        self.node = node
+        self.state = state
+        self.meta = meta
+
+
+class ActivationRuntime:
+    """Applies per-operator KEEP / OFFLOAD / RECOMPUTE choices to saved activations.
+
+    Args:
+        engine: a ``bagualu2.CopyEngine`` for OFFLOAD, or None (OFFLOAD then falls back).
+        min_bytes: storages smaller than this are always kept.
+        budget_bytes: the activation budget the ledger is held to, or None for no budget.
+        enforce_budget: release (offload, else recompute) a storage that would exceed the budget
+            instead of keeping it. Static baselines turn this off to show what they would do.
+        on_exceed: called with (resident, budget, key) when the budget is exceeded anyway; it may
+            raise (``on_exceed="raise"`` in ``bagualu2.enable``).
+        prefetch_bytes: how far ahead of use backward reloads offloaded storages.
+    """
+
+    def __init__(self, engine: Any = None, *, min_bytes: int = 0, budget_bytes: Optional[int] = None,
+                 enforce_budget: bool = True,
+                 on_exceed: Optional[Callable[[int, int, str], None]] = None,
+                 prefetch_bytes: int = 64 << 20) -> None:
+        if min_bytes < 0:
+            raise ValueError(f"min_bytes={min_bytes} must be >= 0")
+        if budget_bytes is not None and budget_bytes < 0:
+            raise ValueError(f"budget_bytes={budget_bytes} must be >= 0 or None")
+        self.engine = engine
+        self.min_bytes = min_bytes
+        self.budget_bytes = budget_bytes
+        self.enforce_budget = enforce_budget
+        self.on_exceed = on_exceed
+        self.prefetch_bytes = prefetch_bytes
+        self.ledger = ResidencyLedger()
+        self.mode = TracingMode(self._pin_leaf)
+        self._params: Set[int] = set()
+        self._frame: Optional[Frame] = None
+        self._inflight: Deque[_OffloadStore] = collections.deque()
+
+    # -- frames -----------------------------------------------------------------------------
+    @property
+    def active_frame(self) -> Optional[Frame]:
+        return self._frame
+
+    def set_parameters(self, tensors: Iterator[torch.Tensor]) -> None:
+        """Storages that are not activations (parameters, buffers): never offloaded or counted."""
+        self._params = {t.untyped_storage()._cdata for t in tensors}
+
+    @contextlib.contextmanager
+    def frame(self, frame: Frame) -> Iterator[Frame]:
+        """Trace and provision one micro-batch's forward."""
+        if self._frame is not None:
+            raise RuntimeError(
+                "bagualu2: a provisioned forward started inside another one; enable bagualu2 on "
+                "the outer module only"
+            )
+        self.mode.reset()
+        self._frame = frame
+        frame.stats.start_resident = self.ledger.resident
+        frame.stats.peak_resident = self.ledger.resident
+        try:
+            with self.mode, torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield frame
+        finally:
+            for node in frame._anchors:
+                if node.offloaded:
+                    node.anchor = None
+            frame._anchors = []
+            self._frame = None
+            self.mode.reset()
+
+    def attach(self, root: torch.nn.Module) -> List[Any]:
+        """Install the module hooks that name operators by module path and anchor block inputs.
+
+        A *block* is a module held in a ``ModuleList`` (transformer layers, experts). Its first
+        tensor input is anchored: held for the frame's recipes so a recompute chain never reaches
+        back past the block, as with per-block checkpointing. An anchor whose storage is
+        offloaded is dropped when the forward ends. Returns the hook handles.
+        """
+        blocks = {id(child) for m in root.modules() if isinstance(m, torch.nn.ModuleList) for child in m}
+        handles: List[Any] = []
+        for name, module in root.named_modules():
+            if module is root:
+                continue
+            is_block = id(module) in blocks
+
+            def enter(mod: torch.nn.Module, args: tuple, _name: str = name, _block: bool = is_block) -> None:
+                if self._frame is not None and not self.mode.suspended:
+                    self.mode.push_module(_name)
+                    if _block and args and isinstance(args[0], torch.Tensor):
+                        self._anchor(args[0])
+
+            def leave(mod: torch.nn.Module, args: tuple, out: Any) -> None:
+                if self._frame is not None and not self.mode.suspended:
+                    self.mode.pop_module()
+
+            handles.append(module.register_forward_pre_hook(enter))
+            handles.append(module.register_forward_hook(leave))
+        return handles
+
+    def _anchor(self, t: torch.Tensor) -> None:
+        node = self.mode.nodes.get(t.untyped_storage()._cdata)
+        if node is not None and node.anchor is None and self._frame is not None:
+            node.anchor = (t, node.state, _Pin(self.ledger, t.untyped_storage()))
+            self._frame._anchors.append(node)
+
+    @contextlib.contextmanager
+    def untraced(self) -> Iterator[None]:
+        """Run bagualu2's own bookkeeping ops (gating callbacks) without tracing them."""
+        self.mode.suspended += 1
+        try:
+            yield
+        finally:
+            self.mode.suspended -= 1
+
+    def settle(self, wait: bool = False) -> None:
+        """Release device sources of completed offloads (all of them with ``wait``)."""
+        while self._inflight and self._inflight[0].settle(wait):
+            self._inflight.popleft()
+        if self._inflight:
+            self._inflight = collections.deque(s for s in self._inflight if not s.settle(wait))
+
+    # -- parameters and leaves --------------------------------------------------------------
+    def _is_parameter(self, t: torch.Tensor) -> bool:
+        return isinstance(t, torch.nn.Parameter) or t.untyped_storage()._cdata in self._params
+
+    def _pin_leaf(self, t: torch.Tensor) -> Optional[_Pin]:
+        if self._is_parameter(t) or t.layout != torch.strided:
+            return None
+        return _Pin(self.ledger, t.untyped_storage())
+
+    # -- pack -------------------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor) -> Any:
+        frame = self._frame
+        if frame is None or self._is_parameter(t):
+            return t
+        stats = frame.stats
+        stats.packed += 1
+        if self._inflight:
+            self.settle()
+        if t.layout != torch.strided or t.is_nested or type(t) not in (torch.Tensor,):
+            stats.fallbacks.append(f"keep {type(t).__name__} {t.layout}: not a plain strided tensor")
+            return self._keep(frame, t, "leaf")
+        storage = t.untyped_storage()
+        node = self.mode.nodes.get(storage._cdata)
+        if node is None:
+            return self._keep(frame, t, "leaf")
+        nbytes = node.nbytes
+        frame.keys_seen.setdefault(node.key, nbytes)
+        if nbytes < self.min_bytes:
+            return self._keep(frame, t, node.key)
+        state = node.state
+        meta = view_meta(t)
+        store = node.offloaded.get(state)
+        if store is not None:
+            stats.shared_bytes += nbytes
+            return _Offloaded(store, meta)
+        if self._is_regenerable(node, state):
+            stats.regenerated_bytes += nbytes
+            return _Recomputed(node, state, meta)
+        choice = frame.choice(node.key)
+        if choice == Choice.KEEP and self._over_budget(storage):
+            self.settle(wait=True)
+            if self._over_budget(storage):
+                if self.enforce_budget:
+                    choice = Choice.OFFLOAD if self.engine is not None else Choice.RECOMPUTE
+                    stats.fallbacks.append(f"{node.key}: keep -> {choice.name.lower()} (budget)")
+                else:
+                    return self._violate(frame, t, node.key)
+        if choice == Choice.RECOMPUTE:
+            if node.recomputable:
+                stats.bytes_by_choice["recompute"] += nbytes
+                return _Recomputed(node, state, meta)
+            stats.fallbacks.append(f"{node.key}: recompute -> offload ({node.why_not})")
+            choice = Choice.OFFLOAD
+        if choice == Choice.OFFLOAD:
+            packed = self._offload(frame, node, storage, state, meta)
+            if packed is not None:
+                return packed
+            if node.recomputable:
+                stats.fallbacks.append(f"{node.key}: offload -> recompute (arena full or no engine)")
+                stats.bytes_by_choice["recompute"] += nbytes
+                return _Recomputed(node, state, meta)
+            stats.fallbacks.append(f"{node.key}: offload -> keep (arena full or no engine; not recomputable)")
+        if self._over_budget(storage):
+            return self._violate(frame, t, node.key)
+        return self._keep(frame, t, node.key)
+
+    def _is_regenerable(self, node: StorageNode, state: int) -> bool:
+        """A cast/copy of a stored activation, with nothing applied to it afterwards."""
+        creator = node.creator
+        if str(creator.func) not in _CAST_OPS or node.mutations or not node.recomputable:
+            return False
+        source = creator.args[0] if creator.args else None
+        src_node = getattr(source, "node", None)
+        if not isinstance(src_node, StorageNode):
+            return False
+        return src_node.offloaded.get(source.state) is not None or self._kept_tensor(src_node, source.state) is not None
+
+    def _over_budget(self, storage: torch.UntypedStorage) -> bool:
+        budget = self.budget_bytes
+        return (budget is not None and not self.ledger.holds(storage)
+                and self.ledger.resident + storage.nbytes() > budget)
+
+    def _violate(self, frame: Frame, t: torch.Tensor, key: str) -> Any:
+        frame.stats.violations += 1
+        packed = self._keep(frame, t, key)
+        if self.on_exceed is not None:
+            self.on_exceed(self.ledger.resident, self.budget_bytes or 0, key)
+        return packed
+
+    def _keep(self, frame: Frame, t: torch.Tensor, key: str) -> _Kept:
+        storage = t.untyped_storage()
+        if self.ledger.holds(storage):
+            frame.stats.shared_bytes += storage.nbytes()
+        else:
+            frame.stats.bytes_by_choice["keep"] += storage.nbytes()
+        kept = _Kept(t, _Pin(self.ledger, storage))
+        node = self.mode.nodes.get(storage._cdata)
+        if node is not None:
+            node.kept[node.state] = (weakref.ref(t), t._version)
+        if self.ledger.resident > frame.stats.peak_resident:
+            frame.stats.peak_resident = self.ledger.resident
+        return kept
+
+    def _offload(self, frame: Frame, node: StorageNode, storage: torch.UntypedStorage, state: int,
+                 meta: ViewMeta) -> Optional[_Offloaded]:
+        if self.engine is None:
+            return None
+        source = torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage)
+        handle = self.engine.offload(source)
+        if handle is None:
+            return None
+        pin = _Pin(self.ledger, storage)
+        if self.ledger.resident > frame.stats.peak_resident:
+            frame.stats.peak_resident = self.ledger.resident
+        store = _OffloadStore(self.engine, handle, storage.device, node.nbytes, pin, frame)
+        self._inflight.append(store)
+        node.offloaded[state] = store
+        frame.stats.bytes_by_choice["offload"] += node.nbytes
+        return _Offloaded(store, meta)
+
+    # -- unpack -----------------------------------------------------------------------------
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if isinstance(packed, _Kept):
+            return packed.tensor
+        if isinstance(packed, _Offloaded):
+            self._prefetch_before(packed.store)
+            return view_of(packed.store.storage(), packed.meta)
+        node = packed.node
+        node.cache.evict_after(node.position)
+        return view_of(Replayer(self._available).storage(node, packed.state), packed.meta)
+
+    @staticmethod
+    def _kept_tensor(node: StorageNode, state: int) -> Optional[torch.Tensor]:
+        entry = node.kept.get(state)
+        if entry is None:
+            return None
+        kept = entry[0]()
+        return kept if kept is not None and kept._version == entry[1] else None
+
+    def _available(self, node: StorageNode, state: int) -> Optional[torch.UntypedStorage]:
+        if node.anchor is not None and node.anchor[1] == state:
+            return node.anchor[0].untyped_storage()
+        kept = self._kept_tensor(node, state)
+        if kept is not None:
+            return kept.untyped_storage()
+        store = node.offloaded.get(state)
+        if store is not None:
+            return store.storage()
+        return None
+
+    def _prefetch_before(self, store: _OffloadStore) -> None:
+        frame = store.frame()
+        if frame is None:
+            return
+        budget = self.prefetch_bytes
+        for i in range(store.index - 1, -1, -1):
+            other = frame._offloads[i]()
+            if other is None:
+                continue
+            if budget < other.nbytes:
+                break
+            budget -= other.nbytes
+            other.prefetch()

@@ -1,0 +1,430 @@
+"""Operator tracing: stable operator keys and recomputation recipes for every storage.
+
+Design note
+-----------
+A ``TracingMode`` (a ``TorchDispatchMode``) sees every aten op that runs inside a provisioned
+module's forward, below autograd. For each *storage* an op creates it records a ``StorageNode``:
+
+* ``key``: the stable operator key ``"<module path>:<op>:<occurrence>"``, where the occurrence
+  counts ops of that name inside one call of that module. It does not depend on tensor shapes,
+  so it is the same from micro-batch to micro-batch whatever the token counts.
+* a recipe to rebuild the storage: the creating op with its arguments (tensors replaced by
+  ``Ref``s to the nodes that own their storages, or held directly when they come from outside
+  the traced region), then every in-place op applied to the storage. A storage's *state* is the
+  number of in-place ops applied so far; a ``Ref`` names the state it read. (Autograd's version
+  counter is not usable here: it is bumped above the dispatch mode, after the op returns.)
+  Random ops carry the RNG state they started from.
+
+Invariants:
+
+* A node never references a node created after it, except itself (encoded as ``SELF``), so
+  nodes form a DAG and are freed by reference counting the moment nothing needs them.
+* A node holds its storage only weakly (``StorageWeakRef``): tracing never extends the life of
+  an activation. The weak reference also keeps the storage's address from being reused while the
+  node is in the frame's map, so the address is a sound key.
+* Replaying a recipe runs the same aten ops on bitwise-identical inputs with the same RNG state,
+  so it reproduces the storage bit for bit. Ops that mutate storages outside the traced region
+  (running statistics, collectives) or are not aten ops are marked non-recomputable, because
+  replaying them would repeat their side effects.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["Ref", "Step", "StorageNode", "TracingMode", "is_recomputing", "ViewMeta"]
+
+_STATE = threading.local()
+
+
+def is_recomputing() -> bool:
+    """True while bagualu2 replays a recipe, or while autograd runs a backward pass.
+
+    Gate callbacks and module hooks that fire again during recomputation (bagualu2's own replay
+    runs aten ops and fires no module hooks, but ``torch.utils.checkpoint`` reruns modules inside
+    backward) use this to skip counting and decisions.
+    """
+    return getattr(_STATE, "replaying", 0) > 0 or torch._C._current_graph_task_id() != -1
+
+
+class _Replaying:
+    def __enter__(self) -> None:
+        _STATE.replaying = getattr(_STATE, "replaying", 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
+        _STATE.replaying -= 1
+
+
+ViewMeta = Tuple[Tuple[int, ...], Tuple[int, ...], int, torch.dtype]
+
+
+def view_meta(t: torch.Tensor) -> ViewMeta:
+    """Size, stride, storage offset and dtype: what rebuilds ``t`` from its storage."""
+    return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+
+
+def view_of(storage: torch.UntypedStorage, meta: ViewMeta) -> torch.Tensor:
+    """A tensor over ``storage`` with exactly the size, strides, offset and dtype in ``meta``."""
+    size, stride, offset, dtype = meta
+    out = torch.empty((0,), dtype=dtype, device=storage.device)
+    return out.set_(storage, offset, size, stride)
+
+
+SELF = object()  # marks, inside a mutation step, the storage the step mutates
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A tensor argument of a recipe: a view of ``node``'s storage in ``state``."""
+
+    node: Any  # StorageNode or SELF
+    state: int
+    meta: ViewMeta
+
+
+class Leaf:
+    """A tensor argument from outside the traced region, held as is (and counted by ``pin``)."""
+
+    __slots__ = ("tensor", "version", "pin")
+
+    def __init__(self, tensor: torch.Tensor, version: int, pin: Any) -> None:
+        self.tensor = tensor
+        self.version = version
+        self.pin = pin
+
+
+@dataclass
+class Step:
+    """One op of a recipe: ``func(*args, **kwargs)``, replayed with ``rng_state`` restored."""
+
+    func: Any
+    args: tuple
+    kwargs: dict
+    rng_state: Optional[Tuple[torch.device, torch.Tensor]]
+    out_index: int = 0
+    seconds: float = 0.0  # measured forward time of the op (profiling frames only)
+
+
+class StorageNode:
+    """A storage created inside a traced forward, and how to rebuild it in any state."""
+
+    __slots__ = (
+        "key", "position", "nbytes", "device", "weak", "creator", "mutations", "recomputable",
+        "why_not", "offloaded", "kept", "anchor", "cache", "__weakref__",
+    )
+
+    def __init__(self, key: str, position: int, storage: torch.UntypedStorage, creator: Step,
+                 recomputable: bool, why_not: str, cache: "RecomputeCache") -> None:
+        self.key = key
+        self.position = position
+        self.nbytes = storage.nbytes()
+        self.device = storage.device
+        self.weak = StorageWeakRef(storage)
+        self.creator = creator
+        self.mutations: List[Step] = []
+        self.recomputable = recomputable
+        self.why_not = why_not
+        # Data holders registered by the saved-tensor runtime, by state.
+        self.offloaded: Dict[int, Any] = {}
+        self.kept: Dict[int, Tuple["weakref.ref[torch.Tensor]", int]] = {}  # state -> (tensor, version)
+        self.anchor: Optional[Tuple[torch.Tensor, int, Any]] = None  # (block input, state, pin)
+        self.cache = cache
+
+    @property
+    def state(self) -> int:
+        """The storage's current state: how many in-place ops have been applied to it."""
+        return len(self.mutations)
+
+    def __repr__(self) -> str:
+        return f"StorageNode({self.key!r}, {self.nbytes} B, state={self.state})"
+
+
+def _rng_state(func: Any, args: tuple, kwargs: dict) -> Tuple[torch.device, torch.Tensor]:
+    device = kwargs.get("device")
+    if device is None:
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                device = a.device
+                break
+    device = torch.device(device if device is not None else "cpu")
+    if device.type == "cpu":
+        return device, torch.get_rng_state()
+    return device, torch.cuda.get_rng_state(device)
+
+
+def _set_rng_state(state: Tuple[torch.device, torch.Tensor]) -> None:
+    device, value = state
+    if device.type == "cpu":
+        torch.set_rng_state(value)
+    else:
+        torch.cuda.set_rng_state(value, device)
+
+
+class _OpInfo:
+    """Per-OpOverload facts computed once: printable name, written args, random, replayable."""
+
+    __slots__ = ("name", "written", "random", "replayable")
+    _cache: Dict[Any, "_OpInfo"] = {}
+
+    def __init__(self, func: Any) -> None:
+        self.name = str(func)
+        schema = func._schema
+        self.written = tuple(
+            i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+        )
+        self.random = torch.Tag.nondeterministic_seeded in func.tags
+        self.replayable = func.namespace in ("aten", "prims")
+
+    @classmethod
+    def of(cls, func: Any) -> "_OpInfo":
+        info = cls._cache.get(func)
+        if info is None:
+            info = cls._cache[func] = _OpInfo(func)
+        return info
+
+
+class TracingMode(TorchDispatchMode):
+    """Records a ``StorageNode`` for every storage created by ops of the traced forward.
+
+    ``nodes`` maps a storage address to its node for the current frame. The module path of the
+    innermost module call is maintained by module hooks through ``push_module`` / ``pop_module``.
+    ``pin_leaf(t)`` is called for every tensor from outside the region that a recipe holds and
+    returns an object that counts it for as long as the recipe lives. With ``profile`` set, each
+    op is timed.
+    """
+
+    def __init__(self, pin_leaf: Callable[[torch.Tensor], Any]) -> None:
+        super().__init__()
+        self.nodes: Dict[int, StorageNode] = {}
+        self.cache = RecomputeCache()
+        self.profile = False
+        self.suspended = 0
+        self._pin_leaf = pin_leaf
+        self._calls: List[Tuple[str, Dict[str, int]]] = [("", {})]
+        self._call_counts: Dict[str, int] = {}
+
+    # -- module path ------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Start a new frame: forget the previous frame's nodes and module calls."""
+        self.nodes = {}
+        self.cache = RecomputeCache()
+        self._calls = [("", {})]
+        self._call_counts = {}
+
+    def push_module(self, path: str) -> None:
+        n = self._call_counts.get(path, 0)
+        self._call_counts[path] = n + 1
+        self._calls.append((path if n == 0 else f"{path}#{n}", {}))
+
+    def pop_module(self) -> None:
+        if len(self._calls) > 1:
+            self._calls.pop()
+
+    # -- recording --------------------------------------------------------------------------
+    def _encode(self, x: Any, mutated: Optional[StorageNode]) -> Any:
+        if isinstance(x, torch.Tensor):
+            node = self.nodes.get(x.untyped_storage()._cdata)
+            if node is None:
+                return Leaf(x, x._version, self._pin_leaf(x))
+            return Ref(SELF if node is mutated else node, len(node.mutations), view_meta(x))
+        if isinstance(x, (list, tuple)):
+            return type(x)(self._encode(v, mutated) for v in x)
+        return x
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if self.suspended:
+            return func(*args, **kwargs)
+        info = _OpInfo.of(func)
+        rng = _rng_state(func, args, kwargs) if info.random else None
+        if self.profile:
+            start = time.perf_counter()
+            out = func(*args, **kwargs)
+            seconds = time.perf_counter() - start
+        else:
+            out = func(*args, **kwargs)
+            seconds = 0.0
+        if info.written:
+            self._record_mutation(func, info, args, kwargs, rng, seconds)
+        else:
+            self._record_outputs(func, info, args, kwargs, out, rng, seconds)
+        return out
+
+    def _record_outputs(self, func: Any, info: _OpInfo, args: tuple, kwargs: dict, out: Any,
+                        rng: Any, seconds: float) -> None:
+        if func.is_view:
+            return  # views alias a storage that has a node already, or a leaf
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        encoded: Optional[Tuple[tuple, dict]] = None
+        for index, o in enumerate(outs):
+            if not isinstance(o, torch.Tensor):
+                continue
+            storage = o.untyped_storage()
+            if storage._cdata in self.nodes:
+                continue  # an op returning one of its inputs
+            if encoded is None:
+                encoded = (self._encode(args, None), self._encode(kwargs, None))
+                path, counts = self._calls[-1]
+                n = counts.get(info.name, 0)
+                counts[info.name] = n + 1
+                key = f"{path}:{info.name}:{n}"
+            step = Step(func, encoded[0], encoded[1], rng, index, seconds)
+            why = "" if info.replayable else f"{info.name} is not an aten op"
+            self.nodes[storage._cdata] = StorageNode(
+                key if index == 0 else f"{key}.{index}", len(self.nodes), storage, step, not why, why,
+                self.cache,
+            )
+
+    def _record_mutation(self, func: Any, info: _OpInfo, args: tuple, kwargs: dict, rng: Any,
+                         seconds: float) -> None:
+        schema_args = func._schema.arguments
+        targets: List[Tuple[StorageNode, torch.Tensor]] = []
+        foreign = False
+        for i in info.written:
+            name = schema_args[i].name
+            t = args[i] if i < len(args) else kwargs.get(name)
+            if not isinstance(t, torch.Tensor):
+                continue
+            node = self.nodes.get(t.untyped_storage()._cdata)
+            if node is None:
+                foreign = True
+            else:
+                targets.append((node, t))
+        for node, t in targets:
+            if foreign or len(targets) > 1 or not info.replayable:
+                node.recomputable = False
+                node.why_not = f"{info.name} also writes storage outside this node"
+            step = Step(func, self._encode(args, node), self._encode(kwargs, node), rng, 0, seconds)
+            node.mutations.append(step)
+        # Fresh outputs of a mutating op get no node: replaying the op would repeat its write
+        # (running statistics, caches), so such outputs are saved as leaves and kept.
+
+
+# -- replay ---------------------------------------------------------------------------------
+class RecomputeCache:
+    """Storages recomputed during one frame's backward, so a chain is replayed once.
+
+    Backward consumes a frame's activations roughly in reverse creation order, and a storage is
+    only an input of storages created after it. So when backward asks for the storage at
+    ``position``, cached storages created after it will not be needed again and are evicted:
+    the cache holds about one recompute chain at a time, like per-block checkpointing. Evicting
+    too early costs a second replay, never a wrong value. The cache is cleared when the backward
+    pass that filled it ends.
+    """
+
+    __slots__ = ("_entries", "_task")
+
+    def __init__(self) -> None:
+        self._entries: Dict[Tuple[int, int], torch.UntypedStorage] = {}
+        self._task = -1
+
+    def get(self, position: int, state: int) -> Optional[torch.UntypedStorage]:
+        return self._entries.get((position, state))
+
+    def put(self, position: int, state: int, storage: torch.UntypedStorage) -> None:
+        if not self._entries:
+            self._clear_after_backward()
+        self._entries[(position, state)] = storage
+
+    def evict_after(self, position: int) -> None:
+        if self._entries:
+            for key in [k for k in self._entries if k[0] > position]:
+                del self._entries[key]
+
+    def _clear_after_backward(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task != self._task:
+            self._task = task
+            entries = self._entries
+            torch.autograd.Variable._execution_engine.queue_callback(entries.clear)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class Replayer:
+    """Rebuilds storages from their recipes, in dependency order, reusing what is at hand.
+
+    ``source(node, state)`` returns the storage from an anchor, a kept tensor or an offloaded
+    copy, or None when it must be recomputed; recomputed storages go to the node's frame cache.
+    """
+
+    def __init__(self, source: Callable[[StorageNode, int], Optional[torch.UntypedStorage]]) -> None:
+        self._source = source
+
+    def storage(self, node: StorageNode, state: int) -> torch.UntypedStorage:
+        found = self._source(node, state)
+        if found is not None:
+            return found
+        found = node.cache.get(node.position, state)
+        if found is None:
+            found = self._recompute(node, state)
+            node.cache.put(node.position, state, found)
+        return found
+
+    def _recompute(self, node: StorageNode, state: int) -> torch.UntypedStorage:
+        if not node.recomputable:
+            raise RuntimeError(
+                f"bagualu2: activation {node.key} is needed to recompute another but was dropped "
+                f"and cannot be recomputed ({node.why_not})"
+            )
+        with _Replaying(), torch.no_grad(), _no_autocast():
+            out = self._run(node.creator, None)
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            storage = outs[node.creator.out_index].untyped_storage()
+            for step in node.mutations[:state]:
+                self._run(step, storage)
+        return storage
+
+    def _decode(self, x: Any, self_storage: Optional[torch.UntypedStorage]) -> Any:
+        if isinstance(x, Ref):
+            if x.node is SELF:
+                assert self_storage is not None
+                return view_of(self_storage, x.meta)
+            return view_of(self.storage(x.node, x.state), x.meta)
+        if isinstance(x, Leaf):
+            if x.tensor._version != x.version:
+                raise RuntimeError(
+                    f"bagualu2: a tensor of shape {tuple(x.tensor.shape)} used to recompute an "
+                    f"activation was modified in place after the forward (version {x.version} -> "
+                    f"{x.tensor._version}); keep or offload that activation instead"
+                )
+            return x.tensor
+        if isinstance(x, (list, tuple)):
+            return type(x)(self._decode(v, self_storage) for v in x)
+        return x
+
+    def _run(self, step: Step, self_storage: Optional[torch.UntypedStorage]) -> Any:
+        args = self._decode(step.args, self_storage)
+        kwargs = self._decode(step.kwargs, self_storage)
+        if step.rng_state is None:
+            return step.func(*args, **kwargs)
+        device = step.rng_state[0]
+        saved = (device, torch.get_rng_state() if device.type == "cpu" else torch.cuda.get_rng_state(device))
+        _set_rng_state(step.rng_state)
+        try:
+            return step.func(*args, **kwargs)
+        finally:
+            _set_rng_state(saved)
+
+
+class _no_autocast:
+    """Replay below autocast: the recorded ops already carry the dtypes autocast chose."""
+
+    def __enter__(self) -> None:
+        self._cpu = torch.is_autocast_enabled("cpu")
+        self._cuda = torch.is_autocast_enabled("cuda")
+        torch.set_autocast_enabled("cpu", False)
+        torch.set_autocast_enabled("cuda", False)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_autocast_enabled("cpu", self._cpu)
+        torch.set_autocast_enabled("cuda", self._cuda)
