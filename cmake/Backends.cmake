@@ -3,7 +3,8 @@
 # Every backend is plain host C++ behind the neutral gpu:: API (csrc/gpu/gpu.h).
 find_package(Threads REQUIRED)
 
-set(BAGUALU2_BACKEND_SOURCES "${CMAKE_CURRENT_SOURCE_DIR}/csrc/gpu/cpu_backend.cpp")
+set(BAGUALU2_BACKEND_SOURCES "${CMAKE_CURRENT_SOURCE_DIR}/csrc/gpu/runtime.cpp"
+                             "${CMAKE_CURRENT_SOURCE_DIR}/csrc/gpu/cpu_backend.cpp")
 set(BAGUALU2_BACKEND_DEFINITIONS "")
 set(BAGUALU2_BACKEND_LIBRARIES "")
 set(BAGUALU2_BACKENDS_BUILT cpu)

@@ -1,1 +1,407 @@
-// CPU backend of the neutral gpu:: API (placeholder until csrc/gpu/gpu.h lands).
+// cpu backend of the neutral gpu:: API: worker-thread streams, flag events, pooled memcpy.
+//
+// A stream is one worker thread running its operations in FIFO order. A copy of at least
+// kParallelMinBytes is cut into pieces that a shared pool of copy threads and the stream
+// thread itself execute together; the stream starts its next operation only when every piece
+// is done, so stream order holds. Events carry two sequence numbers (recorded, completed) and
+// the completion time, which is all event_query / event_synchronize / event_elapsed_ms need.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+#include "common/check.h"
+#include "gpu/gpu.h"
+
+namespace bagualu2::gpu {
+namespace {
+
+constexpr std::size_t kPageBytes = 4096;
+constexpr std::size_t kParallelMinBytes = std::size_t{1} << 20;  // below: one memcpy
+constexpr std::size_t kPieceMinBytes = std::size_t{512} << 10;
+
+using Clock = std::chrono::steady_clock;
+
+// ---------------------------------------------------------------------------------------------
+// Copy pool: persistent threads that help with the pieces of large copies.
+class CopyPool {
+public:
+    static CopyPool& instance() {
+        // Leaked on purpose: joining threads during interpreter shutdown is unsafe.
+        static CopyPool* pool = new CopyPool();
+        return *pool;
+    }
+
+    // Copies n bytes, splitting across the pool; the caller works too and returns when done.
+    void copy(void* dst, const void* src, std::size_t n) {
+        const std::size_t max_pieces = threads_.size() + 1;
+        const std::size_t by_size = n / kPieceMinBytes;
+        const std::size_t pieces = std::min(max_pieces, by_size);
+        if (n < kParallelMinBytes || pieces < 2) {
+            std::memcpy(dst, src, n);
+            return;
+        }
+        auto job = std::make_shared<Job>();
+        job->dst = static_cast<char*>(dst);
+        job->src = static_cast<const char*>(src);
+        job->bytes = n;
+        // Piece boundaries on 4 KiB multiples keep every piece page-aligned relative to dst.
+        job->piece = ((n + pieces - 1) / pieces + kPageBytes - 1) / kPageBytes * kPageBytes;
+        job->pieces = (n + job->piece - 1) / job->piece;
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            jobs_.push_back(job);
+        }
+        cv_.notify_all();
+        run_pieces(*job);
+        std::unique_lock<std::mutex> lock(job->mutex);
+        job->cv.wait(lock, [&] { return job->done.load() == job->pieces; });
+    }
+
+private:
+    struct Job {
+        // The copy and how it is cut.
+        char* dst = nullptr;
+        const char* src = nullptr;
+        std::size_t bytes = 0;
+        std::size_t piece = 0;
+        std::size_t pieces = 0;
+        // Progress: next piece to claim, pieces finished.
+        std::atomic<std::size_t> next{0};
+        std::atomic<std::size_t> done{0};
+        // Completion signal for the submitting thread.
+        std::mutex mutex;
+        std::condition_variable cv;
+    };
+
+    CopyPool() {
+        const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+        const unsigned count = std::min(8u, hw);
+        for (unsigned i = 0; i < count; ++i) {
+            threads_.emplace_back([this] { worker(); });
+            threads_.back().detach();
+        }
+    }
+
+    static void run_pieces(Job& job) {
+        for (;;) {
+            const std::size_t i = job.next.fetch_add(1);
+            if (i >= job.pieces) {
+                return;
+            }
+            const std::size_t begin = i * job.piece;
+            const std::size_t len = std::min(job.piece, job.bytes - begin);
+            std::memcpy(job.dst + begin, job.src + begin, len);
+            if (job.done.fetch_add(1) + 1 == job.pieces) {
+                std::lock_guard<std::mutex> lock(job.mutex);
+                job.cv.notify_all();
+            }
+        }
+    }
+
+    void worker() {
+        for (;;) {
+            std::shared_ptr<Job> job;
+            {
+                std::unique_lock<std::mutex> lock(mutex_);
+                cv_.wait(lock, [&] { return !jobs_.empty(); });
+                job = jobs_.front();
+                if (job->next.load() >= job->pieces) {
+                    jobs_.pop_front();  // exhausted: every piece is claimed
+                    continue;
+                }
+            }
+            run_pieces(*job);
+        }
+    }
+
+    // Threads and the queue of jobs with unclaimed pieces.
+    std::vector<std::thread> threads_;
+    std::mutex mutex_;
+    std::condition_variable cv_;
+    std::deque<std::shared_ptr<Job>> jobs_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Events: completion flags with sequence numbers and a completion timestamp.
+// Reference counted: an event may be destroyed while a record of it or a wait on it is still
+// queued on a stream (legal in CUDA too); queued operations hold a reference.
+struct CpuEvent {
+    std::atomic<int> refs{1};
+    std::mutex mutex;
+    std::condition_variable cv;
+    std::uint64_t recorded = 0;
+    std::uint64_t completed = 0;
+    Clock::time_point when{};
+
+    void complete(std::uint64_t seq) {
+        {
+            std::lock_guard<std::mutex> lock(mutex);
+            if (seq > completed) {
+                completed = seq;
+                when = Clock::now();
+            }
+        }
+        cv.notify_all();
+    }
+
+    void wait_for(std::uint64_t seq) {
+        std::unique_lock<std::mutex> lock(mutex);
+        cv.wait(lock, [&] { return completed >= seq; });
+    }
+
+    CpuEvent* retain() {
+        refs.fetch_add(1);
+        return this;
+    }
+
+    void unref() {
+        if (refs.fetch_sub(1) == 1) {
+            delete this;
+        }
+    }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Streams: one worker thread, FIFO operations.
+class CpuStream {
+public:
+    CpuStream() : thread_([this] { loop(); }) {}
+
+    ~CpuStream() {
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            stopping_ = true;
+        }
+        cv_.notify_all();
+        thread_.join();  // drains queued work first
+    }
+
+    void enqueue(std::function<void()> op) {
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            queue_.push_back(std::move(op));
+            ++enqueued_;
+        }
+        cv_.notify_all();
+    }
+
+    void synchronize() {
+        std::unique_lock<std::mutex> lock(mutex_);
+        const std::uint64_t target = enqueued_;
+        done_cv_.wait(lock, [&] { return executed_ >= target; });
+    }
+
+private:
+    void loop() {
+        for (;;) {
+            std::function<void()> op;
+            {
+                std::unique_lock<std::mutex> lock(mutex_);
+                cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+                if (queue_.empty()) {
+                    return;  // stopping and drained
+                }
+                op = std::move(queue_.front());
+                queue_.pop_front();
+            }
+            try {
+                op();
+            } catch (...) {
+                // Operations are memcpy, event completion and C++ host functions; none throws
+                // by contract, and a worker thread must not die with an exception.
+            }
+            {
+                std::lock_guard<std::mutex> lock(mutex_);
+                ++executed_;
+            }
+            done_cv_.notify_all();
+        }
+    }
+
+    // Queue state, guarded by mutex_.
+    std::mutex mutex_;
+    std::condition_variable cv_;
+    std::condition_variable done_cv_;
+    std::deque<std::function<void()>> queue_;
+    std::uint64_t enqueued_ = 0;
+    std::uint64_t executed_ = 0;
+    bool stopping_ = false;
+    // The worker (declared last: it starts after the fields above exist).
+    std::thread thread_;
+};
+
+// ---------------------------------------------------------------------------------------------
+class CpuRuntime final : public Runtime {
+public:
+    const char* name() const override { return "cpu"; }
+    bool is_host() const override { return true; }
+    int device_count() override { return 1; }
+    int get_device() override { return 0; }
+    void set_device(int device) override {
+        BAGUALU2_CHECK(device == 0, "the cpu backend has one device (0), got ", device);
+    }
+
+    void* host_alloc(std::size_t bytes) override {
+        BAGUALU2_CHECK(bytes > 0, "host_alloc of 0 bytes");
+        const std::size_t rounded = (bytes + kPageBytes - 1) / kPageBytes * kPageBytes;
+        void* ptr = std::aligned_alloc(kPageBytes, rounded);
+        BAGUALU2_RUNTIME_CHECK(ptr != nullptr, "cpu host_alloc of ", bytes, " bytes failed");
+        // Touch every page now so copies never page-fault (the cpu stand-in for pinning).
+        std::memset(ptr, 0, rounded);
+        return ptr;
+    }
+
+    void host_free(void* ptr) override { std::free(ptr); }
+
+    Stream stream_create() override {
+        auto* stream = new CpuStream();
+        std::lock_guard<std::mutex> lock(registry_mutex_);
+        streams_.insert(stream);
+        return stream;
+    }
+
+    void stream_destroy(Stream stream) override {
+        check_stream(stream);
+        {
+            std::lock_guard<std::mutex> lock(registry_mutex_);
+            streams_.erase(stream);
+        }
+        delete static_cast<CpuStream*>(stream);
+    }
+
+    void check_stream(Stream stream) override {
+        if (stream == nullptr) {
+            return;
+        }
+        std::lock_guard<std::mutex> lock(registry_mutex_);
+        BAGUALU2_CHECK(streams_.count(stream) == 1, "0x", std::hex,
+                       reinterpret_cast<std::uintptr_t>(stream),
+                       " is not a live stream of the cpu backend");
+    }
+
+    void stream_synchronize(Stream stream) override {
+        if (stream != nullptr) {
+            static_cast<CpuStream*>(stream)->synchronize();
+        }
+    }
+
+    void stream_wait_event(Stream stream, Event event) override {
+        auto* ev = static_cast<CpuEvent*>(event);
+        std::uint64_t target = 0;
+        {
+            std::lock_guard<std::mutex> lock(ev->mutex);
+            target = ev->recorded;
+        }
+        if (stream == nullptr) {
+            ev->wait_for(target);  // the host thread is the stream: wait here
+            return;
+        }
+        ev->retain();
+        static_cast<CpuStream*>(stream)->enqueue([ev, target] {
+            ev->wait_for(target);
+            ev->unref();
+        });
+    }
+
+    Event event_create(bool /*timing*/) override { return new CpuEvent(); }
+
+    void event_destroy(Event event) override { static_cast<CpuEvent*>(event)->unref(); }
+
+    void event_record(Event event, Stream stream) override {
+        auto* ev = static_cast<CpuEvent*>(event);
+        std::uint64_t seq = 0;
+        {
+            std::lock_guard<std::mutex> lock(ev->mutex);
+            seq = ++ev->recorded;
+        }
+        if (stream == nullptr) {
+            ev->complete(seq);
+            return;
+        }
+        ev->retain();
+        static_cast<CpuStream*>(stream)->enqueue([ev, seq] {
+            ev->complete(seq);
+            ev->unref();
+        });
+    }
+
+    bool event_query(Event event) override {
+        auto* ev = static_cast<CpuEvent*>(event);
+        std::lock_guard<std::mutex> lock(ev->mutex);
+        return ev->completed >= ev->recorded;
+    }
+
+    void event_synchronize(Event event) override {
+        auto* ev = static_cast<CpuEvent*>(event);
+        std::uint64_t target = 0;
+        {
+            std::lock_guard<std::mutex> lock(ev->mutex);
+            target = ev->recorded;
+        }
+        ev->wait_for(target);
+    }
+
+    double event_elapsed_ms(Event start, Event end) override {
+        auto* a = static_cast<CpuEvent*>(start);
+        auto* b = static_cast<CpuEvent*>(end);
+        Clock::time_point ta;
+        Clock::time_point tb;
+        {
+            std::lock_guard<std::mutex> lock(a->mutex);
+            BAGUALU2_CHECK(a->recorded > 0 && a->completed >= a->recorded,
+                           "event_elapsed_ms: start event has not completed");
+            ta = a->when;
+        }
+        {
+            std::lock_guard<std::mutex> lock(b->mutex);
+            BAGUALU2_CHECK(b->recorded > 0 && b->completed >= b->recorded,
+                           "event_elapsed_ms: end event has not completed");
+            tb = b->when;
+        }
+        return std::chrono::duration<double, std::milli>(tb - ta).count();
+    }
+
+    void memcpy_async(void* dst, const void* src, std::size_t bytes, Stream stream) override {
+        if (bytes == 0) {
+            return;
+        }
+        if (stream == nullptr) {
+            CopyPool::instance().copy(dst, src, bytes);
+            return;
+        }
+        static_cast<CpuStream*>(stream)->enqueue(
+            [dst, src, bytes] { CopyPool::instance().copy(dst, src, bytes); });
+    }
+
+    void launch_host_func(Stream stream, std::function<void()> fn) override {
+        if (stream == nullptr) {
+            fn();
+            return;
+        }
+        static_cast<CpuStream*>(stream)->enqueue(std::move(fn));
+    }
+
+private:
+    // Live streams, so handles coming from Python can be checked.
+    std::mutex registry_mutex_;
+    std::unordered_set<Stream> streams_;
+};
+
+}  // namespace
+
+Runtime& cpu_runtime() {
+    static CpuRuntime* rt = new CpuRuntime();  // leaked: outlives every stream and event
+    return *rt;
+}
+
+}  // namespace bagualu2::gpu

@@ -1,6 +1,213 @@
-// Placeholder: the offload component registers its bindings here.
+// Python bindings of the offload component: HostArena, CopyEngine, Ticket, fences, Stream.
+//
+// Addresses and stream handles cross as Python ints. Blocking calls release the GIL; the
+// non-blocking ones (allocate, offload, reload submission) keep it, since they only take short
+// locks and enqueue work, and releasing it would cost more than they do.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+
 #include "bindings/registry.h"
+#include "common/check.h"
+#include "gpu/gpu.h"
+#include "offload/copy_engine.h"
+#include "offload/fence.h"
+#include "offload/host_arena.h"
+
+namespace py = pybind11;
 
 namespace bagualu2 {
-void register_offload(pybind11::module_& /*m*/) {}
+namespace {
+
+// A runtime stream owned by Python: lets tests and benchmarks build producers and consumers
+// (for example a cpu stream held back by a HostFence) without torch knowing about them.
+class PyStream {
+public:
+    PyStream(const std::string& backend, int device)
+        : rt_(gpu::runtime(backend)), device_(device) {
+        gpu::DeviceGuard guard(rt_, device_);
+        stream_ = rt_.stream_create();
+    }
+    ~PyStream() {
+        try {
+            gpu::DeviceGuard guard(rt_, device_);
+            rt_.stream_synchronize(stream_);
+            rt_.stream_destroy(stream_);
+        } catch (...) {
+            // A destructor must not throw.
+        }
+    }
+    PyStream(const PyStream&) = delete;
+    PyStream& operator=(const PyStream&) = delete;
+
+    std::uintptr_t handle() const { return reinterpret_cast<std::uintptr_t>(stream_); }
+
+    void synchronize() { rt_.stream_synchronize(stream_); }
+
+    void copy(std::uintptr_t dst, std::uintptr_t src, std::int64_t nbytes) {
+        BAGUALU2_CHECK(nbytes >= 0, "Stream.copy: nbytes must be >= 0, got ", nbytes);
+        BAGUALU2_CHECK(nbytes == 0 || (dst != 0 && src != 0), "Stream.copy: null pointer");
+        gpu::DeviceGuard guard(rt_, device_);
+        rt_.memcpy_async(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
+                         static_cast<std::size_t>(nbytes), stream_);
+    }
+
+    void wait_fence(const std::shared_ptr<HostFence>& fence) {
+        BAGUALU2_CHECK(fence != nullptr, "Stream.wait_fence(None)");
+        gpu::DeviceGuard guard(rt_, device_);
+        rt_.launch_host_func(stream_, [fence] { fence->wait(); });
+    }
+
+private:
+    // Runtime, device and the stream itself.
+    gpu::Runtime& rt_;
+    int device_;
+    gpu::Stream stream_ = nullptr;
+};
+
+py::dict arena_stats_dict(const ArenaStats& s) {
+    py::dict d;
+    d["capacity"] = s.capacity;
+    d["in_use"] = s.in_use;
+    d["pending"] = s.pending;
+    d["peak_in_use"] = s.peak_in_use;
+    d["largest_free_block"] = s.largest_free_block;
+    d["free"] = s.free_bytes;
+    d["fragmentation"] = s.fragmentation;
+    d["num_blocks"] = s.num_blocks;
+    d["num_allocs"] = s.num_allocs;
+    d["num_frees"] = s.num_frees;
+    d["num_failed"] = s.num_failed;
+    return d;
+}
+
+py::dict engine_stats_dict(CopyEngine& engine) {
+    py::dict d;
+    const DirectionStats dirs[2] = {engine.d2h_stats(), engine.h2d_stats()};
+    const char* names[2] = {"d2h", "h2d"};
+    for (int i = 0; i < 2; ++i) {
+        const std::string p = names[i];
+        d[(p + "_bytes").c_str()] = dirs[i].bytes;
+        d[(p + "_copies").c_str()] = dirs[i].copies;
+        d[(p + "_busy_s").c_str()] = dirs[i].busy_s;
+        d[(p + "_bytes_submitted").c_str()] = dirs[i].bytes_submitted;
+        d[(p + "_GBps").c_str()] =
+            dirs[i].busy_s > 0 ? static_cast<double>(dirs[i].bytes) / dirs[i].busy_s / 1e9 : 0.0;
+    }
+    return d;
+}
+
+}  // namespace
+
+void register_offload(py::module_& m) {
+    py::class_<Fence, std::shared_ptr<Fence>>(m, "Fence",
+                                              "Completion of asynchronous work (ready / wait).")
+        .def("ready", &Fence::ready, "Non-blocking: has the work completed?")
+        .def("wait", &Fence::wait, py::call_guard<py::gil_scoped_release>(),
+             "Block until the work completed (GIL released).");
+
+    py::class_<HostFence, Fence, std::shared_ptr<HostFence>>(
+        m, "HostFence", "A fence completed by calling signal() from host code.")
+        .def(py::init<>())
+        .def("signal", &HostFence::signal, "Mark complete and wake waiters.");
+
+    py::class_<EventFence, Fence, std::shared_ptr<EventFence>>(m, "EventFence",
+                                                                "A fence backed by a runtime event.");
+
+    py::class_<PyStream, std::shared_ptr<PyStream>>(m, "Stream",
+                                                    "A runtime stream owned by Python.")
+        .def(py::init<const std::string&, int>(), py::arg("backend") = "cpu",
+             py::arg("device") = -1)
+        .def_property_readonly("handle", &PyStream::handle)
+        .def("synchronize", &PyStream::synchronize, py::call_guard<py::gil_scoped_release>())
+        .def("copy", &PyStream::copy, py::arg("dst"), py::arg("src"), py::arg("nbytes"),
+             "Enqueue memcpy(dst, src, nbytes) on this stream.")
+        .def("wait_fence", &PyStream::wait_fence, py::arg("fence"),
+             "Hold the stream until `fence` is signalled (host function on the stream).");
+
+    py::class_<HostArena, std::shared_ptr<HostArena>>(m, "HostArena",
+                                                      "Pinned host reservation with best-fit blocks.")
+        .def(py::init([](std::int64_t capacity, const std::string& backend) {
+                 BAGUALU2_CHECK(capacity > 0, "HostArena capacity must be positive, got ",
+                                capacity);
+                 return std::make_shared<HostArena>(static_cast<std::size_t>(capacity), backend);
+             }),
+             py::arg("capacity_bytes"), py::arg("backend") = "cpu")
+        .def_property_readonly("capacity", &HostArena::capacity)
+        .def_property_readonly("base", &HostArena::base)
+        .def_property_readonly("backend", &HostArena::backend)
+        .def_property_readonly_static("alignment",
+                                      [](py::object) { return HostArena::kAlignment; })
+        .def(
+            "allocate",
+            [](HostArena& a, std::int64_t nbytes) -> py::object {
+                BAGUALU2_CHECK(nbytes > 0, "HostArena.allocate: nbytes must be positive, got ",
+                               nbytes);
+                void* p = a.allocate(static_cast<std::size_t>(nbytes));
+                if (p == nullptr) {
+                    return py::none();
+                }
+                return py::int_(reinterpret_cast<std::uintptr_t>(p));
+            },
+            py::arg("nbytes"), "Address of a new block, or None when no free block fits.")
+        .def(
+            "free",
+            [](HostArena& a, std::uintptr_t ptr, std::vector<FencePtr> after) {
+                a.free(reinterpret_cast<void*>(ptr), std::move(after));
+            },
+            py::arg("ptr"), py::arg("after") = std::vector<FencePtr>{},
+            "Free a block; with fences it is reused only after all of them are ready.")
+        .def(
+            "block_size",
+            [](HostArena& a, std::uintptr_t ptr) { return a.block_size(reinterpret_cast<void*>(ptr)); },
+            py::arg("ptr"))
+        .def("stats", [](HostArena& a) { return arena_stats_dict(a.stats()); })
+        .def("reset_stats", &HostArena::reset_stats);
+
+    py::class_<Ticket, std::shared_ptr<Ticket>>(m, "Ticket", "One asynchronous copy.")
+        .def("done", &Ticket::done)
+        .def("wait", &Ticket::wait, py::call_guard<py::gil_scoped_release>())
+        .def("release", &Ticket::release)
+        .def_property_readonly("released", &Ticket::released)
+        .def_property_readonly("nbytes", &Ticket::nbytes)
+        .def_property_readonly("host_ptr", &Ticket::host_ptr)
+        .def_property_readonly("is_offload",
+                               [](const Ticket& t) { return t.kind() == Ticket::Kind::kOffload; })
+        .def_property_readonly("fence", &Ticket::fence)
+        .def_property_readonly(
+            "finished",
+            [](const Ticket& t) {
+                auto fence = t.fence();
+                return fence == nullptr || fence->ready();
+            },
+            "Whether the copy completed; unlike done() also answers after release().");
+
+    py::class_<CopyEngine, std::shared_ptr<CopyEngine>>(m, "CopyEngine",
+                                                        "Async D2H/H2D copies into a HostArena.")
+        .def(py::init<std::shared_ptr<HostArena>, const std::string&, int, std::size_t>(),
+             py::arg("arena"), py::arg("backend") = "cpu", py::arg("device") = -1,
+             py::arg("chunk_bytes") = CopyEngine::kDefaultChunkBytes)
+        .def("offload", &CopyEngine::offload, py::arg("src"), py::arg("nbytes"),
+             py::arg("producer_stream") = 0,
+             "Ticket of a copy of [src, src+nbytes) into a new block, or None if the arena is full.")
+        .def("reload", &CopyEngine::reload, py::arg("ticket"), py::arg("dst"),
+             py::arg("dst_capacity"), py::arg("consumer_stream") = 0,
+             py::arg("consumer_waits") = true)
+        .def("wait_on", &CopyEngine::wait_on, py::arg("ticket"), py::arg("stream"),
+             py::call_guard<py::gil_scoped_release>())
+        .def("synchronize", &CopyEngine::synchronize, py::call_guard<py::gil_scoped_release>())
+        .def("stats", &engine_stats_dict)
+        .def("reset_stats", &CopyEngine::reset_stats)
+        .def_property_readonly("d2h_stream", &CopyEngine::d2h_stream)
+        .def_property_readonly("h2d_stream", &CopyEngine::h2d_stream)
+        .def_property_readonly("device", &CopyEngine::device)
+        .def_property_readonly("chunk_bytes", &CopyEngine::chunk_bytes)
+        .def_property_readonly("backend", &CopyEngine::backend)
+        .def_property_readonly("arena", &CopyEngine::arena);
+}
+
 }  // namespace bagualu2

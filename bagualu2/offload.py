@@ -1,0 +1,378 @@
+"""Move torch tensors to pinned host memory and back, asynchronously.
+
+Contract (docs/CONTRACTS.md, "bagualu2.offload"):
+
+    arena = HostArena(capacity_bytes, backend="cpu")        # reserved once, best-fit blocks inside
+    engine = CopyEngine(arena)                               # backend defaults to the arena's
+    h = engine.offload(t)            -> OffloadHandle | None  # None: the arena has no block that fits
+    h.nbytes; h.done(); h.wait(); h.release()
+    out = engine.reload(h, out=None, device=None)            # consumer stream waits for the copy
+    r = engine.reload_async(h, out=None, device=None); r.done(); r.wait() -> Tensor
+    engine.stats()
+
+Invariants kept here (the C++ ones are in csrc/offload/*.h):
+  * Round trips are bit-exact and preserve dtype, shape and strides. A tensor whose strides
+    cover its memory span densely (contiguous, transposed, channels-last, expanded, ...) is copied
+    as that span and rebuilt with the same strides; a view with large gaps is copied compacted
+    and rebuilt with `empty_strided(...).copy_()`.
+  * The source stays alive until its copy completed: host sources are held by the engine until
+    the copy is seen complete; device sources are handed to the caching allocator with
+    `record_stream` on the engine's D2H stream, so their memory is reusable as soon as the copy
+    ends without any Python call.
+  * Dropping an OffloadHandle releases its block (after the copies using it end), so host copies
+    live exactly as long as whatever holds the handle (for activations: the autograd graph).
+  * No threads are created per call; the per-call Python work is a few attribute reads.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from bagualu2 import _C
+
+__all__ = ["HostArena", "CopyEngine", "OffloadHandle", "ReloadHandle", "resolve_backend"]
+
+_SPAN = 0  # payload = the tensor's memory span, rebuilt with as_strided semantics
+_COMPACT = 1  # payload = tensor.contiguous(), rebuilt with empty_strided(...).copy_()
+
+
+def resolve_backend(backend: str) -> str:
+    """Validate a backend name; ``"auto"`` picks the GPU backend matching torch, else ``"cpu"``."""
+    compiled = list(_C.backends())
+    if backend == "auto":
+        if torch.cuda.is_available():
+            want = "hip" if getattr(torch.version, "hip", None) else "cuda"
+            if want in compiled:
+                return want
+        return "cpu"
+    if backend not in compiled:
+        raise ValueError(
+            f"backend {backend!r} is not compiled into this build of bagualu2; "
+            f"compiled backends: {compiled} (rebuild with BAGUALU2_BACKEND=cuda or hip)"
+        )
+    return backend
+
+
+def _stream_handle(stream: Any) -> int:
+    if stream is None:
+        return 0
+    if isinstance(stream, int):
+        return stream
+    for attr in ("cuda_stream", "handle"):
+        value = getattr(stream, attr, None)
+        if isinstance(value, int):
+            return value
+    raise TypeError(f"stream must be an int handle or have .cuda_stream/.handle, got {type(stream)}")
+
+
+class HostArena:
+    """Pinned host memory reserved once; best-fit blocks with splitting and coalescing.
+
+    ``allocate``/``free`` are the raw block interface (addresses as ints); tensors go through
+    :class:`CopyEngine`.
+    """
+
+    __slots__ = ("_impl",)
+
+    def __init__(self, capacity_bytes: int, backend: str = "cpu") -> None:
+        if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool):
+            raise TypeError(f"capacity_bytes must be an int, got {type(capacity_bytes).__name__}")
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        self._impl = _C.HostArena(capacity_bytes, resolve_backend(backend))
+
+    @property
+    def capacity(self) -> int:
+        return self._impl.capacity
+
+    @property
+    def backend(self) -> str:
+        return self._impl.backend
+
+    @property
+    def alignment(self) -> int:
+        return _C.HostArena.alignment
+
+    def allocate(self, nbytes: int) -> Optional[int]:
+        """Address of a new block of at least ``nbytes`` bytes, or None when none fits."""
+        return self._impl.allocate(nbytes)
+
+    def free(self, ptr: int, after: Sequence[Any] = ()) -> None:
+        """Free a block; it is reused only once every fence (or ticket) in ``after`` is ready."""
+        fences = [f.fence if isinstance(f, _C.Ticket) else f for f in after]
+        self._impl.free(ptr, [f for f in fences if f is not None])
+
+    def stats(self) -> dict:
+        """capacity, in_use, pending, peak_in_use, largest_free_block, free, fragmentation,
+        num_blocks, num_allocs, num_frees, num_failed."""
+        return self._impl.stats()
+
+    def reset_stats(self) -> None:
+        """Peak := current use; counters := 0."""
+        self._impl.reset_stats()
+
+    def __repr__(self) -> str:
+        s = self._impl.stats()
+        return f"HostArena(capacity={s['capacity']}, in_use={s['in_use']}, backend={self.backend!r})"
+
+
+class OffloadHandle:
+    """A tensor's bytes in (or on their way to) the host arena."""
+
+    __slots__ = ("_engine", "_ticket", "nbytes", "dtype", "shape", "stride", "device", "_mode",
+                 "_span", "__weakref__")
+
+    def __init__(self, engine: "CopyEngine", ticket: Any, nbytes: int, t: torch.Tensor,
+                 mode: int, span: int) -> None:
+        self._engine = engine
+        self._ticket = ticket
+        self.nbytes = nbytes
+        self.dtype = t.dtype
+        self.shape = t.shape
+        self.stride = t.stride()
+        self.device = t.device
+        self._mode = mode
+        self._span = span
+
+    def done(self) -> bool:
+        """Whether the offload copy completed (the source may be reused). Raises after release."""
+        return self._ticket.done()
+
+    def wait(self) -> None:
+        """Block until the offload copy completed (GIL released). Raises after release."""
+        self._ticket.wait()
+        self._engine._prune()
+
+    def release(self) -> None:
+        """Free the host block (reused only after the copies using it end). Raises if released."""
+        self._ticket.release()
+
+    @property
+    def released(self) -> bool:
+        return self._ticket.released
+
+    def __del__(self) -> None:
+        try:
+            if not self._ticket.released:
+                self._ticket.release()
+        except Exception:  # interpreter teardown; a finalizer must not raise
+            pass
+
+    def __repr__(self) -> str:
+        state = "released" if self._ticket.released else ("done" if self._ticket.finished else "copying")
+        return (f"OffloadHandle(nbytes={self.nbytes}, dtype={self.dtype}, shape={tuple(self.shape)}, "
+                f"{state})")
+
+
+class ReloadHandle:
+    """A reload in flight; ``wait()`` returns the tensor, ready for the current stream."""
+
+    __slots__ = ("_engine", "_ticket", "_result", "_staging")
+
+    def __init__(self, engine: "CopyEngine", ticket: Any, result: torch.Tensor,
+                 staging: Optional[torch.Tensor]) -> None:
+        self._engine = engine
+        self._ticket = ticket
+        self._result = result
+        self._staging = staging
+
+    def done(self) -> bool:
+        """Whether the reload copy completed."""
+        return self._ticket.done()
+
+    def wait(self, stream: Any = None) -> torch.Tensor:
+        """Make the consumer (``stream`` or the current stream; on cpu the calling thread) wait
+        for the copy and return the reloaded tensor."""
+        result = self._result
+        if result is None:
+            raise ValueError("ReloadHandle.wait() called twice: the tensor was already returned")
+        self._engine._consume(self._ticket, result, stream)
+        if self._staging is not None:
+            result.copy_(self._staging)
+            self._staging = None
+        self._result = None
+        return result
+
+
+class CopyEngine:
+    """Asynchronous device-to-host (offload) and host-to-device (reload) copies of tensors."""
+
+    def __init__(self, arena: HostArena, backend: Optional[str] = None,
+                 device: Union[int, str, torch.device, None] = None,
+                 chunk_bytes: int = 16 << 20) -> None:
+        if not isinstance(arena, HostArena):
+            raise TypeError(f"arena must be a bagualu2.HostArena, got {type(arena).__name__}")
+        backend = arena.backend if backend is None else resolve_backend(backend)
+        if backend != arena.backend:
+            raise ValueError(f"CopyEngine backend {backend!r} differs from the arena's {arena.backend!r}")
+        self.arena = arena
+        self.backend = backend
+        self._gpu = backend != "cpu"
+        index = -1
+        if self._gpu:
+            dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+            if isinstance(device, int):
+                dev = torch.device("cuda", device)
+            if dev.type != "cuda":
+                raise ValueError(f"backend {backend!r} needs a cuda device, got {dev}")
+            index = dev.index if dev.index is not None else torch.cuda.current_device()
+            self.device = torch.device("cuda", index)
+        else:
+            if device is not None and torch.device(device).type != "cpu":
+                raise ValueError(f"the cpu backend copies cpu tensors only, got device={device}")
+            self.device = torch.device("cpu")
+        self._impl = _C.CopyEngine(arena._impl, backend, index, chunk_bytes)
+        self._inflight: collections.deque = collections.deque()  # (ticket, host tensor kept alive)
+        if self._gpu:
+            self._d2h = torch.cuda.ExternalStream(self._impl.d2h_stream, device=self.device)
+            self._h2d = torch.cuda.ExternalStream(self._impl.h2d_stream, device=self.device)
+
+    # -- offload -------------------------------------------------------------------------------
+    def offload(self, t: torch.Tensor, stream: Any = None) -> Optional[OffloadHandle]:
+        """Start copying ``t`` into a new arena block once ``stream`` (default: the current
+        stream of ``t``'s device) has produced it. Returns None when the arena has no block."""
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"offload expects a torch.Tensor, got {type(t).__name__}")
+        if self._inflight:
+            self._prune()
+        on_device = t.is_cuda
+        if on_device and not self._gpu:
+            raise ValueError(f"the cpu backend cannot copy a tensor on {t.device}")
+        if t.is_contiguous():
+            src = t
+            mode = _SPAN
+            span = t.numel()
+        else:
+            src, mode, span = self._layout(t)
+        nbytes = span * t.element_size() if mode == _SPAN else t.numel() * t.element_size()
+        if stream is None:
+            producer = torch.cuda.current_stream(t.device).cuda_stream if on_device else 0
+        else:
+            producer = _stream_handle(stream)
+        ticket = self._impl.offload(src.data_ptr() if nbytes else 0, nbytes, producer)
+        if ticket is None:
+            return None
+        if nbytes:
+            if on_device:
+                src.record_stream(self._d2h)
+            else:
+                self._inflight.append((ticket, src))
+        return OffloadHandle(self, ticket, nbytes, t, mode, span)
+
+    @staticmethod
+    def _layout(t: torch.Tensor):
+        if any(s < 0 for s in t.stride()):
+            return t.contiguous(), _COMPACT, t.numel()
+        numel = t.numel()
+        if numel == 0:
+            return t, _SPAN, 0
+        span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        if span <= 2 * numel:
+            return t, _SPAN, span
+        return t.contiguous(), _COMPACT, numel
+
+    # -- reload --------------------------------------------------------------------------------
+    def reload(self, h: OffloadHandle, out: Optional[torch.Tensor] = None,
+               device: Union[str, torch.device, None] = None, stream: Any = None) -> torch.Tensor:
+        """Copy ``h``'s bytes back; the consumer ``stream`` (default: current) waits for them
+        (on cpu the call returns when the data is there)."""
+        ticket, result, staging, consumer = self._start_reload(h, out, device, stream, waits=True)
+        if not result.is_cuda:
+            ticket.wait()  # a host consumer is the calling thread
+        if staging is not None:
+            result.copy_(staging)
+        return result
+
+    def reload_async(self, h: OffloadHandle, out: Optional[torch.Tensor] = None,
+                     device: Union[str, torch.device, None] = None,
+                     stream: Any = None) -> ReloadHandle:
+        """Start copying ``h``'s bytes back (prefetch); ``wait()`` on the result hands the
+        tensor to the consumer."""
+        ticket, result, staging, _ = self._start_reload(h, out, device, stream, waits=False)
+        target = staging if staging is not None else result
+        if target.is_cuda:
+            target.record_stream(self._h2d)  # the allocator may not reuse it before the copy ends
+        elif ticket.nbytes:
+            self._inflight.append((ticket, target))  # freeing it mid-copy would corrupt the heap
+        return ReloadHandle(self, ticket, result, staging)
+
+    def _start_reload(self, h, out, device, stream, waits):
+        if not isinstance(h, OffloadHandle):
+            raise TypeError(f"reload expects an OffloadHandle, got {type(h).__name__}")
+        if h._engine is not self:
+            raise ValueError("this OffloadHandle belongs to another CopyEngine")
+        if h._ticket.released:
+            raise ValueError("reload of a released OffloadHandle (use after release)")
+        if self._inflight:
+            self._prune()
+        dev = h.device if device is None else torch.device(device)
+        if dev.type == "cuda" and not self._gpu:
+            raise ValueError(f"the cpu backend cannot reload into {dev}")
+        staging = None
+        if out is not None:
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+            if not out.is_contiguous():
+                raise ValueError("reload out= must be contiguous: it receives the raw payload bytes")
+            if out.is_cuda and not self._gpu:
+                raise ValueError(f"the cpu backend cannot reload into {out.device}")
+            cap = out.numel() * out.element_size()
+            if cap < h.nbytes:
+                raise ValueError(f"reload destination too small: out holds {cap} bytes, "
+                                 f"the handle has {h.nbytes} bytes")
+            result = dst = out
+        elif h._mode == _SPAN:
+            result = dst = torch.empty_strided(h.shape, h.stride, dtype=h.dtype, device=dev)
+            cap = h.nbytes
+        else:
+            staging = dst = torch.empty(h.shape, dtype=h.dtype, device=dev)
+            result = torch.empty_strided(h.shape, h.stride, dtype=h.dtype, device=dev)
+            cap = h.nbytes
+        if stream is None:
+            consumer = torch.cuda.current_stream(dst.device).cuda_stream if dst.is_cuda else 0
+        else:
+            consumer = _stream_handle(stream)
+        ticket = self._impl.reload(h._ticket, dst.data_ptr() if h.nbytes else 0, cap, consumer, waits)
+        return ticket, result, staging, consumer
+
+    def _consume(self, ticket: Any, result: torch.Tensor, stream: Any) -> None:
+        if result.is_cuda:
+            handle = torch.cuda.current_stream(result.device).cuda_stream if stream is None \
+                else _stream_handle(stream)
+            self._impl.wait_on(ticket, handle)
+        else:
+            ticket.wait()
+            self._prune()
+
+    # -- housekeeping --------------------------------------------------------------------------
+    def _prune(self) -> None:
+        """Drop the host tensors whose copies completed (oldest first)."""
+        q = self._inflight
+        while q and q[0][0].finished:
+            q.popleft()
+
+    def synchronize(self) -> None:
+        """Block until every copy enqueued so far completed (GIL released)."""
+        self._impl.synchronize()
+        self._prune()
+
+    def stats(self) -> dict:
+        """Per direction (d2h_*, h2d_*): bytes, copies, busy_s, bytes_submitted, GBps; plus
+        in_flight (host tensors still held for running copies)."""
+        s = self._impl.stats()
+        s["in_flight"] = len(self._inflight)
+        return s
+
+    def reset_stats(self) -> None:
+        self._impl.reset_stats()
+
+    def __del__(self) -> None:
+        try:
+            self._impl.synchronize()  # copies must end before the tensors they touch are freed
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"CopyEngine(backend={self.backend!r}, device={self.device}, arena={self.arena!r})"

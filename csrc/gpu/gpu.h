@@ -1,0 +1,169 @@
+// The neutral gpu:: runtime API: streams, events, pinned host memory, async copies.
+//
+// Design note
+// -----------
+// bagualu2's C++ core never includes a vendor header outside csrc/gpu/<backend>_backend.cpp.
+// Everything else talks to a `gpu::Runtime`, an interface of real wrapper functions (no
+// `#define cudaX hipX`), with one implementation file per backend:
+//
+//   cpu_backend.cpp   always built. A stream is one worker thread executing its operations in
+//                     FIFO order; large copies are split across a shared pool of copy threads
+//                     (the stream thread joins in) and the stream moves on only when every piece
+//                     is done. An event is a completion flag with a sequence number and a
+//                     timestamp. Stream handle 0 means "the calling host thread": work on it runs
+//                     synchronously, and recording an event on it completes the event at once.
+//   cuda_backend.cpp  cudart (cudaStreamCreateWithFlags, cudaEventRecord, cudaMemcpyAsync, ...).
+//   hip_backend.cpp   the same shape against hip_runtime_api.h (AMD GPUs, Hygon DCUs).
+//
+// The backend is chosen at run time, per object, by name ("cpu", "cuda", "hip") through
+// `gpu::runtime(name)`; asking for one that was not compiled in throws bagualu2::Error (a Python
+// ValueError) naming the compiled backends.
+//
+// Invariants every backend keeps:
+//   * Operations enqueued on one stream execute in enqueue order.
+//   * An event that was never recorded reports complete (as in CUDA).
+//   * `event_query` never blocks; `event_synchronize` and `stream_synchronize` block the caller
+//     (callers release the GIL around them).
+//   * Handles are opaque integers-as-pointers; they do not own anything beyond what the
+//     matching create/destroy pair says. Runtime failures throw bagualu2::RuntimeError.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace bagualu2::gpu {
+
+// Opaque stream and event handles (cudaStream_t / hipStream_t / cpu objects).
+using Stream = void*;
+using Event = void*;
+
+// The runtime interface one backend implements. Instances are process-wide singletons.
+class Runtime {
+public:
+    virtual ~Runtime() = default;
+
+    /// Backend name: "cpu", "cuda" or "hip".
+    virtual const char* name() const = 0;
+
+    /// True for the cpu backend, where stream 0 is the calling host thread and every
+    /// "device" pointer is ordinary host memory.
+    virtual bool is_host() const = 0;
+
+    /// Number of devices visible to this backend (1 for cpu; 0 when no GPU is present).
+    virtual int device_count() = 0;
+
+    /// Current device of the calling thread.
+    virtual int get_device() = 0;
+
+    /// Make `device` current for the calling thread.
+    /// \param[in] device  device index in [0, device_count()).
+    virtual void set_device(int device) = 0;
+
+    /// Allocate page-locked host memory (page-aligned on cpu).
+    /// \param[in] bytes  number of bytes, > 0.
+    /// \return the allocation; throws RuntimeError when the runtime refuses.
+    virtual void* host_alloc(std::size_t bytes) = 0;
+
+    /// Free memory returned by host_alloc.
+    /// \param[in] ptr  pointer returned by host_alloc of this runtime.
+    virtual void host_free(void* ptr) = 0;
+
+    /// Create a non-blocking stream on the current device.
+    virtual Stream stream_create() = 0;
+
+    /// Destroy a stream created by stream_create; pending work still completes first.
+    /// \param[in] stream  stream to destroy.
+    virtual void stream_destroy(Stream stream) = 0;
+
+    /// Block the caller until all work enqueued on `stream` has completed.
+    /// \param[in] stream  stream handle (0: the default/legacy stream; on cpu a no-op).
+    virtual void stream_synchronize(Stream stream) = 0;
+
+    /// Make all future work on `stream` wait until `event`'s latest record has completed.
+    /// \param[in] stream  the waiting stream.
+    /// \param[in] event   the event; an event never recorded imposes no wait.
+    virtual void stream_wait_event(Stream stream, Event event) = 0;
+
+    /// Throws bagualu2::Error when `stream` is not a stream this runtime knows (cpu checks its
+    /// registry of live streams; GPU runtimes cannot check and accept every handle).
+    /// \param[in] stream  stream handle received from Python.
+    virtual void check_stream(Stream stream) = 0;
+
+    /// Create an event.
+    /// \param[in] timing  whether event_elapsed_ms may be used on it.
+    virtual Event event_create(bool timing) = 0;
+
+    /// Destroy an event (legal while a record of it is still pending).
+    /// \param[in] event  event returned by event_create.
+    virtual void event_destroy(Event event) = 0;
+
+    /// Record `event` at the current tail of `stream`.
+    /// \param[in] event   event to record.
+    /// \param[in] stream  stream handle.
+    virtual void event_record(Event event, Stream stream) = 0;
+
+    /// Non-blocking: has the latest record of `event` completed?
+    /// \param[in] event  event handle.
+    virtual bool event_query(Event event) = 0;
+
+    /// Block until the latest record of `event` has completed.
+    /// \param[in] event  event handle.
+    virtual void event_synchronize(Event event) = 0;
+
+    /// Milliseconds between two completed timing events.
+    /// \param[in] start  earlier event.
+    /// \param[in] end    later event.
+    virtual double event_elapsed_ms(Event start, Event end) = 0;
+
+    /// Enqueue an asynchronous copy of `bytes` bytes (direction inferred from the pointers).
+    /// \param[out] dst    destination pointer.
+    /// \param[in]  src    source pointer.
+    /// \param[in]  bytes  number of bytes.
+    /// \param[in]  stream stream handle.
+    virtual void memcpy_async(void* dst, const void* src, std::size_t bytes, Stream stream) = 0;
+
+    /// Enqueue a host function that runs when the stream reaches it (it must not call the
+    /// runtime).
+    /// \param[in] stream  stream handle.
+    /// \param[in] fn      function to run.
+    virtual void launch_host_func(Stream stream, std::function<void()> fn) = 0;
+};
+
+/// The runtime of a compiled backend.
+/// \param[in] name  "cpu", "cuda" or "hip".
+/// \return the process-wide runtime; throws bagualu2::Error naming the compiled backends when
+///         `name` is not one of them.
+Runtime& runtime(const std::string& name);
+
+/// Names of the compiled backends, "cpu" first.
+std::vector<std::string> compiled_backends();
+
+// Makes `device` current for the guard's lifetime (no-op on cpu or for device < 0).
+class DeviceGuard {
+public:
+    /// \param[in] rt      runtime to act on.
+    /// \param[in] device  device to make current; < 0 leaves the current device alone.
+    DeviceGuard(Runtime& rt, int device);
+    ~DeviceGuard();
+    DeviceGuard(const DeviceGuard&) = delete;
+    DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+private:
+    // Runtime and the device to restore (-1: nothing to restore).
+    Runtime& rt_;
+    int previous_ = -1;
+};
+
+// Backend factories, defined in the backend files that were compiled.
+Runtime& cpu_runtime();
+#ifdef BAGUALU2_WITH_CUDA
+Runtime& cuda_runtime();
+#endif
+#ifdef BAGUALU2_WITH_HIP
+Runtime& hip_runtime();
+#endif
+
+}  // namespace bagualu2::gpu

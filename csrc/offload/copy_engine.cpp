@@ -1,0 +1,245 @@
+// CopyEngine implementation; the invariants are listed in copy_engine.h.
+#include "offload/copy_engine.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "common/check.h"
+
+namespace bagualu2 {
+
+namespace {
+
+gpu::Stream as_stream(std::uintptr_t handle) { return reinterpret_cast<gpu::Stream>(handle); }
+
+std::size_t checked_size(std::int64_t nbytes, const char* what) {
+    BAGUALU2_CHECK(nbytes >= 0, what, " must be >= 0, got ", nbytes);
+    BAGUALU2_CHECK(static_cast<std::uint64_t>(nbytes) <= (std::numeric_limits<std::size_t>::max() >> 2),
+                   what, " = ", nbytes, " is absurd");
+    return static_cast<std::size_t>(nbytes);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Ticket
+
+bool Ticket::done() {
+    std::shared_ptr<EventFence> fence;
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        BAGUALU2_CHECK(!released_, "done() on a released ticket (use after release)");
+        fence = done_;
+    }
+    return fence == nullptr || fence->ready();
+}
+
+void Ticket::wait() {
+    std::shared_ptr<EventFence> fence;
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        BAGUALU2_CHECK(!released_, "wait() on a released ticket (use after release)");
+        fence = done_;
+    }
+    if (fence != nullptr) {
+        fence->wait();
+    }
+}
+
+bool Ticket::released() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return released_;
+}
+
+void Ticket::release() {
+    std::vector<FencePtr> fences;
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        BAGUALU2_CHECK(!released_, "release() of a ticket that was already released");
+        released_ = true;
+        fences = std::move(reads_);
+        reads_.clear();
+    }
+    if (done_ != nullptr) {
+        fences.push_back(done_);
+    }
+    if (kind_ == Kind::kOffload && block_ != nullptr) {
+        arena_->free(block_, std::move(fences));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// CopyEngine
+
+CopyEngine::CopyEngine(std::shared_ptr<HostArena> arena, const std::string& backend, int device,
+                       std::size_t chunk_bytes)
+    : arena_(std::move(arena)), rt_(gpu::runtime(backend)), backend_(backend),
+      chunk_bytes_(chunk_bytes) {
+    BAGUALU2_CHECK(arena_ != nullptr, "CopyEngine needs an arena");
+    BAGUALU2_CHECK(arena_->backend() == backend, "CopyEngine backend '", backend,
+                   "' differs from its arena's backend '", arena_->backend(), "'");
+    BAGUALU2_CHECK(chunk_bytes_ > 0, "chunk_bytes must be positive");
+    if (!rt_.is_host()) {
+        const int count = rt_.device_count();
+        BAGUALU2_CHECK(count > 0, "backend '", backend, "' is compiled in but sees no device");
+        device_ = device < 0 ? rt_.get_device() : device;
+        BAGUALU2_CHECK(device_ < count, "device ", device_, " out of range [0, ", count, ")");
+    }
+    gpu::DeviceGuard guard(rt_, device_);
+    d2h_ = rt_.stream_create();
+    h2d_ = rt_.stream_create();
+    d2h_dir_.stream = d2h_;
+    h2d_dir_.stream = h2d_;
+    sync_event_ = rt_.event_create(false);
+}
+
+CopyEngine::~CopyEngine() {
+    try {
+        gpu::DeviceGuard guard(rt_, device_);
+        rt_.stream_synchronize(d2h_);
+        rt_.stream_synchronize(h2d_);
+        rt_.event_destroy(sync_event_);
+        rt_.stream_destroy(d2h_);
+        rt_.stream_destroy(h2d_);
+    } catch (...) {
+        // A destructor must not throw.
+    }
+}
+
+void CopyEngine::wait_for_stream(Direction& dir, gpu::Stream stream) {
+    if (stream == nullptr && rt_.is_host()) {
+        return;  // the host thread is synchronous: everything it wrote is already there
+    }
+    rt_.event_record(sync_event_, stream);
+    rt_.stream_wait_event(dir.stream, sync_event_);
+}
+
+std::shared_ptr<EventFence> CopyEngine::enqueue_copy(Direction& dir, void* dst, const void* src,
+                                                     std::size_t nbytes) {
+    auto start = std::make_shared<EventFence>(rt_, true);
+    auto end = std::make_shared<EventFence>(rt_, true);
+    rt_.event_record(start->event(), dir.stream);
+    auto* d = static_cast<char*>(dst);
+    const auto* s = static_cast<const char*>(src);
+    for (std::size_t offset = 0; offset < nbytes; offset += chunk_bytes_) {
+        const std::size_t len = std::min(chunk_bytes_, nbytes - offset);
+        rt_.memcpy_async(d + offset, s + offset, len, dir.stream);
+    }
+    rt_.event_record(end->event(), dir.stream);
+    std::lock_guard<std::mutex> lock(stats_mutex_);
+    account(dir);
+    dir.timings.push_back(Timing{std::move(start), end, nbytes});
+    dir.stats.bytes_submitted += nbytes;
+    return end;
+}
+
+TicketPtr CopyEngine::offload(std::uintptr_t src, std::int64_t nbytes,
+                              std::uintptr_t producer_stream) {
+    const std::size_t n = checked_size(nbytes, "offload nbytes");
+    BAGUALU2_CHECK(n == 0 || src != 0, "offload of ", n, " bytes from a null pointer");
+    rt_.check_stream(as_stream(producer_stream));
+    if (n == 0) {
+        return std::make_shared<Ticket>(Ticket::Kind::kOffload, arena_, nullptr, 0, nullptr);
+    }
+    BAGUALU2_CHECK(!arena_->contains(reinterpret_cast<void*>(src), 1),
+                   "offload source 0x", std::hex, src, " lies inside the host arena");
+    void* block = arena_->allocate(n);
+    if (block == nullptr) {
+        return nullptr;
+    }
+    std::shared_ptr<EventFence> done;
+    try {
+        gpu::DeviceGuard guard(rt_, device_);
+        std::lock_guard<std::mutex> lock(submit_mutex_);
+        wait_for_stream(d2h_dir_, as_stream(producer_stream));
+        done = enqueue_copy(d2h_dir_, block, reinterpret_cast<const void*>(src), n);
+    } catch (...) {
+        arena_->free(block);  // nothing was enqueued that could still touch it
+        throw;
+    }
+    return std::make_shared<Ticket>(Ticket::Kind::kOffload, arena_, block, n, std::move(done));
+}
+
+TicketPtr CopyEngine::reload(const TicketPtr& from, std::uintptr_t dst, std::int64_t dst_capacity,
+                             std::uintptr_t consumer_stream, bool consumer_waits) {
+    BAGUALU2_CHECK(from != nullptr, "reload from None");
+    BAGUALU2_CHECK(from->kind() == Ticket::Kind::kOffload,
+                   "reload needs an offload ticket, got a reload ticket");
+    BAGUALU2_CHECK(from->arena_ == arena_, "reload of a ticket that belongs to another engine's arena");
+    const std::size_t capacity = checked_size(dst_capacity, "reload dst_capacity");
+    const std::size_t n = from->nbytes();
+    BAGUALU2_CHECK(capacity >= n, "reload destination too small: ", capacity,
+                   " bytes available, ", n, " bytes needed");
+    BAGUALU2_CHECK(n == 0 || dst != 0, "reload of ", n, " bytes into a null pointer");
+    rt_.check_stream(as_stream(consumer_stream));
+
+    // Hold the source ticket's lock across submission: a concurrent release() must either see
+    // this reload's fence or happen before it (and then this reload fails cleanly).
+    std::lock_guard<std::mutex> ticket_lock(from->mutex_);
+    BAGUALU2_CHECK(!from->released_, "reload from a released ticket (use after release)");
+    if (n == 0) {
+        return std::make_shared<Ticket>(Ticket::Kind::kReload, arena_, nullptr, 0, nullptr);
+    }
+    std::shared_ptr<EventFence> done;
+    {
+        gpu::DeviceGuard guard(rt_, device_);
+        std::lock_guard<std::mutex> lock(submit_mutex_);
+        if (!from->done_->ready()) {
+            rt_.stream_wait_event(h2d_, from->done_->event());
+        }
+        wait_for_stream(h2d_dir_, as_stream(consumer_stream));
+        done = enqueue_copy(h2d_dir_, reinterpret_cast<void*>(dst), from->block_, n);
+        if (consumer_waits && !(consumer_stream == 0 && rt_.is_host())) {
+            rt_.stream_wait_event(as_stream(consumer_stream), done->event());
+        }
+    }
+    from->reads_.push_back(done);
+    return std::make_shared<Ticket>(Ticket::Kind::kReload, arena_, from->block_, n, std::move(done));
+}
+
+void CopyEngine::wait_on(const TicketPtr& ticket, std::uintptr_t stream) {
+    BAGUALU2_CHECK(ticket != nullptr, "wait_on(None)");
+    BAGUALU2_CHECK(!ticket->released(), "wait_on a released ticket (use after release)");
+    rt_.check_stream(as_stream(stream));
+    auto fence = ticket->fence();
+    if (fence == nullptr) {
+        return;
+    }
+    gpu::DeviceGuard guard(rt_, device_);
+    rt_.stream_wait_event(as_stream(stream), fence->event());
+}
+
+void CopyEngine::synchronize() {
+    gpu::DeviceGuard guard(rt_, device_);
+    rt_.stream_synchronize(d2h_);
+    rt_.stream_synchronize(h2d_);
+}
+
+void CopyEngine::account(Direction& dir) {
+    while (!dir.timings.empty() && dir.timings.front().end->ready()) {
+        Timing& t = dir.timings.front();
+        dir.stats.busy_s += rt_.event_elapsed_ms(t.start->event(), t.end->event()) / 1e3;
+        dir.stats.bytes += t.bytes;
+        dir.stats.copies += 1;
+        dir.timings.pop_front();
+    }
+}
+
+DirectionStats CopyEngine::snapshot(Direction& dir) {
+    std::lock_guard<std::mutex> lock(stats_mutex_);
+    account(dir);
+    return dir.stats;
+}
+
+DirectionStats CopyEngine::d2h_stats() { return snapshot(d2h_dir_); }
+DirectionStats CopyEngine::h2d_stats() { return snapshot(h2d_dir_); }
+
+void CopyEngine::reset_stats() {
+    std::lock_guard<std::mutex> lock(stats_mutex_);
+    account(d2h_dir_);
+    account(h2d_dir_);
+    d2h_dir_.stats = DirectionStats{};
+    h2d_dir_.stats = DirectionStats{};
+}
+
+}  // namespace bagualu2

@@ -1,0 +1,197 @@
+// CopyEngine: asynchronous device<->host copies into and out of a HostArena, with tickets.
+//
+// Design note
+// -----------
+// The engine owns two streams of one backend, one per direction (D2H "offload", H2D
+// "reload"), so both directions run at once and beside the caller's compute. On cpu the
+// streams are worker threads and large copies are also split across a pool of copy threads.
+// Every copy is cut into chunks of at most `chunk_bytes` (enqueued back to back), so a huge
+// copy does not monopolise the pool and the other direction interleaves with it.
+//
+// Pointers are raw addresses and streams are integer handles (tensor.data_ptr(),
+// torch.cuda.current_stream().cuda_stream); nothing here knows torch.
+//
+// Invariants (each has a named test in tests/test_copy_engine.py):
+//   1. Ordering. An offload starts only after the producer stream reached the point where
+//      offload() was called (event recorded on it, copy stream waits). A reload writes its
+//      destination only after the consumer stream reached the reload call, and the consumer
+//      stream waits for the reload's completion (reload(wait=true) or wait_on()).
+//   2. A ticket's block is returned to the arena only by release(), and then only after the
+//      offload copy and every reload issued from it completed (its fences go to the arena).
+//      The caller keeps the offload source alive until the ticket is done.
+//   3. Misuse throws bagualu2::Error (Python ValueError) and changes nothing: waiting on or
+//      querying a released ticket, releasing twice, reloading from a released ticket,
+//      reloading into a too-small buffer, null pointers with nonzero sizes, negative sizes,
+//      stream handles the backend does not know.
+//   4. Exhaustion is not an error: offload() returns nullptr when the arena has no block.
+//   5. Stats: per direction bytes, copies, busy time (elapsed between a copy's start and end
+//      events, so time spent waiting for a producer is not counted) and bandwidth; figures
+//      include every copy whose end event completed.
+// Blocking calls (Ticket::wait, synchronize) are bound with the GIL released.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "gpu/gpu.h"
+#include "offload/fence.h"
+#include "offload/host_arena.h"
+
+namespace bagualu2 {
+
+class CopyEngine;
+
+// One asynchronous copy: an offload (owns an arena block) or a reload (reads one).
+class Ticket {
+public:
+    enum class Kind { kOffload, kReload };
+
+    Ticket(Kind kind, std::shared_ptr<HostArena> arena, void* block, std::size_t nbytes,
+           std::shared_ptr<EventFence> done)
+        : kind_(kind), arena_(std::move(arena)), block_(block), nbytes_(nbytes),
+          done_(std::move(done)) {}
+
+    /// Non-blocking completion query; throws after release().
+    bool done();
+
+    /// Block until the copy completed; throws after release().
+    void wait();
+
+    /// Give the ticket up. For an offload ticket this frees its block, which the arena reuses
+    /// only after the offload copy and every reload from it completed. Throws if released.
+    void release();
+
+    bool released() const;
+    Kind kind() const { return kind_; }
+    std::size_t nbytes() const { return nbytes_; }
+    std::uintptr_t host_ptr() const { return reinterpret_cast<std::uintptr_t>(block_); }
+
+    /// The completion fence (nullptr for 0-byte copies, which are complete at once).
+    std::shared_ptr<EventFence> fence() const { return done_; }
+
+private:
+    friend class CopyEngine;
+
+    // What the ticket is and the block it refers to.
+    Kind kind_;
+    std::shared_ptr<HostArena> arena_;
+    void* block_;
+    std::size_t nbytes_;
+    std::shared_ptr<EventFence> done_;
+
+    // Release state and the fences of reloads reading the block, guarded by mutex_.
+    mutable std::mutex mutex_;
+    bool released_ = false;
+    std::vector<FencePtr> reads_;
+};
+
+using TicketPtr = std::shared_ptr<Ticket>;
+
+struct DirectionStats {
+    std::uint64_t bytes = 0;
+    std::uint64_t copies = 0;
+    double busy_s = 0.0;
+    std::uint64_t bytes_submitted = 0;
+};
+
+class CopyEngine {
+public:
+    static constexpr std::size_t kDefaultChunkBytes = std::size_t{16} << 20;
+
+    /// \param[in] arena        arena the offloads allocate from (same backend).
+    /// \param[in] backend      "cpu", "cuda" or "hip".
+    /// \param[in] device       device whose streams to create (< 0: the current device).
+    /// \param[in] chunk_bytes  largest single memcpy enqueued (> 0).
+    CopyEngine(std::shared_ptr<HostArena> arena, const std::string& backend, int device,
+               std::size_t chunk_bytes);
+    ~CopyEngine();
+    CopyEngine(const CopyEngine&) = delete;
+    CopyEngine& operator=(const CopyEngine&) = delete;
+
+    /// Copy [src, src + nbytes) into a new arena block once the producer stream reaches this
+    /// point.
+    /// \param[in] src              source address (may be 0 only when nbytes is 0).
+    /// \param[in] nbytes           bytes to copy (>= 0).
+    /// \param[in] producer_stream  stream that writes src (0: default stream / host thread).
+    /// \return a ticket, or nullptr when the arena has no block large enough.
+    TicketPtr offload(std::uintptr_t src, std::int64_t nbytes, std::uintptr_t producer_stream);
+
+    /// Copy an offloaded block back into [dst, dst + ticket.nbytes).
+    /// \param[in] from             an offload ticket, not released.
+    /// \param[in] dst              destination address (0 only for 0-byte tickets).
+    /// \param[in] dst_capacity     bytes available at dst (must be >= from.nbytes).
+    /// \param[in] consumer_stream  stream that will read dst (0: default stream / host thread).
+    /// \param[in] consumer_waits   make consumer_stream wait for the copy now (GPU backends).
+    /// \return the reload ticket.
+    TicketPtr reload(const TicketPtr& from, std::uintptr_t dst, std::int64_t dst_capacity,
+                     std::uintptr_t consumer_stream, bool consumer_waits);
+
+    /// Make `stream` wait (on the device, not the host) for `ticket`'s copy. On cpu with
+    /// stream 0 this blocks the calling thread.
+    /// \param[in] ticket  a ticket of this engine, not released.
+    /// \param[in] stream  stream handle.
+    void wait_on(const TicketPtr& ticket, std::uintptr_t stream);
+
+    /// Block until every copy enqueued so far completed.
+    void synchronize();
+
+    DirectionStats d2h_stats();
+    DirectionStats h2d_stats();
+    void reset_stats();
+
+    std::uintptr_t d2h_stream() const { return reinterpret_cast<std::uintptr_t>(d2h_); }
+    std::uintptr_t h2d_stream() const { return reinterpret_cast<std::uintptr_t>(h2d_); }
+    int device() const { return device_; }
+    std::size_t chunk_bytes() const { return chunk_bytes_; }
+    const std::shared_ptr<HostArena>& arena() const { return arena_; }
+    const std::string& backend() const { return backend_; }
+
+private:
+    struct Timing {
+        std::shared_ptr<EventFence> start;
+        std::shared_ptr<EventFence> end;
+        std::size_t bytes;
+    };
+
+    struct Direction {
+        gpu::Stream stream = nullptr;
+        std::deque<Timing> timings;  // copies whose time is not yet accounted
+        DirectionStats stats;
+    };
+
+    // Enqueues a chunked copy bracketed by timing events on `dir`; returns the end fence.
+    // submit_mutex_ held.
+    std::shared_ptr<EventFence> enqueue_copy(Direction& dir, void* dst, const void* src,
+                                             std::size_t nbytes);
+    // Makes dir's stream wait for `stream`'s current tail (skipped for the host thread).
+    void wait_for_stream(Direction& dir, gpu::Stream stream);
+    // Accounts completed copies of `dir`. stats_mutex_ held.
+    void account(Direction& dir);
+    DirectionStats snapshot(Direction& dir);
+
+    // Configuration.
+    std::shared_ptr<HostArena> arena_;
+    gpu::Runtime& rt_;
+    std::string backend_;
+    int device_ = 0;
+    std::size_t chunk_bytes_ = kDefaultChunkBytes;
+
+    // Submission: streams and the reusable cross-stream event, guarded by submit_mutex_ so one
+    // ticket's operations are contiguous on its stream.
+    std::mutex submit_mutex_;
+    Direction d2h_dir_;
+    Direction h2d_dir_;
+    gpu::Stream d2h_ = nullptr;
+    gpu::Stream h2d_ = nullptr;
+    gpu::Event sync_event_ = nullptr;
+
+    // Statistics, guarded by stats_mutex_ (timings are appended under both locks).
+    std::mutex stats_mutex_;
+};
+
+}  // namespace bagualu2
