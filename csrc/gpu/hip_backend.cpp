@@ -7,6 +7,10 @@
 #include "common/check.h"
 #include "gpu/gpu.h"
 
+#ifndef HIPRT_CB
+#define HIPRT_CB  // older hip_runtime_api.h (Debian 5.2) has no calling-convention macro
+#endif
+
 #define BAGUALU2_HIP_CHECK(expr)                                                              \
     do {                                                                                       \
         const hipError_t status_ = (expr);                                                    \
@@ -20,7 +24,9 @@ namespace {
 hipStream_t as_stream(Stream s) { return static_cast<hipStream_t>(s); }
 hipEvent_t as_event(Event e) { return static_cast<hipEvent_t>(e); }
 
-void HIPRT_CB run_host_func(void* arg) {
+// hipStreamAddCallback rather than hipLaunchHostFunc: the latter is missing from older HIP
+// runtimes (Debian's libamdhip64 5.2), the former exists everywhere.
+void HIPRT_CB run_host_func(hipStream_t /*stream*/, hipError_t /*status*/, void* arg) {
     std::unique_ptr<std::function<void()>> fn(static_cast<std::function<void()>*>(arg));
     (*fn)();
 }
@@ -117,7 +123,7 @@ public:
 
     void launch_host_func(Stream stream, std::function<void()> fn) override {
         auto* boxed = new std::function<void()>(std::move(fn));
-        const hipError_t status = hipLaunchHostFunc(as_stream(stream), run_host_func, boxed);
+        const hipError_t status = hipStreamAddCallback(as_stream(stream), run_host_func, boxed, 0);
         if (status != hipSuccess) {
             delete boxed;
         }
