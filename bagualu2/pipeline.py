@@ -688,16 +688,20 @@ def build_pipeline(
     if len(all_modules) != num_stages:
         raise ValueError(f"{spec.name} on {world_size} ranks needs {num_stages} stage modules, got {len(all_modules)}")
     device = torch.device(device)
-    examples = _example_shapes(all_modules, microbatch_example.to(device))
+    # Shapes come from one no-grad pass through every stage where the model lives (usually
+    # the CPU); only this rank's stages then move to ``device``.
+    examples = _example_shapes(all_modules, microbatch_example)
     local = rank_to_stages[rank]
+    for s in local:
+        all_modules[s].to(device)
     stages = [
         PipelineStage(
             all_modules[s],
             s,
             num_stages,
             device,
-            input_args=examples[s][0],
-            output_args=examples[s][1],
+            input_args=examples[s][0].to(device),
+            output_args=examples[s][1].to(device),
             group=group,
         )
         for s in local
