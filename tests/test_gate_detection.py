@@ -1,0 +1,248 @@
+"""Gate discovery (bagualu2.moe): every known router family is found, and the counts its hook
+reports are exactly the token slots the experts then receive."""
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from bagualu2.models import MoEConfig, MoETransformer, load_imbalance
+from bagualu2.moe import (GateSpec, counts_from_indices, counts_from_logits,
+                          describe_unsupported, find_gates)
+
+BATCH, SEQ = 2, 12
+
+
+def _hook_counts(specs: list[GateSpec]) -> tuple[dict[int, list[torch.Tensor]], Callable[[], None]]:
+    seen: dict[int, list[torch.Tensor]] = {s.layer: [] for s in specs}
+    handles = [s.module.register_forward_hook(
+        lambda mod, args, out, s=s: seen[s.layer].append(s.counts_fn(mod, args, out)))
+        for s in specs]
+    return seen, lambda: [h.remove() for h in handles]
+
+
+def _assert_counts(counts: torch.Tensor, expected: torch.Tensor, num_experts: int, top_k: int) -> None:
+    assert counts.dtype == torch.int64 and counts.shape == (num_experts,)
+    assert not counts.requires_grad
+    assert int(counts.sum()) == BATCH * SEQ * top_k
+    assert torch.equal(counts, expected), (counts.tolist(), expected.tolist())
+
+
+# --- reference model -------------------------------------------------------------------------
+
+
+def test_reference_model_gates_count_the_rows_each_expert_runs():
+    cfg = MoEConfig.tiny(num_layers=3)
+    torch.manual_seed(0)
+    model = MoETransformer(cfg)
+    specs = find_gates(model)
+    assert [(s.layer, s.name, s.num_experts, s.top_k) for s in specs] == [
+        (i, f"layers.{i}.moe.router", cfg.num_experts, cfg.top_k) for i in range(3)]
+    assert [s.block_name for s in specs] == [f"layers.{i}.moe" for i in range(3)]
+    rows: dict[int, list[int]] = {i: [] for i in range(3)}
+    for i, layer in enumerate(model.layers):
+        for expert in layer.moe.experts:
+            expert.register_forward_pre_hook(lambda mod, args, i=i: rows[i].append(args[0].shape[0]))
+    seen, remove = _hook_counts(specs)
+    tokens = torch.randint(cfg.vocab_size, (BATCH, SEQ))
+    with model.routing_spike(imbalance=3.0, layers=[2]):
+        model(tokens).backward()
+    remove()
+    for i in range(3):
+        (counts,) = seen[i]
+        _assert_counts(counts, torch.tensor(rows[i]), cfg.num_experts, cfg.top_k)
+    assert abs(load_imbalance(seen[2][0]) - 3.0) < 0.2
+
+
+# --- Hugging Face transformers 5.x -----------------------------------------------------------
+
+try:
+    import transformers
+except ImportError:  # the HF tests need the optional test dependency
+    transformers = None
+needs_transformers = pytest.mark.skipif(transformers is None, reason="transformers is not installed")
+
+COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, intermediate_size=32)
+
+
+def _mixtral() -> nn.Module:
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **COMMON, num_local_experts=4, num_experts_per_tok=2))
+
+
+def _qwen2_moe() -> nn.Module:
+    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        **COMMON, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=8,
+        num_experts_per_tok=2, decoder_sparse_step=1))
+
+
+def _qwen3_moe() -> nn.Module:
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **COMMON, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=3, head_dim=8))
+
+
+def _deepseek_v3() -> nn.Module:
+    return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        **COMMON, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+        topk_group=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=16,
+        kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8))
+
+
+FAMILIES: dict[str, tuple[Callable[[], nn.Module], str, list[int], int, int]] = {
+    # builder, router class, decoder layers with a MoE block, num_experts, top_k
+    "mixtral": (_mixtral, "MixtralTopKRouter", [0, 1], 4, 2),
+    "qwen2_moe": (_qwen2_moe, "Qwen2MoeTopKRouter", [0, 1], 8, 2),
+    "qwen3_moe": (_qwen3_moe, "Qwen3MoeTopKRouter", [0, 1], 8, 3),
+    "deepseek_v3": (_deepseek_v3, "DeepseekV3TopkRouter", [1], 8, 2),
+}
+
+
+def _experts_input_counts(model: nn.Module, specs: list[GateSpec]) -> dict[int, list[torch.Tensor]]:
+    """Independent count: the routing indices the experts module is actually called with."""
+    modules = dict(model.named_modules())
+    seen: dict[int, list[torch.Tensor]] = {s.layer: [] for s in specs}
+    for s in specs:
+        experts = modules[f"{s.block_name}.experts"]
+        experts.register_forward_pre_hook(lambda mod, args, s=s: seen[s.layer].append(
+            torch.bincount(args[1].reshape(-1), minlength=s.num_experts)))
+    return seen
+
+
+@needs_transformers
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_hf_routers_are_found_and_count_what_the_experts_receive(family):
+    build, router_cls, moe_layers, num_experts, top_k = FAMILIES[family]
+    torch.manual_seed(0)
+    model = build().eval()
+    specs = find_gates(model)
+    assert [(s.layer, s.name, type(s.module).__name__, s.num_experts, s.top_k) for s in specs] == [
+        (n, f"model.layers.{i}.mlp.gate", router_cls, num_experts, top_k)
+        for n, i in enumerate(moe_layers)]
+    with torch.no_grad():
+        for s in specs:
+            s.module.weight.normal_()
+    expected = _experts_input_counts(model, specs)
+    seen, remove = _hook_counts(specs)
+    with torch.no_grad():
+        model(torch.randint(64, (BATCH, SEQ)))
+    remove()
+    for s in specs:
+        _assert_counts(seen[s.layer][0], expected[s.layer][0], num_experts, top_k)
+        assert int((seen[s.layer][0] > 0).sum()) > top_k  # routing is not degenerate
+
+
+@needs_transformers
+def test_deepseek_v3_counts_follow_group_limited_biased_selection():
+    """DeepSeek-V3 chooses on sigmoid scores + e_score_correction_bias within the top groups,
+    so the logits' plain top-k is not its routing: counts must come from its indices."""
+    torch.manual_seed(0)
+    model = _deepseek_v3().eval()
+    (spec,) = find_gates(model)
+    with torch.no_grad():
+        spec.module.weight.normal_()
+        spec.module.e_score_correction_bias[5] = 10.0
+    logits_counts: list[torch.Tensor] = []
+    spec.module.register_forward_hook(
+        lambda mod, args, out: logits_counts.append(counts_from_logits(8, 2)(mod, args, out)))
+    expected = _experts_input_counts(model, [spec])
+    seen, _ = _hook_counts([spec])
+    with torch.no_grad():
+        model(torch.randint(64, (BATCH, SEQ)))
+    counts = seen[0][0]
+    _assert_counts(counts, expected[0][0], 8, 2)
+    assert int(counts[5]) == BATCH * SEQ
+    assert not torch.equal(counts, logits_counts[0])
+
+
+# --- transformers 4.x-style gates (plain nn.Linear) ------------------------------------------
+
+
+class _Expert(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+class _SparseMoeBlock4x(nn.Module):
+    """Shaped like transformers 4.x MixtralSparseMoeBlock / Qwen2MoeSparseMoeBlock."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList(_Expert(hidden) for _ in range(num_experts))
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.reshape(-1, x.shape[-1])
+        router_logits = self.gate(x)
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
+        weights, selected = probs.topk(self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(selected == e)
+            out[token] += weights[token, slot, None] * expert(x[token])
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * x, router_logits
+
+
+class _Model4x(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_SparseMoeBlock4x(16, 6, 2), _SparseMoeBlock4x(16, 4, 1)])
+        self.head = nn.ModuleDict({"gate": nn.Linear(16, 16)})  # a `gate` outside any MoE block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)[0]
+        return self.head["gate"](x)
+
+
+def test_linear_gates_of_4x_sparse_moe_blocks_count_top_k_of_the_logits():
+    torch.manual_seed(0)
+    model = _Model4x()
+    specs = find_gates(model)
+    assert [(s.layer, s.name, s.num_experts, s.top_k) for s in specs] == [
+        (0, "layers.0.gate", 6, 2), (1, "layers.1.gate", 4, 1)]
+    rows: dict[int, list[int]] = {0: [], 1: []}
+    for i, layer in enumerate(model.layers):
+        for expert in layer.experts:
+            expert.register_forward_pre_hook(lambda mod, args, i=i: rows[i].append(args[0].shape[0]))
+    seen, _ = _hook_counts(specs)
+    model(torch.randn(BATCH * SEQ, 16))
+    for s in specs:
+        _assert_counts(seen[s.layer][0], torch.tensor(rows[s.layer]), s.num_experts, s.top_k)
+
+
+# --- nothing found, bad outputs ---------------------------------------------------------------
+
+
+def test_unknown_model_gives_no_gates_and_a_helpful_description():
+    model = nn.Sequential(nn.Linear(4, 4))
+    model.router = nn.Linear(4, 3)
+    assert find_gates(model) == []
+    message = describe_unsupported(model)
+    assert "0 MoE gate(s) recognized" in message and "router: nn.Linear(4, 3)" in message
+    assert "register_gate" in message and "on_gating" in message
+    assert "No other module" in describe_unsupported(nn.Linear(2, 2))
+
+
+def test_counts_functions_reject_outputs_they_cannot_read():
+    gate = nn.Identity()
+    indices = counts_from_indices(4)
+    assert indices(gate, (), (torch.zeros(3, 4), torch.tensor([[0, 3], [3, 3]]))).tolist() == [1, 0, 0, 3]
+    with pytest.raises(TypeError, match="exactly one integer tensor"):
+        indices(gate, (), (torch.zeros(3, 4), torch.zeros(3, 2)))
+    with pytest.raises(ValueError, match=r"experts in \[0, 4\], outside \[0, 4\)"):
+        indices(gate, (), torch.tensor([0, 4]))
+    logits = counts_from_logits(3, 2)
+    assert logits(gate, (), torch.tensor([[0.0, 1.0, 2.0], [5.0, 1.0, 2.0]])).tolist() == [1, 1, 2]
+    with pytest.raises(TypeError, match=r"expected logits \[\.\.\., 3\]"):
+        logits(gate, (), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="top_k=4, num_experts=3"):
+        counts_from_logits(3, 4)
