@@ -260,7 +260,7 @@ class ActivationRuntime:
         self.mode = TracingMode(self._pin_leaf)
         self._params: Set[int] = set()
         self._frame: Optional[Frame] = None
-        self._inflight: Deque[_OffloadStore] = collections.deque()
+        self._inflight: Deque["weakref.ref[_OffloadStore]"] = collections.deque()
 
     # -- frames -----------------------------------------------------------------------------
     @property
@@ -287,6 +287,7 @@ class ActivationRuntime:
             with self.mode, torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield frame
         finally:
+            self.settle()
             for node in frame._anchors:
                 if node.offloaded:
                     node.anchor = None
@@ -340,10 +341,12 @@ class ActivationRuntime:
 
     def settle(self, wait: bool = False) -> None:
         """Release device sources of completed offloads (all of them with ``wait``)."""
-        while self._inflight and self._inflight[0].settle(wait):
-            self._inflight.popleft()
-        if self._inflight:
-            self._inflight = collections.deque(s for s in self._inflight if not s.settle(wait))
+        pending: Deque["weakref.ref[_OffloadStore]"] = collections.deque()
+        for ref in self._inflight:
+            store = ref()
+            if store is not None and not store.settle(wait):
+                pending.append(ref)
+        self._inflight = pending
 
     # -- parameters and leaves --------------------------------------------------------------
     def _is_parameter(self, t: torch.Tensor) -> bool:
@@ -460,7 +463,7 @@ class ActivationRuntime:
         if self.ledger.resident > frame.stats.peak_resident:
             frame.stats.peak_resident = self.ledger.resident
         store = _OffloadStore(self.engine, handle, storage.device, node.nbytes, pin, frame)
-        self._inflight.append(store)
+        self._inflight.append(weakref.ref(store))
         node.offloaded[state] = store
         frame.stats.bytes_by_choice["offload"] += node.nbytes
         return _Offloaded(store, meta)
