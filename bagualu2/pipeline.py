@@ -47,6 +47,10 @@ this rank executes, in order, and compares them with the schedule's own action l
                        micro-batch plus ``stacked_forwards - 1`` more of similar size on top
                        of what is resident now.
 ``step``               schedule steps completed on this rank.
+``upcoming``           the rank's remaining compute actions after the running one, in
+                       order, as ``(kind, stage, micro-batch)``; ``next_backward`` is the
+                       first ``B``/``I`` among them (whose reloads an overlap scheduler
+                       prefetches, or whose recompute it may pull into a bubble).
 =====================  ================================================================
 
 Two ways to read it, pick whichever suits the caller:
@@ -365,6 +369,12 @@ class PipelineState:
     stacked_forwards: int
     step: int
     rank: int
+    upcoming: tuple[tuple[str, int, int], ...] = ()
+
+    @property
+    def next_backward(self) -> tuple[str, int, int] | None:
+        """The next ``B``/``I`` action after the running one (what to prefetch or recompute for)."""
+        return next((a for a in self.upcoming if a[0] in ("B", "I")), None)
 
 
 _IDLE_STATE = PipelineState(Phase.IDLE, None, None, None, 0, 0, 0, 0)
@@ -507,8 +517,9 @@ class PipelinePhaseTracker:
         else:
             phase = Phase.COOLDOWN
         kind, stage, mb = action if action is not None else (None, None, None)
+        upcoming = tuple(a for a in remaining if a != action)
         return PipelineState(
-            phase, kind, stage, mb, len(self._held), self._stacked(remaining), self._steps, self.rank
+            phase, kind, stage, mb, len(self._held), self._stacked(remaining), self._steps, self.rank, upcoming
         )
 
     def _emit(self, event: str) -> None:
@@ -838,3 +849,21 @@ def launch(
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+# ---------------------------------------------------------------------------------------------
+# bagualu2 on a pipeline
+# ---------------------------------------------------------------------------------------------
+
+
+def enable_bagualu2(pipe: Pipeline, **kwargs: Any):
+    """``bagualu2.enable`` on this rank's stage modules (one provisioner, one budget per rank).
+
+    Keyword arguments go to ``bagualu2.enable`` (budget, policy, on_exceed, ...).
+    """
+    import bagualu2
+
+    if not hasattr(bagualu2, "enable"):
+        raise RuntimeError("bagualu2.enable is not available in this build")
+    module = pipe.modules[0] if len(pipe.modules) == 1 else nn.ModuleList(pipe.modules)
+    return bagualu2.enable(module, **kwargs)

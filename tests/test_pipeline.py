@@ -56,7 +56,7 @@ def _run_job(rank: int, world_size: int, job: dict) -> dict | None:
     phases: list[tuple] = []
     pipe.tracker.subscribe(
         lambda ev, st: phases.append((st.phase.name, st.action, st.stage_index, st.microbatch,
-                                      st.in_flight, st.stacked_forwards))
+                                      st.in_flight, st.stacked_forwards, list(st.upcoming)))
         if ev == "action_begin" else None
     )
     losses = pipe.train_step(tokens, targets)
@@ -173,8 +173,11 @@ def test_tracker_sees_every_action_in_schedule_order(request, world_size, schedu
         assert phases[0][0] == "WARMUP" and phases[0][1] == "F"
         order = {"WARMUP": 0, "STEADY": 1, "COOLDOWN": 2}
         assert [order[p[0]] for p in phases] == sorted(order[p[0]] for p in phases)
-        # stacked_forwards at each forward = forwards up to the next backward in the order.
-        for i, (ph, kind, stage, mb, in_flight, stacked) in enumerate(phases):
+        # upcoming = the rest of the order; stacked_forwards at each forward = forwards up to
+        # the next backward in the order.
+        for i, p in enumerate(phases):
+            assert [tuple(a) for a in p[6]] == observed[i + 1 :], f"rank {rank} action {i}: upcoming"
+        for i, (ph, kind, stage, mb, in_flight, stacked, _) in enumerate(phases):
             if kind != "F":
                 continue
             n = 0
@@ -184,7 +187,7 @@ def test_tracker_sees_every_action_in_schedule_order(request, world_size, schedu
                 n += k == "F"
             assert stacked == n, f"rank {rank} action {i}: stacked_forwards {stacked} != {n}"
         # in_flight at a forward = forwards run so far (this one included) minus released ones.
-        for i, (ph, kind, stage, mb, in_flight, stacked) in enumerate(phases):
+        for i, (ph, kind, stage, mb, in_flight, stacked, _) in enumerate(phases):
             held = set()
             for k, s, m in observed[: i + 1]:
                 if k == "F":

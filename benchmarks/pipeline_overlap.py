@@ -1,0 +1,275 @@
+"""Pipeline step time, exposed copy time and recompute time with bagualu2, overlap scheduler on/off.
+
+A gloo pipeline (2 or 4 CPU processes, 127.0.0.1) of the reference MoE model under one
+schedule (1F1B by default). Every mode runs the same steps from the same weights:
+
+  plain           the pipeline without bagualu2
+  keep_all        bagualu2 enabled, everything kept (the machinery's own cost)
+  recompute_all   everything releasable recomputed in backward
+  offload_all     everything releasable offloaded to the host arena
+  adaptive        tight budget (--budget-fraction of keep_all's peak on each rank), overlap off
+  adaptive+ovl    the same with the overlap scheduler on (when bagualu2 has one)
+
+Per rank and mode it measures, over --steps timed steps after one warm-up step:
+  step_s       wall time of schedule.step (the slowest rank's is the pipeline's)
+  reload_s     time backward waited for offloaded activations (exposed copy, H2D side)
+  offload_s    time forward waited for offload copies to finish (exposed copy, D2H side)
+  recompute_s  time backward spent rebuilding recomputed activations
+  peak_bytes   the rank's activation high-water mark (bagualu2's exact accounting)
+The three exposed times come from timers around bagualu2's unpack / settle calls
+(instrumentation local to this script). Decision latency is what ``prov.report()`` says.
+
+Prints a table and writes JSON (--json, default benchmarks/results/pipeline_overlap.json).
+On this CPU machine copies are memcpy by worker threads and compete with compute for the same
+two cores; on a GPU they would use the copy engines (see docs/pipeline.md).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import inspect
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import bagualu2
+from bagualu2 import pipeline as pp
+from bagualu2.models import MoEConfig, MoETransformer, synthetic_batches
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=2, choices=(2, 4))
+    p.add_argument("--schedule", default="1f1b", choices=sorted(pp.SCHEDULES))
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--microbatch-size", type=int, default=2)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per mode (after one warm-up step)")
+    p.add_argument("--budget-fraction", type=float, default=0.5, help="adaptive budget / keep_all peak")
+    p.add_argument("--modes", default="plain,keep_all,recompute_all,offload_all,adaptive,adaptive+ovl")
+    p.add_argument("--small", action="store_true", help="MoEConfig.small instead of bench (quick check)")
+    p.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results", "pipeline_overlap.json"))
+    p.add_argument("--timeout", type=float, default=1800.0)
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timers around bagualu2's activation runtime (this script only)
+# ---------------------------------------------------------------------------------------------
+
+TIMERS: dict[str, float] = collections.defaultdict(float)
+
+
+def _install_timers() -> bool:
+    try:
+        from bagualu2.activations import runtime as rt
+    except ImportError:
+        return False
+    cls = rt.ActivationRuntime
+    if getattr(cls, "_bench_timed", False):
+        return True
+    unpack, settle = cls._unpack, cls.settle
+
+    def timed_unpack(self, packed):
+        t0 = time.perf_counter()
+        try:
+            return unpack(self, packed)
+        finally:
+            kind = type(packed).__name__
+            if kind == "_Offloaded":
+                TIMERS["reload_s"] += time.perf_counter() - t0
+            elif kind == "_Recomputed":
+                TIMERS["recompute_s"] += time.perf_counter() - t0
+
+    def timed_settle(self, wait: bool = False):
+        t0 = time.perf_counter()
+        try:
+            return settle(self, wait)
+        finally:
+            if wait:
+                TIMERS["offload_s"] += time.perf_counter() - t0
+
+    cls._unpack, cls.settle, cls._bench_timed = timed_unpack, timed_settle, True
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank
+# ---------------------------------------------------------------------------------------------
+
+
+def _overlap_kwargs() -> dict | None:
+    """How to switch the overlap scheduler on, or None when this build has none."""
+    params = inspect.signature(bagualu2.enable).parameters if hasattr(bagualu2, "enable") else {}
+    if "overlap" in params:
+        return {"overlap": True}
+    return None
+
+
+def _mode_kwargs(mode: str, budget: int | None) -> dict | None:
+    if mode == "plain":
+        return None
+    if mode in ("keep_all", "recompute_all", "offload_all"):
+        return {"policy": mode}
+    if mode == "adaptive":
+        kw = {"policy": "adaptive", "budget": budget}
+        if _overlap_kwargs() is not None:
+            kw["overlap"] = False
+        return kw
+    if mode == "adaptive+ovl":
+        ovl = _overlap_kwargs()
+        return None if ovl is None else {"policy": "adaptive", "budget": budget, **ovl}
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def _report_value(report: dict, *names, default=None):
+    for n in names:
+        if n in report:
+            return report[n]
+    return default
+
+
+def _run_mode(rank, world_size, args, mode, budget) -> dict:
+    spec = pp.SCHEDULES[args.schedule]
+    n_stages = spec.num_stages(world_size)
+    base = MoEConfig.small if args.small else MoEConfig.bench
+    cfg = base(num_layers=max(n_stages, 4), max_seq_len=max(256, args.seq))
+    torch.manual_seed(0)
+    model = MoETransformer(cfg)
+    bsz = args.microbatch_size * args.microbatches
+    batches = list(synthetic_batches(cfg.vocab_size, bsz, args.seq + 1, seed=0, num_batches=args.steps + 1))
+    pipe = pp.build_pipeline(model, args.schedule, n_microbatches=args.microbatches,
+                             microbatch_example=batches[0][: args.microbatch_size, :-1])
+    kwargs = _mode_kwargs(mode, budget)
+    prov = pp.enable_bagualu2(pipe, **kwargs) if kwargs is not None else None
+    steps = []
+    TIMERS.clear()
+    for i, batch in enumerate(batches):
+        if i == 1:
+            TIMERS.clear()
+        tokens, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        pipe.zero_grad()
+        dist.barrier()
+        t0 = time.perf_counter()
+        pipe.train_step(tokens, targets)
+        dt = time.perf_counter() - t0
+        if i >= 1:
+            steps.append(dt)
+    out = {
+        "mode": mode,
+        "step_s": statistics.median(steps),
+        "reload_s": TIMERS["reload_s"] / len(steps),
+        "offload_s": TIMERS["offload_s"] / len(steps),
+        "recompute_s": TIMERS["recompute_s"] / len(steps),
+        "peak_bytes": None,
+        "budget_bytes": budget if kwargs and "budget" in kwargs else None,
+        "decision_ms": None,
+        "report": None,
+    }
+    if prov is not None:
+        rep = prov.report()
+        out["peak_bytes"] = _report_value(rep, "peak_bytes", "peak", "peak_resident")
+        lat = _report_value(rep, "decision_latency_ms", "decision_ms", "mean_decision_ms")
+        out["decision_ms"] = lat
+        out["report"] = {k: v for k, v in rep.items() if isinstance(v, (int, float, str, bool))}
+        prov.disable()
+    pipe.close()
+    return out
+
+
+def _rank_main(rank: int, world_size: int, args: argparse.Namespace, out_path: str) -> None:
+    _install_timers()
+    modes = [m for m in args.modes.split(",") if m]
+    results, budget = [], None
+    for mode in modes:
+        if _mode_kwargs(mode, 0) is None and mode != "plain":
+            if rank == 0:
+                print(f"  {mode}: not available in this build (skipped)", flush=True)
+            continue
+        if mode.startswith("adaptive") and budget is None:
+            keep = next((r for r in results if r["mode"] == "keep_all" and r["peak_bytes"]), None)
+            if keep is None:
+                keep = _run_mode(rank, world_size, args, "keep_all", None)
+            budget = int(keep["peak_bytes"] * args.budget_fraction)
+        r = _run_mode(rank, world_size, args, mode, budget)
+        r["rank"] = rank
+        gathered = [None] * world_size if rank == 0 else None
+        dist.gather_object(r, gathered, dst=0)
+        if rank == 0:
+            results.append(r)
+            results.extend(g for g in gathered[1:])
+            print(f"  {mode}: done", flush=True)
+        else:
+            results.append(r)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    tmp = args.json + ".ranks.tmp"
+    print(f"pipeline_overlap: {args.ranks} ranks, {args.schedule}, {args.microbatches} micro-batches of "
+          f"{args.microbatch_size}x{args.seq}, {'small' if args.small else 'bench'} model, gloo/CPU", flush=True)
+    t0 = time.perf_counter()
+    pp.launch(_rank_main, args.ranks, args, tmp, timeout_s=args.timeout)
+    with open(tmp) as f:
+        rows = json.load(f)
+    os.remove(tmp)
+    by_mode: dict[str, list[dict]] = collections.OrderedDict()
+    for r in rows:
+        by_mode.setdefault(r["mode"], []).append(r)
+    plain = max((r["step_s"] for r in by_mode.get("plain", [])), default=None)
+    summary = []
+    hdr = (f"{'mode':<14} {'step ms':>9} {'vs plain':>8} {'reload ms':>10} {'offload ms':>10} "
+           f"{'recomp ms':>10} {'peak KiB':>14} {'budget KiB':>10} {'decide ms':>9}")
+    print(hdr)
+    print("-" * len(hdr))
+    for mode, rs in by_mode.items():
+        step = max(r["step_s"] for r in rs)  # the pipeline runs at its slowest rank
+        row = {
+            "mode": mode,
+            "step_s": step,
+            "vs_plain": (step / plain) if plain else None,
+            "reload_s": sum(r["reload_s"] for r in rs),
+            "offload_s": sum(r["offload_s"] for r in rs),
+            "recompute_s": sum(r["recompute_s"] for r in rs),
+            "peak_bytes_per_rank": [r["peak_bytes"] for r in sorted(rs, key=lambda r: r["rank"])],
+            "budget_bytes_per_rank": [r["budget_bytes"] for r in sorted(rs, key=lambda r: r["rank"])],
+            "decision_ms": [r["decision_ms"] for r in rs],
+        }
+        summary.append(row)
+        peaks = "/".join("-" if p is None else f"{p / 1024:.0f}" for p in row["peak_bytes_per_rank"])
+        budgets = "/".join("-" if b is None else f"{b / 1024:.0f}" for b in row["budget_bytes_per_rank"])
+        lat = [d for d in row["decision_ms"] if isinstance(d, (int, float))]
+        print(f"{mode:<14} {step * 1e3:9.1f} {row['vs_plain'] or float('nan'):8.3f} "
+              f"{row['reload_s'] * 1e3:10.1f} {row['offload_s'] * 1e3:10.1f} {row['recompute_s'] * 1e3:10.1f} "
+              f"{peaks:>14} {budgets:>10} {(max(lat) if lat else float('nan')):9.3f}")
+    print("(reload/offload/recompute: summed over ranks, per step; peak/budget: per rank)")
+    out = {
+        "config": {k: v for k, v in vars(args).items() if k not in ("json",)},
+        "torch": torch.__version__,
+        "overlap_scheduler_available": _overlap_kwargs() is not None,
+        "wall_s": time.perf_counter() - t0,
+        "summary": summary,
+        "per_rank": rows,
+    }
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=2)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
