@@ -1,0 +1,3 @@
+from bagualu2.sim.cli import main
+
+raise SystemExit(main())
