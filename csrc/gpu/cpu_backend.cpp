@@ -3,8 +3,8 @@
 // A stream is one worker thread running its operations in FIFO order. A copy of at least
 // kParallelMinBytes is cut into pieces that a shared pool of copy threads and the stream
 // thread itself execute together; the stream starts its next operation only when every piece
-// is done, so stream order holds. Events carry two sequence numbers (recorded, completed) and
-// the completion time, which is all event_query / event_synchronize / event_elapsed_ms need.
+// is done, so stream order holds. Each record of an event is a fresh completion flag with a
+// timestamp, which is all event_query / event_synchronize / event_elapsed_ms need.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -132,42 +132,41 @@ private:
 };
 
 // ---------------------------------------------------------------------------------------------
-// Events: completion flags with sequence numbers and a completion timestamp.
-// Reference counted: an event may be destroyed while a record of it or a wait on it is still
-// queued on a stream (legal in CUDA too); queued operations hold a reference.
-struct CpuEvent {
-    std::atomic<int> refs{1};
+// Events. Each record creates a fresh Completion (flag + timestamp) that the stream operation
+// completes; the event points at its latest one. A wait captures the Completion current at the
+// call, so re-recording the event later (even on another stream) never satisfies or delays an
+// earlier wait: the semantics of cudaEventRecord / cudaStreamWaitEvent.
+struct Completion {
     std::mutex mutex;
     std::condition_variable cv;
-    std::uint64_t recorded = 0;
-    std::uint64_t completed = 0;
+    bool done = false;
     Clock::time_point when{};
 
-    void complete(std::uint64_t seq) {
-        {
-            std::lock_guard<std::mutex> lock(mutex);
-            if (seq > completed) {
-                completed = seq;
-                when = Clock::now();
-            }
-        }
+    void complete() {
+        std::lock_guard<std::mutex> lock(mutex);
+        done = true;
+        when = Clock::now();
         cv.notify_all();
     }
 
-    void wait_for(std::uint64_t seq) {
+    void wait() {
         std::unique_lock<std::mutex> lock(mutex);
-        cv.wait(lock, [&] { return completed >= seq; });
+        cv.wait(lock, [&] { return done; });
     }
 
-    CpuEvent* retain() {
-        refs.fetch_add(1);
-        return this;
+    bool ready() {
+        std::lock_guard<std::mutex> lock(mutex);
+        return done;
     }
+};
 
-    void unref() {
-        if (refs.fetch_sub(1) == 1) {
-            delete this;
-        }
+struct CpuEvent {
+    std::mutex mutex;
+    std::shared_ptr<Completion> latest;  // nullptr: never recorded (counts as complete)
+
+    std::shared_ptr<Completion> current() {
+        std::lock_guard<std::mutex> lock(mutex);
+        return latest;
     }
 };
 
@@ -296,76 +295,60 @@ public:
     }
 
     void stream_wait_event(Stream stream, Event event) override {
-        auto* ev = static_cast<CpuEvent*>(event);
-        std::uint64_t target = 0;
-        {
-            std::lock_guard<std::mutex> lock(ev->mutex);
-            target = ev->recorded;
+        auto target = static_cast<CpuEvent*>(event)->current();
+        if (target == nullptr) {
+            return;  // never recorded: nothing to wait for
         }
         if (stream == nullptr) {
-            ev->wait_for(target);  // the host thread is the stream: wait here
+            target->wait();  // the host thread is the stream: wait here
             return;
         }
-        ev->retain();
-        static_cast<CpuStream*>(stream)->enqueue([ev, target] {
-            ev->wait_for(target);
-            ev->unref();
-        });
+        static_cast<CpuStream*>(stream)->enqueue([target] { target->wait(); });
     }
 
     Event event_create(bool /*timing*/) override { return new CpuEvent(); }
 
-    void event_destroy(Event event) override { static_cast<CpuEvent*>(event)->unref(); }
+    void event_destroy(Event event) override { delete static_cast<CpuEvent*>(event); }
 
     void event_record(Event event, Stream stream) override {
         auto* ev = static_cast<CpuEvent*>(event);
-        std::uint64_t seq = 0;
+        auto completion = std::make_shared<Completion>();
         {
             std::lock_guard<std::mutex> lock(ev->mutex);
-            seq = ++ev->recorded;
+            ev->latest = completion;
         }
         if (stream == nullptr) {
-            ev->complete(seq);
+            completion->complete();
             return;
         }
-        ev->retain();
-        static_cast<CpuStream*>(stream)->enqueue([ev, seq] {
-            ev->complete(seq);
-            ev->unref();
-        });
+        static_cast<CpuStream*>(stream)->enqueue([completion] { completion->complete(); });
     }
 
     bool event_query(Event event) override {
-        auto* ev = static_cast<CpuEvent*>(event);
-        std::lock_guard<std::mutex> lock(ev->mutex);
-        return ev->completed >= ev->recorded;
+        auto c = static_cast<CpuEvent*>(event)->current();
+        return c == nullptr || c->ready();
     }
 
     void event_synchronize(Event event) override {
-        auto* ev = static_cast<CpuEvent*>(event);
-        std::uint64_t target = 0;
-        {
-            std::lock_guard<std::mutex> lock(ev->mutex);
-            target = ev->recorded;
+        auto c = static_cast<CpuEvent*>(event)->current();
+        if (c != nullptr) {
+            c->wait();
         }
-        ev->wait_for(target);
     }
 
     double event_elapsed_ms(Event start, Event end) override {
-        auto* a = static_cast<CpuEvent*>(start);
-        auto* b = static_cast<CpuEvent*>(end);
+        auto a = static_cast<CpuEvent*>(start)->current();
+        auto b = static_cast<CpuEvent*>(end)->current();
+        BAGUALU2_CHECK(a != nullptr && a->ready(), "event_elapsed_ms: start event has not completed");
+        BAGUALU2_CHECK(b != nullptr && b->ready(), "event_elapsed_ms: end event has not completed");
         Clock::time_point ta;
         Clock::time_point tb;
         {
             std::lock_guard<std::mutex> lock(a->mutex);
-            BAGUALU2_CHECK(a->recorded > 0 && a->completed >= a->recorded,
-                           "event_elapsed_ms: start event has not completed");
             ta = a->when;
         }
         {
             std::lock_guard<std::mutex> lock(b->mutex);
-            BAGUALU2_CHECK(b->recorded > 0 && b->completed >= b->recorded,
-                           "event_elapsed_ms: end event has not completed");
             tb = b->when;
         }
         return std::chrono::duration<double, std::milli>(tb - ta).count();

@@ -1,0 +1,56 @@
+"""The one place for backend parametrization and skip markers.
+
+* ``backend`` fixture: ``"cpu"`` always, plus the compiled GPU backend that matches torch's
+  device when one is present (``"cuda"`` on CUDA torch, ``"hip"`` on ROCm torch).
+* ``device`` fixture: the torch device the chosen backend copies from (cpu or cuda).
+* ``@pytest.mark.cuda_only``: skipped unless torch sees a CUDA/ROCm device and the matching
+  backend is compiled in.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bagualu2 import _C
+
+
+def _gpu_backends() -> list[str]:
+    if not torch.cuda.is_available():
+        return []
+    want = "hip" if getattr(torch.version, "hip", None) else "cuda"
+    return [want] if want in _C.backends() else []
+
+
+GPU_BACKENDS = _gpu_backends()
+BACKENDS = ["cpu"] + GPU_BACKENDS
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "cuda_only: needs a CUDA/ROCm device and the matching compiled backend")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    if GPU_BACKENDS:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA/ROCm device and a compiled GPU backend")
+    for item in items:
+        if "cuda_only" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def device(backend: str) -> torch.device:
+    return torch.device("cpu") if backend == "cpu" else torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.fixture
+def gpu_backend() -> str:
+    if not GPU_BACKENDS:
+        pytest.skip("needs a CUDA/ROCm device and a compiled GPU backend")
+    return GPU_BACKENDS[0]

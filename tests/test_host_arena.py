@@ -1,0 +1,309 @@
+"""HostArena invariants (csrc/offload/host_arena.h): each test names the one it defends."""
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from bagualu2 import _C
+from bagualu2.offload import HostArena
+
+ALIGN = 256
+
+
+def round_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@pytest.fixture
+def arena(backend: str) -> _C.HostArena:
+    return _C.HostArena(1 << 20, backend)
+
+
+# -- invariant 1: alignment, exact rounding, inside the reservation ----------------------------
+def test_blocks_are_256_aligned_and_rounded_to_256_not_powers_of_two(arena):
+    sizes = [1, 255, 256, 257, 1000, 3000, 4097, 65537]
+    ptrs = [arena.allocate(n) for n in sizes]
+    for n, p in zip(sizes, ptrs):
+        assert p is not None and p % ALIGN == 0
+        assert arena.block_size(p) == round_up(n), f"{n=} rounded to {arena.block_size(p)}"
+    assert arena.stats()["in_use"] == sum(round_up(n) for n in sizes)
+
+
+def test_blocks_never_overlap_and_stay_inside_the_reservation(arena):
+    rng = random.Random(0)
+    live = {}
+    for _ in range(500):
+        if live and rng.random() < 0.45:
+            p = rng.choice(list(live))
+            arena.free(p)
+            del live[p]
+        else:
+            n = rng.randint(1, 20000)
+            p = arena.allocate(n)
+            if p is not None:
+                live[p] = round_up(n)
+        spans = sorted(live.items())
+        for (a, na), (b, _) in zip(spans, spans[1:]):
+            assert a + na <= b, "overlapping blocks"
+        for p, n in spans:
+            assert arena.base <= p and p + n <= arena.base + arena.capacity
+
+
+# -- invariant 2: best fit ---------------------------------------------------------------------
+def test_best_fit_takes_the_smallest_gap_that_fits(arena):
+    # Layout: [A 4K][g1 8K][B 4K][g2 2K][C 4K][rest]
+    a = arena.allocate(4096)
+    g1 = arena.allocate(8192)
+    b = arena.allocate(4096)
+    g2 = arena.allocate(2048)
+    c = arena.allocate(4096)
+    assert None not in (a, b, c, g1, g2)
+    arena.free(g1)
+    arena.free(g2)
+    assert arena.allocate(1500) == g2, "1.5K must go to the 2K gap, not the 8K one"
+    assert arena.allocate(5000) == g1, "5K must go to the 8K gap, not the large tail"
+
+
+# -- invariant 3: coalescing, exhaustion -------------------------------------------------------
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 1, 0), (1, 0, 2), (0, 2, 1)])
+def test_free_neighbours_coalesce_into_one_block(arena, order):
+    third = arena.capacity // 3 // ALIGN * ALIGN
+    ptrs = [arena.allocate(third) for _ in range(3)]
+    for i in order:
+        arena.free(ptrs[i])
+    s = arena.stats()
+    assert s["largest_free_block"] == arena.capacity
+    assert s["fragmentation"] == 0.0 and s["in_use"] == 0
+    assert arena.allocate(arena.capacity) == arena.base
+
+
+def test_exhaustion_returns_none_counts_it_and_leaves_the_arena_usable(arena):
+    p = arena.allocate(arena.capacity - 1000)
+    assert p is not None
+    assert arena.allocate(4096) is None
+    assert arena.allocate(arena.capacity + 1) is None
+    assert arena.allocate(1 << 60) is None
+    s = arena.stats()
+    assert s["num_failed"] == 3 and s["in_use"] == round_up(arena.capacity - 1000)
+    assert arena.allocate(512) is not None  # the tail still serves small requests
+    arena.free(p)
+    assert arena.stats()["largest_free_block"] >= arena.capacity - 1024
+
+
+def test_fragmentation_reports_scattered_free_space(arena):
+    ptrs = [arena.allocate(4096) for _ in range(arena.capacity // 4096)]
+    for p in ptrs[::2]:
+        arena.free(p)
+    s = arena.stats()
+    assert s["largest_free_block"] == 4096
+    assert s["fragmentation"] > 0.99
+    assert arena.allocate(8192) is None, "no contiguous 8K although half the arena is free"
+
+
+# -- invariant 4: reuse only after the fences are ready ("re-used too soon") -------------------
+def test_block_freed_with_pending_fence_is_not_reused_too_soon(arena):
+    p = arena.allocate(arena.capacity)  # the whole arena: any reuse would have to be p
+    fence = _C.HostFence()
+    arena.free(p, [fence])
+    assert arena.stats()["pending"] == arena.capacity
+    assert arena.allocate(256) is None, "allocated inside a block whose copy is still in flight"
+    fence.signal()
+    assert arena.allocate(arena.capacity) == p
+
+
+def test_block_waits_for_every_fence_not_just_the_first(arena):
+    p = arena.allocate(arena.capacity)
+    f1, f2 = _C.HostFence(), _C.HostFence()
+    arena.free(p, [f1, f2])
+    f1.signal()
+    assert arena.allocate(256) is None
+    f2.signal()
+    assert arena.allocate(256) == p
+
+
+def test_free_with_already_ready_fences_is_immediate(arena):
+    p = arena.allocate(1000)
+    f = _C.HostFence()
+    f.signal()
+    arena.free(p, [f])
+    assert arena.stats()["pending"] == 0 and arena.stats()["largest_free_block"] == arena.capacity
+
+
+# -- invariant 6: stats ------------------------------------------------------------------------
+def test_stats_track_use_peak_and_counters_and_reset(arena):
+    a = arena.allocate(1000)
+    b = arena.allocate(3000)
+    arena.free(a)
+    s = arena.stats()
+    assert s["capacity"] == arena.capacity
+    assert s["in_use"] == round_up(3000)
+    assert s["peak_in_use"] == round_up(1000) + round_up(3000)
+    assert (s["num_allocs"], s["num_frees"], s["num_failed"]) == (2, 1, 0)
+    assert s["num_blocks"] == 1
+    assert s["free"] == arena.capacity - round_up(3000)
+    arena.reset_stats()
+    s = arena.stats()
+    assert s["peak_in_use"] == round_up(3000)
+    assert (s["num_allocs"], s["num_frees"], s["num_failed"]) == (0, 0, 0)
+    arena.free(b)
+
+
+# -- invariant 3 (errors are clear, state unchanged) -------------------------------------------
+def test_bad_input_raises_clear_errors_and_changes_nothing(arena):
+    p = arena.allocate(1000)
+    before = arena.stats()
+    with pytest.raises(ValueError, match="positive"):
+        arena.allocate(0)
+    with pytest.raises(ValueError, match="positive"):
+        arena.allocate(-5)
+    with pytest.raises(ValueError, match="foreign"):
+        arena.free(arena.base + arena.capacity + 4096)
+    with pytest.raises(ValueError, match="foreign"):
+        arena.free(12345)
+    with pytest.raises(ValueError, match="not the start"):
+        arena.free(p + ALIGN)
+    arena.free(p)
+    with pytest.raises(ValueError, match="freed twice"):
+        arena.free(p)
+    after = arena.stats()
+    assert after["num_failed"] == before["num_failed"]
+    assert after["in_use"] == 0
+
+
+def test_construction_errors_name_the_problem():
+    with pytest.raises(ValueError, match="positive"):
+        _C.HostArena(0, "cpu")
+    with pytest.raises(ValueError, match="compiled backends"):
+        _C.HostArena(4096, "no-such-backend")
+    with pytest.raises(ValueError, match="positive"):
+        HostArena(-1)
+    with pytest.raises(TypeError):
+        HostArena(1.5)  # type: ignore[arg-type]
+
+
+# -- invariant 5: thread safety ----------------------------------------------------------------
+def test_concurrent_allocate_free_from_many_threads_keeps_blocks_disjoint(backend):
+    arena = _C.HostArena(4 << 20, backend)
+    owned: list[list[tuple[int, int]]] = [[] for _ in range(8)]
+    errors: list[BaseException] = []
+
+    def worker(k: int) -> None:
+        rng = random.Random(k)
+        mine = []
+        try:
+            for _ in range(400):
+                if mine and rng.random() < 0.5:
+                    arena.free(mine.pop(rng.randrange(len(mine)))[0])
+                else:
+                    n = rng.randint(1, 16384)
+                    fence = None
+                    p = arena.allocate(n)
+                    if p is not None:
+                        mine.append((p, round_up(n)))
+                    if mine and rng.random() < 0.1:
+                        q, _ = mine.pop()
+                        fence = _C.HostFence()
+                        arena.free(q, [fence])
+                        fence.signal()
+            owned[k] = mine
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    spans = sorted(s for mine in owned for s in mine)
+    for (a, na), (b, _) in zip(spans, spans[1:]):
+        assert a + na <= b, "two threads were given overlapping blocks"
+    assert arena.stats()["in_use"] == sum(n for _, n in spans)
+    for p, _ in spans:
+        arena.free(p)
+    arena.allocate(1)  # reclaims pending blocks whose fences are signalled
+    assert arena.stats()["pending"] == 0
+
+
+# -- invariants 1-4 against a reference model (hypothesis state machine) -----------------------
+CAPACITY = 64 * 1024
+
+
+class ArenaModel(RuleBasedStateMachine):
+    """Random allocate / free / free-with-fence / complete sequences against a gap model.
+
+    The model keeps the occupied intervals (allocated, or pending with an unsignalled fence);
+    free space is the set of maximal gaps between them. The arena must answer every request
+    with the best-fitting gap's start (smallest gap that fits, lowest address on ties), or None
+    exactly when no gap fits.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arena = _C.HostArena(CAPACITY, "cpu")
+        self.base = self.arena.base
+        self.allocated: dict[int, int] = {}  # offset -> size
+        self.pending: dict[int, tuple[int, _C.HostFence]] = {}  # offset -> (size, fence)
+
+    def gaps(self) -> list[tuple[int, int]]:
+        occupied = sorted(list(self.allocated.items()) +
+                          [(o, s) for o, (s, f) in self.pending.items() if not f.ready()])
+        gaps, cursor = [], 0
+        for off, size in occupied:
+            if off > cursor:
+                gaps.append((cursor, off - cursor))
+            cursor = off + size
+        if cursor < CAPACITY:
+            gaps.append((cursor, CAPACITY - cursor))
+        return gaps
+
+    @rule(n=st.integers(min_value=1, max_value=20000))
+    def allocate(self, n: int) -> None:
+        size = round_up(n)
+        fitting = [g for g in self.gaps() if g[1] >= size]
+        p = self.arena.allocate(n)
+        # Reclaim in the model what the arena reclaimed: pending blocks whose fence is ready.
+        self.pending = {o: v for o, v in self.pending.items() if not v[1].ready()}
+        if not fitting:
+            assert p is None, f"allocated {n} bytes with no fitting gap"
+            return
+        best = min(fitting, key=lambda g: (g[1], g[0]))
+        assert p is not None, f"no block for {n} bytes though gap {best} fits"
+        assert p - self.base == best[0], f"not best fit: got {p - self.base}, want {best}"
+        self.allocated[p - self.base] = size
+
+    @precondition(lambda self: self.allocated)
+    @rule(data=st.data(), with_fence=st.booleans())
+    def free(self, data, with_fence: bool) -> None:
+        off = data.draw(st.sampled_from(sorted(self.allocated)))
+        size = self.allocated.pop(off)
+        if with_fence:
+            fence = _C.HostFence()
+            self.arena.free(self.base + off, [fence])
+            self.pending[off] = (size, fence)
+        else:
+            self.arena.free(self.base + off)
+
+    @precondition(lambda self: any(not f.ready() for _, f in self.pending.values()))
+    @rule(data=st.data())
+    def complete(self, data) -> None:
+        open_ = sorted(o for o, (_, f) in self.pending.items() if not f.ready())
+        self.pending[data.draw(st.sampled_from(open_))][1].signal()
+
+    @invariant()
+    def accounting_matches(self) -> None:
+        s = self.arena.stats()
+        assert s["in_use"] == sum(self.allocated.values())
+        assert s["num_blocks"] == len(self.allocated)
+        assert s["in_use"] + s["pending"] + s["free"] == CAPACITY
+
+
+ArenaModel.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+test_arena_matches_reference_model = ArenaModel.TestCase
