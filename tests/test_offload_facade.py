@@ -1,0 +1,290 @@
+"""bagualu2.offload: torch tensors through the engine and back (docs/CONTRACTS.md).
+
+Parametrized over compiled backends with a device present (tests/conftest.py): on cpu the
+tensors are host tensors; on cuda/hip they are device tensors.
+"""
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+
+from bagualu2 import _C
+from bagualu2.offload import CopyEngine, HostArena, OffloadHandle
+
+MiB = 1 << 20
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+          torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
+if hasattr(torch, "float8_e4m3fn"):
+    DTYPES.append(torch.float8_e4m3fn)
+
+
+def random_bits(shape, dtype, device, seed=0) -> torch.Tensor:
+    """Arbitrary bit patterns (NaN payloads, denormals, -0.0 included) of `dtype`."""
+    g = torch.Generator().manual_seed(seed)
+    numel = 1
+    for s in shape:
+        numel *= s
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (numel * itemsize,), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape).to(device)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    ac, bc = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+    return torch.equal(ac.view(-1).view(torch.uint8), bc.view(-1).view(torch.uint8)) \
+        if ac.numel() else True
+
+
+@pytest.fixture
+def engine(backend) -> CopyEngine:
+    return CopyEngine(HostArena(64 * MiB, backend))
+
+
+# -- exactness: dtypes, sizes, layouts ---------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip_is_bit_exact_for_every_dtype(engine, device, dtype):
+    t = random_bits((37, 11), dtype, device, seed=3)
+    h = engine.offload(t)
+    out = engine.reload(h)
+    assert out.dtype == dtype and out.shape == t.shape and out.stride() == t.stride()
+    assert out.device == t.device
+    assert same_bits(out, t)
+
+
+@pytest.mark.parametrize("numel", [0, 1, 3, 63, 257, 4099, 1_000_003])
+def test_round_trip_is_bit_exact_for_any_size_including_zero_and_unaligned(engine, device, numel):
+    t = random_bits((numel,), torch.int8, device, seed=numel)
+    h = engine.offload(t)
+    assert h.nbytes == numel
+    assert same_bits(engine.reload(h), t)
+
+
+LAYOUTS = {
+    "scalar": lambda x: x[0, 0, 0],
+    "transposed": lambda x: x.transpose(0, 2),
+    "channels_last": lambda x: x.unsqueeze(0).contiguous(memory_format=torch.channels_last),
+    "storage_offset": lambda x: x[3:],
+    "strided_gaps": lambda x: x[::4, :, ::3],
+    "expanded": lambda x: x[:, :1, :].expand(-1, 9, -1),
+    "narrow_last_dim": lambda x: x[..., 1:3],
+    "empty_slice": lambda x: x[:, 2:2],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_non_contiguous_layouts_keep_dtype_shape_and_strides(engine, device, layout):
+    base = random_bits((16, 9, 12), torch.float32, device, seed=7)
+    t = LAYOUTS[layout](base)
+    out = engine.reload(engine.offload(t))
+    assert out.shape == t.shape and out.stride() == t.stride() and out.dtype == t.dtype
+    assert same_bits(out, t)
+
+
+def test_reload_async_prefetch_returns_the_same_bits(engine, device):
+    t = random_bits((1000, 300), torch.bfloat16, device, seed=9)
+    h = engine.offload(t)
+    r = engine.reload_async(h)
+    out = r.wait()
+    assert same_bits(out, t)
+    with pytest.raises(ValueError, match="twice"):
+        r.wait()
+
+
+def test_a_handle_may_be_reloaded_many_times(engine, device):
+    # retain_graph / zero-bubble schedules unpack the same activation more than once.
+    t = random_bits((5000,), torch.float16, device, seed=11)
+    h = engine.offload(t)
+    outs = [engine.reload(h) for _ in range(3)] + [engine.reload_async(h).wait()]
+    assert all(same_bits(o, t) for o in outs)
+
+
+def test_reload_into_out_storage_view(engine, device):
+    # The activation runtime offloads uint8 views of whole storages and reloads into one.
+    t = random_bits((4096,), torch.float32, device, seed=12)
+    view = t.view(torch.uint8)
+    h = engine.offload(view)
+    out = torch.empty(view.numel(), dtype=torch.uint8, device=device)
+    assert engine.reload(h, out=out) is out
+    assert same_bits(out.view(torch.float32), t)
+    with pytest.raises(ValueError, match="too small"):
+        engine.reload(h, out=torch.empty(100, dtype=torch.uint8, device=device))
+
+
+def test_several_hundred_megabytes_round_trip(backend, device):
+    n = 320 * MiB
+    engine = CopyEngine(HostArena(n, backend))
+    t = torch.empty(n, dtype=torch.uint8, device=device)
+    t[::4096] = torch.arange(n // 4096, device=device).to(torch.uint8)  # cheap, non-trivial
+    t[-1] = 77
+    h = engine.offload(t)
+    out = engine.reload(h)
+    assert torch.equal(out, t)
+
+
+# -- ordering and lifetime ---------------------------------------------------------------------
+def test_source_is_kept_alive_until_its_copy_completed():
+    engine = CopyEngine(HostArena(16 * MiB, backend="cpu"))  # a cpu stream holds the copy
+    producer = _C.Stream("cpu")
+    gate = _C.HostFence()
+    producer.wait_fence(gate)  # hold the copy in flight
+    t = random_bits((2 * MiB,), torch.uint8, "cpu", seed=13)
+    expected = t.clone()
+    h = engine.offload(t, stream=producer)
+    del t
+    gc.collect()
+    garbage = [torch.full((2 * MiB,), 255, dtype=torch.uint8) for _ in range(8)]  # reuse freed memory
+    assert not h.done()
+    gate.signal()
+    h.wait()
+    assert torch.equal(engine.reload(h), expected)
+    del garbage
+
+
+def test_offload_sees_the_producers_final_data():
+    engine = CopyEngine(HostArena(16 * MiB, "cpu"))
+    producer = _C.Stream("cpu")
+    gate = _C.HostFence()
+    final = random_bits((3 * MiB,), torch.uint8, "cpu", seed=14)
+    t = torch.zeros_like(final)
+    producer.wait_fence(gate)
+    producer.copy(t.data_ptr(), final.data_ptr(), final.numel())  # producer still writing
+    h = engine.offload(t, stream=producer)
+    gate.signal()
+    assert torch.equal(engine.reload(h), final)
+
+
+@pytest.mark.cuda_only
+def test_device_offload_waits_for_the_producer_kernel(gpu_backend):
+    engine = CopyEngine(HostArena(64 * MiB, gpu_backend))
+    t = torch.zeros(8 * MiB, dtype=torch.uint8, device="cuda")
+    torch.cuda._sleep(50_000_000)  # keep the current stream busy...
+    t.fill_(42)  # ...so the final write lands long after offload() returns
+    h = engine.offload(t)
+    out = engine.reload(h)
+    torch.cuda.synchronize()
+    assert bool((out == 42).all())
+
+
+@pytest.mark.cuda_only
+def test_device_reload_on_a_side_stream_is_visible_to_that_stream(gpu_backend):
+    engine = CopyEngine(HostArena(64 * MiB, gpu_backend))
+    t = torch.randn(1 << 20, device="cuda")
+    h = engine.offload(t)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        out = engine.reload(h)
+        s = out.sum()
+    torch.cuda.synchronize()
+    assert torch.equal(s, t.sum())
+
+
+def test_dropping_a_handle_frees_its_block(engine, device):
+    t = random_bits((MiB,), torch.uint8, device)
+    h = engine.offload(t)
+    assert engine.arena.stats()["in_use"] >= MiB
+    h.wait()
+    del h
+    gc.collect()
+    engine.synchronize()
+    assert engine.arena.stats()["in_use"] == 0
+
+
+def test_exhaustion_returns_none(engine, device):
+    big = torch.empty(engine.arena.capacity, dtype=torch.uint8, device=device)
+    h = engine.offload(big)
+    assert h is not None
+    assert engine.offload(torch.ones(10, device=device)) is None
+    h.release()
+    engine.synchronize()
+    assert engine.offload(torch.ones(10, device=device)) is not None
+
+
+# -- misuse ------------------------------------------------------------------------------------
+def test_misuse_raises_clear_errors(engine, device):
+    t = random_bits((1000,), torch.float32, device)
+    h = engine.offload(t)
+    h.release()
+    assert h.released
+    with pytest.raises(ValueError, match="release"):
+        h.wait()
+    with pytest.raises(ValueError, match="release"):
+        h.done()
+    with pytest.raises(ValueError, match="release"):
+        h.release()
+    with pytest.raises(ValueError, match="released"):
+        engine.reload(h)
+    with pytest.raises(TypeError):
+        engine.offload(t.tolist())  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        engine.reload("not a handle")  # type: ignore[arg-type]
+    other = CopyEngine(HostArena(MiB, engine.backend))
+    with pytest.raises(ValueError, match="another CopyEngine"):
+        other.reload(engine.offload(t))
+    with pytest.raises(ValueError, match="contiguous"):
+        engine.reload(engine.offload(t), out=torch.empty(4000, 2, dtype=torch.uint8, device=device).t())
+
+
+def test_backend_selection_errors_name_what_is_compiled():
+    with pytest.raises(ValueError, match="compiled backends"):
+        HostArena(MiB, backend="tpu")
+    if "cuda" not in _C.backends():
+        with pytest.raises(ValueError, match=r"compiled backends: \['cpu'"):
+            HostArena(MiB, backend="cuda")
+    cpu_engine = CopyEngine(HostArena(MiB))
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cpu backend"):
+            cpu_engine.offload(torch.ones(3, device="cuda"))
+    with pytest.raises(ValueError, match="compiled backends"):
+        CopyEngine(HostArena(MiB), backend="nope")
+    gpu = [b for b in _C.backends() if b != "cpu"]
+    if gpu and torch.cuda.is_available():
+        with pytest.raises(ValueError, match="differs"):
+            CopyEngine(HostArena(MiB), backend=gpu[0])
+
+
+# -- concurrency -------------------------------------------------------------------------------
+def test_many_threads_through_one_engine_stay_bit_exact(engine, device):
+    errors = []
+
+    def worker(k: int) -> None:
+        try:
+            for i in range(25):
+                t = random_bits((1 + 997 * i * (k + 1) % 300_000,), torch.float32, device, seed=k * 100 + i)
+                h = engine.offload(t)
+                if h is None:
+                    continue
+                out = engine.reload_async(h).wait() if i % 2 else engine.reload(h)
+                if device.type != "cpu":
+                    torch.cuda.current_stream().synchronize()
+                assert same_bits(out, t), f"thread {k} iteration {i}"
+                h.release()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    engine.synchronize()
+    s = engine.stats()
+    assert s["d2h_bytes"] == s["h2d_bytes"] > 0
+    assert isinstance(engine.arena.stats()["peak_in_use"], int)
+
+
+def test_handle_reports_metadata(engine, device):
+    t = random_bits((3, 5), torch.int16, device)
+    h = engine.offload(t)
+    assert isinstance(h, OffloadHandle)
+    assert (h.nbytes, h.dtype, tuple(h.shape), h.stride) == (30, torch.int16, (3, 5), (5, 1))
+    h.wait()
+    assert h.done() and "done" in repr(h)
