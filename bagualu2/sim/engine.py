@@ -524,26 +524,29 @@ class Simulator:
         load = self.full_load(trace)
         steps = load.shape[0]
         max_load = float(max(load.max(), self.calm_imbalance))
-        spikes = np.flatnonzero(trace.fit(steps, self.M, len(self.moe_units)).spike)
-        showcase = int(spikes[0]) if spikes.size else 0
         results: Dict[str, PolicyResult] = {}
         for p in policies:
             state: dict = {}
             parts = []
             for b0 in range(0, steps, block):
-                sc = showcase - b0 if b0 <= showcase < b0 + block else -1
                 parts.append(self.simulate_policy(p, load[b0:b0 + block], max_load=max_load,
-                                                  showcase=sc, state=state))
+                                                  state=state))
                 if progress:
                     progress(min(block, steps - b0))
-            r = PolicyResult(
+            results[p] = PolicyResult(
                 p, np.concatenate([x.step_time for x in parts]),
                 np.concatenate([x.oom for x in parts]),
                 np.concatenate([x.peak for x in parts], axis=1),
-                np.concatenate([x.infeasible for x in parts]), parts[-1].mix,
-                next((x.timeline for x in parts if x.timeline), {}), parts[-1].cache)
-            results[p] = r
-        peak_stage = int(np.argmax(results[policies[0]].peak[:, showcase])) if policies else 0
+                np.concatenate([x.infeasible for x in parts]), parts[-1].mix, {}, parts[-1].cache)
+        # showcase: the step and stage with the highest peak of the first policy (keep_all when
+        # simulated: the spike that crashes it); every policy's memory timeline is recorded there
+        first = results[policies[0]]
+        showcase = int(np.argmax(first.peak.max(axis=0)))
+        peak_stage = int(np.argmax(first.peak[:, showcase]))
+        for p in policies:
+            one = self.simulate_policy(p, load[showcase:showcase + 1], max_load=max_load,
+                                       showcase=0, state={})
+            results[p].timeline = one.timeline
         spike_mask = trace.fit(steps, self.M, len(self.moe_units)).spike
         for r in results.values():
             r.summary = self.summarize(r, spike_mask)
