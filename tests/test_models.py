@@ -134,7 +134,7 @@ def test_routing_spike_reaches_requested_imbalance_on_small_config(imbalance):
     cfg = MoEConfig.small(num_layers=1)
     model = _model(cfg)
     with torch.no_grad():
-        for seed in range(3):
+        for seed in range(2):
             tokens = _tokens(cfg, batch=4, seq=64, seed=seed)
             model(tokens)
             calm = load_imbalance(model.layers[0].moe.router.last_tokens_per_expert)
@@ -214,12 +214,12 @@ def test_synthetic_batches_are_deterministic_and_learnable_walks():
 def test_training_lowers_the_loss():
     cfg = MoEConfig.tiny()
     model = _model(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
-    for tokens in synthetic_batches(cfg.vocab_size, 4, 32, seed=0, num_batches=30):
+    for tokens in synthetic_batches(cfg.vocab_size, 4, 16, seed=0, num_batches=20):
         loss = model(tokens)
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses

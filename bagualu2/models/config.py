@@ -80,16 +80,16 @@ class MoEConfig:
 
     @classmethod
     def small(cls, **overrides: Any) -> MoEConfig:
-        """Demo size: 2 layers, hidden 128, 8 experts (top-2); batch 4 x seq 64 per step."""
-        base = dict(vocab_size=512, hidden_size=128, num_layers=2, num_heads=4, num_experts=8,
-                    top_k=2, expert_hidden_size=256, max_seq_len=128)
+        """Demo size: 2 layers, hidden 256, 8 experts (top-2); batch 4 x seq 64 per step."""
+        base = dict(vocab_size=512, hidden_size=256, num_layers=2, num_heads=4, num_experts=8,
+                    top_k=2, expert_hidden_size=512, max_seq_len=128)
         return cls(**{**base, **overrides})
 
     @classmethod
     def bench(cls, **overrides: Any) -> MoEConfig:
-        """Benchmark size: 4 layers, hidden 256, 8 experts (top-2); batch 8 x seq 256 per step."""
-        base = dict(vocab_size=1024, hidden_size=256, num_layers=4, num_heads=8, num_experts=8,
-                    top_k=2, expert_hidden_size=512, max_seq_len=256)
+        """Benchmark size: 4 layers, hidden 384, 8 experts (top-2); batch 8 x seq 256 per step."""
+        base = dict(vocab_size=1024, hidden_size=384, num_layers=4, num_heads=6, num_experts=8,
+                    top_k=2, expert_hidden_size=768, max_seq_len=256)
         return cls(**{**base, **overrides})
 
     def replace(self, **changes: Any) -> MoEConfig:
