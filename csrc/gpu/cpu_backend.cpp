@@ -28,6 +28,7 @@ namespace {
 constexpr std::size_t kPageBytes = 4096;
 constexpr std::size_t kParallelMinBytes = std::size_t{1} << 20;  // below: one memcpy
 constexpr std::size_t kPieceMinBytes = std::size_t{512} << 10;
+constexpr std::size_t kInlineMaxBytes = std::size_t{64} << 10;  // idle stream: copy in caller
 
 using Clock = std::chrono::steady_clock;
 
@@ -185,13 +186,39 @@ public:
         thread_.join();  // drains queued work first
     }
 
-    void enqueue(std::function<void()> op) {
+    // Appends `op`; with `may_run_inline`, runs it right here instead when the stream is
+    // empty and idle (the worker cannot start anything meanwhile, so FIFO order holds). Cheap
+    // operations (small copies, event records) then cost no thread wake-up, which on a busy
+    // machine takes longer than the operation itself.
+    void submit(std::function<void()> op, bool may_run_inline) {
+        bool wake = false;
+        bool run_here = false;
         {
             std::lock_guard<std::mutex> lock(mutex_);
-            queue_.push_back(std::move(op));
             ++enqueued_;
+            if (!may_run_inline || running_ || !queue_.empty()) {
+                queue_.push_back(std::move(op));
+                // Wake the worker only for the first operation it will find: a copy enqueues
+                // several operations back to back and one wake-up serves them all.
+                wake = idle_ && queue_.size() == 1;
+            } else {
+                running_ = true;
+                run_here = true;
+            }
         }
-        cv_.notify_all();
+        if (run_here) {
+            run(op);
+            {
+                std::lock_guard<std::mutex> lock(mutex_);
+                running_ = false;
+                ++executed_;
+                wake = !queue_.empty();
+            }
+            done_cv_.notify_all();
+        }
+        if (wake) {
+            cv_.notify_one();
+        }
     }
 
     void synchronize() {
@@ -201,26 +228,34 @@ public:
     }
 
 private:
+    static void run(std::function<void()>& op) {
+        try {
+            op();
+        } catch (...) {
+            // Operations are memcpy, event completion and C++ host functions; none throws by
+            // contract, and a worker thread must not die with an exception.
+        }
+    }
+
     void loop() {
         for (;;) {
             std::function<void()> op;
             {
                 std::unique_lock<std::mutex> lock(mutex_);
-                cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+                idle_ = true;
+                cv_.wait(lock, [&] { return !running_ && (stopping_ || !queue_.empty()); });
+                idle_ = false;
                 if (queue_.empty()) {
                     return;  // stopping and drained
                 }
                 op = std::move(queue_.front());
                 queue_.pop_front();
+                running_ = true;
             }
-            try {
-                op();
-            } catch (...) {
-                // Operations are memcpy, event completion and C++ host functions; none throws
-                // by contract, and a worker thread must not die with an exception.
-            }
+            run(op);
             {
                 std::lock_guard<std::mutex> lock(mutex_);
+                running_ = false;
                 ++executed_;
             }
             done_cv_.notify_all();
@@ -234,6 +269,8 @@ private:
     std::deque<std::function<void()>> queue_;
     std::uint64_t enqueued_ = 0;
     std::uint64_t executed_ = 0;
+    bool idle_ = false;     // the worker is waiting for work
+    bool running_ = false;  // an operation is executing (on the worker or inline)
     bool stopping_ = false;
     // The worker (declared last: it starts after the fields above exist).
     std::thread thread_;
@@ -303,7 +340,8 @@ public:
             target->wait();  // the host thread is the stream: wait here
             return;
         }
-        static_cast<CpuStream*>(stream)->enqueue([target] { target->wait(); });
+        const bool ready = target->ready();
+        static_cast<CpuStream*>(stream)->submit([target] { target->wait(); }, ready);
     }
 
     Event event_create(bool /*timing*/) override { return new CpuEvent(); }
@@ -321,7 +359,7 @@ public:
             completion->complete();
             return;
         }
-        static_cast<CpuStream*>(stream)->enqueue([completion] { completion->complete(); });
+        static_cast<CpuStream*>(stream)->submit([completion] { completion->complete(); }, true);
     }
 
     bool event_query(Event event) override {
@@ -362,8 +400,9 @@ public:
             CopyPool::instance().copy(dst, src, bytes);
             return;
         }
-        static_cast<CpuStream*>(stream)->enqueue(
-            [dst, src, bytes] { CopyPool::instance().copy(dst, src, bytes); });
+        static_cast<CpuStream*>(stream)->submit(
+            [dst, src, bytes] { CopyPool::instance().copy(dst, src, bytes); },
+            bytes <= kInlineMaxBytes);
     }
 
     void launch_host_func(Stream stream, std::function<void()> fn) override {
@@ -371,7 +410,7 @@ public:
             fn();
             return;
         }
-        static_cast<CpuStream*>(stream)->enqueue(std::move(fn));
+        static_cast<CpuStream*>(stream)->submit(std::move(fn), false);  // may block
     }
 
 private:
