@@ -253,7 +253,8 @@ def test_calibrated_presets_reproduce_the_published_baselines() -> None:
 
 def test_measured_tables_drive_the_simulator() -> None:
     from bagualu2.models import MoEConfig
-    from bagualu2.sim.measured import MeasuredOp, measured_simulator, model_from_moe_config
+    from bagualu2.sim.measured import (MeasuredOp, measured_simulator, model_from_moe_config,
+                                       prediction_error)
 
     cfg = MoEConfig.tiny()
     model = model_from_moe_config(cfg, seq=64)
@@ -273,6 +274,9 @@ def test_measured_tables_drive_the_simulator() -> None:
     assert keep["oom_count"] > 0
     assert ada["oom_count"] == 0 and ada["infeasible_decisions"] == 0
     assert math.isfinite(ada["mean_step_s"]) and ada["tokens_per_s"] > keep["tokens_per_s"]
+    err = prediction_error(res, "adaptive", measured_step_s=ada["mean_step_s"] * 1.1,
+                           measured_peak_bytes=float(res.policies["adaptive"].peak.max()))
+    assert err["step_time_error"] == pytest.approx(1 / 1.1 - 1) and err["peak_error"] == 0.0
 
 
 # -- command line --------------------------------------------------------------------------------

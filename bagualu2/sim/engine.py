@@ -574,10 +574,11 @@ class Simulator:
         done = 0
         for i, (t, oom) in enumerate(zip(r.step_time.tolist(), r.oom.tolist())):
             if oom:
+                # the crashed attempt, the restart, and re-running every step since the last
+                # checkpoint (still not checkpointed afterwards: a second crash loses them again)
                 lost_i = t + self.restart_s + since_ckpt
                 total += lost_i
                 lost += lost_i
-                since_ckpt = 0.0  # resumed from the checkpoint, re-ran to here
             else:
                 total += t
                 since_ckpt += t

@@ -21,7 +21,7 @@ result = sim.run(generate_trace(20, 4, cfg.num_layers, ep=1))
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -30,8 +30,11 @@ from bagualu2.sim.engine import KindTable, Simulator
 from bagualu2.sim.layout import Layout
 from bagualu2.sim.models import ModelSpec, OpSpec, UnitOps
 
+if TYPE_CHECKING:  # pragma: no cover
+    from bagualu2.sim.engine import SimResult
+
 __all__ = ["MeasuredOp", "local_cluster", "measured_kind_table", "measured_simulator",
-           "model_from_moe_config"]
+           "model_from_moe_config", "prediction_error"]
 
 
 @dataclass(frozen=True)
@@ -156,3 +159,31 @@ def measured_simulator(model: ModelSpec, tables: Mapping[str, Sequence[MeasuredO
     sim.static = [float(static_bytes)] * sim.pp
     sim.dp_s = [0.0] * sim.pp
     return sim
+
+
+def prediction_error(result: "SimResult", policy: str, *, measured_step_s: float,
+                     measured_peak_bytes: float) -> Dict[str, float]:
+    """Relative errors of a simulation against a real run of the same configuration.
+
+    Args:
+        result: :meth:`Simulator.run` output (from :func:`measured_simulator`).
+        policy: the policy the real run used (e.g. ``"adaptive"``).
+        measured_step_s: mean step time of the real run.
+        measured_peak_bytes: peak resident bytes of the real run (the provisioner's accounting
+            on CPU, ``torch.cuda.max_memory_allocated`` on a device).
+
+    Returns:
+        ``{"predicted_step_s", "step_time_error", "predicted_peak_bytes", "peak_error"}``;
+        errors are (predicted - measured) / measured.
+    """
+    if policy not in result.policies:
+        raise ValueError(f"policy {policy!r} was not simulated; have {sorted(result.policies)}")
+    if measured_step_s <= 0 or measured_peak_bytes <= 0:
+        raise ValueError(f"measurements must be > 0, got step {measured_step_s} s, "
+                         f"peak {measured_peak_bytes} bytes")
+    r = result.policies[policy]
+    step = float(r.summary["mean_step_s"])
+    peak = float(r.peak.max())
+    return {"predicted_step_s": step, "step_time_error": (step - measured_step_s) / measured_step_s,
+            "predicted_peak_bytes": peak,
+            "peak_error": (peak - measured_peak_bytes) / measured_peak_bytes}
