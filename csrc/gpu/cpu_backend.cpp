@@ -27,7 +27,7 @@ namespace {
 
 constexpr std::size_t kPageBytes = 4096;
 constexpr std::size_t kParallelMinBytes = std::size_t{1} << 20;  // below: one memcpy
-constexpr std::size_t kPieceMinBytes = std::size_t{512} << 10;
+constexpr std::size_t kPieceMinBytes = std::size_t{256} << 10;
 constexpr std::size_t kInlineMaxBytes = std::size_t{64} << 10;  // idle stream: copy in caller
 
 using Clock = std::chrono::steady_clock;
@@ -43,14 +43,15 @@ public:
     }
 
     // Copies n bytes, splitting across the pool; the caller works too and returns when done.
+    // Pieces are claimed dynamically and there are several per thread, so a thread that the OS
+    // deschedules mid-copy (a busy machine) leaves little behind for the others to wait on.
     void copy(void* dst, const void* src, std::size_t n) {
-        const std::size_t max_pieces = threads_.size() + 1;
-        const std::size_t by_size = n / kPieceMinBytes;
-        const std::size_t pieces = std::min(max_pieces, by_size);
-        if (n < kParallelMinBytes || pieces < 2) {
+        const std::size_t workers = threads_.size() + 1;
+        if (n < kParallelMinBytes || workers < 2) {
             std::memcpy(dst, src, n);
             return;
         }
+        const std::size_t pieces = std::max<std::size_t>(2, std::min(4 * workers, n / kPieceMinBytes));
         auto job = std::make_shared<Job>();
         job->dst = static_cast<char*>(dst);
         job->src = static_cast<const char*>(src);
