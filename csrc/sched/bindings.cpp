@@ -1,6 +1,117 @@
-// Placeholder: the sched component registers its bindings here.
+// Python bindings of the sched component: Planner, PlanCache (and the overlap scheduler).
+// The Python facades (bagualu2/planner.py, bagualu2/overlap.py) are the public interface.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
 #include "bindings/registry.h"
+#include "common/check.h"
+#include "sched/plan_cache.h"
+#include "sched/planner.h"
+
+namespace py = pybind11;
 
 namespace bagualu2 {
-void register_sched(pybind11::module_& /*m*/) {}
+
+namespace {
+
+// Parallel lists -> candidates (the facade passes columns, which converts fastest).
+std::vector<Candidate> make_candidates(const std::vector<std::string>& keys,
+                                       const std::vector<std::int64_t>& nbytes,
+                                       const std::vector<double>& recompute_s,
+                                       const std::vector<double>& offload_s,
+                                       const std::vector<double>& reload_s,
+                                       const std::vector<bool>& can_offload,
+                                       const std::vector<bool>& can_recompute) {
+    const std::size_t n = keys.size();
+    BAGUALU2_CHECK(nbytes.size() == n && recompute_s.size() == n && offload_s.size() == n &&
+                       reload_s.size() == n && can_offload.size() == n &&
+                       can_recompute.size() == n,
+                   "candidate columns differ in length (", n, " keys)");
+    std::vector<Candidate> out(n);
+    for (std::size_t i = 0; i < n; ++i) {
+        out[i] = Candidate{keys[i],      nbytes[i],      recompute_s[i],  offload_s[i],
+                           reload_s[i], can_offload[i], can_recompute[i]};
+    }
+    return out;
+}
+
+py::tuple plan_to_tuple(const Plan& p) {
+    std::vector<int> choices(p.choices.size());
+    for (std::size_t i = 0; i < p.choices.size(); ++i) choices[i] = static_cast<int>(p.choices[i]);
+    return py::make_tuple(choices, p.feasible, p.freed_bytes, p.shortfall_bytes, p.exposed_s,
+                          p.bound_s, p.quantum_bytes, p.offload_quantum_s, p.reload_quantum_s);
+}
+
+using PyPlanCache = PlanCache<py::object>;
+
+}  // namespace
+
+void register_sched(py::module_& m) {
+    py::class_<Planner>(m, "Planner", "Multiple-choice knapsack DP (see csrc/sched/planner.h).")
+        .def(py::init<std::int64_t, double, std::int64_t>(), py::arg("quantum_bytes") = 0,
+             py::arg("time_quantum_s") = 0.0, py::arg("max_cells") = 0)
+        .def(
+            "solve_columns",
+            [](Planner& self, const std::vector<std::string>& keys,
+               const std::vector<std::int64_t>& nbytes, const std::vector<double>& recompute_s,
+               const std::vector<double>& offload_s, const std::vector<double>& reload_s,
+               const std::vector<bool>& can_offload, const std::vector<bool>& can_recompute,
+               std::int64_t must_free_bytes, double offload_window_s, double reload_window_s) {
+                const auto cands = make_candidates(keys, nbytes, recompute_s, offload_s,
+                                                   reload_s, can_offload, can_recompute);
+                return plan_to_tuple(
+                    self.solve(cands, must_free_bytes, offload_window_s, reload_window_s));
+            },
+            "Solve; returns (choices, feasible, freed_bytes, shortfall_bytes, exposed_s, "
+            "bound_s, quantum_bytes, offload_quantum_s, reload_quantum_s).")
+        .def_property_readonly("quantum_bytes", &Planner::quantum_bytes)
+        .def_property_readonly("time_quantum_s", &Planner::time_quantum_s)
+        .def_property_readonly("max_cells", &Planner::max_cells);
+
+    py::class_<PyPlanCache>(m, "PlanCache", "Bounded LRU plan cache (see plan_cache.h).")
+        .def(py::init<std::int64_t>(), py::arg("capacity") = 4096)
+        .def(
+            "get",
+            [](PyPlanCache& self, std::int64_t layer, std::int64_t load_bucket,
+               std::int64_t phase, std::int64_t budget_bucket) -> py::object {
+                auto v = self.get(PlanKey{layer, load_bucket, phase, budget_bucket});
+                return v ? *v : py::none();
+            },
+            py::arg("layer"), py::arg("load_bucket"), py::arg("phase"), py::arg("budget_bucket"))
+        .def(
+            "put",
+            [](PyPlanCache& self, std::int64_t layer, std::int64_t load_bucket,
+               std::int64_t phase, std::int64_t budget_bucket, py::object plan) {
+                self.put(PlanKey{layer, load_bucket, phase, budget_bucket}, std::move(plan));
+            },
+            py::arg("layer"), py::arg("load_bucket"), py::arg("phase"), py::arg("budget_bucket"),
+            py::arg("plan"))
+        .def(
+            "contains",
+            [](const PyPlanCache& self, std::int64_t layer, std::int64_t load_bucket,
+               std::int64_t phase, std::int64_t budget_bucket) {
+                return self.contains(PlanKey{layer, load_bucket, phase, budget_bucket});
+            },
+            py::arg("layer"), py::arg("load_bucket"), py::arg("phase"), py::arg("budget_bucket"))
+        .def("clear", &PyPlanCache::clear)
+        .def("reset_stats", &PyPlanCache::reset_stats)
+        .def("__len__", &PyPlanCache::size)
+        .def_property_readonly("capacity", &PyPlanCache::capacity)
+        .def("stats", [](const PyPlanCache& self) {
+            const PlanCacheStats s = self.stats();
+            py::dict d;
+            d["hits"] = s.hits;
+            d["misses"] = s.misses;
+            d["hit_rate"] = s.hit_rate;
+            d["mean_lookup_us"] = s.mean_lookup_us;
+            d["evictions"] = s.evictions;
+            d["size"] = s.size;
+            d["capacity"] = s.capacity;
+            return d;
+        });
+}
+
 }  // namespace bagualu2

@@ -1,0 +1,286 @@
+"""Planner and plan cache: which saved activations to keep, offload or recompute.
+
+Contract (docs/CONTRACTS.md, ``bagualu2.planner``):
+
+- ``Planner(quantum_bytes=None).solve(candidates, must_free_bytes, offload_window_s,
+  reload_window_s) -> Plan`` picks one :class:`Choice` per :class:`Candidate` minimizing the
+  exposed time
+
+      sum(recompute_s of RECOMPUTE)
+      + max(0, sum(offload_s of OFFLOAD) - offload_window_s)
+      + max(0, sum(reload_s of OFFLOAD) - reload_window_s)
+
+  subject to ``freed_bytes >= must_free_bytes``. The C++ dynamic program (csrc/sched/planner.h)
+  rounds item bytes down and the target up, so a feasible plan always frees enough exact bytes;
+  copy times are rounded up, so ``Plan.bound_s`` never underestimates ``Plan.exposed_s``.
+  ``exposed_s`` itself is exact. When even releasing every releasable op is not enough,
+  ``plan.feasible`` is False, ``plan.shortfall_bytes`` says by how much, and the plan releases
+  every releasable op (the best effort) at the least exposed time.
+- ``PlanCache(capacity)``: bounded LRU keyed by (layer, load bucket, phase, budget bucket),
+  thread-safe, with hit/miss/latency stats. A stored plan must hold for the whole bucket, so
+  solve for the bucket's worst case (largest load, smallest budget) before ``put``.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, Mapping, Optional, Sequence, Tuple
+
+from bagualu2 import _C
+
+__all__ = ["Choice", "Candidate", "Plan", "Planner", "PlanCache"]
+
+
+class Choice(enum.IntEnum):
+    """What happens to one saved activation."""
+
+    KEEP = 0  #: stays on the device
+    OFFLOAD = 1  #: copied to pinned host memory in forward, reloaded before backward
+    RECOMPUTE = 2  #: dropped in forward, recomputed in backward
+
+
+_CHOICES: Tuple[Choice, Choice, Choice] = (Choice.KEEP, Choice.OFFLOAD, Choice.RECOMPUTE)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One saved activation the planner may release.
+
+    Attributes:
+        key: operator key, unique within one ``solve`` call.
+        nbytes: device bytes released when not kept.
+        recompute_s: seconds to recompute it in backward (always exposed).
+        offload_s: seconds of its D2H copy (shares the forward copy window).
+        reload_s: seconds of its H2D copy (shares the backward copy window).
+        can_offload: whether OFFLOAD is allowed.
+        can_recompute: whether RECOMPUTE is allowed.
+    """
+
+    key: str
+    nbytes: int
+    recompute_s: float
+    offload_s: float
+    reload_s: float
+    can_offload: bool = True
+    can_recompute: bool = True
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's answer: one :class:`Choice` per candidate key.
+
+    Attributes:
+        choices: key -> choice, in candidate order.
+        feasible: False when releasing every releasable op still frees too little.
+        freed_bytes: exact bytes released by the plan.
+        shortfall_bytes: ``max(0, must_free_bytes - bytes of all releasable ops)``.
+        exposed_s: exact exposed time of the plan (formula in the module docstring).
+        bound_s: the DP's conservative estimate of the exposed time (``>= exposed_s``).
+        quantum_bytes: byte quantum the DP used (1 when bytes were handled exactly).
+        offload_quantum_s: time quantum of the forward window (0.0: handled exactly).
+        reload_quantum_s: time quantum of the backward window (0.0: handled exactly).
+    """
+
+    choices: Dict[str, Choice]
+    feasible: bool = True
+    freed_bytes: int = 0
+    shortfall_bytes: int = 0
+    exposed_s: float = 0.0
+    bound_s: float = 0.0
+    quantum_bytes: int = 1
+    offload_quantum_s: float = 0.0
+    reload_quantum_s: float = 0.0
+    _mix: Dict[Choice, int] = field(default_factory=dict, repr=False, compare=False)
+
+    def __getitem__(self, key: str) -> Choice:
+        return self.choices[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.choices
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.choices)
+
+    def __len__(self) -> int:
+        return len(self.choices)
+
+    def get(self, key: str, default: Choice = Choice.KEEP) -> Choice:
+        """Choice for ``key``, or ``default`` (KEEP) for ops the planner never saw."""
+        return self.choices.get(key, default)
+
+    def mix(self) -> Dict[Choice, int]:
+        """Number of ops per choice, every choice present (zeros included)."""
+        if not self._mix:
+            counts = {c: 0 for c in Choice}
+            for c in self.choices.values():
+                counts[c] += 1
+            self._mix.update(counts)
+        return dict(self._mix)
+
+    @staticmethod
+    def keep_all(keys: Sequence[str] = ()) -> "Plan":
+        """The all-KEEP plan over ``keys`` (what ``must_free_bytes <= 0`` returns)."""
+        return Plan(choices={k: Choice.KEEP for k in keys})
+
+
+class Planner:
+    """Multiple-choice knapsack DP with shared copy windows (C++, torch-free).
+
+    Args:
+        quantum_bytes: byte quantum of the DP; None picks one automatically (the gcd of the
+            candidate sizes when the state table allows it, exact in that case). The quantum
+            is raised when the table would exceed ``max_cells``.
+        time_quantum_s: copy-time quantum for both windows; None picks ``window / slots``.
+        max_cells: DP states per op (latency and memory cap); None picks one from the
+            number of candidates (about 2^21 state updates per solve).
+
+    A Planner reuses its tables between solves and is not thread-safe; use one per thread.
+    """
+
+    def __init__(
+        self,
+        quantum_bytes: Optional[int] = None,
+        *,
+        time_quantum_s: Optional[float] = None,
+        max_cells: Optional[int] = None,
+    ) -> None:
+        self._impl = _C.Planner(
+            int(quantum_bytes or 0), float(time_quantum_s or 0.0), int(max_cells or 0)
+        )
+
+    def solve(
+        self,
+        candidates: Sequence[Candidate],
+        must_free_bytes: int,
+        offload_window_s: float,
+        reload_window_s: float,
+    ) -> Plan:
+        """Choose KEEP / OFFLOAD / RECOMPUTE per candidate.
+
+        Args:
+            candidates: ops that may be released; keys must be unique.
+            must_free_bytes: bytes the plan must release; ``<= 0`` returns all KEEP at once.
+            offload_window_s: forward compute time that hides D2H copies (``>= 0``, may be inf).
+            reload_window_s: backward compute time that hides H2D copies (``>= 0``, may be inf).
+
+        Returns:
+            The plan of least exposed time freeing at least ``must_free_bytes``; see
+            :class:`Plan` for the infeasible case.
+
+        Raises:
+            ValueError: negative or non-finite sizes or times, NaN windows, duplicate keys.
+        """
+        must = int(must_free_bytes)
+        if must <= 0:
+            choices = {c.key: Choice.KEEP for c in candidates}
+            if len(choices) != len(candidates):
+                seen: set = set()
+                dup = next(c.key for c in candidates if c.key in seen or seen.add(c.key))
+                raise ValueError(f"duplicate candidate key {dup!r}")
+            return Plan(choices=choices)
+        keys = [c.key for c in candidates]
+        (choices, feasible, freed, shortfall, exposed, bound, qb, qf, qr) = (
+            self._impl.solve_columns(
+                keys,
+                [c.nbytes for c in candidates],
+                [c.recompute_s for c in candidates],
+                [c.offload_s for c in candidates],
+                [c.reload_s for c in candidates],
+                [c.can_offload for c in candidates],
+                [c.can_recompute for c in candidates],
+                must,
+                float(offload_window_s),
+                float(reload_window_s),
+            )
+        )
+        return Plan(
+            choices={k: _CHOICES[c] for k, c in zip(keys, choices)},
+            feasible=feasible,
+            freed_bytes=freed,
+            shortfall_bytes=shortfall,
+            exposed_s=exposed,
+            bound_s=bound,
+            quantum_bytes=qb,
+            offload_quantum_s=qf,
+            reload_quantum_s=qr,
+        )
+
+    @staticmethod
+    def exposed_time(
+        candidates: Sequence[Candidate],
+        choices: Mapping[str, Choice],
+        offload_window_s: float,
+        reload_window_s: float,
+    ) -> float:
+        """Exact exposed time of any assignment (the objective the planner minimizes)."""
+        rec = off = rel = 0.0
+        for c in candidates:
+            ch = choices.get(c.key, Choice.KEEP)
+            if ch == Choice.RECOMPUTE:
+                rec += c.recompute_s
+            elif ch == Choice.OFFLOAD:
+                off += c.offload_s
+                rel += c.reload_s
+        return rec + max(0.0, off - offload_window_s) + max(0.0, rel - reload_window_s)
+
+
+class PlanCache:
+    """Bounded, thread-safe LRU cache of plans (C++).
+
+    Keyed by ``(layer, load_bucket, phase, budget_bucket)``, integers of the caller's choosing
+    (e.g. ``load_bucket = math.ceil(imbalance / 0.1)``; a stored plan must be valid for the
+    whole bucket). ``get`` hits and ``put`` both refresh an entry; a full cache evicts the least
+    recently used one.
+
+    Args:
+        capacity: maximum number of stored plans (``>= 1``).
+    """
+
+    __slots__ = ("_impl",)
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._impl = _C.PlanCache(int(capacity))
+
+    @property
+    def capacity(self) -> int:
+        return self._impl.capacity
+
+    def __len__(self) -> int:
+        return len(self._impl)
+
+    def get(self, layer: int, load_bucket: int, phase: int, budget_bucket: int) -> Optional[Plan]:
+        """Stored plan for this context, or None (counted as a miss)."""
+        return self._impl.get(layer, load_bucket, phase, budget_bucket)
+
+    def put(self, layer: int, load_bucket: int, phase: int, budget_bucket: int, plan: Plan) -> None:
+        """Store ``plan`` for this context (replacing any previous one)."""
+        if not isinstance(plan, Plan):
+            raise TypeError(f"PlanCache.put expects a Plan, got {type(plan).__name__}")
+        self._impl.put(layer, load_bucket, phase, budget_bucket, plan)
+
+    def contains(self, layer: int, load_bucket: int, phase: int, budget_bucket: int) -> bool:
+        """Whether a plan is stored for this context (does not touch stats or LRU order)."""
+        return self._impl.contains(layer, load_bucket, phase, budget_bucket)
+
+    def clear(self) -> None:
+        """Drop every stored plan (stats are kept)."""
+        self._impl.clear()
+
+    def stats(self) -> dict:
+        """``{"hits", "misses", "hit_rate", "mean_lookup_us", "evictions", "size", "capacity"}``."""
+        return self._impl.stats()
+
+    def reset_stats(self) -> None:
+        """Zero hits, misses, evictions and the latency sum; entries stay."""
+        self._impl.reset_stats()
+
+
+def load_bucket(imbalance: float, step: float = 0.1) -> int:
+    """Bucket index of a load imbalance (max / mean tokens), rounded up so that the bucket's
+    plan, solved for ``bucket * step``, covers every load in it."""
+    if not (imbalance >= 0 and math.isfinite(imbalance)):
+        raise ValueError(f"imbalance must be finite and >= 0, got {imbalance!r}")
+    if not step > 0:
+        raise ValueError(f"step must be > 0, got {step!r}")
+    return int(math.ceil(imbalance / step))

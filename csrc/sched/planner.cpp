@@ -1,0 +1,309 @@
+// Planner: multiple-choice knapsack DP with shared copy windows (see planner.h for invariants).
+#include "sched/planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <unordered_set>
+
+#include "common/check.h"
+
+namespace bagualu2 {
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Default DP states per op: keeps n * cells around 2^21 state updates (about 1 ms).
+std::int64_t default_cells(std::size_t n) {
+    const std::int64_t ops = std::max<std::int64_t>(1, static_cast<std::int64_t>(n));
+    return std::clamp<std::int64_t>((std::int64_t{1} << 21) / ops, 2048, 32768);
+}
+
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+// Smallest integer k (as a double, exact below 2^53) with k * q >= t; t >= 0, q > 0.
+double quanta_up(double t, double q) {
+    double k = std::ceil(t / q);
+    if (k * q < t) k += 1;
+    return k;
+}
+
+// Largest integer k (as a double) with k * q <= w; w >= 0, q > 0.
+double quanta_down(double w, double q) {
+    double k = std::floor(w / q);
+    if (k > 0 && k * q > w) k -= 1;
+    return std::max(0.0, k);
+}
+
+void validate(const std::vector<Candidate>& cands, double wf, double wb) {
+    BAGUALU2_CHECK(!std::isnan(wf) && wf >= 0, "offload_window_s must be >= 0, got ", wf);
+    BAGUALU2_CHECK(!std::isnan(wb) && wb >= 0, "reload_window_s must be >= 0, got ", wb);
+    std::unordered_set<std::string> seen;
+    seen.reserve(cands.size() * 2);
+    for (const auto& c : cands) {
+        BAGUALU2_CHECK(c.nbytes >= 0, "candidate '", c.key, "': nbytes must be >= 0, got ",
+                       c.nbytes);
+        BAGUALU2_CHECK(std::isfinite(c.recompute_s) && c.recompute_s >= 0, "candidate '", c.key,
+                       "': recompute_s must be finite and >= 0, got ", c.recompute_s);
+        BAGUALU2_CHECK(std::isfinite(c.offload_s) && c.offload_s >= 0, "candidate '", c.key,
+                       "': offload_s must be finite and >= 0, got ", c.offload_s);
+        BAGUALU2_CHECK(std::isfinite(c.reload_s) && c.reload_s >= 0, "candidate '", c.key,
+                       "': reload_s must be finite and >= 0, got ", c.reload_s);
+        BAGUALU2_CHECK(seen.insert(c.key).second, "duplicate candidate key '", c.key, "'");
+    }
+}
+
+}  // namespace
+
+Planner::Planner(std::int64_t quantum_bytes, double time_quantum_s, std::int64_t max_cells)
+    : quantum_bytes_(quantum_bytes), time_quantum_s_(time_quantum_s), max_cells_(max_cells) {
+    BAGUALU2_CHECK(quantum_bytes >= 0, "quantum_bytes must be >= 0 (0 = automatic), got ",
+                   quantum_bytes);
+    BAGUALU2_CHECK(std::isfinite(time_quantum_s) && time_quantum_s >= 0,
+                   "time_quantum_s must be finite and >= 0 (0 = automatic), got ", time_quantum_s);
+    BAGUALU2_CHECK(max_cells == 0 || max_cells >= 16,
+                   "max_cells must be 0 (automatic) or >= 16, got ", max_cells);
+}
+
+double Planner::exposed_time(const std::vector<Candidate>& candidates,
+                             const std::vector<Choice>& choices, double offload_window_s,
+                             double reload_window_s) {
+    BAGUALU2_CHECK(candidates.size() == choices.size(), "got ", choices.size(),
+                   " choices for ", candidates.size(), " candidates");
+    double rec = 0, off = 0, rel = 0;
+    for (std::size_t i = 0; i < candidates.size(); ++i) {
+        if (choices[i] == Choice::RECOMPUTE) rec += candidates[i].recompute_s;
+        if (choices[i] == Choice::OFFLOAD) {
+            off += candidates[i].offload_s;
+            rel += candidates[i].reload_s;
+        }
+    }
+    return rec + std::max(0.0, off - offload_window_s) + std::max(0.0, rel - reload_window_s);
+}
+
+Planner::Direction Planner::make_direction(const std::vector<double>& times, double window,
+                                           std::int64_t slots) const {
+    Direction dir;
+    const double total = std::accumulate(times.begin(), times.end(), 0.0);
+    if (total <= window) {  // also covers window == inf
+        dir.hidden = true;
+        return dir;
+    }
+    if (window <= total * 1e-12) {  // zero or negligible window: every copy exposed, exactly
+        dir.quantum = window;          // (overestimates by at most the window itself)
+        return dir;
+    }
+    dir.windowed = true;
+    const double max_slots = static_cast<double>(slots);
+    dir.quantum = time_quantum_s_ > 0 ? time_quantum_s_ : window / max_slots;
+    double wq = quanta_down(window, dir.quantum);
+    if (wq > max_slots) {  // requested quantum too fine for the state budget
+        dir.quantum = window / max_slots;
+        wq = quanta_down(window, dir.quantum);
+    }
+    dir.window_q = static_cast<std::int64_t>(wq);
+    return dir;
+}
+
+void Planner::run_dp(const std::vector<Candidate>& cands,
+                     const std::vector<std::int64_t>& bytes_q, std::int64_t need_q,
+                     const Direction& fwd, const Direction& bwd, std::vector<Choice>& out,
+                     double& bound) {
+    // 1. active ops: releasable and able to reduce the (quantized) need
+    std::vector<std::size_t> active;
+    for (std::size_t i = 0; i < cands.size(); ++i) {
+        if (bytes_q[i] > 0 && (cands[i].can_offload || cands[i].can_recompute)) active.push_back(i);
+    }
+    const std::size_t n = active.size();
+    const std::int64_t nd = need_q + 1;
+    const std::int64_t nf = fwd.windowed ? fwd.window_q + 1 : 1;
+    const std::int64_t nb = bwd.windowed ? bwd.window_q + 1 : 1;
+    const std::int64_t cells = nd * nf * nb;
+
+    // 2. per-op quantized copy times (rounded up) and exact costs of non-windowed directions
+    oq_.assign(n, 0);
+    rq_.assign(n, 0);
+    oqd_.assign(n, 0.0);
+    rqd_.assign(n, 0.0);
+    for (std::size_t k = 0; k < n; ++k) {
+        const Candidate& c = cands[active[k]];
+        // exposure uses the exact quanta count; the state move saturates past the window
+        if (fwd.windowed) {
+            oqd_[k] = quanta_up(c.offload_s, fwd.quantum);
+            oq_[k] = static_cast<std::int64_t>(std::min(oqd_[k], static_cast<double>(nf)));
+        }
+        if (bwd.windowed) {
+            rqd_[k] = quanta_up(c.reload_s, bwd.quantum);
+            rq_[k] = static_cast<std::int64_t>(std::min(rqd_[k], static_cast<double>(nb)));
+        }
+    }
+
+    // 3. terminal table: need met -> 0, else infeasible
+    const auto ucells = static_cast<std::size_t>(cells);
+    next_.assign(ucells, kInf);
+    std::fill(next_.begin(), next_.begin() + nf * nb, 0.0);
+    cur_.resize(ucells);
+    choice_.assign(n * ucells, static_cast<std::uint8_t>(Choice::KEEP));
+
+    // 4. backward over ops: H_k(d, f, b) = min over choices of cost + H_{k+1}(successor)
+    for (std::size_t k = n; k-- > 0;) {
+        const Candidate& c = cands[active[k]];
+        const std::int64_t bq = bytes_q[active[k]];
+        const double rec_cost = c.can_recompute ? c.recompute_s : kInf;
+        const bool can_off = c.can_offload;
+        const double off_fixed = (fwd.windowed || fwd.hidden ? 0.0 : c.offload_s) +
+                                 (bwd.windowed || bwd.hidden ? 0.0 : c.reload_s);
+        std::uint8_t* ch = choice_.data() + k * ucells;
+        std::copy(next_.begin(), next_.begin() + nf * nb, cur_.begin());  // d = 0: keep, cost 0
+        for (std::int64_t d = 1; d < nd; ++d) {
+            const std::int64_t dr = std::max<std::int64_t>(0, d - bq);
+            for (std::int64_t f = 0; f < nf; ++f) {
+                const std::int64_t f2 = std::max<std::int64_t>(0, f - oq_[k]);
+                const double ef = fwd.windowed
+                    ? std::max(0.0, oqd_[k] - static_cast<double>(f)) * fwd.quantum
+                    : 0.0;
+                const double* keep_row = next_.data() + (d * nf + f) * nb;
+                const double* rec_row = next_.data() + (dr * nf + f) * nb;
+                const double* off_row = next_.data() + (dr * nf + f2) * nb;
+                double* out_row = cur_.data() + (d * nf + f) * nb;
+                std::uint8_t* ch_row = ch + (d * nf + f) * nb;
+                for (std::int64_t b = 0; b < nb; ++b) {
+                    const std::int64_t b2 = std::max<std::int64_t>(0, b - rq_[k]);
+                    const double eb = bwd.windowed
+                        ? std::max(0.0, rqd_[k] - static_cast<double>(b)) * bwd.quantum
+                        : 0.0;
+                    double best = keep_row[b];
+                    std::uint8_t pick = static_cast<std::uint8_t>(Choice::KEEP);
+                    if (can_off) {
+                        const double v = off_fixed + ef + eb + off_row[b2];
+                        if (v < best) {
+                            best = v;
+                            pick = static_cast<std::uint8_t>(Choice::OFFLOAD);
+                        }
+                    }
+                    const double v = rec_cost + rec_row[b];
+                    if (v < best) {
+                        best = v;
+                        pick = static_cast<std::uint8_t>(Choice::RECOMPUTE);
+                    }
+                    out_row[b] = best;
+                    ch_row[b] = pick;
+                }
+            }
+        }
+        std::swap(cur_, next_);
+    }
+
+    // 5. read the plan forward from the start state (all needed, both windows free)
+    std::int64_t d = need_q, f = nf - 1, b = nb - 1;
+    bound = next_[static_cast<std::size_t>((d * nf + f) * nb + b)];
+    out.assign(cands.size(), Choice::KEEP);
+    if (!std::isfinite(bound)) return;
+    for (std::size_t k = 0; k < n; ++k) {
+        const auto pick = static_cast<Choice>(
+            choice_[k * ucells + static_cast<std::size_t>((d * nf + f) * nb + b)]);
+        out[active[k]] = pick;
+        if (pick == Choice::KEEP) continue;
+        d = std::max<std::int64_t>(0, d - bytes_q[active[k]]);
+        if (pick == Choice::OFFLOAD) {
+            f = std::max<std::int64_t>(0, f - oq_[k]);
+            b = std::max<std::int64_t>(0, b - rq_[k]);
+        }
+    }
+}
+
+Plan Planner::solve(const std::vector<Candidate>& candidates, std::int64_t must_free_bytes,
+                    double offload_window_s, double reload_window_s) {
+    // 1. validate; nothing to free -> all KEEP
+    validate(candidates, offload_window_s, reload_window_s);
+    Plan plan;
+    plan.choices.assign(candidates.size(), Choice::KEEP);
+    if (must_free_bytes <= 0) return plan;
+
+    // 2. exact feasibility: can releasing everything releasable reach the target?
+    std::int64_t releasable = 0, g = 0;
+    std::vector<double> off_times, rel_times;
+    for (const auto& c : candidates) {
+        if (!(c.can_offload || c.can_recompute) || c.nbytes == 0) continue;
+        releasable += c.nbytes;
+        g = std::gcd(g, c.nbytes);
+        if (c.can_offload) {
+            off_times.push_back(c.offload_s);
+            rel_times.push_back(c.reload_s);
+        }
+    }
+    plan.shortfall_bytes = std::max<std::int64_t>(0, must_free_bytes - releasable);
+    plan.feasible = plan.shortfall_bytes == 0;
+
+    // 3. state budget: bytes axis first (exact when the sizes allow), the rest to the windows
+    const std::int64_t cells = max_cells_ > 0 ? max_cells_ : default_cells(candidates.size());
+    BAGUALU2_CHECK(cells <= (std::int64_t{1} << 24), "max_cells must be <= 2^24, got ", cells);
+    auto windows_needed = [&](double w, const std::vector<double>& t) {
+        const double total = std::accumulate(t.begin(), t.end(), 0.0);
+        return (total > w && w > total * 1e-12) ? 1 : 0;
+    };
+    const int nt = windows_needed(offload_window_s, off_times) +
+                   windows_needed(reload_window_s, rel_times);
+    auto slots_for = [&](std::int64_t nd) {
+        if (nt == 0) return std::int64_t{1};
+        const double per = std::pow(static_cast<double>(cells) / static_cast<double>(nd),
+                                    1.0 / nt);
+        return std::max<std::int64_t>(1, static_cast<std::int64_t>(per) - 1);
+    };
+
+    std::vector<std::int64_t> bytes_q(candidates.size(), 0);
+    std::int64_t need_q = 0;
+    double bound = kInf;
+    if (plan.feasible) {
+        std::int64_t qb = quantum_bytes_ > 0 ? quantum_bytes_ : std::max<std::int64_t>(1, g);
+        // time axes: what a requested quantum needs, else at least 16 slots per window
+        std::int64_t time_cells = 1;
+        for (const auto& [w, t] : {std::pair{offload_window_s, &off_times},
+                                  std::pair{reload_window_s, &rel_times}}) {
+            if (!windows_needed(w, *t)) continue;
+            time_cells *= time_quantum_s_ > 0
+                ? static_cast<std::int64_t>(std::min(quanta_down(w, time_quantum_s_) + 1, 4096.0))
+                : 17;
+        }
+        const std::int64_t nd_cap = std::max<std::int64_t>(64, cells / time_cells);
+        const std::int64_t need_exact = ceil_div(must_free_bytes, qb);
+        if (need_exact + 1 > nd_cap) qb *= ceil_div(need_exact, nd_cap - 1);
+        need_q = ceil_div(must_free_bytes, qb);
+        for (std::size_t i = 0; i < candidates.size(); ++i) bytes_q[i] = candidates[i].nbytes / qb;
+        const std::int64_t slots = slots_for(need_q + 1);
+        const Direction fwd = make_direction(off_times, offload_window_s, slots);
+        const Direction bwd = make_direction(rel_times, reload_window_s, slots);
+        run_dp(candidates, bytes_q, need_q, fwd, bwd, plan.choices, bound);
+        plan.quantum_bytes = qb;
+        plan.offload_quantum_s = fwd.quantum;
+        plan.reload_quantum_s = bwd.quantum;
+    }
+
+    // 4. infeasible (exactly, or only after rounding): release every releasable op, cheapest mix
+    if (!std::isfinite(bound)) {
+        need_q = 0;
+        for (std::size_t i = 0; i < candidates.size(); ++i) {
+            const Candidate& c = candidates[i];
+            bytes_q[i] = ((c.can_offload || c.can_recompute) && c.nbytes > 0) ? 1 : 0;
+            need_q += bytes_q[i];
+        }
+        const std::int64_t slots = slots_for(need_q + 1);
+        const Direction fwd = make_direction(off_times, offload_window_s, slots);
+        const Direction bwd = make_direction(rel_times, reload_window_s, slots);
+        run_dp(candidates, bytes_q, need_q, fwd, bwd, plan.choices, bound);
+        plan.offload_quantum_s = fwd.quantum;
+        plan.reload_quantum_s = bwd.quantum;
+    }
+
+    // 5. exact accounting of the chosen plan
+    for (std::size_t i = 0; i < candidates.size(); ++i) {
+        if (plan.choices[i] != Choice::KEEP) plan.freed_bytes += candidates[i].nbytes;
+    }
+    plan.exposed_s = exposed_time(candidates, plan.choices, offload_window_s, reload_window_s);
+    plan.bound_s = std::max(bound, plan.exposed_s);
+    return plan;
+}
+
+}  // namespace bagualu2
