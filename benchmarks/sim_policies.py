@@ -35,6 +35,43 @@ SCENARIOS = [  # (model, tp, pp, vpp, ep, dp)
 ]
 
 
+PUBLISHED = {"static": 1.16, "adaptive": 1.22, "adaptive_overlap": 1.38}
+PUBLISHED_VS_TUNED_STATIC = 1.14
+
+
+def run_ablation(cluster, steps: int, seed: int) -> List[Dict[str, object]]:  # noqa: ANN001
+    """Predicted vs published ablation on the calibration scenario, at the aggressive
+    baseline's tuned micro-batch and at a memory-tight one (2.5x longer sequences)."""
+    from bagualu2.sim.calibrate import reference_setup
+
+    model, _, ref = reference_setup(cluster)
+    out: List[Dict[str, object]] = []
+    print()
+    print("ablation over full recompute (recompute_all) and over the static plan, "
+          f"{model.name}, {ref.world:,} accelerators; published: fine-grained 1.16x, "
+          f"+dynamic 1.22x, +overlap 1.38x, 1.14x over the tuned static baseline")
+    print(f"{'scenario':34s} {'static':>8s} {'adaptive':>9s} {'+overlap':>9s} "
+          f"{'ovl/static':>10s} {'ovl/keep_all':>12s}")
+    for label, seq in (("tuned aggressive micro-batch", ref.seq),
+                       ("memory-tight (2.5x tokens)", int(ref.seq * 2.5) // 64 * 64)):
+        lay = dataclasses.replace(ref, seq=seq)
+        sim = Simulator(model, cluster, lay)
+        res = sim.run(generate_trace(steps, lay.m, len(sim.moe_units), ep=lay.ep, seed=seed))
+        t = {p: r.summary["tokens_per_s"] for p, r in res.policies.items()}
+        row = {"scenario": label, "seq": seq,
+               **{f"{p}_vs_recompute": t[p] / t["recompute_all"] for p in PUBLISHED},
+               "overlap_vs_static": t["adaptive_overlap"] / t["static"],
+               "overlap_vs_keep_all": (t["adaptive_overlap"] / t["keep_all"]
+                                       if t["keep_all"] else float("inf")),
+               "mfu": {p: r.summary["mfu"] for p, r in res.policies.items()},
+               "keep_all_ooms": res.policies["keep_all"].summary["oom_count"]}
+        out.append(row)
+        print(f"{label + f' (seq {seq})':34s} {row['static_vs_recompute']:8.3f} "
+              f"{row['adaptive_vs_recompute']:9.3f} {row['adaptive_overlap_vs_recompute']:9.3f} "
+              f"{row['overlap_vs_static']:10.3f} {row['overlap_vs_keep_all']:12.3f}")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cluster", default="dcu-64g")
@@ -68,9 +105,10 @@ def main() -> int:
             print(f"{name:18s} {lay.world:6d} {f'tp{tp} pp{pp}x{vpp} ep{ep} dp{dp}':24s} {lay.seq:5d} "
                   f"{p:17s} {s['tokens_per_s']:12,.0f} {s['mfu']:6.1%} {s['oom_count']:4d} "
                   f"{row['vs_recompute']:8.3f} {row['vs_static']:8.3f} {wall:6.1f}")
+    ablation = run_ablation(cluster, args.steps, args.seed)
     (out / "sim_policies.json").write_text(json.dumps(
-        {"cluster": args.cluster, "steps": args.steps, "seed": args.seed, "rows": rows}, indent=1,
-        default=float))
+        {"cluster": args.cluster, "steps": args.steps, "seed": args.seed, "rows": rows,
+         "ablation": ablation}, indent=1, default=float))
     # one line per policy; where two models share a size the larger model is plotted
     largest: Dict[tuple, Dict[str, object]] = {}
     for r in rows:
