@@ -114,6 +114,9 @@ __all__ = [
     "StepResult",
     "gather_step_result",
     "launch",
+    "enable_bagualu2",
+    "RankStages",
+    "StageEntry",
 ]
 
 
@@ -615,6 +618,7 @@ class Pipeline:
     world_size: int
     num_stages: int
     n_microbatches: int
+    _cleanups: list = dataclasses.field(default_factory=list)
 
     @property
     def has_first_stage(self) -> bool:
@@ -641,6 +645,9 @@ class Pipeline:
         return losses
 
     def close(self) -> None:
+        """Undo enable_bagualu2's wiring and the tracker's wrappers."""
+        while self._cleanups:
+            self._cleanups.pop()()
         self.tracker.close()
 
 
@@ -856,14 +863,80 @@ def launch(
 # ---------------------------------------------------------------------------------------------
 
 
-def enable_bagualu2(pipe: Pipeline, **kwargs: Any):
-    """``bagualu2.enable`` on this rank's stage modules (one provisioner, one budget per rank).
+class RankStages(nn.Module):
+    """All stage modules of one rank behind one forward, so one provisioner serves them all.
 
-    Keyword arguments go to ``bagualu2.enable`` (budget, policy, on_exceed, ...).
+    ``bagualu2.enable`` treats each call of a module's forward as one micro-batch. A rank of an
+    interleaved or V schedule runs two stage modules; provisioning each separately would split
+    the rank's budget in two fixed halves. Instead the rank's PipelineStages call
+    ``rank_stages(x, stage=i)`` (through ``StageEntry``), so there is one forward, one ledger
+    and one budget per rank, and every stage forward is still its own micro-batch.
     """
-    import bagualu2
 
-    if not hasattr(bagualu2, "enable"):
-        raise RuntimeError("bagualu2.enable is not available in this build")
-    module = pipe.modules[0] if len(pipe.modules) == 1 else nn.ModuleList(pipe.modules)
-    return bagualu2.enable(module, **kwargs)
+    def __init__(self, modules: Sequence[nn.Module]):
+        super().__init__()
+        self.stages = nn.ModuleList(modules)
+
+    def forward(self, x: torch.Tensor, stage: int = 0) -> torch.Tensor:
+        return self.stages[stage](x)
+
+
+class StageEntry(nn.Module):
+    """What a PipelineStage runs for local stage ``i``: the call goes through ``RankStages``.
+
+    Its parameters are exactly the stage module's (what torch's split backward differentiates
+    against); the ``RankStages`` root is referenced, not registered.
+    """
+
+    def __init__(self, root: RankStages, index: int):
+        super().__init__()
+        self.stage = root.stages[index]
+        self.index = index
+        object.__setattr__(self, "_root", root)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._root(x, stage=self.index)
+
+
+def enable_bagualu2(pipe: Pipeline, **kwargs: Any):
+    """``bagualu2.enable`` on this rank's stages, fed by the pipeline's phase tracker.
+
+    One provisioner and one budget per rank: a rank with one stage provisions that stage
+    module; a rank with several (interleaved, V schedules) provisions a ``RankStages`` over
+    them. Before each forward the provisioner learns the phase and how many other forwards
+    will stack on this rank before its next backward (``Provisioner.set_pipeline_phase``); at
+    the end of each schedule step ``Provisioner.step()`` is called. Keyword arguments go to
+    ``bagualu2.enable`` (budget, policy, on_exceed, ...). ``pipe.close()`` undoes the wiring;
+    ``prov.disable()`` removes bagualu2 itself.
+    """
+    try:
+        from bagualu2 import enable
+    except ImportError:
+        from bagualu2.provisioner import enable
+
+    if len(pipe.modules) == 1:
+        root: nn.Module = pipe.modules[0]
+    else:
+        root = RankStages(pipe.modules)
+        originals = [st.submod for st in pipe.stages]
+        for i, st in enumerate(pipe.stages):
+            st.submod = StageEntry(root, i)
+
+        def restore() -> None:
+            for st, sub in zip(pipe.stages, originals):
+                st.submod = sub
+
+        pipe._cleanups.append(restore)
+    prov = enable(root, **kwargs)
+
+    def on_event(event: str, state: PipelineState) -> None:
+        if not prov.enabled:
+            return
+        if event == "action_begin" and state.action == "F":
+            prov.set_pipeline_phase(state.phase.name.lower(), max(0, state.stacked_forwards - 1))
+        elif event == "step_end":
+            prov.set_pipeline_phase("none", 0)
+            prov.step()
+
+    pipe._cleanups.append(pipe.tracker.subscribe(on_event))
+    return prov
