@@ -83,8 +83,9 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: List[Dict[str, object]] = []
-    print(f"{'model':18s} {'world':>6s} {'layout':24s} {'seq':>5s} {'policy':17s} {'tokens/s':>12s} "
-          f"{'MFU':>6s} {'OOMs':>4s} {'x recomp':>8s} {'x static':>8s} {'sim s':>6s}")
+    print(f"{'model':18s} {'world':>6s} {'layout':24s} {'seq':>5s} {'policy':17s} "
+          f"{'tokens/s':>12s} {'MFU':>6s} {'OOMs':>4s} {'x recomp':>8s} {'x static':>8s} "
+          f"{'sim s':>6s}")
     for name, tp, pp, vpp, ep, dp in SCENARIOS:
         model = get_model(name)
         lay = Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, dp=dp)
@@ -102,8 +103,9 @@ def main() -> int:
                        vs_recompute=s["tokens_per_s"] / base["recompute_all"],
                        vs_static=s["tokens_per_s"] / base["static"])
             rows.append(row)
-            print(f"{name:18s} {lay.world:6d} {f'tp{tp} pp{pp}x{vpp} ep{ep} dp{dp}':24s} {lay.seq:5d} "
-                  f"{p:17s} {s['tokens_per_s']:12,.0f} {s['mfu']:6.1%} {s['oom_count']:4d} "
+            shape = f"tp{tp} pp{pp}x{vpp} ep{ep} dp{dp}"
+            print(f"{name:18s} {lay.world:6d} {shape:24s} {lay.seq:5d} {p:17s} "
+                  f"{s['tokens_per_s']:12,.0f} {s['mfu']:6.1%} {s['oom_count']:4d} "
                   f"{row['vs_recompute']:8.3f} {row['vs_static']:8.3f} {wall:6.1f}")
     ablation = run_ablation(cluster, args.steps, args.seed)
     (out / "sim_policies.json").write_text(json.dumps(

@@ -1,7 +1,6 @@
 """Tests of the cluster-scale simulator (bagualu2.sim): each test names the invariant it defends."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
@@ -15,8 +14,7 @@ from bagualu2.sim.engine import POLICIES, Simulator, planner_api
 from bagualu2.sim.layout import Layout, stage_static_bytes
 from bagualu2.sim.models import MODEL_PRESETS, OP_TABLE, ModelSpec, get_model, unit_ops
 from bagualu2.sim.schedule import Timeline, inflight_depth, schedule
-from bagualu2.sim.traces import (LoadTrace, generate_trace, rank_counts, read_telemetry,
-                                 write_telemetry)
+from bagualu2.sim.traces import generate_trace, rank_counts, read_telemetry, write_telemetry
 
 TOY = ModelSpec(name="toy", hidden=256, layers=8, dense_layers=0, vocab=1000, heads=4, kv_heads=4,
                 head_dim=64, experts=8, shared_experts=0, top_k=2, expert_ffn=512,
@@ -171,7 +169,8 @@ def test_planner_is_the_runtime_planner() -> None:
 
 @FAST
 @given(frac=st.floats(0.6, 1.4), seed=st.integers(0, 1000))
-def test_keep_all_ooms_exactly_when_the_analytic_peak_exceeds_memory(frac: float, seed: int) -> None:
+def test_keep_all_ooms_exactly_when_the_analytic_peak_exceeds_memory(frac: float,
+                                                                     seed: int) -> None:
     probe = toy_sim(1e12)
     tr = generate_trace(12, 8, len(probe.moe_units), ep=8, spike_rate=0.4, seed=seed)
     load = probe.full_load(tr)
@@ -246,7 +245,8 @@ def test_calibrated_presets_reproduce_the_published_baselines() -> None:
     from bagualu2.sim.calibrate import TARGETS, calm_mfu, reference_setup
 
     model, cluster, layout = reference_setup()
-    assert calm_mfu(model, cluster, layout, "keep_all") == pytest.approx(TARGETS["keep_all"], abs=0.003)
+    assert calm_mfu(model, cluster, layout, "keep_all") == pytest.approx(TARGETS["keep_all"],
+                                                                         abs=0.003)
     assert calm_mfu(model, cluster, layout, "recompute_all") == pytest.approx(
         TARGETS["recompute_all"], abs=0.003)
 
@@ -283,8 +283,9 @@ def test_measured_tables_drive_the_simulator() -> None:
 def test_cli_runs_end_to_end_on_a_small_layout(tmp_path, capsys) -> None:
     from bagualu2.sim.cli import main
 
-    rc = main(["--model", "mixtral-8x7b", "--cluster", "h200", "--pp", "4", "--ep", "8", "--dp", "1",
-               "--steps", "20", "--seq", "auto", "--no-progress", "--out", str(tmp_path)])
+    rc = main(["--model", "mixtral-8x7b", "--cluster", "h200", "--pp", "4", "--ep", "8",
+               "--dp", "1", "--steps", "20", "--seq", "auto", "--no-progress",
+               "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0 and "adaptive_overlap" in out
     data = json.loads((tmp_path / "result.json").read_text())

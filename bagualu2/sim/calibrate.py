@@ -106,8 +106,10 @@ def calibrate(model: Optional[ModelSpec] = None, cluster: Optional[ClusterSpec] 
         return dataclasses.replace(cluster, network_efficiency=e, dp_efficiency=n)
 
     for _ in range(8):
-        eta = _secant(lambda e: math.log(calm_mfu(model, with_(e, nu), layout, "keep_all") / keep_t),
-                      eta, eta * 1.1, 1e-2, 10.0)
+        def keep_err(e: float) -> float:
+            return math.log(calm_mfu(model, with_(e, nu), layout, "keep_all") / keep_t)
+
+        eta = _secant(keep_err, eta, eta * 1.1, 1e-2, 10.0)
 
         def ratio_err(n: float) -> float:
             c = with_(eta, n)

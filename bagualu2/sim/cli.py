@@ -12,7 +12,10 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover
+    from bagualu2.sim.engine import SimResult
 
 __all__ = ["add_arguments", "main", "run"]
 
@@ -25,25 +28,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cluster", default="dcu-64g", help="cluster preset (see --list)")
     g.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     g.add_argument("--pp", type=int, default=16, help="pipeline stages")
-    g.add_argument("--vpp", type=int, default=1, help="virtual stages per pipeline stage (interleaved 1F1B when > 1)")
+    g.add_argument("--vpp", type=int, default=1,
+                   help="virtual stages per pipeline stage (interleaved 1F1B when > 1)")
     g.add_argument("--ep", type=int, default=64, help="expert parallel size")
     g.add_argument("--dp", type=int, default=12, help="data parallel size (on top of ep)")
-    g.add_argument("--microbatches", type=int, default=0, help="micro-batches per step (default 4 * pp)")
+    g.add_argument("--microbatches", type=int, default=0,
+                   help="micro-batches per step (default 4 * pp)")
     g.add_argument("--mbs", type=int, default=1, help="sequences per micro-batch")
     g.add_argument("--seq", default="model",
-                   help="tokens per sequence: an integer, 'model' (the preset's), or 'auto' (the longest "
-                        "that keep_all fits in calm phases, how the aggressive baseline is tuned)")
+                   help="tokens per sequence: an integer, 'model' (the preset's), or 'auto' (the "
+                        "longest that keep_all fits in calm phases, how the aggressive baseline is "
+                        "tuned)")
     g = parser.add_argument_group("load and policies")
     g.add_argument("--steps", type=int, default=500, help="training steps to simulate")
     g.add_argument("--policies", default="all",
-                   help="'all' or a comma list of keep_all,recompute_all,static,adaptive,adaptive_overlap")
-    g.add_argument("--spike-rate", type=float, default=0.029, help="fraction of steps with a load spike")
-    g.add_argument("--max-imbalance", type=float, default=2.6, help="spike ceiling (max / mean EP rank load)")
+                   help="'all' or a comma list of keep_all,recompute_all,static,adaptive,"
+                        "adaptive_overlap")
+    g.add_argument("--spike-rate", type=float, default=0.029,
+                   help="fraction of steps with a load spike")
+    g.add_argument("--max-imbalance", type=float, default=2.6,
+                   help="spike ceiling (max / mean EP rank load)")
     g.add_argument("--seed", type=int, default=0, help="seed of the generated load trace")
     g.add_argument("--trace", default=None,
                    help="replay a recorded trace: the provisioner's telemetry JSON lines")
     g.add_argument("--ckpt-interval", type=int, default=100, help="steps between checkpoints")
-    g.add_argument("--restart-s", type=float, default=None, help="cold restart cost (default: cluster's, 284 s)")
+    g.add_argument("--restart-s", type=float, default=None,
+                   help="cold restart cost (default: the cluster's, 284 s)")
     g.add_argument("--static-imbalance", type=float, default=None,
                    help="worst case the static plan is solved for (default: the trace maximum)")
     g = parser.add_argument_group("output")
@@ -107,12 +117,14 @@ def _run(args: argparse.Namespace) -> int:
         try:
             seq = int(args.seq)
         except ValueError:
-            raise ValueError(f"--seq must be an integer, 'model' or 'auto', got {args.seq!r}") from None
+            raise ValueError(
+                f"--seq must be an integer, 'model' or 'auto', got {args.seq!r}") from None
         layout = dataclasses.replace(layout, seq=seq)
     sim = Simulator(model, cluster, layout, checkpoint_interval=args.ckpt_interval,
                     restart_s=args.restart_s, static_imbalance=args.static_imbalance)
     if args.trace:
-        trace = read_telemetry(args.trace, ep=layout.ep).fit(args.steps, layout.m, len(sim.moe_units))
+        trace = read_telemetry(args.trace, ep=layout.ep).fit(args.steps, layout.m,
+                                                             len(sim.moe_units))
     else:
         trace = generate_trace(args.steps, layout.m, len(sim.moe_units), ep=layout.ep,
                                spike_rate=args.spike_rate, max_imbalance=args.max_imbalance,
@@ -139,19 +151,19 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plot_throughput(result: object, path: Path) -> None:
+def _plot_throughput(result: "SimResult", path: Path) -> None:
     """Bar chart of effective tokens/s per policy."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pol = list(result.policies)  # type: ignore[attr-defined]
-    vals = [result.policies[p].summary["tokens_per_s"] for p in pol]  # type: ignore[attr-defined]
+    pol = list(result.policies)
+    vals = [result.policies[p].summary["tokens_per_s"] for p in pol]
     fig, ax = plt.subplots(figsize=(7, 3.8))
     ax.bar(pol, vals, color="tab:blue")
     ax.set_ylabel("tokens/s (OOM restarts included)")
-    ax.set_title(f"{result.model} on {result.cluster}, {result.layout['world']:,} accelerators")  # type: ignore[attr-defined]
+    ax.set_title(f"{result.model} on {result.cluster}, {result.layout['world']:,} accelerators")
     ax.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -179,7 +179,8 @@ def describe_clusters(names: Sequence[str] = ()) -> List[str]:
     out = []
     for n in names or sorted(CLUSTER_PRESETS):
         c = CLUSTER_PRESETS[n]
-        out.append(f"{n:20s} {c.device_memory / GiB:6.1f} GiB  {c.peak_flops / 1e12:6.0f} TFLOPS bf16  "
-                   f"host {c.host_d2h_bw / GB:.0f} GB/s  net {c.inter_bw / GB:.1f} GB/s/dev  "
+        out.append(f"{n:20s} {c.device_memory / GiB:6.1f} GiB  "
+                   f"{c.peak_flops / 1e12:6.0f} TFLOPS bf16  host {c.host_d2h_bw / GB:.0f} GB/s  "
+                   f"net {c.inter_bw / GB:.1f} GB/s/dev  "
                    f"{c.devices_per_node}/node")
     return out

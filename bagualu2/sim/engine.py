@@ -230,7 +230,8 @@ class Simulator:
             self._calm_full[key] = [(r / max(sum(rel[j:]), 1e-30), sum(sizes[j + 1:]))
                                     for j, r in enumerate(rel)]
         # budget bucket: 1/budget_buckets of the unit's size at the spike ceiling
-        self._bucket_bytes = {k: max(1.0, t.full(2.6) / budget_buckets) for k, t in self.tables.items()}
+        self._bucket_bytes = {k: max(1.0, t.full(2.6) / budget_buckets)
+                              for k, t in self.tables.items()}
         big = max(t.full(2.6) for t in self.tables.values())
         self.planner_quantum = max(1, int(big / 4096))
 
@@ -319,8 +320,8 @@ class Simulator:
             static_plans = self._static_plans(s, max_load, state) if policy == "static" else None
             # Room kept for each micro-batch that will stack on top of this one: what a calm one
             # needs when calm micro-batches fit, else a fair share of the budget.
-            calm_reserve = min(max(self.chunk_full(s, c, self.calm_imbalance) for c in range(self.vpp)),
-                               budget / self.depth[s])
+            calm_chunk = max(self.chunk_full(s, c, self.calm_imbalance) for c in range(self.vpp))
+            calm_reserve = min(calm_chunk, budget / self.depth[s])
             resident = np.zeros(n)
             s_peak = np.zeros(n)
             kept_of: Dict[tuple, np.ndarray] = {}
@@ -367,7 +368,8 @@ class Simulator:
                             w_rel, rest = calm_full[j]
                             base = resident + kept_chunk + rest - limit
                             effs, eff_idx = self._decide(state, t, f, base, w_rel, overlap)
-                        kept, add_f, add_b, rel, bad = self._apply(effs, eff_idx, t, f, overlap, mix, n)
+                        kept, add_f, add_b, rel, bad = self._apply(effs, eff_idx, t, f, overlap,
+                                                                   mix, n)
                         ft += add_f
                         bt += add_b
                         trans = np.maximum(trans, rel)
@@ -605,11 +607,13 @@ class Simulator:
             "total_s": total,
             "peak_gib": float(r.peak.max() / 2**30),
             "infeasible_decisions": int(r.infeasible.sum()),
-            "plan_cache_hit_rate": float(r.cache.get("hit_rate", float("nan"))) if r.cache else float("nan"),
+            "plan_cache_hit_rate": (float(r.cache.get("hit_rate", float("nan"))) if r.cache
+                                    else float("nan")),
         }
 
 
-def build_kind_table(model: ModelSpec, cluster: ClusterSpec, layout: Layout, kind: str) -> KindTable:
+def build_kind_table(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
+                     kind: str) -> KindTable:
     """Linear-in-load costs of one unit kind from the analytic op model and the cluster."""
     ops = unit_ops(model, kind, layout.mbs, layout.seq, layout.tp)
     fi, fo = ep_alltoall_rate(cluster, layout)
@@ -624,7 +628,8 @@ def build_kind_table(model: ModelSpec, cluster: ClusterSpec, layout: Layout, kin
         else:
             rate = cluster.op_rate(o.op_class)
             a, b = o.work_fixed / rate, o.work_per_load / rate
-            ratio = cluster.attention_backward_ratio if o.op_class == "attention" else cluster.backward_ratio
+            ratio = (cluster.attention_backward_ratio if o.op_class == "attention"
+                     else cluster.backward_ratio)
             if o.op_class in ("matmul", "attention"):
                 flops += 3 * (o.work_fixed + o.work_per_load)
         fwd_t[o.name] = (a, b)

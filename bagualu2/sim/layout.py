@@ -83,8 +83,9 @@ class Layout:
             raise ValueError(f"tp = {self.tp} does not divide the {model.heads} heads of "
                              f"{model.name}")
         if self.vpp > 1 and self.m % self.pp:
+            fix = self.m // self.pp * self.pp or self.pp
             raise ValueError(f"interleaved 1F1B needs microbatches divisible by pp: "
-                             f"{self.m} % {self.pp} != 0; pass --microbatches {self.m // self.pp * self.pp or self.pp}")
+                             f"{self.m} % {self.pp} != 0; pass --microbatches {fix}")
         if self.m < self.pp:
             raise ValueError(f"microbatches = {self.m} < pp = {self.pp}: the pipeline never "
                              f"fills; use at least {self.pp}")

@@ -189,8 +189,10 @@ class ModelSpec:
         h = self.hidden
         if self.mla:
             dqk = self.qk_nope + self.qk_rope
-            q = h * self.q_lora + self.q_lora * self.heads * dqk if self.q_lora else h * self.heads * dqk
-            kv = h * (self.kv_lora + self.qk_rope) + self.kv_lora * self.heads * (self.qk_nope + self.v_head)
+            q = (h * self.q_lora + self.q_lora * self.heads * dqk if self.q_lora
+                 else h * self.heads * dqk)
+            kv = (h * (self.kv_lora + self.qk_rope)
+                  + self.kv_lora * self.heads * (self.qk_nope + self.v_head))
             return q + kv + self.heads * self.v_head * h + h
         kvh = self.kv_heads or self.heads
         return h * self.head_dim * (self.heads + 2 * kvh) + self.heads * self.head_dim * h + h
@@ -208,7 +210,8 @@ class ModelSpec:
         n_dense = self.layers - n_moe
         dense_ffn = 3 * h * self.dense_ffn + h
         moe_dense = self.shared_experts * self.expert_params() + h * self.experts + h
-        dense = n_dense * (self.attn_params() + dense_ffn) + n_moe * (self.attn_params() + moe_dense)
+        dense = (n_dense * (self.attn_params() + dense_ffn)
+                 + n_moe * (self.attn_params() + moe_dense))
         expert = n_moe * self.experts * self.expert_params()
         embed = 2 * self.vocab * h
         active = dense + n_moe * self.top_k * self.expert_params() + embed
@@ -321,18 +324,21 @@ MODEL_PRESETS: Dict[str, ModelSpec] = {
     # Scalings of DeepSeek-V3 (same layer shapes, fewer / more routed experts) spanning the
     # 188B .. 1.04T range of the BaGuaLu-2 evaluation.
     "deepseek-v3-188b": ModelSpec(name="deepseek-v3-188b",
-                                  source=_DSV3_SRC + "; scaled to 64 routed + 4 shared experts, top-6",
+                                  source=_DSV3_SRC + "; scaled to 64 routed + 4 shared "
+                                  "experts, top-6",
                                   **{**_DSV3, "experts": 64, "shared_experts": 4, "top_k": 6}),
     "deepseek-v3-1.04t": ModelSpec(name="deepseek-v3-1.04t",
-                                   source="Kimi K2 (DeepSeek-V3 architecture scaled to 384 experts, 64 heads, "
-                                   "1 dense layer; moonshotai/Kimi-K2-Instruct config.json); "
+                                   source="Kimi K2 (DeepSeek-V3 architecture scaled to 384 "
+                                   "experts, 64 heads, 1 dense layer; "
+                                   "moonshotai/Kimi-K2-Instruct config.json); "
                                    "counts 1.03T here, DeepSeek-V3's MTP unit kept",
                                    **{**_DSV3, "experts": 384, "heads": 64, "dense_layers": 1,
                                       "vocab": 163840}),
     "mixtral-8x7b": ModelSpec(name="mixtral-8x7b", hidden=4096, layers=32, dense_layers=0,
                               vocab=32000, heads=32, kv_heads=8, head_dim=128, experts=8,
                               shared_experts=0, top_k=2, expert_ffn=14336, embed_units=False,
-                              seq=4096, source="Mixtral of Experts (arXiv:2401.04088), config.json"),
+                              seq=4096,
+                              source="Mixtral of Experts (arXiv:2401.04088), config.json"),
     "qwen3-235b-a22b": ModelSpec(name="qwen3-235b-a22b", hidden=4096, layers=94, dense_layers=0,
                                  vocab=151936, heads=64, kv_heads=4, head_dim=128, experts=128,
                                  shared_experts=0, top_k=8, expert_ffn=1536, embed_units=True,
@@ -358,5 +364,6 @@ def describe_models(names: Sequence[str] = ()) -> List[str]:
         m = MODEL_PRESETS[n]
         p = m.params()
         lines.append(f"{n:20s} {p['total'] / 1e9:7.1f}B total {p['active'] / 1e9:6.1f}B active  "
-                     f"{m.layers} layers, {m.experts} experts top-{m.top_k}, {m.units} pipeline units")
+                     f"{m.layers} layers, {m.experts} experts top-{m.top_k}, "
+                     f"{m.units} pipeline units")
     return lines

@@ -55,7 +55,8 @@ class LoadTrace:
             "steps": self.steps,
             "spike_rate": float((step_max > calm_threshold + 1e-9).mean()),
             "max_imbalance": float(self.load.max()),
-            "calm_mean": float(self.load[~self.spike].mean()) if (~self.spike).any() else float("nan"),
+            "calm_mean": (float(self.load[~self.spike].mean()) if (~self.spike).any()
+                          else float("nan")),
             "p50": float(np.quantile(self.load, 0.5)),
             "p99": float(np.quantile(self.load, 0.99)),
         }
