@@ -114,13 +114,14 @@ def test_interleaved_schedule_runs_each_action_once_forward_first(pp: int, vpp: 
         assert inflight_depth(order) == min((pp - s - 1) * 2 + (vpp - 1) * pp + 1, m * vpp)
 
 
-@pytest.mark.parametrize("pp,m", [(1, 3), (4, 8), (8, 8)])
-def test_timeline_matches_1f1b_closed_form(pp: int, m: int) -> None:
-    t = Timeline(pp, 1, m)
+@pytest.mark.parametrize("pp,vpp,m", [(1, 1, 3), (4, 1, 8), (8, 1, 8), (4, 2, 8), (2, 3, 4)])
+def test_timeline_matches_the_pipeline_bubble_closed_form(pp: int, vpp: int, m: int) -> None:
+    # uniform chunks (forward 1, backward 2): makespan = (m * vpp + pp - 1) * 3
+    t = Timeline(pp, vpp, m)
     dur = {(f, mb, c, s): np.full(2, 1.0 if f else 2.0)
            for s, o in enumerate(t.orders) for f, mb, c in o}
     makespan, _ = t.run(dur, send_s=0.0)
-    assert np.allclose(makespan, (m + pp - 1) * 3.0)
+    assert np.allclose(makespan, (m * vpp + pp - 1) * 3.0)
 
 
 # -- traces --------------------------------------------------------------------------------------
@@ -293,6 +294,11 @@ def test_cli_runs_end_to_end_on_a_small_layout(tmp_path, capsys) -> None:
     assert (tmp_path / "memory_timeline.png").stat().st_size > 0
     assert (tmp_path / "throughput.png").stat().st_size > 0
     assert main(["--list"]) == 0
+    write_telemetry(generate_trace(3, 2, 32, ep=8, spike_rate=0.5, seed=1), tmp_path / "t.jsonl")
+    assert main(["--model", "mixtral-8x7b", "--cluster", "h200", "--pp", "4", "--ep", "8",
+                 "--dp", "1", "--steps", "6", "--trace", str(tmp_path / "t.jsonl"),
+                 "--policies", "keep_all,adaptive", "--no-progress"]) == 0
+    assert "adaptive" in capsys.readouterr().out
 
 
 def test_cli_reports_bad_values_with_the_fix(capsys) -> None:
