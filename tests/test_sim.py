@@ -161,6 +161,25 @@ def test_telemetry_json_lines_round_trip(tmp_path) -> None:
     assert read_telemetry(tmp_path / "c.jsonl", ep=2).load[0, 0, 0] == pytest.approx(40 / 30)
 
 
+def test_reads_the_provisioners_telemetry_records(tmp_path) -> None:
+    from bagualu2.telemetry import Decision, MicroBatch, Telemetry
+
+    tel = Telemetry(tmp_path / "run.jsonl")
+    for mb, imb in ((0, 1.1), (1, 2.6)):
+        tel.add(Decision(step=3, micro_batch=mb, layer=1, imbalance=imb, resident_bytes=0,
+                         predicted_bytes=0, planned_bytes=0, budget_bytes=None, mix={},
+                         latency_us=1.0, cache_hit=False))
+        tel.add(MicroBatch(step=3, micro_batch=mb, peak_bytes=0, predicted_peak_bytes=0,
+                           budget_bytes=None, imbalance=imb, bytes_by_choice={}, violations=0,
+                           fallbacks=0, forward_seconds=0.1))
+    tr = read_telemetry(tmp_path / "run.jsonl", ep=8)
+    assert tr.load.shape == (1, 2, 2) and tr.load[0, 1, 1] == pytest.approx(2.6)
+    assert bool(tr.spike[0]) and tr.load[0, 0, 0] == 1.0  # unrecorded layer 0: balanced
+    # per-expert imbalance spread over 4 experts per rank: (2.6 + 3) / 4
+    tr4 = read_telemetry(tmp_path / "run.jsonl", ep=8, experts_per_rank=4)
+    assert tr4.load[0, 1, 1] == pytest.approx(1.4)
+
+
 # -- policies ------------------------------------------------------------------------------------
 def test_planner_is_the_runtime_planner() -> None:
     import bagualu2.planner as runtime

@@ -123,8 +123,9 @@ def _run(args: argparse.Namespace) -> int:
     sim = Simulator(model, cluster, layout, checkpoint_interval=args.ckpt_interval,
                     restart_s=args.restart_s, static_imbalance=args.static_imbalance)
     if args.trace:
-        trace = read_telemetry(args.trace, ep=layout.ep).fit(args.steps, layout.m,
-                                                             len(sim.moe_units))
+        per_rank = max(1, model.experts // layout.ep)
+        trace = read_telemetry(args.trace, ep=layout.ep, experts_per_rank=per_rank).fit(
+            args.steps, layout.m, len(sim.moe_units))
     else:
         trace = generate_trace(args.steps, layout.m, len(sim.moe_units), ep=layout.ep,
                                spike_rate=args.spike_rate, max_imbalance=args.max_imbalance,

@@ -139,13 +139,18 @@ def _imbalance(counts: Sequence[float], ep: int) -> float:
     return float(per_rank.max() / per_rank.mean())
 
 
-def read_telemetry(path: Union[str, Path], *, ep: int, calm_threshold: float = 1.2) -> LoadTrace:
-    """Load trace from the provisioner's telemetry JSON lines.
+def read_telemetry(path: Union[str, Path], *, ep: int, experts_per_rank: int = 1,
+                   calm_threshold: float = 1.2) -> LoadTrace:
+    """Load trace from the provisioner's telemetry JSON lines (``bagualu2.telemetry``).
 
     Each decision record needs a step, a micro-batch and a MoE layer index (keys ``step``,
-    ``microbatch`` (or ``mb``), ``layer``) and either ``tokens_per_expert`` (per-expert counts;
-    split contiguously over ``ep`` ranks to get the imbalance) or an ``imbalance`` /
-    ``load_imbalance`` field. Lines that are not decision records (no ``layer``) are skipped.
+    ``micro_batch`` (or ``microbatch`` / ``mb``), ``layer``) and either ``tokens_per_expert``
+    (per-expert counts; split contiguously over ``ep`` ranks to get the rank imbalance) or an
+    ``imbalance`` / ``load_imbalance`` field. The runtime's ``imbalance`` is per *expert* (max
+    expert over the mean expert); replayed on a layout whose EP ranks hold ``experts_per_rank``
+    experts, the hot rank carries the hot expert plus ``experts_per_rank - 1`` experts at the
+    mean, so its imbalance is ``(x + g - 1) / g`` (``g = experts_per_rank``; 1 keeps ``x``).
+    Records that are not decisions (no ``layer``, e.g. ``kind == "micro_batch"``) are skipped.
     Missing cells are filled with 1.0; spike steps are those with an imbalance above
     ``calm_threshold``.
 
@@ -167,14 +172,17 @@ def read_telemetry(path: Union[str, Path], *, ep: int, calm_threshold: float = 1
             if "tokens_per_expert" in rec:
                 imb = _imbalance(rec["tokens_per_expert"], ep)
             elif "imbalance" in rec or "load_imbalance" in rec:
-                imb = float(rec.get("imbalance", rec.get("load_imbalance")))
+                x = float(rec.get("imbalance", rec.get("load_imbalance")))
+                g = max(1, int(experts_per_rank))
+                imb = (x + g - 1) / g
             else:
                 continue
-            rows.append((int(rec.get("step", 0)), int(rec.get("microbatch", rec.get("mb", 0))),
-                         int(rec["layer"]), imb))
+            mb = rec.get("micro_batch", rec.get("microbatch", rec.get("mb", 0)))
+            rows.append((int(rec.get("step", 0)), int(mb), int(rec["layer"]), imb))
     if not rows:
         raise ValueError(f"{path}: no telemetry decision records with 'layer' and "
-                         f"'tokens_per_expert' (or 'imbalance') found")
+                         f"'tokens_per_expert' (or 'imbalance') found; record one with "
+                         f"bagualu2.enable(..., telemetry_path=<path>)")
     steps = sorted({r[0] for r in rows})
     sidx = {s: i for i, s in enumerate(steps)}
     M = max(r[1] for r in rows) + 1
@@ -190,5 +198,5 @@ def write_telemetry(trace: LoadTrace, path: Union[str, Path]) -> None:
     """Write ``trace`` as telemetry-style JSON lines (``imbalance`` field); round-trips."""
     with open(path, "w") as fh:
         for s, m, layer in np.ndindex(*trace.load.shape):
-            fh.write(json.dumps({"step": s, "microbatch": m, "layer": layer,
+            fh.write(json.dumps({"kind": "decision", "step": s, "micro_batch": m, "layer": layer,
                                  "imbalance": float(trace.load[s, m, layer])}) + "\n")
