@@ -281,7 +281,8 @@ def test_measured_tables_drive_the_simulator() -> None:
     ops = [MeasuredOp("attn", 4096, 1e-4, 1e-4, releasable=False),
            MeasuredOp("attn.core", 8192, 2e-4, 2e-4),
            MeasuredOp("experts.fc1", 16384, 3e-4, 1e-4, load_scaled=True),
-           MeasuredOp("experts.act", 16384, 1e-5, 3e-4, load_scaled=True)]
+           MeasuredOp("experts.act", 0, 0.0, 0.0, nbytes_per_load=16384, fwd_s_per_load=1e-5,
+                      recompute_s_per_load=3e-4)]
     sim = measured_simulator(model, {"moe": ops}, device_memory=120_000, microbatches=2,
                              copy_bw=1e9)
     calm = sim.run(generate_trace(4, 2, cfg.num_layers, ep=4, spike_rate=0.0, seed=0), ["keep_all"])

@@ -7,7 +7,9 @@ the predicted step time and peak memory with the measured ones.
 
 Each unit kind gets one table of :class:`MeasuredOp` rows (measured at mean routed load, i.e.
 imbalance 1.0). Rows marked ``load_scaled`` (routed-expert ops) scale their bytes and times with
-the load; the rest are constant per micro-batch. Backward time defaults to twice the forward.
+the load; the rest are constant per micro-batch; the ``*_per_load`` fields add a load-scaled
+part to any row (a cost-model fit ``a + b * tokens`` at mean tokens ``t`` is ``value=a``,
+``per_load=b * t``). Backward time defaults to twice the forward.
 
 ```python
 from bagualu2.sim.measured import MeasuredOp, measured_simulator, model_from_moe_config
@@ -50,6 +52,8 @@ class MeasuredOp:
         load_scaled: True for routed-expert ops (bytes and times scale with the imbalance).
         releasable: False for tensors that must stay (unit inputs).
         flops: model FLOPs (forward + backward) it contributes, for MFU (0 if unknown).
+        nbytes_per_load, fwd_s_per_load, recompute_s_per_load: extra parts proportional to
+            the load (added to the above, whatever ``load_scaled`` says).
     """
 
     name: str
@@ -60,6 +64,9 @@ class MeasuredOp:
     load_scaled: bool = False
     releasable: bool = True
     flops: float = 0.0
+    nbytes_per_load: float = 0.0
+    fwd_s_per_load: float = 0.0
+    recompute_s_per_load: float = 0.0
 
 
 def measured_kind_table(kind: str, ops: Sequence[MeasuredOp], cluster: ClusterSpec) -> KindTable:
@@ -70,20 +77,30 @@ def measured_kind_table(kind: str, ops: Sequence[MeasuredOp], cluster: ClusterSp
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate operator names in the measured table of {kind!r}")
 
-    def split(v: float, scaled: bool) -> tuple:
-        return (0.0, float(v)) if scaled else (float(v), 0.0)
+    def split(v: float, scaled: bool, extra: float = 0.0) -> tuple:
+        return (0.0, float(v) + extra) if scaled else (float(v), float(extra))
+
+    def nb(o: MeasuredOp) -> tuple:
+        return split(o.nbytes, o.load_scaled, o.nbytes_per_load)
+
+    def rc(o: MeasuredOp) -> tuple:
+        return split(o.recompute_s, o.load_scaled, o.recompute_s_per_load)
 
     specs, fa, fb, ba, bb = [], 0.0, 0.0, 0.0, 0.0
     for o in ops:
-        if o.nbytes < 0 or o.fwd_s < 0 or o.recompute_s < 0:
+        if min(o.nbytes, o.fwd_s, o.recompute_s, o.nbytes_per_load, o.fwd_s_per_load,
+               o.recompute_s_per_load) < 0:
             raise ValueError(f"negative measurement in {o}")
-        sa, sb = split(o.nbytes, o.load_scaled)
+        sa, sb = nb(o)
         specs.append(OpSpec(o.name, "measured", sa, sb, 0.0, 0.0, "measured", o.releasable))
-        a, b = split(o.fwd_s, o.load_scaled)
+        a, b = split(o.fwd_s, o.load_scaled, o.fwd_s_per_load)
         fa, fb = fa + a, fb + b
-        a, b = split(2 * o.fwd_s if o.bwd_s is None else o.bwd_s, o.load_scaled)
+        if o.bwd_s is None:
+            a, b = 2 * a, 2 * b
+        else:
+            a, b = split(o.bwd_s, o.load_scaled)
         ba, bb = ba + a, bb + b
-    rel = [o for o in ops if o.releasable and o.nbytes > 0]
+    rel = [o for o in ops if o.releasable and sum(nb(o)) > 0]
     fixed = [o for o in ops if o not in rel]
 
     def arr(vals: list) -> np.ndarray:
@@ -91,19 +108,15 @@ def measured_kind_table(kind: str, ops: Sequence[MeasuredOp], cluster: ClusterSp
 
     return KindTable(
         kind=kind, ops=UnitOps(kind, tuple(specs)), fwd_a=fa, fwd_b=fb, bwd_a=ba, bwd_b=bb,
-        full_a=sum(split(o.nbytes, o.load_scaled)[0] for o in ops),
-        full_b=sum(split(o.nbytes, o.load_scaled)[1] for o in ops),
-        fixed_a=sum(split(o.nbytes, o.load_scaled)[0] for o in fixed),
-        fixed_b=sum(split(o.nbytes, o.load_scaled)[1] for o in fixed),
+        full_a=sum(nb(o)[0] for o in ops), full_b=sum(nb(o)[1] for o in ops),
+        fixed_a=sum(nb(o)[0] for o in fixed), fixed_b=sum(nb(o)[1] for o in fixed),
         flops=sum(o.flops for o in ops), names=[o.name for o in rel],
-        nb_a=arr([split(o.nbytes, o.load_scaled)[0] for o in rel]),
-        nb_b=arr([split(o.nbytes, o.load_scaled)[1] for o in rel]),
-        rec_a=arr([split(o.recompute_s, o.load_scaled)[0] for o in rel]),
-        rec_b=arr([split(o.recompute_s, o.load_scaled)[1] for o in rel]),
-        off_a=arr([split(o.nbytes, o.load_scaled)[0] / cluster.host_d2h_bw for o in rel]),
-        off_b=arr([split(o.nbytes, o.load_scaled)[1] / cluster.host_d2h_bw for o in rel]),
-        rel_a=arr([split(o.nbytes, o.load_scaled)[0] / cluster.host_h2d_bw for o in rel]),
-        rel_b=arr([split(o.nbytes, o.load_scaled)[1] / cluster.host_h2d_bw for o in rel]),
+        nb_a=arr([nb(o)[0] for o in rel]), nb_b=arr([nb(o)[1] for o in rel]),
+        rec_a=arr([rc(o)[0] for o in rel]), rec_b=arr([rc(o)[1] for o in rel]),
+        off_a=arr([nb(o)[0] / cluster.host_d2h_bw for o in rel]),
+        off_b=arr([nb(o)[1] / cluster.host_d2h_bw for o in rel]),
+        rel_a=arr([nb(o)[0] / cluster.host_h2d_bw for o in rel]),
+        rel_b=arr([nb(o)[1] / cluster.host_h2d_bw for o in rel]),
     )
 
 
