@@ -39,7 +39,7 @@ import contextlib
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Set
+from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -145,6 +145,8 @@ class Frame:
         self.index = index
         self.stats = FrameStats()
         self.keys_seen: Dict[str, int] = {}  # operator key -> storage bytes, first save
+        self.profile = False  # time every op, and fill ``saved_profile`` when the forward ends
+        self.saved_profile: Dict[str, Tuple[int, float, bool]] = {}  # key -> (bytes, s, recomputable)
         self._offloads: List["weakref.ref[_OffloadStore]"] = []
         self._anchors: List[StorageNode] = []
 
@@ -157,8 +159,8 @@ class _OffloadStore:
 
     __slots__ = ("engine", "handle", "device", "nbytes", "pin", "prefetched", "frame", "index", "__weakref__")
 
-    def __init__(self, engine: Any, handle: Any, device: torch.device, nbytes: int, pin: _Pin,
-                 frame: Frame) -> None:
+    def __init__(self, engine: Any, handle: Any, device: torch.device, nbytes: int,
+                 pin: Optional[_Pin], frame: Frame) -> None:
         self.engine = engine
         self.handle = handle
         self.device = device
@@ -280,13 +282,17 @@ class ActivationRuntime:
                 "the outer module only"
             )
         self.mode.reset()
+        self.mode.profile = frame.profile
         self._frame = frame
         frame.stats.start_resident = self.ledger.resident
-        frame.stats.peak_resident = self.ledger.resident
+        self.ledger.reset_peak()
         try:
             with self.mode, torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield frame
         finally:
+            frame.stats.peak_resident = self.ledger.peak
+            if frame.profile:
+                frame.saved_profile = self._profile(frame)
             self.settle()
             for node in frame._anchors:
                 if node.offloaded:
@@ -327,8 +333,22 @@ class ActivationRuntime:
     def _anchor(self, t: torch.Tensor) -> None:
         node = self.mode.nodes.get(t.untyped_storage()._cdata)
         if node is not None and node.anchor is None and self._frame is not None:
-            node.anchor = (t, node.state, _Pin(self.ledger, t.untyped_storage()))
+            if self._over_budget(t.untyped_storage()):
+                return  # no room: recompute chains reach further back instead
+            with self.untraced():
+                held = t.detach()  # holding t's autograd graph would be a reference cycle
+            node.anchor = (held, node.state, _Pin(self.ledger, t.untyped_storage()))
             self._frame._anchors.append(node)
+
+    def _profile(self, frame: Frame) -> Dict[str, Tuple[int, float, bool]]:
+        by_key = {node.key: node for node in self.mode.nodes.values()}
+        out: Dict[str, Tuple[int, float, bool]] = {}
+        for key, nbytes in frame.keys_seen.items():
+            node = by_key.get(key)
+            if node is not None:
+                seconds = node.creator.seconds + sum(m.seconds for m in node.mutations)
+                out[key] = (nbytes, seconds, node.rebuildable(node.state))
+        return out
 
     @contextlib.contextmanager
     def untraced(self) -> Iterator[None]:
@@ -338,6 +358,11 @@ class ActivationRuntime:
             yield
         finally:
             self.mode.suspended -= 1
+
+    @property
+    def inflight_bytes(self) -> int:
+        """Device bytes held only until their offload copies complete."""
+        return sum(s.nbytes for s in (ref() for ref in self._inflight) if s is not None and s.pin is not None)
 
     def settle(self, wait: bool = False) -> None:
         """Release device sources of completed offloads (all of them with ``wait``)."""
@@ -395,8 +420,9 @@ class ActivationRuntime:
                     stats.fallbacks.append(f"{node.key}: keep -> {choice.name.lower()} (budget)")
                 else:
                     return self._violate(frame, t, node.key)
+        rebuildable = node.rebuildable(state)
         if choice == Choice.RECOMPUTE:
-            if node.recomputable:
+            if rebuildable:
                 stats.bytes_by_choice["recompute"] += nbytes
                 return _Recomputed(node, state, meta)
             stats.fallbacks.append(f"{node.key}: recompute -> offload ({node.why_not})")
@@ -405,7 +431,7 @@ class ActivationRuntime:
             packed = self._offload(frame, node, storage, state, meta)
             if packed is not None:
                 return packed
-            if node.recomputable:
+            if rebuildable:
                 stats.fallbacks.append(f"{node.key}: offload -> recompute (arena full or no engine)")
                 stats.bytes_by_choice["recompute"] += nbytes
                 return _Recomputed(node, state, meta)
@@ -447,8 +473,6 @@ class ActivationRuntime:
         node = self.mode.nodes.get(storage._cdata)
         if node is not None:
             node.kept[node.state] = (weakref.ref(t), t._version)
-        if self.ledger.resident > frame.stats.peak_resident:
-            frame.stats.peak_resident = self.ledger.resident
         return kept
 
     def _offload(self, frame: Frame, node: StorageNode, storage: torch.UntypedStorage, state: int,
@@ -459,11 +483,16 @@ class ActivationRuntime:
         handle = self.engine.offload(source)
         if handle is None:
             return None
-        pin = _Pin(self.ledger, storage)
-        if self.ledger.resident > frame.stats.peak_resident:
-            frame.stats.peak_resident = self.ledger.resident
+        pin: Optional[_Pin] = None
+        if self._over_budget(storage):
+            self.settle(wait=True)
+        if self._over_budget(storage):
+            handle.wait()  # no room even while the copy runs: copy synchronously
+        else:
+            pin = _Pin(self.ledger, storage)
         store = _OffloadStore(self.engine, handle, storage.device, node.nbytes, pin, frame)
-        self._inflight.append(weakref.ref(store))
+        if pin is not None:
+            self._inflight.append(weakref.ref(store))
         node.offloaded[state] = store
         frame.stats.bytes_by_choice["offload"] += node.nbytes
         return _Offloaded(store, meta)

@@ -18,7 +18,10 @@ module's forward, below autograd. For each *storage* an op creates it records a 
 Invariants:
 
 * A node never references a node created after it, except itself (encoded as ``SELF``), so
-  nodes form a DAG and are freed by reference counting the moment nothing needs them.
+  nodes form a DAG and are freed by reference counting the moment nothing needs them. An
+  in-place op on an older storage that reads newer ones (``buf[i] += f(buf)``) would break
+  this; it is recorded without its arguments and ends the states that can be replayed
+  (``replayable``). A later op reading such a storage holds it as a ``Leaf`` instead.
 * A node holds its storage only weakly (``StorageWeakRef``): tracing never extends the life of
   an activation. The weak reference also keeps the storage's address from being reused while the
   node is in the frame's map, so the address is a sound key.
@@ -91,13 +94,24 @@ class Ref:
 
 
 class Leaf:
-    """A tensor argument from outside the traced region, held as is (and counted by ``pin``)."""
+    """A tensor argument from outside the traced region (counted by ``pin`` while held).
 
-    __slots__ = ("tensor", "version", "pin")
+    A tensor with autograd history is held detached: the graph holds this recipe through its
+    saved tensors, so holding the graph back would make a reference cycle. ``source`` is what
+    carries the version counter checked at replay (the tensor itself, or the parameter a view
+    was taken of); None when that would mean holding the graph, and then nothing is checked.
+    """
 
-    def __init__(self, tensor: torch.Tensor, version: int, pin: Any) -> None:
-        self.tensor = tensor
-        self.version = version
+    __slots__ = ("tensor", "version", "pin", "source")
+
+    def __init__(self, x: torch.Tensor, pin: Any) -> None:
+        if x.grad_fn is None:
+            self.tensor = self.source = x
+        else:
+            base = x._base
+            self.source = base if base is not None and base.grad_fn is None else None
+            self.tensor = x.detach()
+        self.version = x._version
         self.pin = pin
 
 
@@ -118,7 +132,7 @@ class StorageNode:
 
     __slots__ = (
         "key", "position", "nbytes", "device", "weak", "creator", "mutations", "recomputable",
-        "why_not", "offloaded", "kept", "anchor", "cache", "__weakref__",
+        "replayable", "why_not", "offloaded", "kept", "anchor", "cache", "__weakref__",
     )
 
     def __init__(self, key: str, position: int, storage: torch.UntypedStorage, creator: Step,
@@ -130,7 +144,8 @@ class StorageNode:
         self.weak = StorageWeakRef(storage)
         self.creator = creator
         self.mutations: List[Step] = []
-        self.recomputable = recomputable
+        self.recomputable = recomputable  # the creating op can be replayed
+        self.replayable = 0  # leading mutations that can be replayed
         self.why_not = why_not
         # Data holders registered by the saved-tensor runtime, by state.
         self.offloaded: Dict[int, Any] = {}
@@ -142,6 +157,10 @@ class StorageNode:
     def state(self) -> int:
         """The storage's current state: how many in-place ops have been applied to it."""
         return len(self.mutations)
+
+    def rebuildable(self, state: int) -> bool:
+        """Whether replaying the recipe reproduces the storage in ``state``."""
+        return self.recomputable and state <= self.replayable
 
     def __repr__(self) -> str:
         return f"StorageNode({self.key!r}, {self.nbytes} B, state={self.state})"
@@ -166,6 +185,19 @@ def _set_rng_state(state: Tuple[torch.device, torch.Tensor]) -> None:
         torch.set_rng_state(value)
     else:
         torch.cuda.set_rng_state(value, device)
+
+
+def _reads_newer(step: Step, position: int) -> bool:
+    """Whether ``step`` reads a storage created after ``position``."""
+    stack: List[Any] = [step.args, list(step.kwargs.values())]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, Ref):
+            if x.node is not SELF and x.node.position > position:
+                return True
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return False
 
 
 class _OpInfo:
@@ -232,8 +264,8 @@ class TracingMode(TorchDispatchMode):
     def _encode(self, x: Any, mutated: Optional[StorageNode]) -> Any:
         if isinstance(x, torch.Tensor):
             node = self.nodes.get(x.untyped_storage()._cdata)
-            if node is None:
-                return Leaf(x, x._version, self._pin_leaf(x))
+            if node is None or (node is not mutated and len(node.mutations) > node.replayable):
+                return Leaf(x, self._pin_leaf(x))
             return Ref(SELF if node is mutated else node, len(node.mutations), view_meta(x))
         if isinstance(x, (list, tuple)):
             return type(x)(self._encode(v, mutated) for v in x)
@@ -299,10 +331,16 @@ class TracingMode(TorchDispatchMode):
             else:
                 targets.append((node, t))
         for node, t in targets:
-            if foreign or len(targets) > 1 or not info.replayable:
-                node.recomputable = False
-                node.why_not = f"{info.name} also writes storage outside this node"
             step = Step(func, self._encode(args, node), self._encode(kwargs, node), rng, 0, seconds)
+            if node.replayable == len(node.mutations):
+                if foreign or len(targets) > 1 or not info.replayable:
+                    node.why_not = f"{info.name} also writes storage outside this node"
+                elif _reads_newer(step, node.position):
+                    node.why_not = f"{info.name} writes it from storages created after it"
+                else:
+                    node.replayable += 1
+            if len(node.mutations) >= node.replayable:
+                step = Step(func, (), {}, None, 0, seconds)  # not replayable: keep no references
             node.mutations.append(step)
         # Fresh outputs of a mutating op get no node: replaying the op would repeat its write
         # (running statistics, caches), so such outputs are saved as leaves and kept.
@@ -371,7 +409,7 @@ class Replayer:
         return found
 
     def _recompute(self, node: StorageNode, state: int) -> torch.UntypedStorage:
-        if not node.recomputable:
+        if not node.rebuildable(state):
             raise RuntimeError(
                 f"bagualu2: activation {node.key} is needed to recompute another but was dropped "
                 f"and cannot be recomputed ({node.why_not})"
@@ -391,11 +429,11 @@ class Replayer:
                 return view_of(self_storage, x.meta)
             return view_of(self.storage(x.node, x.state), x.meta)
         if isinstance(x, Leaf):
-            if x.tensor._version != x.version:
+            if x.source is not None and x.source._version != x.version:
                 raise RuntimeError(
                     f"bagualu2: a tensor of shape {tuple(x.tensor.shape)} used to recompute an "
                     f"activation was modified in place after the forward (version {x.version} -> "
-                    f"{x.tensor._version}); keep or offload that activation instead"
+                    f"{x.source._version}); keep or offload that activation instead"
                 )
             return x.tensor
         if isinstance(x, (list, tuple)):

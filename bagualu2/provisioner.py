@@ -1,0 +1,449 @@
+"""``bagualu2.enable``: adaptive activation provisioning decided at MoE gating.
+
+Design note
+-----------
+``enable(model)`` wraps ``model.forward`` so every call is one *frame* of the activation runtime
+(one micro-batch), hooks every MoE gate, and returns a ``Provisioner``. At each gating event,
+after the router has produced its tokens per expert and before any expert runs, the provisioner
+
+1. predicts the rest of this micro-batch's saved bytes with the ``CostModel`` (this layer's
+   actual load; later layers are assumed to see the same load pattern),
+2. adds what is already resident (the ledger: this and every other micro-batch in flight),
+3. if that exceeds the budget, asks the C++ ``Planner`` for the cheapest KEEP / OFFLOAD /
+   RECOMPUTE choice per remaining operator that frees the excess (through the ``PlanCache``
+   keyed by layer, quantized load, pipeline phase and quantized excess), and
+4. installs the plan in the frame; the runtime applies it as the experts save activations.
+
+With an ample budget step 3 is skipped: the plan stays all-keep and costs only tracing.
+The runtime independently holds the ledger under the budget at every save (offloading or
+recomputing a storage that would cross it), so a misprediction costs time, never the budget.
+
+The first ``profile_frames`` micro-batches time every op to build the cost model. Static
+policies (``keep_all``, ``recompute_all``, ``offload_all``, or a fixed ``Plan``) use the same
+machinery with a fixed plan and no enforcement, to show what they would do under the budget.
+
+Safety net: if the device runs out of memory inside a provisioned forward, the partial
+micro-batch is dropped (its graph and saved activations with it), the RNG is rewound, and the
+forward reruns with a recompute-everything plan; the step goes on.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
+
+import torch
+
+from bagualu2.activations import ActivationRuntime, Frame, is_recomputing
+from bagualu2.cost_model import CostModel
+from bagualu2.errors import BudgetExceededError, InfeasibleBudgetError
+from bagualu2.moe import GateSpec, describe_unsupported, find_gates
+from bagualu2.planner import Choice, Plan, PlanCache, Planner
+from bagualu2.telemetry import Decision, MicroBatch, Telemetry
+
+__all__ = ["Provisioner", "enable", "on_gating", "POLICIES"]
+
+POLICIES = ("adaptive", "keep_all", "recompute_all", "offload_all")
+_PHASES = {"none": 0, "warmup": 1, "steady": 2, "cooldown": 3}
+_ACTIVE: List["Provisioner"] = []  # provisioners whose forward is running, innermost last
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _resolve_budget(budget: Union[str, int, float, None], device: torch.device, reserve: int) -> Optional[int]:
+    if isinstance(budget, bool):
+        raise TypeError(f"budget must be 'auto', an int of bytes or a float fraction, got {budget!r}")
+    if budget is None:
+        return None
+    if isinstance(budget, str):
+        if budget != "auto":
+            raise ValueError(f"budget={budget!r}: use 'auto', an int of bytes or a float in (0, 1]")
+        if device.type != "cuda":
+            return None  # no device limit on CPU: nothing to hold to
+        free, total = torch.cuda.mem_get_info(device)
+        return max(0, total - torch.cuda.memory_allocated(device) - reserve)
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"budget={budget} as a fraction must be in (0, 1]; pass bytes as an int")
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+        else:
+            import os
+
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return int(total * budget)
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise ValueError(f"budget={budget} bytes must be positive")
+        return budget
+    raise TypeError(f"budget must be 'auto', an int of bytes or a float fraction, got {type(budget).__name__}")
+
+
+class Provisioner:
+    """Keeps a model's saved activations under a device budget, one micro-batch at a time.
+
+    Create with :func:`enable`. See the module note for how decisions are made.
+    """
+
+    def __init__(self, model: torch.nn.Module, budget: Union[str, int, float, None] = "auto",
+                 policy: Union[str, Mapping[str, Choice]] = "adaptive", *,
+                 on_exceed: str = "record", min_bytes: int = 64 << 10,
+                 arena_bytes: Optional[int] = None, reserve_bytes: int = 1 << 30,
+                 profile_frames: int = 2, margin: float = 0.02,
+                 telemetry_path: Union[str, Path, None] = None, gates: Optional[Sequence[GateSpec]] = None,
+                 engine: Any = None) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"enable() needs a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(policy, str) and policy not in POLICIES:
+            raise ValueError(f"policy={policy!r}: use one of {POLICIES} or a fixed Plan / mapping of keys to Choice")
+        if on_exceed not in ("record", "raise"):
+            raise ValueError(f"on_exceed={on_exceed!r}: use 'record' or 'raise'")
+        if not 0.0 <= margin < 0.5:
+            raise ValueError(f"margin={margin} must be in [0, 0.5)")
+        if profile_frames < 1:
+            raise ValueError(f"profile_frames={profile_frames} must be >= 1")
+        if "forward" in model.__dict__:
+            raise RuntimeError(f"{type(model).__name__} already has bagualu2 (or another forward wrapper) enabled; "
+                               f"call disable() on the existing Provisioner first")
+        self.model = model
+        self.device = _device_of(model)
+        self.budget = _resolve_budget(budget, self.device, reserve_bytes)
+        self.policy = policy
+        self.on_exceed = on_exceed
+        self.min_bytes = min_bytes
+        self.margin = margin
+        self.profile_frames = profile_frames
+        self.telemetry = Telemetry(Path(telemetry_path) if telemetry_path else None)
+        self.engine = engine if engine is not None else self._make_engine(arena_bytes)
+        adaptive = policy == "adaptive"
+        self.runtime = ActivationRuntime(
+            self.engine, min_bytes=min_bytes, budget_bytes=self.budget, enforce_budget=adaptive,
+            on_exceed=self._exceeded if on_exceed == "raise" else None,
+        )
+        self.runtime.set_parameters(list(model.parameters()) + list(model.buffers()))
+        self.planner = Planner()
+        self.cache = PlanCache()
+        self.gates: List[GateSpec] = list(gates) if gates is not None else find_gates(model)
+        self.cost = CostModel({g.layer: f"{g.block_name}.experts." if g.block_name else "experts."
+                               for g in self.gates}, *self._bandwidth())
+        self._hooks: List[Any] = self.runtime.attach(model)
+        for spec in self.gates:
+            self._hooks.append(spec.module.register_forward_hook(self._gate_hook(spec)))
+        self._forward = model.forward
+        model.forward = self._provisioned_forward  # type: ignore[method-assign]
+        self._phase = "none"
+        self._stacked = 0
+        self._frames = 0
+        self._step = 0
+        self._frame_counts: Dict[int, List[int]] = {}
+        self._frame_predicted = 0
+        self._oom_recoveries = 0
+        self._latencies_us: List[float] = []
+        self._static: Optional[Dict[str, Choice]] = None if isinstance(policy, str) else dict(policy)
+        self.enabled = True
+
+    # -- setup ------------------------------------------------------------------------------
+    def _make_engine(self, arena_bytes: Optional[int]) -> Any:
+        from bagualu2.offload import CopyEngine, HostArena
+
+        backend = "cpu" if self.device.type == "cpu" else ("hip" if torch.version.hip else "cuda")
+        if arena_bytes is None:
+            arena_bytes = min(max(256 << 20, 2 * (self.budget or 0)), 8 << 30)
+        return CopyEngine(HostArena(arena_bytes, backend), backend)
+
+    def _bandwidth(self) -> tuple:
+        """Measure the copy engine once (8 MiB each way) for the cost model."""
+        probe = torch.empty(8 << 20, dtype=torch.uint8, device=self.device)
+        best = [math.inf, math.inf]
+        for _ in range(3):
+            t0 = time.perf_counter()
+            handle = self.engine.offload(probe)
+            if handle is None:
+                return 1e9, 1e9
+            handle.wait()
+            t1 = time.perf_counter()
+            self.engine.reload(handle, out=probe)
+            if probe.is_cuda:
+                torch.cuda.current_stream(probe.device).synchronize()
+            t2 = time.perf_counter()
+            handle.release()
+            best = [min(best[0], t1 - t0), min(best[1], t2 - t1)]
+        return probe.numel() / best[0], probe.numel() / best[1]
+
+    # -- public API -------------------------------------------------------------------------
+    def register_gate(self, module: torch.nn.Module, num_experts: int,
+                      counts_fn: Callable[[torch.nn.Module, tuple, Any], torch.Tensor],
+                      layer: Optional[int] = None) -> GateSpec:
+        """Provision at a gate that automatic discovery did not recognize.
+
+        Args:
+            module: the gate; its forward hook runs after routing, before the experts.
+            num_experts: experts of this MoE layer.
+            counts_fn: ``(module, args, output) -> int64 [num_experts]`` token slots per expert
+                (``bagualu2.moe.counts_from_indices`` / ``counts_from_logits`` cover the usual cases).
+            layer: MoE layer index; defaults to the next free one.
+        """
+        if not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"num_experts={num_experts!r} must be a positive int")
+        name = next((n for n, m in self.model.named_modules() if m is module), None)
+        if name is None:
+            raise ValueError(f"{type(module).__name__} is not a submodule of the provisioned model")
+        layer = len(self.gates) if layer is None else layer
+        spec = GateSpec(module, name, layer, num_experts, counts_fn, None, name.rpartition(".")[0])
+        self.gates.append(spec)
+        self.cost.expert_prefixes[layer] = f"{spec.block_name}.experts." if spec.block_name else "experts."
+        self._hooks.append(module.register_forward_hook(self._gate_hook(spec)))
+        return spec
+
+    def set_pipeline_phase(self, phase: str, stacked_forwards: int = 0) -> None:
+        """Tell the planner where this rank is in a pipeline schedule.
+
+        Args:
+            phase: ``"warmup"``, ``"steady"``, ``"cooldown"`` or ``"none"``.
+            stacked_forwards: forwards that will run on this rank before the next backward.
+        """
+        if phase not in _PHASES:
+            raise ValueError(f"phase={phase!r}: use one of {sorted(_PHASES)}")
+        if stacked_forwards < 0:
+            raise ValueError(f"stacked_forwards={stacked_forwards} must be >= 0")
+        self._phase = phase
+        self._stacked = stacked_forwards
+
+    def step(self) -> None:
+        """Mark the end of a training step (optional; numbers the telemetry records)."""
+        self._step += 1
+
+    def report(self) -> Dict[str, Any]:
+        """A summary: micro-batches, peak vs budget, violations, plan mix, decision latency, cache."""
+        mbs = self.telemetry.micro_batches
+        mix = {"keep": 0, "offload": 0, "recompute": 0}
+        for r in mbs:
+            for k, v in r.bytes_by_choice.items():
+                mix[k] += v
+        lat = sorted(self._latencies_us)
+        cache = self.cache.stats()
+        arena = self.engine.arena.stats() if self.engine is not None else {}
+        return {
+            "policy": self.policy if isinstance(self.policy, str) else "static",
+            "steps": self._step,
+            "micro_batches": len(mbs),
+            "budget_bytes": self.budget,
+            "peak_bytes": max((r.peak_bytes for r in mbs), default=0),
+            "resident_bytes": self.runtime.ledger.resident,
+            "violations": sum(r.violations for r in mbs),
+            "fallbacks": sum(r.fallbacks for r in mbs),
+            "oom_recoveries": self._oom_recoveries,
+            "saved_bytes_by_choice": mix,
+            "decisions": len(self._latencies_us),
+            "decision_latency_us": {
+                "mean": statistics.fmean(lat) if lat else 0.0,
+                "p50": lat[len(lat) // 2] if lat else 0.0,
+                "max": lat[-1] if lat else 0.0,
+            },
+            "plan_cache": cache,
+            "arena_in_use_bytes": arena.get("in_use", 0),
+            "gates": [g.name for g in self.gates],
+        }
+
+    def plot(self, path: Union[str, Path]) -> Path:
+        """Draw activation memory against the budget per micro-batch, spikes marked (PNG)."""
+        return self.telemetry.plot(path, title=f"bagualu2 {self.report()['policy']}")
+
+    def disable(self) -> None:
+        """Remove every hook and the forward wrapper; the model behaves exactly as before."""
+        if not self.enabled:
+            return
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.model.__dict__.pop("forward", None)
+        self.enabled = False
+
+    # -- forward ----------------------------------------------------------------------------
+    def _new_frame(self, conservative: bool) -> Frame:
+        if conservative or self.policy == "recompute_all":
+            return Frame(default=Choice.RECOMPUTE, index=self._frames)
+        if self.policy == "offload_all":
+            return Frame(default=Choice.OFFLOAD, index=self._frames)
+        frame = Frame(self._static, index=self._frames)
+        frame.profile = self.cost.frames < self.profile_frames
+        return frame
+
+    def _provisioned_forward(self, *args: Any, **kwargs: Any) -> Any:
+        if is_recomputing() or not self.enabled:
+            return self._forward(*args, **kwargs)
+        self._check_feasible()
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        try:
+            return self._run_frame(args, kwargs, conservative=False)
+        except torch.OutOfMemoryError:
+            # The failed attempt's graph and saved activations died with the exception.
+            self._oom_recoveries += 1
+            torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.empty_cache()
+                torch.cuda.set_rng_state(cuda_rng, self.device)
+            return self._run_frame(args, kwargs, conservative=True)
+
+    def _run_frame(self, args: tuple, kwargs: dict, conservative: bool) -> Any:
+        frame = self._new_frame(conservative)
+        self._frame_counts = {}
+        self._frame_predicted = 0
+        _ACTIVE.append(self)
+        start = time.perf_counter()
+        try:
+            with self.runtime.frame(frame):
+                out = self._forward(*args, **kwargs)
+        finally:
+            _ACTIVE.remove(self)
+        seconds = time.perf_counter() - start
+        self._frames += 1
+        if frame.profile:
+            self.cost.observe(frame.saved_profile, self._frame_counts, seconds)
+        imbalance = max((max(c) * len(c) / max(1, sum(c)) for c in self._frame_counts.values()), default=1.0)
+        self.telemetry.add(MicroBatch(
+            step=self._step, micro_batch=frame.index, peak_bytes=frame.stats.peak_resident,
+            predicted_peak_bytes=self._frame_predicted, budget_bytes=self.budget,
+            imbalance=imbalance, bytes_by_choice=dict(frame.stats.bytes_by_choice),
+            violations=frame.stats.violations, fallbacks=len(frame.stats.fallbacks),
+            forward_seconds=seconds, oom_recovered=conservative,
+        ))
+        return out
+
+    def _check_feasible(self) -> None:
+        """Refuse a micro-batch no plan can fit, before it allocates anything."""
+        if self.budget is None or self.policy != "adaptive" or not self.cost.ready:
+            return
+        # Loads of the previous micro-batch stand in for this one's, not yet routed.
+        _, floor = self.cost.candidates(self.cost.order, self._frame_counts, self.min_bytes,
+                                        self.engine is not None)
+        resident = self.runtime.ledger.resident
+        if resident + floor > self.budget:
+            raise InfeasibleBudgetError(self.budget, resident + floor, f"micro-batch {self._frames}")
+
+    def _exceeded(self, resident: int, budget: int, key: str) -> None:
+        raise BudgetExceededError(resident, budget, key)
+
+    # -- gating -----------------------------------------------------------------------------
+    def _gate_hook(self, spec: GateSpec) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            if self.runtime.active_frame is None or is_recomputing():
+                return
+            with self.runtime.untraced(), torch.no_grad():
+                counts = spec.counts_fn(module, args, output)
+            self._on_gate(spec.layer, counts)
+
+        return hook
+
+    def _on_gate(self, layer: int, counts: Union[torch.Tensor, Sequence[int]]) -> None:
+        frame = self.runtime.active_frame
+        if frame is None:
+            return
+        values = counts.tolist() if isinstance(counts, torch.Tensor) else [int(c) for c in counts]
+        self._frame_counts[layer] = values
+        if self.policy != "adaptive" or self.budget is None or not self.cost.ready:
+            return
+        start = time.perf_counter()
+        decision = self._decide(frame, layer, values)
+        decision.latency_us = (time.perf_counter() - start) * 1e6
+        self._latencies_us.append(decision.latency_us)
+        self.telemetry.add(decision)
+
+    def _decide(self, frame: Frame, layer: int, values: List[int]) -> Decision:
+        cost = self.cost
+        # Later layers are assumed to route like this one; quantize up so a cached plan holds
+        # for every load in its bucket.
+        mean = max(1.0, sum(values) / len(values))
+        step = max(1, int(mean / 8))
+        bucketed = [int(math.ceil(v / step)) * step for v in values]
+        counts = {g.layer: (self._frame_counts.get(g.layer) if g.layer < layer else bucketed)
+                  for g in self.gates}
+        counts[layer] = bucketed
+        remaining = [k for k in cost.order if k not in frame.keys_seen]
+        predicted = cost.predict_total(remaining, counts)
+        # In-flight offload sources are released as their copies complete.
+        resident = self.runtime.ledger.resident - self.runtime.inflight_bytes
+        target = int(self.budget * (1.0 - self.margin))
+        must_free = resident + predicted - target
+        if not self._frame_predicted:
+            self._frame_predicted = resident + predicted
+        imbalance = max(values) * len(values) / max(1, sum(values))
+        record = Decision(self._step, frame.index, layer, imbalance, resident, resident + predicted,
+                          resident + predicted, self.budget, {"keep": len(remaining)}, 0.0, False)
+        for key in remaining:  # a later gate may relax what an earlier one decided
+            frame.choices.pop(key, None)
+        if must_free <= 0:
+            return record
+        quantum = max(1, target // 64)
+        must_bucket = int(math.ceil(must_free / quantum))
+        load_bucket = hash(tuple(v // step for v in bucketed)) & 0x7FFFFFFF
+        phase = _PHASES[self._phase] * 64 + min(self._stacked, 63)
+        plan = self.cache.get(layer, load_bucket, phase, must_bucket)
+        record.cache_hit = plan is not None
+        if plan is None:
+            anchors = [n.key for n in frame._anchors]
+            candidates, _ = cost.candidates(remaining, counts, self.min_bytes, self.engine is not None, anchors)
+            fraction = len(remaining) / max(1, len(cost.order))
+            offload_window, reload_window = cost.windows(fraction, self._stacked)
+            plan = self.planner.solve(candidates, must_bucket * quantum, offload_window, reload_window)
+            self.cache.put(layer, load_bucket, phase, must_bucket, plan)
+        frame.choices.update(plan.choices)
+        record.feasible = plan.feasible
+        record.planned_bytes = resident + predicted - plan.freed_bytes
+        record.mix = {c.name.lower(): n for c, n in plan.mix().items()}
+        record.mix["keep"] += len(remaining) - len(plan.choices)
+        return record
+
+
+def enable(model: torch.nn.Module, budget: Union[str, int, float, None] = "auto",
+           policy: Union[str, Mapping[str, Choice]] = "adaptive", **options: Any) -> Provisioner:
+    """Provision ``model``'s saved activations under ``budget``; the training loop is unchanged.
+
+    Args:
+        model: the module whose ``forward`` is one micro-batch (a whole model or a pipeline
+            stage). Its MoE gates are found automatically (see ``bagualu2.moe.find_gates``);
+            register others with ``Provisioner.register_gate`` or report loads with
+            ``bagualu2.on_gating``.
+        budget: ``"auto"`` (device memory minus what is resident now minus ``reserve_bytes``;
+            no limit on CPU), an int of bytes, or a float fraction of device memory.
+        policy: ``"adaptive"`` (decide per micro-batch at gating), or a static baseline through
+            the same machinery: ``"keep_all"``, ``"recompute_all"``, ``"offload_all"``, or a
+            fixed mapping of operator keys to ``Choice``.
+        **options: ``on_exceed`` (``"record"`` or ``"raise"``: raise ``BudgetExceededError``
+            when the budget is crossed), ``min_bytes`` (smaller activations are always kept),
+            ``arena_bytes`` (pinned host arena size), ``reserve_bytes``, ``profile_frames``,
+            ``margin``, ``telemetry_path`` (JSON lines).
+
+    Returns:
+        The ``Provisioner``: ``report()``, ``plot(path)``, ``disable()``.
+    """
+    prov = Provisioner(model, budget, policy, **options)
+    if not prov.gates and policy == "adaptive":
+        import warnings
+
+        warnings.warn(
+            "bagualu2.enable: no MoE gate found, so decisions are made only by the budget check at "
+            "each save. " + describe_unsupported(model), stacklevel=2,
+        )
+    return prov
+
+
+def on_gating(tokens_per_expert: Union[torch.Tensor, Sequence[int]], layer: int) -> None:
+    """Report a MoE layer's routing from inside its forward (for gates that are not modules).
+
+    Call it after routing and before the experts run. Outside a provisioned forward, and
+    during recomputation, it does nothing.
+    """
+    if not _ACTIVE or is_recomputing():
+        return
+    prov = _ACTIVE[-1]
+    with prov.runtime.untraced(), torch.no_grad():
+        prov._on_gate(layer, tokens_per_expert)

@@ -1,0 +1,101 @@
+"""Telemetry: one record per provisioning decision and per micro-batch, JSON lines, plots."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Union
+
+__all__ = ["Decision", "MicroBatch", "Telemetry"]
+
+
+@dataclass
+class Decision:
+    """What the provisioner decided at one MoE gating event."""
+
+    step: int
+    micro_batch: int
+    layer: int
+    imbalance: float           # max tokens per expert over the mean
+    resident_bytes: int        # ledger when the gate fired (other micro-batches included)
+    predicted_bytes: int       # predicted resident high-water mark of this micro-batch, all keep
+    planned_bytes: int         # the same under the chosen plan
+    budget_bytes: Optional[int]
+    mix: Dict[str, int]        # choice name -> number of operators
+    latency_us: float
+    cache_hit: bool
+    feasible: bool = True
+    kind: str = "decision"
+
+
+@dataclass
+class MicroBatch:
+    """One provisioned forward, as measured."""
+
+    step: int
+    micro_batch: int
+    peak_bytes: int            # ledger high-water mark during the forward
+    predicted_peak_bytes: int  # what the cost model predicted at the first gate (all keep), 0 if none
+    budget_bytes: Optional[int]
+    imbalance: float           # the largest over the micro-batch's MoE layers
+    bytes_by_choice: Dict[str, int]
+    violations: int
+    fallbacks: int
+    forward_seconds: float
+    oom_recovered: bool = False
+    kind: str = "micro_batch"
+
+
+@dataclass
+class Telemetry:
+    """Records kept in memory and, with ``path``, appended to a JSON lines file."""
+
+    path: Optional[Path] = None
+    decisions: List[Decision] = field(default_factory=list)
+    micro_batches: List[MicroBatch] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.path is not None:
+            self.path = Path(self.path)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
+
+    def add(self, record: Union[Decision, MicroBatch]) -> None:
+        (self.decisions if isinstance(record, Decision) else self.micro_batches).append(record)
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(asdict(record)) + "\n")
+
+    def plot(self, path: Union[str, Path], title: str = "activation memory") -> Path:
+        """Memory of every micro-batch against the budget, spikes (imbalance >= 1.5) marked."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        path = Path(path)
+        records = self.micro_batches
+        fig, ax = plt.subplots(figsize=(9, 3.5))
+        xs = list(range(len(records)))
+        ax.plot(xs, [r.peak_bytes / 2**20 for r in records], lw=1, label="peak activation MiB")
+        budgets = [r.budget_bytes for r in records]
+        if any(b is not None for b in budgets):
+            ax.plot(xs, [(b or 0) / 2**20 for b in budgets], "k--", lw=1, label="budget")
+        spikes = [i for i, r in enumerate(records) if r.imbalance >= 1.5]
+        if spikes:
+            ax.scatter(spikes, [records[i].peak_bytes / 2**20 for i in spikes], c="red", s=14,
+                       zorder=3, label="routing spike")
+        bad = [i for i, r in enumerate(records) if r.violations]
+        if bad:
+            ax.scatter(bad, [records[i].peak_bytes / 2**20 for i in bad], marker="x", c="black",
+                       s=30, zorder=4, label="over budget")
+        ax.set_xlabel("micro-batch")
+        ax.set_ylabel("MiB")
+        ax.set_title(title)
+        ax.legend(loc="upper right", fontsize=8)
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
