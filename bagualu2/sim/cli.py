@@ -136,7 +136,8 @@ def _run(args: argparse.Namespace) -> int:
         from tqdm import tqdm
 
         bar = tqdm(total=args.steps * len(policies), unit="step", desc="simulating",
-                   file=sys.stderr, leave=False)
+                   file=sys.stderr, leave=False, bar_format="{l_bar}{bar}| {n:.0f}/{total_fmt} "
+                   "[{elapsed}<{remaining}]")
         progress = bar.update
     try:
         result = sim.run(trace, policies, progress=progress)

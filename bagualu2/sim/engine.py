@@ -288,7 +288,8 @@ class Simulator:
 
     # -- one policy --------------------------------------------------------------------------------
     def simulate_policy(self, policy: str, load: np.ndarray, *, max_load: float,
-                        showcase: int = -1, state: Optional[dict] = None) -> PolicyResult:
+                        showcase: int = -1, state: Optional[dict] = None,
+                        on_stage: Optional[Callable[[float], None]] = None) -> PolicyResult:
         """Simulate ``policy`` for a block of steps.
 
         Args:
@@ -297,6 +298,7 @@ class Simulator:
                 static plan's worst case).
             showcase: step index (within the block) whose memory timeline is recorded.
             state: dict carried across blocks (planner, plan cache, effects, static plans).
+            on_stage: called with ``steps / pp`` after each stage (progress reporting).
         """
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
@@ -386,6 +388,8 @@ class Simulator:
             peak[s] = s_peak + self.static[s] + self.cluster.workspace
             if showcase >= 0:
                 trace_mem[str(s)] = mem_line
+            if on_stage is not None:
+                on_stage(n / self.pp)
         dur = {**fwd, **bwd}
         makespan, _ = self.timeline.run(dur, self.send_s)
         step_time = makespan + max(self.dp_s)
@@ -508,14 +512,15 @@ class Simulator:
         return load
 
     def run(self, trace: LoadTrace, policies: Sequence[str] = POLICIES, *, block: int = 1000,
-            progress: Optional[Callable[[int], None]] = None) -> SimResult:
+            progress: Optional[Callable[[float], None]] = None) -> SimResult:
         """Simulate every policy over ``trace`` and summarize (see :meth:`summarize`).
 
         Args:
             trace: load trace (fitted to this layout's micro-batches and MoE units).
             policies: subset of :data:`POLICIES`.
             block: steps evaluated together (memory vs. vector length).
-            progress: called with the number of steps done after each block and policy.
+            progress: called with the (fractional) number of steps done, after every stage of
+                every block and policy; the calls of one run add up to ``steps * len(policies)``.
         """
         import time
 
@@ -532,9 +537,7 @@ class Simulator:
             parts = []
             for b0 in range(0, steps, block):
                 parts.append(self.simulate_policy(p, load[b0:b0 + block], max_load=max_load,
-                                                  state=state))
-                if progress:
-                    progress(min(block, steps - b0))
+                                                  state=state, on_stage=progress))
             results[p] = PolicyResult(
                 p, np.concatenate([x.step_time for x in parts]),
                 np.concatenate([x.oom for x in parts]),
