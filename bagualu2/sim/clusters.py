@@ -117,7 +117,7 @@ CLUSTER_PRESETS: Dict[str, ClusterSpec] = {
         inter_bw=50 * GB,
         devices_per_node=8,
         compute_efficiency=0.75,
-        network_efficiency=2.4334,
+        network_efficiency=2.4365,
         dp_efficiency=0.0521,
         sources={
             "device_memory": "NVIDIA H200 datasheet: 141 GB HBM3e",
@@ -143,7 +143,7 @@ CLUSTER_PRESETS: Dict[str, ClusterSpec] = {
         inter_bw=25 * GB,
         devices_per_node=8,
         compute_efficiency=0.75,
-        network_efficiency=2.4334,
+        network_efficiency=2.4365,
         dp_efficiency=0.0521,
         sources={
             "device_memory": "64 GB HBM2e DCU-class accelerator. Hygon publishes no full "
