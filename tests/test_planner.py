@@ -224,7 +224,7 @@ def test_sixty_four_candidates_with_large_sizes_solve():
     total = sum(c.nbytes for c in cands)
     plan = Planner().solve(cands, total // 2, 2.0, 2.0)
     assert plan.feasible and plan.freed_bytes >= total // 2
-    assert plan.bound_s >= plan.exposed_s
+    assert plan.bound_s >= plan.exposed_s * (1 - 1e-12)
 
 
 @pytest.mark.parametrize(

@@ -302,7 +302,7 @@ Plan Planner::solve(const std::vector<Candidate>& candidates, std::int64_t must_
         if (plan.choices[i] != Choice::KEEP) plan.freed_bytes += candidates[i].nbytes;
     }
     plan.exposed_s = exposed_time(candidates, plan.choices, offload_window_s, reload_window_s);
-    plan.bound_s = std::max(bound, plan.exposed_s);
+    plan.bound_s = bound;
     return plan;
 }
 
