@@ -48,6 +48,9 @@ def format_table(result: SimResult) -> str:
             v = row.get(k, float("nan"))
             cells.append("n/a".rjust(w) if isinstance(v, float) and math.isnan(v) else f.format(v))
         lines.append("  ".join(cells))
+    lines.append(f"peak GiB per stage (device memory {result.device_memory / 2**30:.0f} GiB):")
+    for p, r in result.policies.items():
+        lines.append(f"  {p:<17s} " + " ".join(f"{x / 2**30:5.1f}" for x in r.peak.max(axis=1)))
     return "\n".join(lines)
 
 
