@@ -133,7 +133,7 @@ class Planner:
             is raised when the table would exceed ``max_cells``.
         time_quantum_s: copy-time quantum for both windows; None picks ``window / slots``.
         max_cells: DP states per op (latency and memory cap); None picks one from the
-            number of candidates (about 2^21 state updates per solve).
+            number of candidates (about 2^18 state updates per solve).
 
     A Planner reuses its tables between solves and is not thread-safe; use one per thread.
     """

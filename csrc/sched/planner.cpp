@@ -15,10 +15,26 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// Default DP states per op: keeps n * cells around 2^21 state updates (about 1 ms).
+// Default DP states per op: keeps n * cells around 2^18 state updates (well under 1 ms).
 std::int64_t default_cells(std::size_t n) {
     const std::int64_t ops = std::max<std::int64_t>(1, static_cast<std::int64_t>(n));
-    return std::clamp<std::int64_t>((std::int64_t{1} << 21) / ops, 2048, 32768);
+    return std::clamp<std::int64_t>((std::int64_t{1} << 18) / ops, 1024, 16384);
+}
+
+// One DP cell: the cheapest of the three choices; ties prefer KEEP, then OFFLOAD.
+inline void relax(double keep, double off, double rec, double& out, std::uint8_t& pick) {
+    double best = keep;
+    std::uint8_t p = static_cast<std::uint8_t>(Choice::KEEP);
+    if (off < best) {
+        best = off;
+        p = static_cast<std::uint8_t>(Choice::OFFLOAD);
+    }
+    if (rec < best) {
+        best = rec;
+        p = static_cast<std::uint8_t>(Choice::RECOMPUTE);
+    }
+    out = best;
+    pick = p;
 }
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
@@ -148,13 +164,20 @@ void Planner::run_dp(const std::vector<Candidate>& cands,
     choice_.assign(n * ucells, static_cast<std::uint8_t>(Choice::KEEP));
 
     // 4. backward over ops: H_k(d, f, b) = min over choices of cost + H_{k+1}(successor)
+    off_cost_.resize(static_cast<std::size_t>(nb));
     for (std::size_t k = n; k-- > 0;) {
         const Candidate& c = cands[active[k]];
         const std::int64_t bq = bytes_q[active[k]];
         const double rec_cost = c.can_recompute ? c.recompute_s : kInf;
-        const bool can_off = c.can_offload;
+        // offload cost without the forward window part, per backward-window state
         const double off_fixed = (fwd.windowed || fwd.hidden ? 0.0 : c.offload_s) +
                                  (bwd.windowed || bwd.hidden ? 0.0 : c.reload_s);
+        for (std::int64_t b = 0; b < nb; ++b) {
+            const double eb = bwd.windowed
+                ? std::max(0.0, rqd_[k] - static_cast<double>(b)) * bwd.quantum : 0.0;
+            off_cost_[static_cast<std::size_t>(b)] = c.can_offload ? off_fixed + eb : kInf;
+        }
+        const std::int64_t rq = std::min(rq_[k], nb);
         std::uint8_t* ch = choice_.data() + k * ucells;
         std::copy(next_.begin(), next_.begin() + nf * nb, cur_.begin());  // d = 0: keep, cost 0
         for (std::int64_t d = 1; d < nd; ++d) {
@@ -162,34 +185,22 @@ void Planner::run_dp(const std::vector<Candidate>& cands,
             for (std::int64_t f = 0; f < nf; ++f) {
                 const std::int64_t f2 = std::max<std::int64_t>(0, f - oq_[k]);
                 const double ef = fwd.windowed
-                    ? std::max(0.0, oqd_[k] - static_cast<double>(f)) * fwd.quantum
-                    : 0.0;
+                    ? std::max(0.0, oqd_[k] - static_cast<double>(f)) * fwd.quantum : 0.0;
                 const double* keep_row = next_.data() + (d * nf + f) * nb;
                 const double* rec_row = next_.data() + (dr * nf + f) * nb;
                 const double* off_row = next_.data() + (dr * nf + f2) * nb;
                 double* out_row = cur_.data() + (d * nf + f) * nb;
                 std::uint8_t* ch_row = ch + (d * nf + f) * nb;
-                for (std::int64_t b = 0; b < nb; ++b) {
-                    const std::int64_t b2 = std::max<std::int64_t>(0, b - rq_[k]);
-                    const double eb = bwd.windowed
-                        ? std::max(0.0, rqd_[k] - static_cast<double>(b)) * bwd.quantum
-                        : 0.0;
-                    double best = keep_row[b];
-                    std::uint8_t pick = static_cast<std::uint8_t>(Choice::KEEP);
-                    if (can_off) {
-                        const double v = off_fixed + ef + eb + off_row[b2];
-                        if (v < best) {
-                            best = v;
-                            pick = static_cast<std::uint8_t>(Choice::OFFLOAD);
-                        }
-                    }
-                    const double v = rec_cost + rec_row[b];
-                    if (v < best) {
-                        best = v;
-                        pick = static_cast<std::uint8_t>(Choice::RECOMPUTE);
-                    }
-                    out_row[b] = best;
-                    ch_row[b] = pick;
+                const double* oc = off_cost_.data();
+                // backward window exhausted by this reload: successor state b' = 0
+                for (std::int64_t b = 0; b < rq; ++b) {
+                    relax(keep_row[b], oc[b] + ef + off_row[0], rec_cost + rec_row[b],
+                          out_row[b], ch_row[b]);
+                }
+                // window left after the reload: successor state b' = b - rq (contiguous)
+                for (std::int64_t b = rq; b < nb; ++b) {
+                    relax(keep_row[b], oc[b] + ef + off_row[b - rq], rec_cost + rec_row[b],
+                          out_row[b], ch_row[b]);
                 }
             }
         }

@@ -115,6 +115,7 @@ private:
     std::vector<std::uint8_t> choice_;
     std::vector<std::int64_t> oq_, rq_;  // per-op quanta, saturated at the window
     std::vector<double> oqd_, rqd_;       // per-op quanta, exact count
+    std::vector<double> off_cost_;        // offload cost per backward-window state
 };
 
 }  // namespace bagualu2
