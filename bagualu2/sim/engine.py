@@ -164,6 +164,7 @@ class SimResult:
     showcase_stage: int
     policies: Dict[str, PolicyResult]
     wall_s: float = 0.0
+    workspace: float = 0.0
 
     def table(self) -> List[Dict[str, float]]:
         """One row per policy (the numbers printed and written to JSON)."""
@@ -564,7 +565,7 @@ class Simulator:
             device_memory=self.cluster.device_memory, static_bytes=list(self.static),
             budget=[self.budget(s, max_load) for s in range(self.pp)],
             showcase_step=showcase, showcase_stage=peak_stage, policies=results,
-            wall_s=time.perf_counter() - t0)
+            wall_s=time.perf_counter() - t0, workspace=self.cluster.workspace)
 
     def summarize(self, r: PolicyResult, spike: np.ndarray) -> Dict[str, float]:
         """Throughput, MFU and lost time including OOM restarts.

@@ -65,6 +65,7 @@ def to_json(result: SimResult) -> Dict[str, object]:
         "model": result.model, "cluster": result.cluster, "layout": result.layout,
         "steps": result.steps, "trace": {k: clean(v) for k, v in result.trace.items()},
         "device_memory": result.device_memory, "static_bytes": result.static_bytes,
+        "workspace_bytes": result.workspace,
         "activation_budget": result.budget, "showcase_step": result.showcase_step,
         "showcase_stage": result.showcase_stage, "wall_s": result.wall_s,
         "policies": {
@@ -85,15 +86,17 @@ def plot_memory_timeline(result: SimResult, path: Union[str, Path]) -> None:
     import matplotlib.pyplot as plt
 
     s = result.showcase_stage
-    base = result.static_bytes[s]
+    base = result.static_bytes[s] + result.workspace
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for p, r in result.policies.items():
+    styles = ["-", "-", "--", "-.", ":"]
+    for i, (p, r) in enumerate(result.policies.items()):
         line = r.timeline.get(str(s), [])
         if line:
-            ax.plot(range(len(line)), [(base + x) / 2**30 for x in line], label=p, lw=1.4)
+            ax.plot(range(len(line)), [(base + x) / 2**30 for x in line], label=p, lw=1.4,
+                    ls=styles[i % len(styles)])
     ax.axhline(result.device_memory / 2**30, color="k", ls="--", lw=1, label="device memory")
     ax.set_xlabel(f"schedule position on stage {s} (forward / backward events)")
-    ax.set_ylabel("resident GiB (weights + optimizer + activations)")
+    ax.set_ylabel("GiB (weights, optimizer, workspace, activations)")
     ax.set_title(f"{result.model} on {result.cluster}: step {result.showcase_step}, stage {s}")
     ax.legend(fontsize=8)
     fig.tight_layout()
