@@ -26,6 +26,7 @@ Invariants kept here (the C++ ones are in csrc/offload/*.h):
 from __future__ import annotations
 
 import collections
+import operator
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -77,8 +78,9 @@ class HostArena:
     __slots__ = ("_impl",)
 
     def __init__(self, capacity_bytes: int, backend: str = "cpu") -> None:
-        if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool):
-            raise TypeError(f"capacity_bytes must be an int, got {type(capacity_bytes).__name__}")
+        if isinstance(capacity_bytes, bool):
+            raise TypeError("capacity_bytes must be an int, got bool")
+        capacity_bytes = operator.index(capacity_bytes)  # ints and numpy ints; TypeError otherwise
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self._impl = _C.HostArena(capacity_bytes, resolve_backend(backend))
