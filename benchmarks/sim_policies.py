@@ -7,7 +7,7 @@ generated, and the five policies are simulated. Prints a table, writes JSON and 
 throughput by policy across cluster sizes, and reports each policy's ratio to recompute_all
 (the published ablation's baseline) and to the static plan.
 
-    python benchmarks/sim_policies.py --steps 1000 --out bench_out
+    python benchmarks/sim_policies.py --steps 1000 --out out/sim_policies
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def main() -> int:
     ap.add_argument("--cluster", default="dcu-64g")
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="bench_out/sim_policies")
+    ap.add_argument("--out", default="out/sim_policies")
     args = ap.parse_args()
     cluster = get_cluster(args.cluster)
     out = Path(args.out)
