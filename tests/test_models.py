@@ -146,6 +146,16 @@ def test_routing_spike_reaches_requested_imbalance_on_small_config(imbalance):
     assert model.layers[0].moe.router.spike is None
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_routing_spike_in_both_dtypes_and_with_gradients(dtype):
+    cfg = MoEConfig.tiny()
+    model, tokens = _model(cfg, dtype), _tokens(cfg, batch=2, seq=16)
+    with model.routing_spike(imbalance=2.6):
+        _step(model, tokens)
+    for _, router in model.gates():
+        assert abs(load_imbalance(router.last_tokens_per_expert) - 2.6) <= 0.1 * 2.6
+
+
 def test_routing_spike_on_chosen_experts_and_layers():
     cfg = MoEConfig.small()
     model = _model(cfg)

@@ -15,9 +15,14 @@ class MoEConfig:
     Three presets cover the uses in this project; each accepts keyword overrides, e.g.
     ``MoEConfig.tiny(dropout=0.1)``. Derive variants with ``dataclasses.replace``.
 
-    - :meth:`tiny`: unit tests (a forward + backward takes a few milliseconds).
-    - :meth:`small`: demos (batch 4 x seq 64 per step, tens of milliseconds on 2 CPU cores).
-    - :meth:`bench`: benchmarks (batch 8 x seq 256 per step, about a second on 2 CPU cores).
+    Measured fp32 forward + backward, one CPU thread (two threads take roughly 0.6x as long):
+
+    - :meth:`tiny`: unit tests; batch 2 x seq 16 in about 7 ms.
+    - :meth:`small`: demos; batch 4 x seq 64 in about 75 ms.
+    - :meth:`bench`: benchmarks; batch 8 x seq 256 in about 1.9 s.
+
+    bf16 (``model.to(torch.bfloat16)``) is exact and deterministic but about 15x slower on
+    CPUs without native bf16 matrix units.
     """
 
     vocab_size: int = 512
