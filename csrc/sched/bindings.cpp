@@ -8,6 +8,7 @@
 
 #include "bindings/registry.h"
 #include "common/check.h"
+#include "sched/overlap_scheduler.h"
 #include "sched/plan_cache.h"
 #include "sched/planner.h"
 
@@ -112,6 +113,60 @@ void register_sched(py::module_& m) {
             d["capacity"] = s.capacity;
             return d;
         });
+
+    py::class_<OverlapScheduler>(m, "OverlapScheduler",
+                                 "Overlap scheduler DP (see csrc/sched/overlap_scheduler.h).")
+        .def(py::init<std::int64_t, bool>(), py::arg("cache_capacity") = 256,
+             py::arg("merge") = true)
+        .def(
+            "schedule_columns",
+            [](OverlapScheduler& self, const std::vector<double>& op_duration,
+               const std::vector<std::int64_t>& op_base_bytes, const std::vector<bool>& op_bubble,
+               const std::vector<int>& kind, const std::vector<std::int64_t>& op,
+               const std::vector<std::int64_t>& earliest, const std::vector<double>& duration,
+               const std::vector<std::int64_t>& nbytes, std::int64_t budget_bytes,
+               std::optional<std::vector<std::int64_t>> key) {
+                const std::size_t n = op_duration.size(), t = kind.size();
+                BAGUALU2_CHECK(op_base_bytes.size() == n && op_bubble.size() == n,
+                               "op columns differ in length (", n, " ops)");
+                BAGUALU2_CHECK(op.size() == t && earliest.size() == t && duration.size() == t &&
+                                   nbytes.size() == t,
+                               "task columns differ in length (", t, " tasks)");
+                std::vector<OverlapOp> ops(n);
+                for (std::size_t i = 0; i < n; ++i) {
+                    ops[i] = OverlapOp{op_duration[i], op_base_bytes[i], op_bubble[i]};
+                }
+                std::vector<OverlapTask> tasks(t);
+                for (std::size_t i = 0; i < t; ++i) {
+                    BAGUALU2_CHECK(kind[i] >= 0 && kind[i] <= 2, "task ", i, ": kind must be 0, 1 "
+                                   "or 2 (OFFLOAD, RELOAD, RECOMPUTE), got ", kind[i]);
+                    tasks[i] = OverlapTask{static_cast<TaskKind>(kind[i]), op[i], earliest[i],
+                                           duration[i], nbytes[i]};
+                }
+                std::optional<PlanKey> pk;
+                if (key) {
+                    BAGUALU2_CHECK(key->size() == 4, "cache key needs 4 integers, got ",
+                                   key->size());
+                    pk = PlanKey{(*key)[0], (*key)[1], (*key)[2], (*key)[3]};
+                }
+                const Schedule s = self.schedule(ops, tasks, budget_bytes, pk);
+                return py::make_tuple(s.issue_after, s.early, s.feasible, s.exposed_s,
+                                      s.peak_bytes, s.merged_ops, s.cache_hit);
+            },
+            "Schedule; returns (issue_after, early, feasible, exposed_s, peak_bytes, merged_ops, "
+            "cache_hit).")
+        .def("cache_stats",
+             [](const OverlapScheduler& self) {
+                 const PlanCacheStats s = self.cache_stats();
+                 py::dict d;
+                 d["hits"] = s.hits;
+                 d["misses"] = s.misses;
+                 d["hit_rate"] = s.hit_rate;
+                 d["mean_lookup_us"] = s.mean_lookup_us;
+                 d["size"] = s.size;
+                 return d;
+             })
+        .def("clear_cache", &OverlapScheduler::clear_cache);
 }
 
 }  // namespace bagualu2
