@@ -826,13 +826,15 @@ def launch(
     backend: str = "gloo",
     timeout_s: float = 120.0,
     threads: int = 1,
+    grace_s: float = 15.0,
 ) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes joined in one group.
 
-    Processes are spawned (not forked), talk over 127.0.0.1 on a free port, and are killed
-    if they have not all finished within ``timeout_s``; an exception in any rank is re-raised
-    here. ``fn`` must be importable (module level). Results travel back however ``fn``
-    chooses (a file under a temporary directory is simplest).
+    Processes are spawned (not forked) and talk over 127.0.0.1 on a free port. When one rank
+    fails, the others get ``grace_s`` seconds to notice (gloo fails their next operation with
+    the broken peer) and exit on their own; whatever is still alive then, or at ``timeout_s``,
+    is killed, and the first failure is raised here. ``fn`` must be importable (module
+    level). Results travel back however ``fn`` chooses (a file is simplest).
     """
     import torch.multiprocessing as mp
 
@@ -844,10 +846,16 @@ def launch(
         start_method="spawn",
     )
     deadline = time.monotonic() + timeout_s
+    timed_out = False
     try:
-        while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+        # Poll instead of ctx.join(), which kills every peer as soon as one rank fails.
+        while any(p.is_alive() for p in ctx.processes):
+            if any(p.exitcode not in (None, 0) for p in ctx.processes):
+                deadline = min(deadline, time.monotonic() + grace_s)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"pipeline ranks did not finish within {timeout_s:.0f} s")
+                timed_out = True
+                break
+            time.sleep(0.1)
     finally:
         for p in ctx.processes:
             if p.is_alive():
@@ -856,6 +864,11 @@ def launch(
             if p.is_alive():
                 p.kill()
                 p.join(5)
+    failed = any(p.exitcode != 0 for p in ctx.processes)
+    if failed:
+        ctx.join(timeout=1)  # raises the first rank's exception (with its traceback) or exit code
+    if timed_out:
+        raise TimeoutError(f"pipeline ranks did not finish within {timeout_s:.0f} s")
 
 
 # ---------------------------------------------------------------------------------------------
