@@ -45,7 +45,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from bagualu2.activations.tracing import (
-    Leaf, Replayer, StorageNode, TracingMode, ViewMeta, view_meta, view_of,
+    Replayer, StorageNode, TracingMode, ViewMeta, is_plain, view_meta, view_of,
 )
 from bagualu2.planner import Choice
 
@@ -122,6 +122,7 @@ class FrameStats:
 
     packed: int = 0
     bytes_by_choice: Dict[str, int] = field(default_factory=lambda: {"keep": 0, "offload": 0, "recompute": 0})
+    offloaded_storages: int = 0
     shared_bytes: int = 0       # re-saves of a storage already held: stored once
     regenerated_bytes: int = 0  # casts/copies of a stored activation, rebuilt from it
     fallbacks: List[str] = field(default_factory=list)
@@ -139,9 +140,13 @@ class Frame:
     """
 
     def __init__(self, choices: Optional[Mapping[str, Choice]] = None, default: Choice = Choice.KEEP,
-                 index: int = 0) -> None:
+                 index: int = 0, strict: bool = False) -> None:
         self.choices: Dict[str, Choice] = dict(choices or {})
+        for key, choice in self.choices.items():
+            if not isinstance(choice, Choice):
+                raise TypeError(f"plan entry {key!r}: {choice!r} is not a bagualu2.Choice")
         self.default = default
+        self.strict = strict  # a key in ``choices`` that names no op of the forward is an error
         self.index = index
         self.stats = FrameStats()
         self.keys_seen: Dict[str, int] = {}  # operator key -> storage bytes, first save
@@ -205,20 +210,31 @@ class _OffloadStore:
                 self.pin.drop()
 
 
-class _Kept:
-    __slots__ = ("tensor", "pin")
+def _modified_error(what: str, saved: int, now: int) -> RuntimeError:
+    # Autograd's own version check does not run for tensors packed by hooks, so do it here.
+    return RuntimeError(
+        f"one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: {what} was saved at version {saved} and is now at version {now}"
+    )
 
-    def __init__(self, tensor: torch.Tensor, pin: _Pin) -> None:
+
+class _Kept:
+    __slots__ = ("tensor", "pin", "version")
+
+    def __init__(self, tensor: torch.Tensor, pin: Optional[_Pin]) -> None:
         self.tensor = tensor
         self.pin = pin
+        self.version = tensor._version
 
 
 class _Offloaded:
-    __slots__ = ("store", "meta")
+    __slots__ = ("store", "meta", "node", "state")
 
-    def __init__(self, store: _OffloadStore, meta: ViewMeta) -> None:
+    def __init__(self, store: _OffloadStore, meta: ViewMeta, node: StorageNode, state: int) -> None:
         self.store = store
         self.meta = meta
+        self.node = weakref.ref(node)  # only to see in-place changes after the save
+        self.state = state
 
 
 class _Recomputed:
@@ -289,6 +305,8 @@ class ActivationRuntime:
         try:
             with self.mode, torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield frame
+            if frame.strict:
+                self._check_keys(frame)
         finally:
             frame.stats.peak_resident = self.ledger.peak
             if frame.profile:
@@ -340,6 +358,19 @@ class ActivationRuntime:
             node.anchor = (held, node.state, _Pin(self.ledger, t.untyped_storage()))
             self._frame._anchors.append(node)
 
+    def _check_keys(self, frame: Frame) -> None:
+        known = {node.key for node in self.mode.nodes.values()}
+        unknown = sorted(set(frame.choices) - known)
+        if unknown:
+            import difflib
+
+            hints = [difflib.get_close_matches(k, known, n=1) for k in unknown[:3]]
+            raise ValueError(
+                f"the plan names {len(unknown)} operator key(s) that no op of this forward has, e.g. "
+                + ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in zip(unknown, hints))
+                + "; keys look like '<module path>:<aten op>:<occurrence>', see Frame.keys_seen"
+            )
+
     def _profile(self, frame: Frame) -> Dict[str, Tuple[int, float, bool]]:
         by_key = {node.key: node for node in self.mode.nodes.values()}
         out: Dict[str, Tuple[int, float, bool]] = {}
@@ -375,25 +406,35 @@ class ActivationRuntime:
 
     # -- parameters and leaves --------------------------------------------------------------
     def _is_parameter(self, t: torch.Tensor) -> bool:
-        return isinstance(t, torch.nn.Parameter) or t.untyped_storage()._cdata in self._params
+        return isinstance(t, torch.nn.Parameter) or (is_plain(t) and t.untyped_storage()._cdata in self._params)
 
     def _pin_leaf(self, t: torch.Tensor) -> Optional[_Pin]:
-        if self._is_parameter(t) or t.layout != torch.strided:
+        if not is_plain(t) or self._is_parameter(t):
             return None
         return _Pin(self.ledger, t.untyped_storage())
 
     # -- pack -------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:
         frame = self._frame
-        if frame is None or self._is_parameter(t):
+        if frame is None:
             return t
+        if self._is_parameter(t):
+            return _Kept(t if t.grad_fn is None else t.detach(), None)
+        self.mode.suspended += 1  # the runtime's own ops are not part of the model
+        try:
+            return self._pack_in(frame, t)
+        finally:
+            self.mode.suspended -= 1
+
+    def _pack_in(self, frame: Frame, t: torch.Tensor) -> Any:
         stats = frame.stats
         stats.packed += 1
         if self._inflight:
             self.settle()
-        if t.layout != torch.strided or t.is_nested or type(t) not in (torch.Tensor,):
-            stats.fallbacks.append(f"keep {type(t).__name__} {t.layout}: not a plain strided tensor")
-            return self._keep(frame, t, "leaf")
+        if not is_plain(t):
+            stats.fallbacks.append(f"kept a {type(t).__name__} with layout {t.layout}: not a plain strided "
+                                   f"tensor, so it is neither counted nor released")
+            return _Kept(t if t.grad_fn is None else t.detach(), None)
         storage = t.untyped_storage()
         node = self.mode.nodes.get(storage._cdata)
         if node is None:
@@ -407,7 +448,7 @@ class ActivationRuntime:
         store = node.offloaded.get(state)
         if store is not None:
             stats.shared_bytes += nbytes
-            return _Offloaded(store, meta)
+            return _Offloaded(store, meta, node, state)
         if self._is_regenerable(node, state):
             stats.regenerated_bytes += nbytes
             return _Recomputed(node, state, meta)
@@ -441,15 +482,17 @@ class ActivationRuntime:
         return self._keep(frame, t, node.key)
 
     def _is_regenerable(self, node: StorageNode, state: int) -> bool:
-        """A cast/copy of a stored activation, with nothing applied to it afterwards."""
-        creator = node.creator
-        if str(creator.func) not in _CAST_OPS or node.mutations or not node.recomputable:
-            return False
-        source = creator.args[0] if creator.args else None
-        src_node = getattr(source, "node", None)
-        if not isinstance(src_node, StorageNode):
-            return False
-        return src_node.offloaded.get(source.state) is not None or self._kept_tensor(src_node, source.state) is not None
+        """A cast/copy (or chain of them) of a stored activation, nothing applied afterwards."""
+        while str(node.creator.func) in _CAST_OPS and not node.mutations and node.recomputable:
+            source = node.creator.args[0] if node.creator.args else None
+            src_node = getattr(source, "node", None)
+            if not isinstance(src_node, StorageNode):
+                return False
+            if (src_node.offloaded.get(source.state) is not None
+                    or self._kept_tensor(src_node, source.state) is not None):
+                return True
+            node = src_node
+        return False
 
     def _over_budget(self, storage: torch.UntypedStorage) -> bool:
         budget = self.budget_bytes
@@ -469,6 +512,8 @@ class ActivationRuntime:
             frame.stats.shared_bytes += storage.nbytes()
         else:
             frame.stats.bytes_by_choice["keep"] += storage.nbytes()
+        if t.grad_fn is not None:
+            t = t.detach()  # an op's saved output: holding its grad_fn would be a reference cycle
         kept = _Kept(t, _Pin(self.ledger, storage))
         node = self.mode.nodes.get(storage._cdata)
         if node is not None:
@@ -494,19 +539,28 @@ class ActivationRuntime:
         if pin is not None:
             self._inflight.append(weakref.ref(store))
         node.offloaded[state] = store
+        frame.stats.offloaded_storages += 1
         frame.stats.bytes_by_choice["offload"] += node.nbytes
-        return _Offloaded(store, meta)
+        return _Offloaded(store, meta, node, state)
 
     # -- unpack -----------------------------------------------------------------------------
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
         if isinstance(packed, _Kept):
+            if packed.tensor._version != packed.version:
+                raise _modified_error(f"a tensor of shape {tuple(packed.tensor.shape)}", packed.version,
+                                      packed.tensor._version)
             return packed.tensor
         if isinstance(packed, _Offloaded):
+            node = packed.node()
+            if node is not None and node.state != packed.state:
+                raise _modified_error(f"activation {node.key}", packed.state, node.state)
             self._prefetch_before(packed.store)
             return view_of(packed.store.storage(), packed.meta)
         node = packed.node
+        if node.state != packed.state:
+            raise _modified_error(f"activation {node.key}", packed.state, node.state)
         node.cache.evict_after(node.position)
         return view_of(Replayer(self._available).storage(node, packed.state), packed.meta)
 

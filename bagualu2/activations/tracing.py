@@ -69,6 +69,11 @@ class _Replaying:
 ViewMeta = Tuple[Tuple[int, ...], Tuple[int, ...], int, torch.dtype]
 
 
+def is_plain(t: torch.Tensor) -> bool:
+    """A dense strided tensor with a storage of its own kind (not sparse, nested or a subclass)."""
+    return t.layout == torch.strided and not t.is_nested and type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
 def view_meta(t: torch.Tensor) -> ViewMeta:
     """Size, stride, storage offset and dtype: what rebuilds ``t`` from its storage."""
     return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
@@ -263,6 +268,8 @@ class TracingMode(TorchDispatchMode):
     # -- recording --------------------------------------------------------------------------
     def _encode(self, x: Any, mutated: Optional[StorageNode]) -> Any:
         if isinstance(x, torch.Tensor):
+            if not is_plain(x):
+                return Leaf(x, None)
             node = self.nodes.get(x.untyped_storage()._cdata)
             if node is None or (node is not mutated and len(node.mutations) > node.replayable):
                 return Leaf(x, self._pin_leaf(x))
@@ -297,7 +304,7 @@ class TracingMode(TorchDispatchMode):
         outs = out if isinstance(out, (tuple, list)) else (out,)
         encoded: Optional[Tuple[tuple, dict]] = None
         for index, o in enumerate(outs):
-            if not isinstance(o, torch.Tensor):
+            if not isinstance(o, torch.Tensor) or not is_plain(o):
                 continue
             storage = o.untyped_storage()
             if storage._cdata in self.nodes:
@@ -324,6 +331,9 @@ class TracingMode(TorchDispatchMode):
             name = schema_args[i].name
             t = args[i] if i < len(args) else kwargs.get(name)
             if not isinstance(t, torch.Tensor):
+                continue
+            if not is_plain(t):
+                foreign = True
                 continue
             node = self.nodes.get(t.untyped_storage()._cdata)
             if node is None:

@@ -1,0 +1,413 @@
+"""Activation runtime: exactness, lifetimes, accounting and errors (DESIGN invariants 1, 3, 4).
+
+Every test compares against the same model run by plain PyTorch, bit for bit.
+"""
+from __future__ import annotations
+
+import gc
+from typing import Callable, Dict, List, Optional, Tuple
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import bagualu2
+from bagualu2.activations import ActivationRuntime, Frame
+from bagualu2.models import MoEConfig, MoETransformer
+from bagualu2.offload import CopyEngine, HostArena
+from bagualu2.planner import Choice
+
+SEED = 1234
+
+
+def make_model(dtype: torch.dtype = torch.float32, **cfg) -> Tuple[MoETransformer, torch.Tensor]:
+    torch.manual_seed(0)
+    model = MoETransformer(MoEConfig.tiny(dropout=0.1, **cfg)).to(dtype)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 24))
+    return model, tokens
+
+
+class Harness:
+    """Runs one training micro-batch of ``model`` plainly or through a runtime frame."""
+
+    def __init__(self, model: torch.nn.Module, engine: Optional[CopyEngine]) -> None:
+        self.model = model
+        self.runtime = ActivationRuntime(engine)
+        self.runtime.set_parameters(list(model.parameters()) + list(model.buffers()))
+        self._hooks = self.runtime.attach(model)
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    def forward(self, inputs: torch.Tensor, frame: Optional[Frame]) -> torch.Tensor:
+        torch.manual_seed(SEED)
+        if frame is None:
+            return self.model(inputs)
+        with self.runtime.frame(frame):
+            return self.model(inputs)
+
+
+def loss_and_grads(model: torch.nn.Module, loss: torch.Tensor) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return loss.detach().clone(), [p.grad.clone() for p in model.parameters()]
+
+
+def assert_bitwise(a: Tuple[torch.Tensor, List[torch.Tensor]], b: Tuple[torch.Tensor, List[torch.Tensor]]) -> None:
+    assert torch.equal(a[0], b[0]), f"loss differs: {a[0].item()} vs {b[0].item()}"
+    for i, (x, y) in enumerate(zip(a[1], b[1])):
+        assert torch.equal(x, y), f"gradient {i} differs by {(x.float() - y.float()).abs().max().item()}"
+
+
+@pytest.fixture
+def engine() -> CopyEngine:
+    return CopyEngine(HostArena(64 << 20))
+
+
+@pytest.fixture(scope="module")
+def keys() -> List[str]:
+    model, tokens = make_model()
+    h = Harness(model, None)
+    frame = Frame()
+    h.forward(tokens, frame)
+    h.close()
+    return sorted(frame.keys_seen)
+
+
+# -- invariant 1: exactness -------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("choice", list(Choice))
+def test_exactness_uniform_plans(engine: CopyEngine, dtype: torch.dtype, choice: Choice) -> None:
+    model, tokens = make_model(dtype)
+    h = Harness(model, engine)
+    reference = loss_and_grads(model, h.forward(tokens, None))
+    frame = Frame(default=choice)
+    result = loss_and_grads(model, h.forward(tokens, frame))
+    assert_bitwise(reference, result)
+    released = frame.stats.bytes_by_choice[choice.name.lower()]
+    assert released > 0 and not [f for f in frame.stats.fallbacks if "arena" in f]
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_exactness_random_per_operator_plans(engine: CopyEngine, keys: List[str], data: st.DataObject) -> None:
+    model, tokens = make_model()
+    h = Harness(model, engine)
+    reference = loss_and_grads(model, h.forward(tokens, None))
+    plan = {k: data.draw(st.sampled_from(list(Choice)), label=k) for k in keys}
+    result = loss_and_grads(model, h.forward(tokens, Frame(plan, strict=True)))
+    assert_bitwise(reference, result)
+    h.close()
+    gc.collect()
+    assert h.runtime.ledger.resident == 0
+    assert engine.arena.stats()["in_use"] == 0
+
+
+class ViewsCastsShared(torch.nn.Module):
+    """Saved tensors that are views, dtype casts and one storage saved by several ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        a, b, c = h.split(16, dim=-1)            # views of one storage
+        t = a.t()                                # a transposed view
+        shared = torch.sigmoid(b)
+        y = shared * shared.exp() + shared.sin()  # one storage saved by three ops
+        z = c.to(torch.float64).tanh().to(torch.float32)  # casts
+        w = c.to(torch.bfloat16).float()          # cast of an activation saved elsewhere
+        return (t.t().relu() * y).sum() + z.sum() + (w * c).sum()
+
+
+@pytest.mark.parametrize("choice", list(Choice))
+def test_exactness_views_casts_shared_storage(engine: CopyEngine, choice: Choice) -> None:
+    torch.manual_seed(0)
+    model = ViewsCastsShared()
+    x = torch.randn(32, 16)
+    h = Harness(model, engine)
+    reference = loss_and_grads(model, h.forward(x, None))
+    frame = Frame(default=choice)
+    assert_bitwise(reference, loss_and_grads(model, h.forward(x, frame)))
+    if choice == Choice.OFFLOAD:
+        assert frame.stats.shared_bytes > 0  # `shared` saved three times, stored once
+
+
+def test_shared_storage_is_offloaded_once(engine: CopyEngine) -> None:
+    torch.manual_seed(0)
+    model = ViewsCastsShared()
+    x = torch.randn(32, 16)
+    h = Harness(model, engine)
+    frame = Frame(default=Choice.OFFLOAD)
+    before = engine.arena.stats()["num_allocs"]
+    loss = h.forward(x, frame)
+    blocks = engine.arena.stats()["num_allocs"] - before
+    # One arena block per offloaded storage; views and re-saves of a storage take none.
+    assert blocks == frame.stats.offloaded_storages
+    assert frame.stats.packed > blocks
+    loss.backward()
+
+
+def test_cast_of_stored_activation_is_regenerated(engine: CopyEngine) -> None:
+    torch.manual_seed(0)
+    model = ViewsCastsShared()
+    x = torch.randn(32, 16)
+    h = Harness(model, engine)
+    reference = loss_and_grads(model, h.forward(x, None))
+    frame = Frame(default=Choice.KEEP)
+    result = loss_and_grads(model, h.forward(x, frame))
+    assert_bitwise(reference, result)
+    assert frame.stats.regenerated_bytes > 0  # the bf16 copy of `c` is rebuilt, not stored
+
+
+class Cube(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        y = x * x
+        ctx.save_for_backward(x, y)
+        return y * x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        x, y = ctx.saved_tensors
+        return grad * (y + 2 * x * x)
+
+
+class WithCustomFunction(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Cube.apply(self.lin(x).tanh()).sum()
+
+
+@pytest.mark.parametrize("choice", list(Choice))
+def test_custom_autograd_function(engine: CopyEngine, choice: Choice) -> None:
+    torch.manual_seed(0)
+    model = WithCustomFunction()
+    x = torch.randn(64, 8)
+    h = Harness(model, engine)
+    reference = loss_and_grads(model, h.forward(x, None))
+    frame = Frame(default=choice)
+    assert_bitwise(reference, loss_and_grads(model, h.forward(x, frame)))
+    assert any(":aten.mul.Tensor:" in k for k in frame.keys_seen)
+
+
+# -- invariant 3: nothing lost, nothing leaked ------------------------------------------------
+@pytest.mark.parametrize("choice", list(Choice))
+def test_retain_graph_unpacks_twice(engine: CopyEngine, choice: Choice) -> None:
+    model, tokens = make_model()
+    h = Harness(model, engine)
+    reference = loss_and_grads(model, h.forward(tokens, None))
+    loss = h.forward(tokens, Frame(default=choice))
+    model.zero_grad(set_to_none=True)
+    loss.backward(retain_graph=True)
+    first = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    assert_bitwise(reference, (loss.detach(), first))
+    assert_bitwise(reference, (loss.detach(), [p.grad for p in model.parameters()]))
+    del loss
+    assert h.runtime.ledger.resident == 0
+    assert engine.arena.stats()["in_use"] == 0
+
+
+@pytest.mark.parametrize("choice", list(Choice))
+def test_graph_dropped_without_backward_frees_everything(engine: CopyEngine, choice: Choice) -> None:
+    model, tokens = make_model()
+    h = Harness(model, engine)
+    loss = h.forward(tokens, Frame(default=choice))
+    assert h.runtime.ledger.resident > 0 or choice != Choice.KEEP
+    del loss
+    h.runtime.settle(wait=True)
+    assert h.runtime.ledger.resident == 0
+    assert engine.arena.stats()["in_use"] == 0
+
+
+def test_many_micro_batches_in_flight(engine: CopyEngine) -> None:
+    """Gradient accumulation with forward, forward, forward, backward, backward, backward."""
+    model, tokens = make_model()
+    batches = [tokens.roll(i, dims=1) for i in range(3)]
+    h = Harness(model, engine)
+    model.zero_grad(set_to_none=True)
+    plain = [h.forward(b, None) for b in batches]
+    for loss in reversed(plain):
+        loss.backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+
+    model.zero_grad(set_to_none=True)
+    plans = [Frame(default=Choice.OFFLOAD), Frame(default=Choice.RECOMPUTE), Frame(default=Choice.KEEP)]
+    losses = [h.forward(b, f) for b, f in zip(batches, plans)]
+    for loss in reversed(losses):
+        loss.backward()
+    for x, y in zip(reference, [p.grad for p in model.parameters()]):
+        assert torch.equal(x, y)
+    del losses, loss
+    assert h.runtime.ledger.resident == 0
+    assert engine.arena.stats()["in_use"] == 0
+
+
+def test_arena_exhaustion_falls_back_without_loss() -> None:
+    engine = CopyEngine(HostArena(4096))
+    model, tokens = make_model()
+    h = Harness(model, engine)
+    reference = loss_and_grads(model, h.forward(tokens, None))
+    frame = Frame(default=Choice.OFFLOAD)
+    assert_bitwise(reference, loss_and_grads(model, h.forward(tokens, frame)))
+    assert any("arena full" in f for f in frame.stats.fallbacks)
+    assert engine.arena.stats()["num_failed"] > 0
+
+
+def test_no_copy_engine_falls_back(keys: List[str]) -> None:
+    model, tokens = make_model()
+    h = Harness(model, None)
+    reference = loss_and_grads(model, h.forward(tokens, None))
+    frame = Frame(default=Choice.OFFLOAD)
+    assert_bitwise(reference, loss_and_grads(model, h.forward(tokens, frame)))
+    assert frame.stats.bytes_by_choice["offload"] == 0 and frame.stats.fallbacks
+
+
+# -- accounting --------------------------------------------------------------------------------
+def _saved_storages(model: torch.nn.Module, tokens: torch.Tensor) -> Dict[int, Tuple[int, Optional[str]]]:
+    """Independent census: distinct non-parameter storages autograd saves in plain PyTorch."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: Dict[int, Tuple[int, Optional[str]]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            seen[s.data_ptr()] = (s.nbytes(), None)
+        return t
+
+    torch.manual_seed(SEED)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(tokens)
+    loss.backward()
+    return seen
+
+
+def test_keep_all_high_water_equals_saved_bytes(engine: CopyEngine) -> None:
+    model, tokens = make_model()
+    expected = sum(n for n, _ in _saved_storages(model, tokens).values())
+    h = Harness(model, engine)
+    frame = Frame(default=Choice.KEEP)
+    loss = h.forward(tokens, frame)
+    assert frame.stats.peak_resident == expected
+    assert h.runtime.ledger.resident == expected
+    del loss
+    assert h.runtime.ledger.resident == 0
+
+
+def test_offloading_an_operator_lowers_resident_by_its_bytes(engine: CopyEngine, keys: List[str]) -> None:
+    model, tokens = make_model()
+    h = Harness(model, engine)
+    frame = Frame(default=Choice.KEEP)
+    loss = h.forward(tokens, frame)
+    keep_all = h.runtime.ledger.resident
+    del loss
+    biggest = sorted(frame.keys_seen.items(), key=lambda kv: -kv[1])[:3]
+    previous = keep_all
+    chosen: Dict[str, Choice] = {}
+    for key, nbytes in biggest:
+        chosen[key] = Choice.OFFLOAD
+        loss = h.forward(tokens, Frame(chosen))
+        h.runtime.settle(wait=True)
+        assert h.runtime.ledger.resident == previous - nbytes, key
+        previous = h.runtime.ledger.resident
+        del loss
+    assert previous < keep_all
+
+
+def test_recompute_lowers_high_water(engine: CopyEngine) -> None:
+    model, tokens = make_model()
+    h = Harness(model, engine)
+    peaks = {}
+    for choice in Choice:
+        frame = Frame(default=choice)
+        loss = h.forward(tokens, frame)
+        del loss
+        peaks[choice] = frame.stats.peak_resident
+    assert peaks[Choice.RECOMPUTE] < peaks[Choice.KEEP]
+    assert peaks[Choice.OFFLOAD] < peaks[Choice.KEEP]
+
+
+# -- errors and flags --------------------------------------------------------------------------
+def test_plan_with_unknown_key_is_refused(keys: List[str]) -> None:
+    model, tokens = make_model()
+    h = Harness(model, None)
+    typo = keys[0].replace(":0", ":7")
+    with pytest.raises(ValueError, match="did you mean"):
+        h.forward(tokens, Frame({typo: Choice.OFFLOAD}, strict=True))
+
+
+def test_plan_with_non_choice_value_is_refused(keys: List[str]) -> None:
+    with pytest.raises(TypeError, match="not a bagualu2.Choice"):
+        Frame({keys[0]: "offload"})  # type: ignore[dict-item]
+
+
+def test_recipe_input_modified_in_place_is_reported() -> None:
+    weight = torch.randn(8, 8)  # a plain tensor from outside the traced forward
+
+    class Uses(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x @ weight).exp().sum()
+
+    x = torch.randn(4, 8, requires_grad=True)
+    h = Harness(Uses(), None)
+    loss = h.forward(x, Frame(default=Choice.RECOMPUTE))
+    weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place after the forward"):
+        loss.backward()
+
+
+def test_saved_tensor_modified_in_place_is_refused() -> None:
+    class Mutates(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x.exp()
+            out = y.sum()
+            y.mul_(2)
+            return out + y.sum()
+
+    x = torch.randn(4, 8, requires_grad=True)
+    h = Harness(Mutates(), None)
+    loss = h.forward(x, Frame(default=Choice.RECOMPUTE))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_sparse_saved_tensor_is_kept_and_reported() -> None:
+    class Sparse(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.sparse.mm(x, self.w).sum()
+
+    x = torch.randn(6, 8).relu().to_sparse().requires_grad_()
+    h = Harness(Sparse(), None)
+    frame = Frame(default=Choice.RECOMPUTE)
+    h.forward(x, frame).backward()
+    assert any("not a plain strided tensor" in f for f in frame.stats.fallbacks)
+
+
+def test_is_recomputing_is_true_only_in_backward() -> None:
+    seen: List[bool] = []
+    x = torch.randn(4, requires_grad=True)
+    y = x.exp()
+    seen.append(bagualu2.is_recomputing())
+    y.register_hook(lambda g: seen.append(bagualu2.is_recomputing()))
+    y.sum().backward()
+    assert seen == [False, True]
+
+
+def test_nested_frames_are_refused() -> None:
+    rt = ActivationRuntime(None)
+    with rt.frame(Frame()):
+        with pytest.raises(RuntimeError, match="inside another"):
+            with rt.frame(Frame()):
+                pass
