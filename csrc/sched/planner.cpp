@@ -71,6 +71,69 @@ void validate(const std::vector<Candidate>& cands, double wf, double wb) {
     }
 }
 
+// Local search on the exact objective: apply any change of one op's choice, or of two ops'
+// choices together, that keeps freed >= target and lowers the exposed time; a few passes.
+// The DP's rounding makes small copies look dearer than they are; this wins that back.
+void polish(const std::vector<Candidate>& c, std::vector<Choice>& ch, std::int64_t target,
+            double wf, double wb) {
+    struct Sums {
+        double rec = 0, off = 0, rel = 0;
+        std::int64_t freed = 0;
+    };
+    auto add = [&](Sums& s, std::size_t i, Choice x, double sign) {
+        if (x == Choice::KEEP) return;
+        s.freed += sign > 0 ? c[i].nbytes : -c[i].nbytes;
+        if (x == Choice::RECOMPUTE) s.rec += sign * c[i].recompute_s;
+        if (x == Choice::OFFLOAD) {
+            s.off += sign * c[i].offload_s;
+            s.rel += sign * c[i].reload_s;
+        }
+    };
+    auto cost = [&](const Sums& s) {
+        return s.rec + std::max(0.0, s.off - wf) + std::max(0.0, s.rel - wb);
+    };
+    auto allowed = [&](std::size_t i, Choice x) {
+        return x == Choice::KEEP || (x == Choice::OFFLOAD ? c[i].can_offload : c[i].can_recompute);
+    };
+    constexpr Choice kAll[3] = {Choice::KEEP, Choice::OFFLOAD, Choice::RECOMPUTE};
+    Sums cur;
+    for (std::size_t i = 0; i < c.size(); ++i) add(cur, i, ch[i], 1.0);
+    double best = cost(cur);
+    auto better = [&](const Sums& s) {
+        const double v = cost(s);
+        return s.freed >= target && v < best * (1 - 1e-12);
+    };
+    for (int pass = 0; pass < 4 && best > 0; ++pass) {
+        bool improved = false;
+        for (std::size_t i = 0; i < c.size(); ++i) {
+            for (Choice xi : kAll) {
+                if (xi == ch[i] || !allowed(i, xi)) continue;
+                Sums s = cur;
+                add(s, i, ch[i], -1.0);
+                add(s, i, xi, 1.0);
+                if (better(s)) {
+                    cur = s, best = cost(s), ch[i] = xi, improved = true;
+                    continue;
+                }
+                for (std::size_t j = i + 1; j < c.size(); ++j) {
+                    for (Choice xj : kAll) {
+                        if (xj == ch[j] || !allowed(j, xj) || ch[i] == xi) continue;
+                        Sums t = s;
+                        add(t, j, ch[j], -1.0);
+                        add(t, j, xj, 1.0);
+                        if (better(t)) {
+                            cur = t, best = cost(t), ch[i] = xi, ch[j] = xj, improved = true;
+                            break;
+                        }
+                    }
+                    if (ch[i] == xi) break;
+                }
+            }
+        }
+        if (!improved) break;
+    }
+}
+
 }  // namespace
 
 Planner::Planner(std::int64_t quantum_bytes, double time_quantum_s, std::int64_t max_cells)
@@ -308,7 +371,11 @@ Plan Planner::solve(const std::vector<Candidate>& candidates, std::int64_t must_
         plan.reload_quantum_s = bwd.quantum;
     }
 
-    // 5. exact accounting of the chosen plan
+    // 5. polish with exact 1- and 2-op moves (only ever lowers the exact exposed time)
+    polish(candidates, plan.choices, std::min(must_free_bytes, releasable), offload_window_s,
+           reload_window_s);
+
+    // 6. exact accounting of the chosen plan
     for (std::size_t i = 0; i < candidates.size(); ++i) {
         if (plan.choices[i] != Choice::KEEP) plan.freed_bytes += candidates[i].nbytes;
     }

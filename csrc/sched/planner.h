@@ -19,6 +19,10 @@
 //     plan is exactly optimal. (A direction whose copies always fit in its window, or whose
 //     window is zero, is handled exactly without a time dimension; a window below 1e-12 of
 //     its copies is treated as zero and reported as the quantum, keeping the bound true.)
+//     After the DP, an exact local search (one- and two-op choice changes that keep the
+//     target and lower the exact exposed time) polishes the plan: it only ever lowers
+//     exposed_s, so the bound above still holds and bound_s (the DP's estimate of its own
+//     plan) stays >= exposed_s. It wins back what rounding small copies up costs.
 //  5. must_free_bytes <= 0 returns all KEEP without running the DP.
 //  6. The planner is torch-free, allocation-light (tables are reused between solves) and not
 //     thread-safe: use one Planner per thread.
