@@ -13,7 +13,7 @@ Run it on CPU, two local processes talking over gloo (nothing else needed):
 On GPUs, one process per device, launched by torchrun; "nccl" is NCCL on NVIDIA and RCCL on
 AMD/Hygon (ROCm builds of torch use the same name):
 
-    torchrun --nproc-per-node 4 examples/pipeline_1f1b.py --backend nccl --budget 0.8
+    torchrun --nproc-per-node 4 examples/pipeline_1f1b.py --backend nccl --budget auto
 
 Options worth knowing: --schedule (gpipe, 1f1b, interleaved1f1b, zbv, dualpipev), --policy
 (adaptive, keep_all, recompute_all, offload_all), --budget (bytes, or a fraction of device
@@ -44,8 +44,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--policy", default="adaptive", help="bagualu2 policy")
-    p.add_argument("--budget", default="auto",
-                   help='activation budget per rank: bytes ("50e6"), a fraction of device memory ("0.8"), or "auto"')
+    # On CPU there is no device limit to derive a budget from, so the default is an explicit
+    # byte budget sized for the default model: between what stage 0 needs when it releases
+    # everything (~3 MB) and when it keeps everything (~8 MB). On GPUs pass "auto" or a fraction.
+    p.add_argument("--budget", default="6e6",
+                   help='activation budget per rank: bytes ("6e6"), a fraction of device memory ("0.8"), or "auto"')
     p.add_argument("--spike-every", type=int, default=7, help="force a 2.6x routing spike every N steps (0: never)")
     p.add_argument("--no-bagualu2", action="store_true", help="train the same pipeline without bagualu2")
     p.add_argument("--seed", type=int, default=0)
@@ -121,8 +124,9 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     # 7. What bagualu2 did on this rank: peak against budget, plan mix, decision latency.
     if prov is not None:
         report = prov.report()
-        keys = [k for k in ("steps", "peak_bytes", "budget_bytes", "violations", "plan_mix") if k in report]
-        print(f"[rank {rank}] bagualu2: " + ", ".join(f"{k}={report[k]}" for k in keys), flush=True)
+        keys = ("steps", "micro_batches", "peak_bytes", "budget_bytes", "violations", "saved_bytes_by_choice",
+                "decisions", "decision_latency_us")
+        print(f"[rank {rank}] bagualu2: " + ", ".join(f"{k}={report[k]}" for k in keys if k in report), flush=True)
         prov.disable()
     pipe.close()
 
