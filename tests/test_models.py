@@ -90,13 +90,13 @@ def test_sdpa_and_eager_attention_agree():
     torch.testing.assert_close(loss_sdpa, loss_eager)
 
 
-@pytest.mark.parametrize("balanced", [True, False])
-def test_permuted_experts_match_dense_reference_with_empty_experts(balanced):
+@pytest.mark.parametrize("load_cap", [1.2, None])
+def test_permuted_experts_match_dense_reference_with_empty_experts(load_cap):
     """Variable tokens per expert, several experts with zero tokens: the sort / split /
     un-permute path equals a per-token loop, and empty experts get zero (not missing) grads."""
     torch.manual_seed(0)
     layer = MoELayer(hidden_size=16, num_experts=8, top_k=2, expert_hidden_size=8,
-                     shared_expert_hidden_size=8, balanced_routing=balanced)
+                     shared_expert_hidden_size=8, load_cap=load_cap)
     x = torch.randn(1, 3, 16, requires_grad=True)
     out, aux = layer(x)
     routing = layer.router(x.reshape(-1, 16))
@@ -141,7 +141,7 @@ def test_routing_spike_reaches_requested_imbalance_on_small_config(imbalance):
             with model.routing_spike(imbalance=imbalance):
                 model(tokens)
             spiked = load_imbalance(model.layers[0].moe.router.last_tokens_per_expert)
-            assert calm < 1.4
+            assert calm <= 1.25  # router_load_cap=1.2 keeps calm batches near balance
             assert abs(spiked - max(imbalance, calm)) <= 0.1 * imbalance, (seed, calm, spiked)
     assert model.layers[0].moe.router.spike is None
 
@@ -164,7 +164,7 @@ def test_routing_spike_on_chosen_experts_and_layers():
     with torch.no_grad(), model.routing_spike(imbalance=2.0, experts=[1, 5], layers=[1]):
         model(tokens)
     first, second = (layer.moe.router.last_tokens_per_expert for layer in model.layers)
-    assert load_imbalance(first) < 1.4
+    assert load_imbalance(first) <= 1.25
     for e in (1, 5):
         assert abs(int(second[e]) / mean - 2.0) <= 0.2, second.tolist()
 

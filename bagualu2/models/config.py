@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 _ATTN_IMPLS = ("sdpa", "eager")
 
@@ -34,10 +34,11 @@ class MoEConfig:
     expert_hidden_size: int = 256
     shared_expert_hidden_size: int = 0
     """Hidden size of a SwiGLU expert applied to every token; 0 disables the shared expert."""
-    balanced_routing: bool = True
-    """Choose experts on per-batch standardized router logits, which keeps calm batches near
-    balance (mostly 1.05-1.2x; an untrained plain router sends up to 4x the mean load to one
-    expert). False: plain top-k of the router probabilities."""
+    router_load_cap: Optional[float] = 1.2
+    """Calm routing: experts are chosen on per-batch standardized router logits and load above
+    this multiple of the mean moves to the tokens' next choices, so calm batches look like a
+    trained, balanced model's (an untrained plain router sends up to 4x the mean load to one
+    expert). ``None``: plain top-k of the router probabilities. ``routing_spike`` overrides it."""
     max_seq_len: int = 256
     dropout: float = 0.0
     """Probability of attention-weight dropout and of residual dropout (after attention and MoE)."""
@@ -68,6 +69,10 @@ class MoEConfig:
                 f"use top_k <= num_experts")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"MoEConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.router_load_cap is not None and not self.router_load_cap >= 1.0:
+            raise ValueError(
+                f"MoEConfig.router_load_cap must be >= 1 (a multiple of the mean load) or None, "
+                f"got {self.router_load_cap!r}")
         if self.aux_loss_coef < 0:
             raise ValueError(f"MoEConfig.aux_loss_coef must be >= 0, got {self.aux_loss_coef!r}")
         if self.norm_eps <= 0 or self.init_std <= 0:

@@ -11,6 +11,7 @@ through the inverse permutation; the k slots of a token are combined by a plain 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence, Union
 
@@ -77,6 +78,25 @@ def _bias_for_count(sorted_thresholds: Tensor, count: int) -> Tensor:
     return 0.5 * (sorted_thresholds[count - 1] + sorted_thresholds[count])
 
 
+def _cap_bias(scores: Tensor, top_k: int, load_cap: float, rounds: int = 3) -> Tensor:
+    """Per-expert selection bias (<= 0) moving load above ``load_cap`` x the mean to the
+    affected tokens' next choices; stops early once no expert is over the cap."""
+    num_tokens, num_experts = scores.shape
+    bias = torch.zeros(num_experts, dtype=scores.dtype, device=scores.device)
+    if top_k == num_experts or num_tokens == 0:
+        return bias
+    mean = num_tokens * top_k / num_experts
+    cap = max(math.ceil(mean), math.floor(load_cap * mean))
+    for _ in range(rounds):
+        thresholds = _bias_thresholds(scores + bias, top_k)
+        over = (thresholds < 0).sum(dim=0) > cap
+        if not bool(over.any()):
+            break
+        delta = _bias_for_count(thresholds.sort(dim=0).values, cap)
+        bias = bias + torch.where(over, delta, torch.zeros_like(delta))
+    return bias
+
+
 def _spike_bias(scores: Tensor, top_k: int, spike: RoutingSpike, rounds: int = 4) -> Tensor:
     """Per-expert selection bias giving each spiked expert ``spike.imbalance`` x the mean load.
 
@@ -94,11 +114,13 @@ def _spike_bias(scores: Tensor, top_k: int, spike: RoutingSpike, rounds: int = 4
         experts: tuple[int, ...] = (int(counts.argmax()),)
     else:
         experts = spike.experts
+    expert_ids = torch.arange(num_experts, device=scores.device)
     for _ in range(rounds if len(experts) > 1 else 1):
         for e in experts:
             thresholds = _bias_thresholds(scores + bias, top_k)[:, e]
             delta = _bias_for_count(thresholds.sort().values.unsqueeze(1), target)[0]
-            bias[e] += delta.clamp(min=0.0)
+            # Out of place: tensors traced by the activation runtime are never mutated.
+            bias = torch.where(expert_ids == e, bias + delta.clamp(min=0.0), bias)
     return bias
 
 
@@ -107,20 +129,25 @@ class TopKRouter(nn.Module):
 
     A separate module so that a forward hook on it runs after routing and before the experts.
     Selection may differ from the scores that weight the experts (DeepSeek-V3 style: shaping
-    changes which experts are chosen, not how their outputs are weighted). With ``balanced``,
-    experts are chosen on per-batch standardized logits (each expert's scores centered and
-    scaled over the batch), which keeps calm batches near balance: an untrained router sends
-    up to 4x the mean load to one expert. Under :meth:`MoETransformer.routing_spike` a
-    selection bias forces the requested imbalance.
+    changes which experts are chosen, not how their outputs are weighted). With ``load_cap``,
+    calm batches stay near balance, as in a trained, load-balanced model (an untrained router
+    sends up to 4x the mean load to one expert): experts are chosen on per-batch standardized
+    logits (each expert's scores centered and scaled over the batch), and load above
+    ``load_cap`` x the mean moves to the tokens' next choices. Under
+    :meth:`MoETransformer.routing_spike` a selection bias forces the requested imbalance.
     """
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, balanced: bool = False) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int,
+                 load_cap: Optional[float] = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"TopKRouter needs 1 <= top_k <= num_experts, got {top_k=}, {num_experts=}")
+        if load_cap is not None and load_cap < 1.0:
+            raise ValueError(f"TopKRouter needs load_cap >= 1 (a multiple of the mean load) or None, "
+                             f"got {load_cap=}")
         self.num_experts = num_experts
         self.top_k = top_k
-        self.balanced = balanced
+        self.load_cap = load_cap
         self.proj = nn.Linear(hidden_size, num_experts, bias=False)
         self.spike: Optional[RoutingSpike] = None
         self.last_tokens_per_expert: Optional[Tensor] = None
@@ -130,14 +157,15 @@ class TopKRouter(nn.Module):
         """Route ``x`` ([T, hidden]) to ``top_k`` experts per token."""
         logits = self.proj(x).float()
         probs = logits.softmax(dim=-1)
-        if not self.balanced and self.spike is None:
+        if self.load_cap is None and self.spike is None:
             top_probs, indices = probs.topk(self.top_k, dim=-1)
         else:
             scores = logits.detach()
-            if self.balanced:
+            if self.load_cap is not None:
                 centered = scores - scores.mean(dim=0)
                 scale = centered.pow(2).mean(dim=0).sqrt().clamp_min(torch.finfo(scores.dtype).tiny)
                 scores = centered / scale
+                scores = scores + _cap_bias(scores, self.top_k, self.load_cap)
             if self.spike is not None:
                 scores = scores + _spike_bias(scores, self.top_k, self.spike)
             indices = scores.topk(self.top_k, dim=-1).indices
@@ -169,10 +197,10 @@ class MoELayer(nn.Module):
     """Router + experts with token permutation (variable tokens per expert) + optional shared expert."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, expert_hidden_size: int,
-                 shared_expert_hidden_size: int = 0, balanced_routing: bool = False) -> None:
+                 shared_expert_hidden_size: int = 0, load_cap: Optional[float] = None) -> None:
         super().__init__()
         self.top_k = top_k
-        self.router = TopKRouter(hidden_size, num_experts, top_k, balanced_routing)
+        self.router = TopKRouter(hidden_size, num_experts, top_k, load_cap)
         self.experts = nn.ModuleList(
             SwiGLUExpert(hidden_size, expert_hidden_size) for _ in range(num_experts))
         self.shared_expert: Optional[SwiGLUExpert] = (

@@ -112,7 +112,7 @@ def counts_from_logits(num_experts: int, top_k: int) -> CountsFn:
 
 
 def _reference_counts(module: nn.Module, args: tuple, output: Any) -> Tensor:
-    return output.tokens_per_expert.detach()
+    return output.tokens_per_expert.detach().clone()
 
 
 def _int_attr(module: nn.Module, *names: str) -> Optional[int]:
@@ -179,6 +179,8 @@ def describe_unsupported(model: nn.Module) -> str:
         leaf, cls = name.rpartition(".")[2], type(module).__name__
         if not name or name in recognized or not (_ROUTER_LIKE.search(leaf) or _ROUTER_LIKE.search(cls)):
             continue
+        if isinstance(module, nn.Linear) and module.out_features < 2:
+            continue  # a scalar gate (e.g. Qwen2-MoE's shared_expert_gate) routes nothing
         if isinstance(module, nn.Linear):
             block = modules.get(_parent(name))
             why = (f"nn.Linear({module.in_features}, {module.out_features}); a 4.x-style gate must be "
