@@ -7,8 +7,11 @@ schedule (1F1B by default). Every mode runs the same steps from the same weights
   keep_all        bagualu2 enabled, everything kept (the machinery's own cost)
   recompute_all   everything releasable recomputed in backward
   offload_all     everything releasable offloaded to the host arena
-  adaptive        tight budget (--budget-fraction of keep_all's peak on each rank), overlap off
-  adaptive+ovl    the same with the overlap scheduler on (when bagualu2 has one)
+  adaptive        tight budget per rank (halfway between recompute_all's and keep_all's peaks
+                  by default), the runtime's own reload prefetch (overlap scheduler off)
+  adaptive+ovl    the same with the overlap scheduler driving the runtime, when bagualu2.enable
+                  accepts overlap=... (not yet: the scheduler exists as bagualu2.overlap but the
+                  activation runtime does not follow its schedules; see below)
 
 Per rank and mode it measures, over --steps timed steps after one warm-up step:
   step_s       wall time of schedule.step (the slowest rank's is the pipeline's)
@@ -51,7 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--microbatch-size", type=int, default=2)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=3, help="timed steps per mode (after one warm-up step)")
-    p.add_argument("--budget-fraction", type=float, default=0.5, help="adaptive budget / keep_all peak")
+    p.add_argument("--budget-fraction", type=float, default=0.5,
+                   help="adaptive budget = floor + fraction x (keep_all peak - floor), floor = recompute_all peak")
     p.add_argument("--modes", default="plain,keep_all,recompute_all,offload_all,adaptive,adaptive+ovl")
     p.add_argument("--small", action="store_true", help="MoEConfig.small instead of bench (quick check)")
     p.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results", "pipeline_overlap.json"))
@@ -147,12 +151,33 @@ def _run_mode(rank, world_size, args, mode, budget) -> dict:
     pipe = pp.build_pipeline(model, args.schedule, n_microbatches=args.microbatches,
                              microbatch_example=batches[0][: args.microbatch_size, :-1])
     kwargs = _mode_kwargs(mode, budget)
-    prov = pp.enable_bagualu2(pipe, **kwargs) if kwargs is not None else None
+    prov = pp.enable_bagualu2(pipe, arena_bytes=64 << 20, **kwargs) if kwargs is not None else None
+    frames = []
+    if prov is not None:  # keep each micro-batch's Frame: its plan feeds the overlap section
+        enter_frame = prov.runtime.frame
+        prov.runtime.frame = lambda frame: (frames.append(frame), enter_frame(frame))[1]
+    # Idle time between this rank's compute actions (pipeline bubbles and p2p waits).
+    idle = {"s": 0.0, "last": None, "resident_at_f": []}
+
+    def on_event(event, state):
+        now = time.perf_counter()
+        if event == "step_begin":
+            idle["last"] = None
+        elif event == "action_begin":
+            if idle["last"] is not None:
+                idle["s"] += now - idle["last"]
+            if prov is not None and state.action == "F":
+                idle["resident_at_f"].append(prov.runtime.ledger.resident)
+        elif event == "action_end":
+            idle["last"] = now
+
+    pipe.tracker.subscribe(on_event)
     steps = []
     TIMERS.clear()
     for i, batch in enumerate(batches):
         if i == 1:
             TIMERS.clear()
+            idle["s"] = 0.0
         tokens, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         pipe.zero_grad()
         dist.barrier()
@@ -167,6 +192,7 @@ def _run_mode(rank, world_size, args, mode, budget) -> dict:
         "reload_s": TIMERS["reload_s"] / len(steps),
         "offload_s": TIMERS["offload_s"] / len(steps),
         "recompute_s": TIMERS["recompute_s"] / len(steps),
+        "idle_s": idle["s"] / len(steps),
         "peak_bytes": None,
         "budget_bytes": budget if kwargs and "budget" in kwargs else None,
         "decision_ms": None,
@@ -175,12 +201,91 @@ def _run_mode(rank, world_size, args, mode, budget) -> dict:
     if prov is not None:
         rep = prov.report()
         out["peak_bytes"] = _report_value(rep, "peak_bytes", "peak", "peak_resident")
-        lat = _report_value(rep, "decision_latency_ms", "decision_ms", "mean_decision_ms")
-        out["decision_ms"] = lat
+        lat = rep.get("decision_latency_us")
+        out["decision_ms"] = lat["mean"] / 1e3 if isinstance(lat, dict) and rep.get("decisions") else None
+        if mode == "adaptive":
+            out["overlap"] = _overlap_section(prov, frames, out["idle_s"] / (2 * args.microbatches),
+                                              idle["resident_at_f"])
         out["report"] = {k: v for k, v in rep.items() if isinstance(v, (int, float, str, bool))}
         prov.disable()
     pipe.close()
     return out
+
+
+def _overlap_section(prov, frames, bubble_s: float, resident_at_f: list) -> dict:
+    """The overlap scheduler on this rank's measured steady state, against lazy issue.
+
+    The op sequence is one 1F1B steady-state pair as the cost model knows it: the forward of
+    one micro-batch (op times from the cost model, scaled to the measured forward time), the
+    measured mean idle gap between two actions (a bubble), then the backward of an older
+    micro-batch (twice the forward op times, reverse order). Tasks come from what the adaptive
+    plan actually did in the last frame (OFFLOAD / RECOMPUTE per operator key): the forward
+    offloads its offloaded ops, the backward reloads or recomputes them. Lazy issue (what
+    happens without the scheduler): reloads right before their consumer, recomputes late.
+    The exposed times are the scheduler model's predictions (bagualu2.overlap.simulate), not
+    measurements: the activation runtime does not execute overlap schedules yet.
+    """
+    try:
+        from bagualu2.overlap import OverlapOp, OverlapScheduler, OverlapTask, Schedule, TaskKind, simulate
+        from bagualu2.planner import Choice
+    except ImportError as e:
+        return {"available": False, "why": str(e)}
+    cost = prov.cost
+    keys = [k for k in cost.order if k in cost.ops]
+    if not keys or not frames:
+        return {"available": False, "why": "no profiled operators"}
+    frame = frames[-1]
+    choice = {k: frame.choices.get(k, frame.default) for k in keys}
+    for note in frame.stats.fallbacks:  # budget-forced releases at save time ("key: keep -> offload (budget)")
+        key, _, what = note.partition(": ")
+        if key in choice and "-> offload" in what:
+            choice[key] = Choice.OFFLOAD
+        elif key in choice and "-> recompute" in what:
+            choice[key] = Choice.RECOMPUTE
+    counts = dict(getattr(prov, "_frame_counts", {}) or {})
+    fwd = [max(0.0, cost.ops[k].seconds(cost._tokens(cost.ops[k], counts))) for k in keys]
+    scale = cost.forward_seconds / sum(fwd) if sum(fwd) > 0 else 1.0
+    fwd = [t * scale for t in fwd]
+    nbytes = {k: cost.predict_bytes(k, counts) for k in keys}
+    n = len(keys)
+    base = int(statistics.fmean(resident_at_f)) if resident_at_f else 0
+    ops = [OverlapOp(t, base) for t in fwd] + [OverlapOp(bubble_s, base, bubble=True)]
+    ops += [OverlapOp(2 * fwd[i], base) for i in reversed(range(n))]
+    tasks = []
+    for i, k in enumerate(keys):
+        consumer = n + 1 + (n - 1 - i)  # backward op that needs key's activation
+        if choice[k] == Choice.OFFLOAD:
+            tasks.append(OverlapTask(TaskKind.OFFLOAD, i, nbytes[k] / cost.d2h_bandwidth, nbytes[k]))
+            tasks.append(OverlapTask(TaskKind.RELOAD, consumer, nbytes[k] / cost.h2d_bandwidth, nbytes[k]))
+        elif choice[k] == Choice.RECOMPUTE:
+            tasks.append(OverlapTask(TaskKind.RECOMPUTE, consumer, fwd[i], nbytes[k]))
+    budget = int(prov.budget or 0) or (base + sum(nbytes.values()))
+    if not tasks:
+        return {"available": True, "tasks": 0, "note": "the last frame's plan kept everything"}
+    lazy = Schedule(
+        tuple(t.op if t.kind == TaskKind.OFFLOAD else t.op - 1 for t in tasks),
+        tuple(False for _ in tasks), True, 0.0, 0)
+    _, lazy_exposed, lazy_peak = simulate(ops, tasks, lazy, budget)
+    sched = OverlapScheduler()
+    t0 = time.perf_counter()
+    plan = sched.schedule(ops, tasks, budget, cache_key=(0, 0, 2, budget // 4096))
+    cold_ms = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    again = sched.schedule(ops, tasks, budget, cache_key=(0, 0, 2, budget // 4096))
+    cached_ms = (time.perf_counter() - t0) * 1e3
+    fits, dp_exposed, dp_peak = simulate(ops, tasks, plan, budget)
+    return {
+        "available": True,
+        "ops": len(ops), "merged_ops": plan.merged_ops, "tasks": len(tasks),
+        "offloads": sum(t.kind == TaskKind.OFFLOAD for t in tasks),
+        "recomputes": sum(t.kind == TaskKind.RECOMPUTE for t in tasks),
+        "early_recomputes": sum(plan.early),
+        "bubble_ms": bubble_s * 1e3,
+        "lazy_exposed_ms": lazy_exposed * 1e3, "scheduled_exposed_ms": dp_exposed * 1e3,
+        "lazy_peak_bytes": lazy_peak, "scheduled_peak_bytes": dp_peak, "budget_bytes": budget,
+        "scheduled_fits": fits, "feasible": plan.feasible,
+        "decision_cold_ms": cold_ms, "decision_cached_ms": cached_ms, "cache_hit": again.cache_hit,
+    }
 
 
 def _rank_main(rank: int, world_size: int, args: argparse.Namespace, out_path: str) -> None:
@@ -193,10 +298,13 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace, out_path: s
                 print(f"  {mode}: not available in this build (skipped)", flush=True)
             continue
         if mode.startswith("adaptive") and budget is None:
-            keep = next((r for r in results if r["mode"] == "keep_all" and r["peak_bytes"]), None)
-            if keep is None:
-                keep = _run_mode(rank, world_size, args, "keep_all", None)
-            budget = int(keep["peak_bytes"] * args.budget_fraction)
+            peaks = {}
+            for static in ("keep_all", "recompute_all"):
+                mine = next((r for r in results if r["mode"] == static and r.get("rank") == rank), None)
+                peaks[static] = (mine or _run_mode(rank, world_size, args, static, None))["peak_bytes"]
+            # Between releasing everything and keeping everything: the plan has to choose.
+            f = args.budget_fraction
+            budget = int(peaks["recompute_all"] + f * (peaks["keep_all"] - peaks["recompute_all"]))
         r = _run_mode(rank, world_size, args, mode, budget)
         r["rank"] = rank
         gathered = [None] * world_size if rank == 0 else None
@@ -234,7 +342,7 @@ def main(argv=None) -> None:
     plain = max((r["step_s"] for r in by_mode.get("plain", [])), default=None)
     summary = []
     hdr = (f"{'mode':<14} {'step ms':>9} {'vs plain':>8} {'reload ms':>10} {'offload ms':>10} "
-           f"{'recomp ms':>10} {'peak KiB':>14} {'budget KiB':>10} {'decide ms':>9}")
+           f"{'recomp ms':>10} {'idle ms':>8} {'peak KiB':>14} {'budget KiB':>14} {'decide ms':>9}")
     print(hdr)
     print("-" * len(hdr))
     for mode, rs in by_mode.items():
@@ -248,6 +356,7 @@ def main(argv=None) -> None:
             "recompute_s": sum(r["recompute_s"] for r in rs),
             "peak_bytes_per_rank": [r["peak_bytes"] for r in sorted(rs, key=lambda r: r["rank"])],
             "budget_bytes_per_rank": [r["budget_bytes"] for r in sorted(rs, key=lambda r: r["rank"])],
+            "idle_s": sum(r.get("idle_s", 0.0) for r in rs),
             "decision_ms": [r["decision_ms"] for r in rs],
         }
         summary.append(row)
@@ -256,8 +365,21 @@ def main(argv=None) -> None:
         lat = [d for d in row["decision_ms"] if isinstance(d, (int, float))]
         print(f"{mode:<14} {step * 1e3:9.1f} {row['vs_plain'] or float('nan'):8.3f} "
               f"{row['reload_s'] * 1e3:10.1f} {row['offload_s'] * 1e3:10.1f} {row['recompute_s'] * 1e3:10.1f} "
-              f"{peaks:>14} {budgets:>10} {(max(lat) if lat else float('nan')):9.3f}")
-    print("(reload/offload/recompute: summed over ranks, per step; peak/budget: per rank)")
+              f"{row['idle_s'] * 1e3:8.1f} {peaks:>14} {budgets:>14} {(max(lat) if lat else float('nan')):9.3f}")
+    print("(reload/offload/recompute/idle: summed over ranks, per step; peak/budget: per rank)")
+    ovl = [(r["rank"], r["overlap"]) for r in rows if r["mode"] == "adaptive" and r.get("overlap")]
+    if ovl:
+        print("\noverlap scheduler on each rank's measured 1F1B steady state (model predictions,"
+              " bagualu2.overlap.simulate):")
+        print(f"{'rank':>4} {'tasks':>5} {'ops':>4} {'merged':>6} {'bubble ms':>9} {'lazy exp ms':>11} "
+              f"{'sched exp ms':>12} {'early rec':>9} {'DP ms':>7} {'cached ms':>9}")
+        for rank, o in sorted(ovl, key=lambda x: x[0]):
+            if not o.get("available") or not o.get("tasks"):
+                print(f"{rank:>4} {o.get('why') or o.get('note')}")
+                continue
+            print(f"{rank:>4} {o['tasks']:>5} {o['ops']:>4} {o['merged_ops']:>6} {o['bubble_ms']:9.2f} "
+                  f"{o['lazy_exposed_ms']:11.2f} {o['scheduled_exposed_ms']:12.2f} {o['early_recomputes']:>9} "
+                  f"{o['decision_cold_ms']:7.3f} {o['decision_cached_ms']:9.4f}")
     out = {
         "config": {k: v for k, v in vars(args).items() if k not in ("json",)},
         "torch": torch.__version__,
