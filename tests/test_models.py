@@ -90,13 +90,16 @@ def test_sdpa_and_eager_attention_agree():
     torch.testing.assert_close(loss_sdpa, loss_eager)
 
 
-@pytest.mark.parametrize("load_cap", [1.2, None])
-def test_permuted_experts_match_dense_reference_with_empty_experts(load_cap):
+@pytest.mark.parametrize("load_cap, ep_size", [(1.2, 1), (None, 1), (1.2, 2)])
+def test_permuted_experts_match_dense_reference_with_empty_experts(load_cap, ep_size):
     """Variable tokens per expert, several experts with zero tokens: the sort / split /
-    un-permute path equals a per-token loop, and empty experts get zero (not missing) grads."""
+    un-permute path equals a per-token loop, and empty experts get zero (not missing) grads.
+    With expert parallelism, slots routed to other ranks' experts contribute zero."""
     torch.manual_seed(0)
     layer = MoELayer(hidden_size=16, num_experts=8, top_k=2, expert_hidden_size=8,
-                     shared_expert_hidden_size=8, load_cap=load_cap)
+                     shared_expert_hidden_size=8, load_cap=load_cap, ep_size=ep_size)
+    local = 8 // ep_size
+    assert len(layer.experts) == local
     x = torch.randn(1, 3, 16, requires_grad=True)
     out, aux = layer(x)
     routing = layer.router(x.reshape(-1, 16))
@@ -104,11 +107,12 @@ def test_permuted_experts_match_dense_reference_with_empty_experts(load_cap):
     assert int(counts.sum()) == 3 * 2 and (counts == 0).sum() >= 2
     tokens = x.reshape(-1, 16)
     dense = torch.stack([
-        sum(w * layer.experts[int(e)](t[None])[0] for w, e in zip(ws, es)) + layer.shared_expert(t[None])[0]
+        sum(w * layer.experts[int(e)](t[None])[0] for w, e in zip(ws, es) if e < local)
+        + layer.shared_expert(t[None])[0]
         for t, ws, es in zip(tokens, routing.weights, routing.indices)])
     torch.testing.assert_close(out.reshape(-1, 16), dense)
     (out.sum() + aux).backward()
-    for e in range(8):
+    for e in range(local):
         grad = layer.experts[e].up_proj.weight.grad
         assert grad is not None
         assert bool(grad.abs().sum() > 0) == bool(counts[e] > 0), (e, counts.tolist())
@@ -167,6 +171,22 @@ def test_routing_spike_on_chosen_experts_and_layers():
     assert load_imbalance(first) <= 1.25
     for e in (1, 5):
         assert abs(int(second[e]) / mean - 2.0) <= 0.2, second.tolist()
+
+
+def test_expert_parallel_view_grows_local_rows_only_on_a_local_spike():
+    cfg = MoEConfig.tiny(ep_size=4)
+    model, tokens = _model(cfg), _tokens(cfg, batch=2, seq=32)
+    assert [len(layer.moe.experts) for layer in model.layers] == [2, 2]
+    rows: list[int] = []
+    model.layers[0].moe.experts[0].register_forward_pre_hook(lambda mod, args: rows.append(args[0].shape[0]))
+    with torch.no_grad():
+        model(tokens)
+        with model.routing_spike(imbalance=2.6, experts=(0,)):
+            model(tokens)
+    mean = 2 * 32 * cfg.top_k / cfg.num_experts
+    assert rows[0] <= 1.25 * mean and rows[1] == round(2.6 * mean)
+    with pytest.raises(ValueError, match="ep_size=3 must be a positive int dividing num_experts=8"):
+        MoEConfig.tiny(ep_size=3)
 
 
 def test_routing_spike_does_not_change_loss_outside_the_block():

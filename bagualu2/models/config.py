@@ -39,6 +39,11 @@ class MoEConfig:
     this multiple of the mean moves to the tokens' next choices, so calm batches look like a
     trained, balanced model's (an untrained plain router sends up to 4x the mean load to one
     expert). ``None``: plain top-k of the router probabilities. ``routing_spike`` overrides it."""
+    ep_size: int = 1
+    """Expert-parallel ranks: the model is rank 0's view, holding and running experts
+    ``[0, num_experts // ep_size)``; slots routed elsewhere contribute zero. With 1 (all
+    experts local) a spike moves load between experts but not the total; with more ranks a
+    spike on a local expert grows this rank's activations, as on a real EP rank."""
     max_seq_len: int = 256
     dropout: float = 0.0
     """Probability of attention-weight dropout and of residual dropout (after attention and MoE)."""
@@ -59,6 +64,10 @@ class MoEConfig:
             raise ValueError(
                 f"MoEConfig.shared_expert_hidden_size must be an int >= 0 (0 disables the shared "
                 f"expert), got {self.shared_expert_hidden_size!r}")
+        if not isinstance(self.ep_size, int) or self.ep_size < 1 or self.num_experts % self.ep_size:
+            raise ValueError(
+                f"MoEConfig.ep_size={self.ep_size!r} must be a positive int dividing "
+                f"num_experts={self.num_experts}")
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"MoEConfig.hidden_size={self.hidden_size} is not divisible by "

@@ -194,15 +194,24 @@ class SwiGLUExpert(nn.Module):
 
 
 class MoELayer(nn.Module):
-    """Router + experts with token permutation (variable tokens per expert) + optional shared expert."""
+    """Router + experts with token permutation (variable tokens per expert) + optional shared expert.
+
+    With ``ep_size > 1`` the layer is the view of expert-parallel rank 0: the router chooses
+    among all ``num_experts``, but only experts ``[0, num_experts // ep_size)`` live (and run)
+    here; slots routed to the other ranks' experts contribute zero, as if their results were
+    dropped. A routing spike on a local expert then grows this rank's expert activations.
+    """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, expert_hidden_size: int,
-                 shared_expert_hidden_size: int = 0, load_cap: Optional[float] = None) -> None:
+                 shared_expert_hidden_size: int = 0, load_cap: Optional[float] = None,
+                 ep_size: int = 1) -> None:
         super().__init__()
+        if ep_size < 1 or num_experts % ep_size:
+            raise ValueError(f"MoELayer needs ep_size >= 1 dividing num_experts, got {ep_size=}, {num_experts=}")
         self.top_k = top_k
         self.router = TopKRouter(hidden_size, num_experts, top_k, load_cap)
         self.experts = nn.ModuleList(
-            SwiGLUExpert(hidden_size, expert_hidden_size) for _ in range(num_experts))
+            SwiGLUExpert(hidden_size, expert_hidden_size) for _ in range(num_experts // ep_size))
         self.shared_expert: Optional[SwiGLUExpert] = (
             SwiGLUExpert(hidden_size, shared_expert_hidden_size) if shared_expert_hidden_size > 0
             else None)
@@ -220,7 +229,11 @@ class MoELayer(nn.Module):
         slots = tokens.unsqueeze(1).expand(num_tokens, self.top_k, hidden).reshape(-1, hidden)
         grouped = slots.index_select(0, order)
         counts = routing.tokens_per_expert.tolist()
+        local = len(self.experts)
         outputs = [expert(chunk) for expert, chunk in zip(self.experts, grouped.split(counts))]
+        remote_slots = sum(counts[local:])
+        if remote_slots:
+            outputs.append(grouped.new_zeros(remote_slots, hidden))
 
         # Combine: back to slot order, weight the k choices of each token and sum them.
         combined = torch.cat(outputs).index_select(0, inverse).view(num_tokens, self.top_k, hidden)

@@ -68,7 +68,7 @@ class MoEBlock(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.moe_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.moe = MoELayer(cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.expert_hidden_size,
-                            cfg.shared_expert_hidden_size, cfg.router_load_cap)
+                            cfg.shared_expert_hidden_size, cfg.router_load_cap, cfg.ep_size)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
