@@ -159,6 +159,32 @@ def test_dp_gap_is_within_the_proven_quantization_bound(inst, max_cells, quantum
 
 
 @SETTINGS
+@given(real_instances(), st.floats(0.25, 4.0), st.sampled_from([None, 256]))
+def test_proportional_copy_times_fold_both_windows_and_keep_the_bound(inst, rho, max_cells):
+    """reload_s = rho * offload_s for every op: one time axis, reload quantum = rho * offload
+    quantum, and the invariant-4 bound still holds with the reported quanta."""
+    cands, must, _, _ = inst
+    cands = [Candidate(c.key, c.nbytes, c.recompute_s, c.offload_s + 0.01,
+                       rho * (c.offload_s + 0.01), c.can_offload, c.can_recompute)
+             for c in cands]
+    wf = 0.3 * sum(c.offload_s for c in cands if c.can_offload)
+    wb = 0.5 * sum(c.reload_s for c in cands if c.can_offload)
+    plan = Planner(max_cells=max_cells).solve(cands, must, wf, wb)
+    check_plan_basics(plan, cands, must, wf, wb)
+    if plan.offload_quantum_s > 0 and plan.reload_quantum_s > 0:
+        assert plan.reload_quantum_s == pytest.approx(rho * plan.offload_quantum_s, rel=1e-9)
+    table = enumerate_plans(cands)
+    exp = exposure(table, wf, wb)
+    slack = (table["k_offloaded"] + 1) * (plan.offload_quantum_s + plan.reload_quantum_s) + 1e-9
+    if plan.feasible:
+        covered = table["freed"] >= must + table["k_released"] * plan.quantum_bytes
+    else:
+        covered = table["freed"] == releasable_bytes(cands)
+    if covered.any():
+        assert plan.exposed_s <= (exp + slack)[covered].min()
+
+
+@SETTINGS
 @given(real_instances(max_ops=8, max_bytes=10**4))
 def test_dp_is_exact_when_no_window_needs_quantizing(inst):
     """Windows of 0 (everything exposed) or covering all copies are handled without a time
@@ -256,3 +282,12 @@ def test_duplicate_keys_and_bad_windows_are_rejected():
         Planner().solve(ok, 1, 0.0, float("nan"))
     with pytest.raises(ValueError, match="quantum_bytes must be >= 0"):
         Planner(-3)
+
+
+def test_proportional_copy_times_use_one_folded_time_axis():
+    cands = [Candidate(f"op{i}", 1000 + 37 * i, 0.01 * (i % 5 + 1), 0.001 * (i + 1),
+                       0.002 * (i + 1)) for i in range(32)]
+    plan = Planner().solve(cands, sum(c.nbytes for c in cands) // 2, 0.05, 0.08)
+    assert plan.offload_quantum_s > 0
+    assert plan.reload_quantum_s == pytest.approx(2 * plan.offload_quantum_s)
+    assert plan.bound_s >= plan.exposed_s * (1 - 1e-12)

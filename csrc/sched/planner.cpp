@@ -183,6 +183,21 @@ Planner::Direction Planner::make_direction(const std::vector<double>& times, dou
         wq = quanta_down(window, dir.quantum);
     }
     dir.window_q = static_cast<std::int64_t>(wq);
+    dir.thr1 = wq;
+    return dir;
+}
+
+Planner::Direction Planner::make_folded(double own_window, double other_window, double slope,
+                                        std::int64_t slots) const {
+    Direction dir;
+    dir.windowed = true;
+    dir.slope2 = slope;
+    const double max_slots = static_cast<double>(slots);
+    const double wmax = std::max(own_window, other_window);  // both in this axis's seconds
+    dir.quantum = wmax / max_slots;
+    dir.thr1 = quanta_down(own_window, dir.quantum);
+    dir.thr2 = quanta_down(other_window, dir.quantum);
+    dir.window_q = static_cast<std::int64_t>(std::max(dir.thr1, dir.thr2));
     return dir;
 }
 
@@ -236,8 +251,9 @@ void Planner::run_dp(const std::vector<Candidate>& cands,
         const double off_fixed = (fwd.windowed || fwd.hidden ? 0.0 : c.offload_s) +
                                  (bwd.windowed || bwd.hidden ? 0.0 : c.reload_s);
         for (std::int64_t b = 0; b < nb; ++b) {
+            const double used = static_cast<double>(bwd.window_q - b);
             const double eb = bwd.windowed
-                ? std::max(0.0, rqd_[k] - static_cast<double>(b)) * bwd.quantum : 0.0;
+                ? bwd.exposure(used + rqd_[k]) - bwd.exposure(used) : 0.0;
             off_cost_[static_cast<std::size_t>(b)] = c.can_offload ? off_fixed + eb : kInf;
         }
         const std::int64_t rq = std::min(rq_[k], nb);
@@ -247,8 +263,9 @@ void Planner::run_dp(const std::vector<Candidate>& cands,
             const std::int64_t dr = std::max<std::int64_t>(0, d - bq);
             for (std::int64_t f = 0; f < nf; ++f) {
                 const std::int64_t f2 = std::max<std::int64_t>(0, f - oq_[k]);
+                const double used = static_cast<double>(fwd.window_q - f);
                 const double ef = fwd.windowed
-                    ? std::max(0.0, oqd_[k] - static_cast<double>(f)) * fwd.quantum : 0.0;
+                    ? fwd.exposure(used + oqd_[k]) - fwd.exposure(used) : 0.0;
                 const double* keep_row = next_.data() + (d * nf + f) * nb;
                 const double* rec_row = next_.data() + (dr * nf + f) * nb;
                 const double* off_row = next_.data() + (dr * nf + f2) * nb;
@@ -318,8 +335,19 @@ Plan Planner::solve(const std::vector<Candidate>& candidates, std::int64_t must_
         const double total = std::accumulate(t.begin(), t.end(), 0.0);
         return (total > w && w > total * 1e-12) ? 1 : 0;
     };
-    const int nt = windows_needed(offload_window_s, off_times) +
-                   windows_needed(reload_window_s, rel_times);
+    int nt = windows_needed(offload_window_s, off_times) +
+             windows_needed(reload_window_s, rel_times);
+    // proportional copy times: fold the reload window into the offload axis (see planner.h)
+    double rho_lo = kInf, rho_hi = 0;
+    for (const auto& c : candidates) {
+        if (!c.can_offload || c.nbytes == 0) continue;
+        const double r = c.offload_s > 0 ? c.reload_s / c.offload_s : kInf;
+        rho_lo = std::min(rho_lo, r);
+        rho_hi = std::max(rho_hi, r);
+    }
+    const bool fold = nt == 2 && time_quantum_s_ <= 0 && std::isfinite(rho_hi) && rho_lo > 0 &&
+                      rho_hi <= rho_lo * (1 + 1e-12);  // offload O <= R / rho_lo exactly
+    if (fold) nt = 1;
     auto slots_for = [&](std::int64_t nd) {
         if (nt == 0) return std::int64_t{1};
         const double per = std::pow(static_cast<double>(cells) / static_cast<double>(nd),
@@ -333,10 +361,10 @@ Plan Planner::solve(const std::vector<Candidate>& candidates, std::int64_t must_
     if (plan.feasible) {
         std::int64_t qb = quantum_bytes_ > 0 ? quantum_bytes_ : std::max<std::int64_t>(1, g);
         // time axes: what a requested quantum needs, else at least 16 slots per window
-        std::int64_t time_cells = 1;
+        std::int64_t time_cells = fold ? 17 : 1;
         for (const auto& [w, t] : {std::pair{offload_window_s, &off_times},
                                   std::pair{reload_window_s, &rel_times}}) {
-            if (!windows_needed(w, *t)) continue;
+            if (fold || !windows_needed(w, *t)) continue;
             time_cells *= time_quantum_s_ > 0
                 ? static_cast<std::int64_t>(std::min(quanta_down(w, time_quantum_s_) + 1, 4096.0))
                 : 17;
@@ -347,8 +375,14 @@ Plan Planner::solve(const std::vector<Candidate>& candidates, std::int64_t must_
         need_q = ceil_div(must_free_bytes, qb);
         for (std::size_t i = 0; i < candidates.size(); ++i) bytes_q[i] = candidates[i].nbytes / qb;
         const std::int64_t slots = slots_for(need_q + 1);
-        const Direction fwd = make_direction(off_times, offload_window_s, slots);
-        const Direction bwd = make_direction(rel_times, reload_window_s, slots);
+        Direction fwd = make_direction(off_times, offload_window_s, slots);
+        Direction bwd = make_direction(rel_times, reload_window_s, slots);
+        if (fold) {  // one axis in reload seconds (innermost, fastest); offload O <= R / rho_lo
+            bwd = make_folded(reload_window_s, rho_lo * offload_window_s, 1.0 / rho_lo, slots);
+            fwd = Direction{};
+            fwd.hidden = true;  // folded into bwd; its quantum is reported in offload seconds
+            fwd.quantum = bwd.quantum / rho_lo;
+        }
         run_dp(candidates, bytes_q, need_q, fwd, bwd, plan.choices, bound);
         plan.quantum_bytes = qb;
         plan.offload_quantum_s = fwd.quantum;
@@ -364,8 +398,14 @@ Plan Planner::solve(const std::vector<Candidate>& candidates, std::int64_t must_
             need_q += bytes_q[i];
         }
         const std::int64_t slots = slots_for(need_q + 1);
-        const Direction fwd = make_direction(off_times, offload_window_s, slots);
-        const Direction bwd = make_direction(rel_times, reload_window_s, slots);
+        Direction fwd = make_direction(off_times, offload_window_s, slots);
+        Direction bwd = make_direction(rel_times, reload_window_s, slots);
+        if (fold) {  // one axis in reload seconds (innermost, fastest); offload O <= R / rho_lo
+            bwd = make_folded(reload_window_s, rho_lo * offload_window_s, 1.0 / rho_lo, slots);
+            fwd = Direction{};
+            fwd.hidden = true;  // folded into bwd; its quantum is reported in offload seconds
+            fwd.quantum = bwd.quantum / rho_lo;
+        }
         run_dp(candidates, bytes_q, need_q, fwd, bwd, plan.choices, bound);
         plan.offload_quantum_s = fwd.quantum;
         plan.reload_quantum_s = bwd.quantum;

@@ -23,6 +23,9 @@
 //     target and lower the exact exposed time) polishes the plan: it only ever lowers
 //     exposed_s, so the bound above still holds and bound_s (the DP's estimate of its own
 //     plan) stays >= exposed_s. It wins back what rounding small copies up costs.
+//     When every offloadable op has reload_s = rho * offload_s (copy times from two fixed
+//     bandwidths) and no time quantum is forced, both windows fold into one time axis over
+//     reload time (offload quantum = reload quantum / rho): many more slots per window.
 //  5. must_free_bytes <= 0 returns all KEEP without running the DP.
 //  6. The planner is torch-free, allocation-light (tables are reused between solves) and not
 //     thread-safe: use one Planner per thread.
@@ -32,6 +35,7 @@
 // read forward from the start state with one stored choice byte per (op, state).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -101,11 +105,19 @@ private:
         bool windowed = false;  // false: exact (always hidden, or window 0 -> fully exposed)
         bool hidden = false;    // all copies fit in the window
         double quantum = 0;
-        std::int64_t window_q = 0;  // window in quanta, rounded down
+        std::int64_t window_q = 0;  // state range in quanta (the larger threshold)
+        // exposure of x quanta copied: quantum * (max(0, x - thr1) + slope2 * max(0, x - thr2));
+        // slope2 > 0 when the other window is folded into this axis (reload = rho * offload)
+        double thr1 = 0, thr2 = 0, slope2 = 0;
+        double exposure(double x) const {
+            return quantum * (std::max(0.0, x - thr1) + slope2 * std::max(0.0, x - thr2));
+        }
     };
 
     Direction make_direction(const std::vector<double>& times, double window,
                              std::int64_t slots) const;
+    Direction make_folded(double own_window, double other_window, double slope,
+                          std::int64_t slots) const;
     void run_dp(const std::vector<Candidate>& cands, const std::vector<std::int64_t>& bytes_q,
                 std::int64_t need_q, const Direction& fwd, const Direction& bwd,
                 std::vector<Choice>& out, double& bound);
