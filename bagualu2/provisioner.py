@@ -143,6 +143,8 @@ class Provisioner:
         self._frames = 0
         self._step = 0
         self._frame_counts: Dict[int, List[int]] = {}
+        self._count_sums: Dict[int, List[int]] = {}
+        self._count_frames: Dict[int, int] = {}
         self._frame_predicted = 0
         self._oom_recoveries = 0
         self._latencies_us: List[float] = []
@@ -215,6 +217,30 @@ class Provisioner:
             raise ValueError(f"stacked_forwards={stacked_forwards} must be >= 0")
         self._phase = phase
         self._stacked = stacked_forwards
+
+    def mean_counts(self) -> Dict[int, List[int]]:
+        """Mean tokens per expert of each MoE layer over the micro-batches seen so far."""
+        return {layer: [round(v / self._count_frames[layer]) for v in sums]
+                for layer, sums in self._count_sums.items() if self._count_frames.get(layer)}
+
+    def plan_for(self, counts: Mapping[int, Sequence[int]]) -> Plan:
+        """The plan for a whole micro-batch with these loads under the budget (a static plan).
+
+        Args:
+            counts: MoE layer -> tokens per expert (e.g. ``mean_counts()``).
+
+        Raises:
+            RuntimeError: before any micro-batch has been profiled.
+        """
+        if not self.cost.ready:
+            raise RuntimeError("plan_for needs the cost model: run at least one micro-batch first")
+        if self.budget is None:
+            return Plan.keep_all(self.cost.order)
+        candidates, floor = self.cost.candidates(self.cost.order, counts, self.min_bytes, self.engine is not None)
+        total = self.cost.predict_total(self.cost.order, counts)
+        offload_window, reload_window = self.cost.windows(1.0)
+        return self.planner.solve(candidates, total - int(self.budget * (1.0 - self.margin)),
+                                  offload_window, reload_window)
 
     def step(self) -> None:
         """Mark the end of a training step (optional; numbers the telemetry records)."""
@@ -349,6 +375,10 @@ class Provisioner:
             return
         values = counts.tolist() if isinstance(counts, torch.Tensor) else [int(c) for c in counts]
         self._frame_counts[layer] = values
+        sums = self._count_sums.setdefault(layer, [0] * len(values))
+        if len(sums) == len(values):
+            self._count_sums[layer] = [a + b for a, b in zip(sums, values)]
+            self._count_frames[layer] = self._count_frames.get(layer, 0) + 1
         if self.policy != "adaptive" or self.budget is None or not self.cost.ready:
             return
         start = time.perf_counter()
@@ -420,13 +450,15 @@ def enable(model: torch.nn.Module, budget: Union[str, int, float, None] = "auto"
         **options: ``on_exceed`` (``"record"`` or ``"raise"``: raise ``BudgetExceededError``
             when the budget is crossed), ``min_bytes`` (smaller activations are always kept),
             ``arena_bytes`` (pinned host arena size), ``reserve_bytes``, ``profile_frames``,
-            ``margin``, ``telemetry_path`` (JSON lines).
+            ``margin``, ``telemetry_path`` (JSON lines), ``gates`` (a list of
+            ``bagualu2.moe.GateSpec`` instead of discovery; ``[]`` when the model reports its
+            routing through ``bagualu2.on_gating``).
 
     Returns:
         The ``Provisioner``: ``report()``, ``plot(path)``, ``disable()``.
     """
     prov = Provisioner(model, budget, policy, **options)
-    if not prov.gates and policy == "adaptive":
+    if not prov.gates and policy == "adaptive" and options.get("gates") is None:
         import warnings
 
         warnings.warn(

@@ -325,20 +325,26 @@ class ActivationRuntime:
         A *block* is a module held in a ``ModuleList`` (transformer layers, experts). Its first
         tensor input is anchored: held for the frame's recipes so a recompute chain never reaches
         back past the block, as with per-block checkpointing. An anchor whose storage is
-        offloaded is dropped when the forward ends. Returns the hook handles.
+        offloaded is dropped when the forward ends. The inputs of outermost blocks (layers, not
+        the experts inside them) also bound the recompute cache (``RecomputeCache``). Returns the
+        hook handles.
         """
         blocks = {id(child) for m in root.modules() if isinstance(m, torch.nn.ModuleList) for child in m}
+        block_paths = [name for name, m in root.named_modules() if id(m) in blocks]
         handles: List[Any] = []
         for name, module in root.named_modules():
             if module is root:
                 continue
-            is_block = id(module) in blocks
+            block = 0
+            if id(module) in blocks:
+                nested = any(name.startswith(p + ".") for p in block_paths)
+                block = 1 if nested else 2
 
-            def enter(mod: torch.nn.Module, args: tuple, _name: str = name, _block: bool = is_block) -> None:
+            def enter(mod: torch.nn.Module, args: tuple, _name: str = name, _block: int = block) -> None:
                 if self._frame is not None and not self.mode.suspended:
                     self.mode.push_module(_name)
                     if _block and args and isinstance(args[0], torch.Tensor):
-                        self._anchor(args[0])
+                        self._anchor(args[0], outermost=_block == 2)
 
             def leave(mod: torch.nn.Module, args: tuple, out: Any) -> None:
                 if self._frame is not None and not self.mode.suspended:
@@ -348,7 +354,7 @@ class ActivationRuntime:
             handles.append(module.register_forward_hook(leave))
         return handles
 
-    def _anchor(self, t: torch.Tensor) -> None:
+    def _anchor(self, t: torch.Tensor, outermost: bool) -> None:
         node = self.mode.nodes.get(t.untyped_storage()._cdata)
         if node is not None and node.anchor is None and self._frame is not None:
             if self._over_budget(t.untyped_storage()):
@@ -357,6 +363,9 @@ class ActivationRuntime:
                 held = t.detach()  # holding t's autograd graph would be a reference cycle
             node.anchor = (held, node.state, _Pin(self.ledger, t.untyped_storage()))
             self._frame._anchors.append(node)
+            anchors = node.cache.anchors
+            if outermost and (not anchors or anchors[-1] < node.position):
+                anchors.append(node.position)
 
     def _check_keys(self, frame: Frame) -> None:
         known = {node.key for node in self.mode.nodes.values()}

@@ -33,10 +33,11 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -130,6 +131,7 @@ class Step:
     rng_state: Optional[Tuple[torch.device, torch.Tensor]]
     out_index: int = 0
     seconds: float = 0.0  # measured forward time of the op (profiling frames only)
+    siblings: List[Any] = field(default_factory=list)  # weak refs to every output node of the call
 
 
 class StorageNode:
@@ -303,6 +305,7 @@ class TracingMode(TorchDispatchMode):
             return  # views alias a storage that has a node already, or a leaf
         outs = out if isinstance(out, (tuple, list)) else (out,)
         encoded: Optional[Tuple[tuple, dict]] = None
+        siblings: List[Any] = []
         for index, o in enumerate(outs):
             if not isinstance(o, torch.Tensor) or not is_plain(o):
                 continue
@@ -315,12 +318,14 @@ class TracingMode(TorchDispatchMode):
                 n = counts.get(info.name, 0)
                 counts[info.name] = n + 1
                 key = f"{path}:{info.name}:{n}"
-            step = Step(func, encoded[0], encoded[1], rng, index, seconds)
+            step = Step(func, encoded[0], encoded[1], rng, index, seconds, siblings)
             why = "" if info.replayable else f"{info.name} is not an aten op"
-            self.nodes[storage._cdata] = StorageNode(
+            node = StorageNode(
                 key if index == 0 else f"{key}.{index}", len(self.nodes), storage, step, not why, why,
                 self.cache,
             )
+            self.nodes[storage._cdata] = node
+            siblings.append(weakref.ref(node))
 
     def _record_mutation(self, func: Any, info: _OpInfo, args: tuple, kwargs: dict, rng: Any,
                          seconds: float) -> None:
@@ -360,19 +365,20 @@ class TracingMode(TorchDispatchMode):
 class RecomputeCache:
     """Storages recomputed during one frame's backward, so a chain is replayed once.
 
-    Backward consumes a frame's activations roughly in reverse creation order, and a storage is
-    only an input of storages created after it. So when backward asks for the storage at
-    ``position``, cached storages created after it will not be needed again and are evicted:
-    the cache holds about one recompute chain at a time, like per-block checkpointing. Evicting
-    too early costs a second replay, never a wrong value. The cache is cleared when the backward
-    pass that filled it ends.
+    Backward consumes a frame's blocks in reverse order, and a storage is only an input of
+    storages created after it. So when backward asks for a storage in the block that starts at
+    anchor ``a``, cached storages of later blocks will not be needed again and are evicted: the
+    cache holds about one block's recomputed activations, as per-block checkpointing does.
+    Evicting too early costs a second replay, never a wrong value. The cache is cleared when
+    the backward pass that filled it ends.
     """
 
-    __slots__ = ("_entries", "_task")
+    __slots__ = ("_entries", "_task", "anchors")
 
     def __init__(self) -> None:
         self._entries: Dict[Tuple[int, int], torch.UntypedStorage] = {}
         self._task = -1
+        self.anchors: List[int] = []  # positions of block inputs, ascending
 
     def get(self, position: int, state: int) -> Optional[torch.UntypedStorage]:
         return self._entries.get((position, state))
@@ -383,9 +389,13 @@ class RecomputeCache:
         self._entries[(position, state)] = storage
 
     def evict_after(self, position: int) -> None:
+        """Drop storages of the blocks that start after ``position``'s block."""
         if self._entries:
-            for key in [k for k in self._entries if k[0] > position]:
-                del self._entries[key]
+            i = bisect.bisect_right(self.anchors, position)
+            if i < len(self.anchors):
+                boundary = self.anchors[i]
+                for key in [k for k in self._entries if k[0] >= boundary]:
+                    del self._entries[key]
 
     def _clear_after_backward(self) -> None:
         task = torch._C._current_graph_task_id()
@@ -428,6 +438,10 @@ class Replayer:
             out = self._run(node.creator, None)
             outs = out if isinstance(out, (tuple, list)) else (out,)
             storage = outs[node.creator.out_index].untyped_storage()
+            for sibling_ref in node.creator.siblings:  # other outputs of the same op call
+                sibling = sibling_ref()
+                if sibling is not None and sibling is not node and sibling.creator.out_index < len(outs):
+                    sibling.cache.put(sibling.position, 0, outs[sibling.creator.out_index].untyped_storage())
             for step in node.mutations[:state]:
                 self._run(step, storage)
         return storage

@@ -1,0 +1,124 @@
+"""Step time of the reference MoE model: bagualu2's static plans against torch's own tools.
+
+Compares, in one run and on the same model and batches:
+
+* all-keep (``policy="keep_all"``) against plain PyTorch: the cost of tracing in calm phases;
+* all-offload (``policy="offload_all"``) against ``torch.autograd.graph.save_on_cpu``;
+* all-recompute (``policy="recompute_all"``) against ``torch.utils.checkpoint`` on every block.
+
+Each variant runs ``--steps`` forward+backward steps after ``--warmup``; variants are
+interleaved round-robin so machine noise hits all of them alike; the median is reported.
+
+    python benchmarks/step_overhead.py --config bench --steps 5 --out step_overhead.json
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from typing import Callable, Dict, List
+
+import torch
+import torch.utils.checkpoint
+
+import bagualu2
+from bagualu2.models import MoEConfig, MoETransformer, synthetic_batches
+
+
+def build(config: str) -> MoETransformer:
+    torch.manual_seed(0)
+    return MoETransformer(getattr(MoEConfig, config)())
+
+
+def checkpointed(model: MoETransformer) -> Callable[[], None]:
+    originals = [layer.forward for layer in model.layers]
+    for layer, forward in zip(model.layers, originals):
+        layer.forward = (lambda f: lambda x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False))(forward)
+
+    def restore() -> None:
+        for layer in model.layers:
+            del layer.forward
+
+    return restore
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="bench", choices=["tiny", "small", "bench"])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", default="step_overhead.json")
+    args = parser.parse_args()
+
+    model = build(args.config)
+    batch = next(synthetic_batches(model.cfg.vocab_size, args.batch, args.seq, seed=0))
+
+    def plain() -> None:
+        model(batch).backward()
+
+    def save_on_cpu() -> None:
+        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+            loss = model(batch)
+        loss.backward()
+
+    def torch_checkpoint() -> None:
+        restore = checkpointed(model)
+        try:
+            model(batch).backward()
+        finally:
+            restore()
+
+    def provisioned(policy: str) -> Callable[[], None]:
+        def run() -> None:
+            prov = bagualu2.enable(model, budget=None, policy=policy)
+            try:
+                model(batch).backward()
+            finally:
+                prov.disable()
+        return run
+
+    variants: Dict[str, Callable[[], None]] = {
+        "plain pytorch": plain,
+        "bagualu2 keep_all": provisioned("keep_all"),
+        "torch save_on_cpu": save_on_cpu,
+        "bagualu2 offload_all": provisioned("offload_all"),
+        "torch checkpoint": torch_checkpoint,
+        "bagualu2 recompute_all": provisioned("recompute_all"),
+    }
+    times: Dict[str, List[float]] = {name: [] for name in variants}
+    for i in range(args.warmup + args.steps):
+        for name, fn in variants.items():
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(i)
+            start = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - start
+            if i >= args.warmup:
+                times[name].append(elapsed)
+            print(f"step {i} {name:<24} {elapsed * 1000:8.1f} ms", flush=True)
+
+    median = {name: statistics.median(v) for name, v in times.items()}
+    pairs = [("bagualu2 keep_all", "plain pytorch"), ("bagualu2 offload_all", "torch save_on_cpu"),
+             ("bagualu2 recompute_all", "torch checkpoint")]
+    print()
+    print(f"{'variant':<26}{'median ms':>12}{'vs baseline':>14}")
+    for ours, baseline in pairs:
+        print(f"{baseline:<26}{median[baseline] * 1000:>12.1f}{'':>14}")
+        print(f"{ours:<26}{median[ours] * 1000:>12.1f}{median[ours] / median[baseline]:>13.3f}x")
+    result = {
+        "config": args.config, "batch": args.batch, "seq": args.seq, "steps": args.steps,
+        "threads": torch.get_num_threads(), "median_s": median, "all_s": times,
+        "ratios": {f"{ours} / {baseline}": median[ours] / median[baseline] for ours, baseline in pairs},
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()

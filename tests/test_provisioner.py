@@ -1,0 +1,268 @@
+"""bagualu2.enable: budget held through spikes, exactness, errors, safety net (invariants 1, 2, 5)."""
+from __future__ import annotations
+
+import copy
+import json
+from typing import List, Sequence, Tuple
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import bagualu2
+from bagualu2.models import MoEConfig, MoETransformer
+from bagualu2.moe import counts_from_indices
+
+BATCH = (2, 32)
+
+
+def make_model(**overrides) -> MoETransformer:
+    torch.manual_seed(0)
+    return MoETransformer(MoEConfig.tiny(dropout=0.1, **overrides))
+
+
+def tokens_for(model: MoETransformer, i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randint(0, model.cfg.vocab_size, BATCH, generator=g)
+
+
+def step(model: MoETransformer, i: int, spike: float = 0.0) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(i)
+    if spike:
+        with model.routing_spike(spike, experts=(0,)):
+            loss = model(tokens_for(model, i))
+            loss.backward()
+    else:
+        loss = model(tokens_for(model, i))
+        loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def keep_all_peak(model: MoETransformer, spike: float = 0.0) -> int:
+    probe = copy.deepcopy(model)
+    prov = bagualu2.enable(probe, budget=None, policy="keep_all", min_bytes=0)
+    step(probe, 0, spike)
+    return prov.report()["peak_bytes"]
+
+
+def test_adaptive_is_bit_exact_and_holds_the_budget_through_spikes() -> None:
+    model = make_model(ep_size=4)
+    plain = copy.deepcopy(model)
+    budget = int(keep_all_peak(model) * 0.7)
+    prov = bagualu2.enable(model, budget=budget, min_bytes=0)
+    trace = [0.0, 0.0, 0.0, 2.6, 0.0, 2.6, 2.6, 0.0]
+    for i, spike in enumerate(trace):
+        ref = step(plain, i, spike)
+        got = step(model, i, spike)
+        assert torch.equal(ref[0], got[0])
+        assert all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+    report = prov.report()
+    assert report["violations"] == 0
+    assert report["peak_bytes"] <= budget
+    assert report["decisions"] > 0
+    assert report["resident_bytes"] == 0 and report["arena_in_use_bytes"] == 0
+    assert report["saved_bytes_by_choice"]["offload"] + report["saved_bytes_by_choice"]["recompute"] > 0
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=st.lists(st.sampled_from([0.0, 0.0, 0.0, 1.8, 2.6]), min_size=3, max_size=6),
+       fraction=st.floats(min_value=0.45, max_value=0.95))
+def test_budget_never_exceeded_on_random_spike_traces(trace: Sequence[float], fraction: float) -> None:
+    model = make_model(ep_size=4)
+    budget = int(keep_all_peak(model, spike=2.6) * fraction)
+    prov = bagualu2.enable(model, budget=budget, min_bytes=0)
+    for i, spike in enumerate(trace):
+        step(model, i, spike)
+    for mb in prov.telemetry.micro_batches:
+        assert mb.peak_bytes <= budget, mb
+        assert mb.violations == 0
+    assert prov.report()["resident_bytes"] == 0
+
+
+def test_keep_all_with_raise_reports_what_would_have_crashed() -> None:
+    model = make_model(ep_size=4)
+    budget = int(keep_all_peak(model) * 0.7)
+    bagualu2.enable(model, budget=budget, policy="keep_all", on_exceed="raise", min_bytes=0)
+    with pytest.raises(bagualu2.BudgetExceededError, match="exceed the budget") as info:
+        step(model, 0)
+    assert info.value.budget == budget and info.value.resident > budget
+
+
+@pytest.mark.parametrize("policy", ["recompute_all", "offload_all"])
+def test_static_baselines_are_exact_and_release_everything(policy: str) -> None:
+    model = make_model()
+    plain = copy.deepcopy(model)
+    prov = bagualu2.enable(model, budget=None, policy=policy, min_bytes=0)
+    ref, got = step(plain, 0), step(model, 0)
+    assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+    mix = prov.report()["saved_bytes_by_choice"]
+    released = "recompute" if policy == "recompute_all" else "offload"
+    assert mix[released] > 10 * mix["keep"]
+
+
+def test_fixed_plan_policy() -> None:
+    model = make_model()
+    probe = bagualu2.enable(copy.deepcopy(model), budget=10**9, min_bytes=0)
+    key = "layers.0.moe.experts.0.gate_proj:aten.mm.default:0"
+    plan = {key: bagualu2.Choice.RECOMPUTE}
+    prov = bagualu2.enable(model, budget=None, policy=plan, min_bytes=0)
+    step(model, 0)
+    assert prov.report()["saved_bytes_by_choice"]["recompute"] > 0
+    del probe
+
+
+def test_impossible_budget_is_refused_before_the_micro_batch() -> None:
+    model = make_model()
+    prov = bagualu2.enable(model, budget=4096, min_bytes=1 << 20)  # nothing may be released
+    step(model, 0)  # profiles; the runtime records what it could not release
+    resident_before = prov.runtime.ledger.resident
+    with pytest.raises(bagualu2.InfeasibleBudgetError, match="raise the budget to at least"):
+        step(model, 1)
+    assert prov.runtime.ledger.resident == resident_before
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(budget="lots"), ValueError, "use 'auto'"),
+    (dict(budget=-5), ValueError, "must be positive"),
+    (dict(budget=1.5), ValueError, r"fraction must be in \(0, 1\]"),
+    (dict(budget=True), TypeError, "budget must be"),
+    (dict(policy="fastest"), ValueError, "use one of"),
+    (dict(on_exceed="explode"), ValueError, "on_exceed"),
+    (dict(profile_frames=0), ValueError, "profile_frames"),
+])
+def test_bad_arguments_name_the_value(kwargs, error, match) -> None:
+    with pytest.raises(error, match=match):
+        bagualu2.enable(make_model(), **kwargs)
+
+
+def test_not_a_module_and_double_enable() -> None:
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        bagualu2.enable(lambda x: x)  # type: ignore[arg-type]
+    model = make_model()
+    bagualu2.enable(model, budget=None)
+    with pytest.raises(RuntimeError, match="already has bagualu2"):
+        bagualu2.enable(model, budget=None)
+
+
+def test_disable_restores_the_model() -> None:
+    model = make_model()
+    plain = copy.deepcopy(model)
+    hooks_before = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    prov = bagualu2.enable(model, budget=None)
+    prov.disable()
+    assert "forward" not in model.__dict__
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == hooks_before
+    ref, got = step(plain, 0), step(model, 0)
+    assert torch.equal(ref[0], got[0])
+    assert prov.report()["micro_batches"] == 0
+
+
+class _OOMOnce(torch.nn.Module):
+    """Fault injection: the first call raises the error a device raises when memory runs out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fired = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fired:
+            self.fired = True
+            raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 2.00 GiB")
+        return x
+
+
+def test_oom_safety_net_reruns_the_micro_batch_exactly() -> None:
+    model = make_model()
+    plain = copy.deepcopy(model)
+    block = model.layers[1]
+    injector = _OOMOnce()
+    block.register_forward_pre_hook(lambda m, args: (injector(args[0]),))
+    prov = bagualu2.enable(model, budget=None, min_bytes=0)
+    ref, got = step(plain, 0), step(model, 0)
+    assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+    report = prov.report()
+    assert report["oom_recoveries"] == 1
+    assert prov.telemetry.micro_batches[-1].oom_recovered
+    assert report["resident_bytes"] == 0
+
+
+def test_gate_calls_during_checkpoint_recompute_are_ignored() -> None:
+    model = make_model()
+    original = model.layers[0].forward
+    model.layers[0].forward = lambda x: torch.utils.checkpoint.checkpoint(original, x, use_reentrant=False)
+    budget = int(keep_all_peak(make_model()) * 0.8)
+    prov = bagualu2.enable(model, budget=budget, min_bytes=0)
+    fired: List[bool] = []
+    model.layers[0].moe.router.register_forward_hook(lambda *a: fired.append(bagualu2.is_recomputing()))
+    step(model, 0)
+    step(model, 1)
+    assert fired.count(True) == 2  # the checkpoint reran the router in each backward
+    decisions = [d for d in prov.telemetry.decisions if d.layer == 0]
+    assert len(decisions) == 1  # micro-batch 1 only (0 profiles); recompute calls were skipped
+
+
+class TinyMoE(torch.nn.Module):
+    """A MoE layer the discovery does not know, reporting its own routing."""
+
+    def __init__(self, use_on_gating: bool) -> None:
+        super().__init__()
+        self.use_on_gating = use_on_gating
+        self.router = torch.nn.Linear(16, 4)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+
+    def route(self, x: torch.Tensor) -> torch.Tensor:
+        return self.router(x).argmax(-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx = self.route(x)
+        if self.use_on_gating:
+            bagualu2.on_gating(torch.bincount(idx, minlength=4), layer=0)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            mask = idx == e
+            out = out + expert(x * mask.unsqueeze(-1)).relu()
+        return out.pow(2).mean()
+
+
+@pytest.mark.parametrize("use_on_gating", [True, False])
+def test_unknown_moe_layers_via_on_gating_or_register_gate(use_on_gating: bool) -> None:
+    torch.manual_seed(0)
+    model = TinyMoE(use_on_gating)
+    x = torch.randn(64, 16)
+    if use_on_gating:
+        prov = bagualu2.enable(model, budget=10**6, min_bytes=0, gates=[])
+    else:
+        with pytest.warns(UserWarning, match="no MoE gate found"):
+            prov = bagualu2.enable(model, budget=10**6, min_bytes=0)
+        router = model.router
+        prov.register_gate(router, num_experts=4,
+                           counts_fn=lambda m, a, out: torch.bincount(out.argmax(-1), minlength=4))
+    for _ in range(3):
+        model(x).backward()
+    assert prov._count_frames.get(0) == 3
+    assert prov.mean_counts()[0] and sum(prov.mean_counts()[0]) == 64
+    with pytest.raises(ValueError, match="num_experts"):
+        prov.register_gate(model.router, num_experts=0, counts_fn=counts_from_indices(4))
+
+
+def test_report_telemetry_and_plot(tmp_path) -> None:
+    model = make_model(ep_size=4)
+    budget = int(keep_all_peak(model) * 0.7)
+    prov = bagualu2.enable(model, budget=budget, min_bytes=0, telemetry_path=tmp_path / "t.jsonl")
+    for i, spike in enumerate([0.0, 0.0, 2.6]):
+        step(model, i, spike)
+    report = prov.report()
+    for key in ("steps", "micro_batches", "peak_bytes", "budget_bytes", "saved_bytes_by_choice",
+                "decision_latency_us", "plan_cache", "violations"):
+        assert key in report
+    lines = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    kinds = {line["kind"] for line in lines}
+    assert kinds == {"decision", "micro_batch"}
+    decision = next(line for line in lines if line["kind"] == "decision")
+    for key in ("step", "micro_batch", "layer", "imbalance", "predicted_bytes", "budget_bytes", "mix",
+                "latency_us", "cache_hit"):
+        assert key in decision
+    png = prov.plot(tmp_path / "memory.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
