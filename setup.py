@@ -9,6 +9,7 @@ Environment:
 """
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,19 @@ class CMakeExtension(Extension):
     def __init__(self, name: str, sourcedir: str = "") -> None:
         super().__init__(name, sources=[])
         self.sourcedir = os.fspath(Path(sourcedir).resolve())
+
+
+def _stale_cache(build_temp: Path) -> bool:
+    """A CMake cache written by another (isolated, since deleted) build environment points at a
+    cmake/ninja that no longer exists; reusing it fails. Such a cache is thrown away."""
+    cache = build_temp / "CMakeCache.txt"
+    if not cache.exists():
+        return False
+    for line in cache.read_text(errors="replace").splitlines():
+        for key in ("CMAKE_COMMAND:INTERNAL=", "CMAKE_MAKE_PROGRAM:FILEPATH="):
+            if line.startswith(key) and not Path(line[len(key):]).exists():
+                return True
+    return False
 
 
 class CMakeBuild(build_ext):
@@ -42,6 +56,12 @@ class CMakeBuild(build_ext):
             f"-DBAGUALU2_SANITIZE={'ON' if os.environ.get('BAGUALU2_SANITIZE') == '1' else 'OFF'}",
             "-GNinja",
         ]
+        try:  # the ninja of this build environment, not whatever a cache remembers
+            import ninja
+
+            cmake_args.append(f"-DCMAKE_MAKE_PROGRAM:FILEPATH={Path(ninja.BIN_DIR) / 'ninja'}")
+        except ImportError:
+            pass
         if "CMAKE_ARGS" in os.environ:
             cmake_args += [item for item in os.environ["CMAKE_ARGS"].split(" ") if item]
         build_args = ["--config", cfg]
@@ -49,6 +69,8 @@ class CMakeBuild(build_ext):
         build_args += [f"-j{jobs}"]
 
         build_temp = Path(self.build_temp) / ext.name
+        if _stale_cache(build_temp):
+            shutil.rmtree(build_temp)
         build_temp.mkdir(parents=True, exist_ok=True)
         subprocess.run(["cmake", ext.sourcedir, *cmake_args], cwd=build_temp, check=True)
         subprocess.run(["cmake", "--build", ".", *build_args], cwd=build_temp, check=True)
