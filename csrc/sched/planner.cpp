@@ -134,6 +134,42 @@ void polish(const std::vector<Candidate>& c, std::vector<Choice>& ch, std::int64
     }
 }
 
+// Greedy seed on the exact objective: repeatedly release the (op, choice) with the least
+// marginal exposed time per useful byte until the target is met.
+std::vector<Choice> greedy(const std::vector<Candidate>& c, std::int64_t target, double wf,
+                           double wb) {
+    std::vector<Choice> ch(c.size(), Choice::KEEP);
+    double rec = 0, off = 0, rel = 0;
+    std::int64_t freed = 0;
+    auto cost = [&](double r, double o, double b) {
+        return r + std::max(0.0, o - wf) + std::max(0.0, b - wb);
+    };
+    while (freed < target) {
+        double best = kInf;
+        std::size_t bi = c.size();
+        Choice bx = Choice::KEEP;
+        const double now = cost(rec, off, rel);
+        for (std::size_t i = 0; i < c.size(); ++i) {
+            if (ch[i] != Choice::KEEP || c[i].nbytes == 0) continue;
+            const double useful = static_cast<double>(std::min(c[i].nbytes, target - freed));
+            if (c[i].can_offload) {
+                const double d = cost(rec, off + c[i].offload_s, rel + c[i].reload_s) - now;
+                if (d / useful < best) best = d / useful, bi = i, bx = Choice::OFFLOAD;
+            }
+            if (c[i].can_recompute) {
+                const double d = c[i].recompute_s;
+                if (d / useful < best) best = d / useful, bi = i, bx = Choice::RECOMPUTE;
+            }
+        }
+        if (bi == c.size()) break;
+        ch[bi] = bx;
+        freed += c[bi].nbytes;
+        if (bx == Choice::RECOMPUTE) rec += c[bi].recompute_s;
+        if (bx == Choice::OFFLOAD) off += c[bi].offload_s, rel += c[bi].reload_s;
+    }
+    return ch;
+}
+
 }  // namespace
 
 Planner::Planner(std::int64_t quantum_bytes, double time_quantum_s, std::int64_t max_cells)
@@ -411,9 +447,16 @@ Plan Planner::solve(const std::vector<Candidate>& candidates, std::int64_t must_
         plan.reload_quantum_s = bwd.quantum;
     }
 
-    // 5. polish with exact 1- and 2-op moves (only ever lowers the exact exposed time)
-    polish(candidates, plan.choices, std::min(must_free_bytes, releasable), offload_window_s,
-           reload_window_s);
+    // 5. polish with exact 1- and 2-op moves (only ever lowers the exact exposed time); a
+    //    greedy seed polished the same way replaces the DP's plan when it ends up better
+    const std::int64_t target = std::min(must_free_bytes, releasable);
+    polish(candidates, plan.choices, target, offload_window_s, reload_window_s);
+    std::vector<Choice> seed = greedy(candidates, target, offload_window_s, reload_window_s);
+    polish(candidates, seed, target, offload_window_s, reload_window_s);
+    if (exposed_time(candidates, seed, offload_window_s, reload_window_s) <
+        exposed_time(candidates, plan.choices, offload_window_s, reload_window_s)) {
+        plan.choices = std::move(seed);
+    }
 
     // 6. exact accounting of the chosen plan
     for (std::size_t i = 0; i < candidates.size(); ++i) {

@@ -22,7 +22,9 @@
 //     After the DP, an exact local search (one- and two-op choice changes that keep the
 //     target and lower the exact exposed time) polishes the plan: it only ever lowers
 //     exposed_s, so the bound above still holds and bound_s (the DP's estimate of its own
-//     plan) stays >= exposed_s. It wins back what rounding small copies up costs.
+//     plan) stays >= exposed_s. It wins back what rounding small copies up costs. A greedy
+//     seed (least marginal exposed time per byte), polished the same way, replaces the
+//     result when it is better in exact terms; either way the plan meets the target.
 //     When every offloadable op has reload_s = rho * offload_s (copy times from two fixed
 //     bandwidths) and no time quantum is forced, both windows fold into one time axis over
 //     reload time (offload quantum = reload quantum / rho): many more slots per window.
