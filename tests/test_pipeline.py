@@ -54,8 +54,9 @@ REPORT_KEYS = ("peak_bytes", "budget_bytes", "resident_bytes", "arena_in_use_byt
 def _model_and_batch(schedule: str, world_size: int, n_microbatches: int):
     num_stages, _ = pp.stage_layout(schedule, world_size)
     # ep_size=4: each stage is the expert-parallel rank-0 view (2 of 8 experts local), so a
-    # spike on a local expert grows the stage's activations as it does on a real EP rank.
-    cfg = MoEConfig.tiny(num_layers=num_stages, ep_size=EP_SIZE)
+    # spike on a local expert grows the stage's activations as it does on a real EP rank;
+    # wider experts make the expert share of the activations (what the spike moves) larger.
+    cfg = MoEConfig.tiny(num_layers=num_stages, ep_size=EP_SIZE, expert_hidden_size=128)
     torch.manual_seed(SEED)
     model = MoETransformer(cfg)
     batch = next(synthetic_batches(cfg.vocab_size, MICROBATCH * n_microbatches, SEQ + 1, seed=SEED))
