@@ -123,7 +123,10 @@ Schedule OverlapScheduler::solve(const std::vector<OverlapOp>& ops,
     // 4. offloads: issued after their producer, FIFO on D2H; resident until complete
     std::vector<std::size_t> offs, rels, recs;
     for (std::size_t j = 0; j < tasks.size(); ++j) {
-        (tasks[j].kind == TaskKind::OFFLOAD ? offs : tasks[j].kind == TaskKind::RELOAD ? rels : recs).push_back(j);
+        auto& bin = tasks[j].kind == TaskKind::OFFLOAD  ? offs
+                    : tasks[j].kind == TaskKind::RELOAD ? rels
+                                                        : recs;
+        bin.push_back(j);
     }
     auto by_op = [&](std::size_t a, std::size_t b) {
         return tasks[a].op != tasks[b].op ? tasks[a].op < tasks[b].op : a < b;
@@ -151,8 +154,12 @@ Schedule OverlapScheduler::solve(const std::vector<OverlapOp>& ops,
         return p;
     };
     const auto rel_pre = prefix(rels), rec_pre = prefix(recs);
-    auto q_of = [&](const std::vector<std::size_t>& v, std::int32_t k) { return grp(tasks[v[U(k)]].op); };
-    auto e_of = [&](const std::vector<std::size_t>& v, std::int32_t k) { return grp(tasks[v[U(k)]].earliest); };
+    auto q_of = [&](const std::vector<std::size_t>& v, std::int32_t k) {
+        return grp(tasks[v[U(k)]].op);
+    };
+    auto e_of = [&](const std::vector<std::size_t>& v, std::int32_t k) {
+        return grp(tasks[v[U(k)]].earliest);
+    };
     auto first_with_q_at_least = [&](const std::vector<std::size_t>& v, std::int64_t i) {
         std::int32_t k = 0;
         while (k < static_cast<std::int32_t>(v.size()) && q_of(v, k) < i) ++k;
@@ -179,7 +186,7 @@ Schedule OverlapScheduler::solve(const std::vector<OverlapOp>& ops,
         std::vector<Label> cand;
         for (std::size_t li = 0; li < prev.size(); ++li) {
             const Label& L = prev[li];
-            // 6a. issue reloads [L.reloads, r) at E_{i-1}; stall when a consumer's last reload is late
+            // 6a. issue reloads [L.reloads, r) at E_{i-1}; a consumer stalls on its last reload
             double F = L.h2d_free, cost = L.cost;
             for (std::int32_t r = L.reloads; r <= K; ++r) {
                 if (r > L.reloads) {
@@ -198,7 +205,7 @@ Schedule OverlapScheduler::solve(const std::vector<OverlapOp>& ops,
                         if (!op.bubble || e_of(recs, j) > i - 1 || q_of(recs, j) <= i) break;
                         work += tasks[recs[U(j)]].duration_s;
                     }
-                    // 6c. memory during op i: base + offloads in flight + resident reloads/recomputes
+                    // 6c. memory during op i: base + offloads in flight + resident tasks
                     const std::int64_t mem = op.base_bytes + off_bytes[U(i)] +
                                              rel_pre[U(r)] - rel_pre[U(lo_r)] +
                                              rec_pre[U(std::max(e, hi_c))] - rec_pre[U(lo_c)];
@@ -219,7 +226,9 @@ Schedule OverlapScheduler::solve(const std::vector<OverlapOp>& ops,
         for (const Label& c : cand) {
             if (!kept.empty() && kept.back().reloads == c.reloads && kept.back().early == c.early) {
                 bool dominated = false;
-                for (auto it = kept.rbegin(); it != kept.rend() && it->reloads == c.reloads && it->early == c.early; ++it) {
+                for (auto it = kept.rbegin(); it != kept.rend() && it->reloads == c.reloads &&
+                                              it->early == c.early;
+                     ++it) {
                     if (it->h2d_free <= c.h2d_free) { dominated = true; break; }
                 }
                 if (dominated) continue;
@@ -260,7 +269,8 @@ Schedule OverlapScheduler::solve(const std::vector<OverlapOp>& ops,
         }
         out.exposed_s = stall + late_total;
         for (std::int64_t i = 0; i < n; ++i) {
-            out.peak_bytes = std::max(out.peak_bytes, resident(i, first_with_q_at_least(rels, i + 1), 0));
+            const std::int32_t issued = first_with_q_at_least(rels, i + 1);
+            out.peak_bytes = std::max(out.peak_bytes, resident(i, issued, 0));
         }
         return out;
     }
@@ -270,7 +280,9 @@ Schedule OverlapScheduler::solve(const std::vector<OverlapOp>& ops,
         const Label& L = stages[U(i)][U(li)];
         const Label P = i > 0 ? stages[U(i) - 1][U(L.parent)]
                               : Label{0.0, 0.0, 0, 0, -1};
-        for (std::int32_t k = P.reloads; k < L.reloads; ++k) out.issue_after[rels[U(k)]] = orig_after(i - 1);
+        for (std::int32_t k = P.reloads; k < L.reloads; ++k) {
+            out.issue_after[rels[U(k)]] = orig_after(i - 1);
+        }
         for (std::int32_t j = P.early; j < L.early; ++j) {
             out.issue_after[recs[U(j)]] = orig_after(i - 1);
             out.early[recs[U(j)]] = true;
