@@ -8,10 +8,12 @@ Stage modules
 ``split_model(model, num_stages)`` cuts a transformer-like model (the reference
 ``bagualu2.models.MoETransformer``, or anything with an embedding, a list of blocks and a
 head) into ``num_stages`` contiguous ``StageModule``s. Stage 0 owns the embedding, the last
-stage owns the final norm, the head and nothing else of the loss; blocks are spread as evenly
-as possible. Each stage module *shares* its parameters with ``model``: build the full model
-from the same seed on every rank and keep only your stages, so every rank starts from the
-same weights without any broadcast.
+stage the final norm and the head (the schedule's ``loss_fn``, ``lm_loss``, computes the LM
+loss on its logits); blocks are spread as evenly as possible. A block's MoE auxiliary loss
+gets its gradient on the stage that computed it, so the objective is the whole model's. Each
+stage module *shares* its parameters with ``model``: build the full model from the same seed
+on every rank and keep only your stages, so every rank starts from the same weights without
+any broadcast.
 
 Schedules
 ---------
@@ -65,13 +67,26 @@ Two ways to read it, pick whichever suits the caller:
 ``tracker.close()`` restores every wrapped method. Trackers never change what the schedule
 computes: with or without one, losses and gradients are bitwise identical.
 
+bagualu2 on a pipeline
+----------------------
+``enable_bagualu2(pipe, **enable_kwargs)`` provisions this rank: one ``Provisioner`` and one
+budget per rank. One local stage: ``bagualu2.enable(stage_module)``. Several (interleaved, V
+schedules): ``bagualu2.enable(RankStages(stages))``, and each ``PipelineStage`` runs its
+stage through it (``StageEntry``), so every stage forward is still one micro-batch (one
+frame) while the ledger is shared. The tracker calls
+``Provisioner.set_pipeline_phase(phase, stacked_forwards - 1)`` before each forward (the
+provisioner counts the *other* forwards that stack) and ``Provisioner.step()`` at the end of
+each schedule step. ``pipe.close()`` undoes the wiring; ``prov.disable()`` removes bagualu2.
+
 Harness
 -------
 ``Pipeline.train_step(tokens, targets)`` runs one schedule step and returns this rank's
 losses; ``gather_step_result(pipeline, losses)`` collects the per-micro-batch losses and
 every parameter gradient (keyed ``"stage{i}.{name}"``) on rank 0 as a ``StepResult`` so two
 runs can be compared bit for bit. ``launch(fn, world_size, ...)`` starts ``world_size`` local
-processes on 127.0.0.1 with a free port, gloo by default, and kills them on timeout.
+processes on 127.0.0.1 with a free port, gloo by default; when a rank fails the others get a
+grace period to notice (gloo fails their next operation at once) and exit on their own;
+whatever is left at the timeout is killed.
 """
 from __future__ import annotations
 
@@ -79,7 +94,6 @@ import contextvars
 import dataclasses
 import datetime
 import enum
-import math
 import os
 import socket
 import time
@@ -104,6 +118,8 @@ __all__ = [
     "ScheduleSpec",
     "StageModule",
     "split_model",
+    "lm_loss",
+    "TokenEmbedding",
     "stage_layout",
     "build_pipeline",
     "Pipeline",
@@ -114,6 +130,7 @@ __all__ = [
     "StepResult",
     "gather_step_result",
     "launch",
+    "free_port",
     "enable_bagualu2",
     "RankStages",
     "StageEntry",

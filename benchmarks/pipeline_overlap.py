@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import inspect
 import json
 import os
