@@ -139,6 +139,11 @@ class OverlapScheduler:
             ValueError: negative or non-finite durations or bytes, task op out of range,
                 ``earliest`` not before the consumer.
         """
+        if cache_key is not None:  # hit: no column conversion at all
+            stored = self._impl.cached(*(int(k) for k in cache_key))
+            if stored is not None:
+                issue, early, feasible, exposed, peak, merged, hit = stored
+                return Schedule(tuple(issue), tuple(early), feasible, exposed, peak, merged, hit)
         issue, early, feasible, exposed, peak, merged, hit = self._impl.schedule_columns(
             [o.duration_s for o in ops], [o.base_bytes for o in ops], [o.bubble for o in ops],
             [int(t.kind) for t in tasks], [t.op for t in tasks], [t.earliest for t in tasks],

@@ -149,12 +149,24 @@ void register_sched(py::module_& m) {
                                    key->size());
                     pk = PlanKey{(*key)[0], (*key)[1], (*key)[2], (*key)[3]};
                 }
-                const Schedule s = self.schedule(ops, tasks, budget_bytes, pk);
+                // the facade looked the key up already (cached()); only store here
+                const Schedule s = self.schedule(ops, tasks, budget_bytes);
+                if (pk) self.store(*pk, s);
                 return py::make_tuple(s.issue_after, s.early, s.feasible, s.exposed_s,
                                       s.peak_bytes, s.merged_ops, s.cache_hit);
             },
             "Schedule; returns (issue_after, early, feasible, exposed_s, peak_bytes, merged_ops, "
             "cache_hit).")
+        .def(
+            "cached",
+            [](OverlapScheduler& self, std::int64_t a, std::int64_t b, std::int64_t c,
+               std::int64_t d) -> py::object {
+                const auto s = self.cached(PlanKey{a, b, c, d});
+                if (!s) return py::none();
+                return py::make_tuple(s->issue_after, s->early, s->feasible, s->exposed_s,
+                                      s->peak_bytes, s->merged_ops, s->cache_hit);
+            },
+            "Stored schedule for a key (counted as a lookup), or None.")
         .def("cache_stats",
              [](const OverlapScheduler& self) {
                  const PlanCacheStats s = self.cache_stats();

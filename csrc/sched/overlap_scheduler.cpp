@@ -59,10 +59,7 @@ Schedule OverlapScheduler::schedule(const std::vector<OverlapOp>& ops,
                                     const std::vector<OverlapTask>& tasks,
                                     std::int64_t budget_bytes, const std::optional<PlanKey>& key) {
     if (key) {
-        if (auto hit = cache_.get(*key)) {
-            hit->cache_hit = true;
-            return *hit;
-        }
+        if (auto hit = cached(*key)) return *hit;
     }
     Schedule s = solve(ops, tasks, budget_bytes);
     if (key) cache_.put(*key, s);

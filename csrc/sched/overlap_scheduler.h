@@ -29,7 +29,8 @@
 //  4. Merging (optional) fuses runs of compute ops with no task boundary (bubbles are never
 //     merged); issue points stay valid op
 //     indices of the original sequence, memory is the max over the run (conservative).
-//  5. Results are cached by (stage, load bucket, phase, budget bucket) when a key is given.
+//  5. Results are cached by (stage, load bucket, phase, budget bucket) when a key is given;
+//     the key must cover everything the schedule depends on (the caller's contract).
 #pragma once
 
 #include <cstdint>
@@ -79,6 +80,16 @@ public:
     // \return issue points, predicted exposed time and peak bytes (see the model above).
     Schedule schedule(const std::vector<OverlapOp>& ops, const std::vector<OverlapTask>& tasks,
                       std::int64_t budget_bytes, const std::optional<PlanKey>& key = std::nullopt);
+
+    // \param[in] key  cache key. \return the stored schedule (a hit) or nothing (a miss).
+    std::optional<Schedule> cached(const PlanKey& key) {
+        auto hit = cache_.get(key);
+        if (hit) hit->cache_hit = true;
+        return hit;
+    }
+
+    // \param[in] key, s  store a schedule under a key (schedule() does this itself).
+    void store(const PlanKey& key, const Schedule& s) { cache_.put(key, s); }
 
     PlanCacheStats cache_stats() const { return cache_.stats(); }
     void clear_cache() { cache_.clear(); }
