@@ -148,7 +148,11 @@ class Provisioner:
         self._frame_predicted = 0
         self._oom_recoveries = 0
         self._latencies_us: List[float] = []
-        self._static: Optional[Dict[str, Choice]] = None if isinstance(policy, str) else dict(policy)
+        self._static: Optional[Dict[str, Choice]] = None
+        if isinstance(policy, Plan):
+            self._static = dict(policy.choices)
+        elif not isinstance(policy, str):
+            self._static = dict(policy.items())
         self.enabled = True
 
     # -- setup ------------------------------------------------------------------------------
