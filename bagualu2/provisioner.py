@@ -242,9 +242,16 @@ class Provisioner:
             return Plan.keep_all(self.cost.order)
         candidates, floor = self.cost.candidates(self.cost.order, counts, self.min_bytes, self.engine is not None)
         total = self.cost.predict_total(self.cost.order, counts)
-        offload_window, reload_window = self.cost.windows(1.0)
+        offload_window, reload_window = self._windows(1.0)
         return self.planner.solve(candidates, total - int(self.budget * (1.0 - self.margin)),
                                   offload_window, reload_window)
+
+    def _windows(self, remaining_fraction: float) -> tuple:
+        # The CPU backend copies on worker threads that share the cores with compute: nothing
+        # hides behind compute there, so its copies count in full.
+        if self.device.type == "cpu":
+            return 0.0, 0.0
+        return self.cost.windows(remaining_fraction, self._stacked)
 
     def step(self) -> None:
         """Mark the end of a training step (optional; numbers the telemetry records)."""
@@ -402,13 +409,15 @@ class Provisioner:
                   for g in self.gates}
         counts[layer] = bucketed
         remaining = [k for k in cost.order if k not in frame.keys_seen]
-        predicted = cost.predict_total(remaining, counts)
+        predicted = cost.predict_total(remaining, counts)  # for planning: loads rounded up
         # In-flight offload sources are released as their copies complete.
         resident = self.runtime.ledger.resident - self.runtime.inflight_bytes
         target = int(self.budget * (1.0 - self.margin))
         must_free = resident + predicted - target
         if not self._frame_predicted:
-            self._frame_predicted = resident + predicted
+            exact = {g.layer: values for g in self.gates if g.layer >= layer}
+            exact.update({k: v for k, v in self._frame_counts.items() if k < layer})
+            self._frame_predicted = resident + cost.predict_total(remaining, exact)
         imbalance = max(values) * len(values) / max(1, sum(values))
         record = Decision(self._step, frame.index, layer, imbalance, resident, resident + predicted,
                           resident + predicted, self.budget, {"keep": len(remaining)}, 0.0, False)
@@ -425,8 +434,7 @@ class Provisioner:
         if plan is None:
             anchors = [n.key for n in frame._anchors]
             candidates, _ = cost.candidates(remaining, counts, self.min_bytes, self.engine is not None, anchors)
-            fraction = len(remaining) / max(1, len(cost.order))
-            offload_window, reload_window = cost.windows(fraction, self._stacked)
+            offload_window, reload_window = self._windows(len(remaining) / max(1, len(cost.order)))
             plan = self.planner.solve(candidates, must_bucket * quantum, offload_window, reload_window)
             self.cache.put(layer, load_bucket, phase, must_bucket, plan)
         frame.choices.update(plan.choices)
