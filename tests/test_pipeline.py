@@ -35,6 +35,7 @@ SEQ = 16
 MICROBATCH = 2
 SPIKE = (0, 1)  # (stage, micro-batch) whose forward routes with a 2.6x load spike on expert 0
 EP_SIZE = 4
+TIGHT_SCHEDULE = "interleaved1f1b"  # deepest warm-up stacking on 2 ranks (5 forwards on rank 0)
 LAUNCH_TIMEOUT_S = 170
 
 # (schedule, micro-batches) run on each world size. Every schedule runs on 2 ranks; 4 ranks
@@ -100,9 +101,11 @@ def _run_job(rank: int, world_size: int, job: dict, budgets: dict) -> dict | Non
     if variant not in ("plain", "plain_repeat", "keep_all_calm"):
         _spike_on(pipe, model, spiked)
     prov, told = None, []
-    policy = variant.replace("_raise", "").replace("_calm", "")
+    policy = variant.replace("_raise", "").replace("_calm", "").replace("_tight", "")
     if policy in PROVISIONED:
         budget = budgets.get(schedule) if policy == "adaptive" or variant.endswith("_raise") else None
+        if variant == "adaptive_tight":  # halfway between releasing and keeping everything
+            budget = (budgets[f"{schedule}/keep_all"] + budgets[f"{schedule}/recompute_all"]) // 2
         prov = pp.enable_bagualu2(pipe, policy=policy, budget=budget, arena_bytes=16 << 20, min_bytes=0,
                                   on_exceed="raise" if variant.endswith("_raise") else "record")
         inner = prov.set_pipeline_phase
@@ -127,6 +130,8 @@ def _run_job(rank: int, world_size: int, job: dict, budgets: dict) -> dict | Non
     if prov is not None:
         prov.disable()
     pipe.close()
+    if policy in ("keep_all", "recompute_all") and variant == policy:
+        budgets[f"{schedule}/{policy}"] = extra["report"]["peak_bytes"]
     if variant == "keep_all_calm":
         # This rank's budget: what keeping everything needs without the spike. Calm micro-batches
         # fit; the spiked one does not, unless the plan releases something.
@@ -181,7 +186,10 @@ def _jobs(schedules, raise_schedule: str | None = None) -> list[dict]:
         for schedule, n_mb in schedules
         for variant in VARIANTS
     ]
-    if raise_schedule is not None:  # last: it is expected to break the process group
+    if raise_schedule is not None:  # last: these are expected to break the process group
+        n_mb = dict(schedules)[TIGHT_SCHEDULE]
+        jobs.append({"name": f"{TIGHT_SCHEDULE}/adaptive_tight", "schedule": TIGHT_SCHEDULE,
+                     "n_microbatches": n_mb, "variant": "adaptive_tight"})
         n_mb = dict(schedules)[raise_schedule]
         jobs.append({"name": f"{raise_schedule}/keep_all_raise", "schedule": raise_schedule,
                      "n_microbatches": n_mb, "variant": "keep_all_raise"})
@@ -381,6 +389,23 @@ def test_provisioner_sees_each_stage_forward_with_its_phase(request, world_size,
         assert rep["steps"] == 1
         expected = [(p[0].lower(), max(0, p[5] - 1)) for p in info["phases"] if p[1] == "F"]
         assert [tuple(t) for t in info["told"]] == expected + [("none", 0)], f"rank {rank}"
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    reason="provisioner does not reserve room for the micro-batches still to stack: with a budget "
+           "halfway between recompute_all's and keep_all's peaks, the warm-up forwards of "
+           "interleaved 1F1B fill it and micro-batch 4 is refused (InfeasibleBudgetError)",
+    strict=True)
+def test_adaptive_leaves_room_for_the_forwards_still_to_stack(runs2):
+    """Invariant 2 with a tight budget where warm-up stacking matters: a plan exists (release
+    everything), so adaptive must not let early micro-batches take the room later ones need."""
+    runs = _Runs(runs2)
+    exact = runs[f"{TIGHT_SCHEDULE}/adaptive_tight"]
+    _assert_bitwise(runs[f"{TIGHT_SCHEDULE}/plain_spike"], exact, f"{TIGHT_SCHEDULE} adaptive, tight budget")
+    for rank, info in exact["extra"].items():
+        rep = info["report"]
+        assert rep["violations"] == 0 and rep["peak_bytes"] <= rep["budget_bytes"], (rank, rep)
 
 
 @pytest.mark.slow
