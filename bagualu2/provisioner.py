@@ -147,6 +147,7 @@ class Provisioner:
         self._count_frames: Dict[int, int] = {}
         self._frame_predicted = 0
         self._oom_recoveries = 0
+        self._floor = 0  # bytes one micro-batch holds that no plan releases (anchors, small, fixed)
         self._latencies_us: List[float] = []
         self._static: Optional[Dict[str, Choice]] = None
         if isinstance(policy, Plan):
@@ -336,15 +337,25 @@ class Provisioner:
         self._frame_predicted = 0
         _ACTIVE.append(self)
         start = time.perf_counter()
+        budget = self.runtime.budget_bytes
+        if budget is not None and self.policy == "adaptive":
+            # Leave room for the floor of each micro-batch that stacks on this rank before its
+            # next backward (pipeline warm-up), so the last of them still fits.
+            self.runtime.budget_bytes = max(0, budget - self._reserve())
         try:
             with self.runtime.frame(frame):
                 out = self._forward(*args, **kwargs)
+                anchored = sum(node.nbytes for node in frame._anchors)
         finally:
+            self.runtime.budget_bytes = budget
             _ACTIVE.remove(self)
         seconds = time.perf_counter() - start
         self._frames += 1
         if frame.profile:
             self.cost.observe(frame.saved_profile, self._frame_counts, seconds)
+        fixed = self.cost.candidates(self.cost.order, self._frame_counts, self.min_bytes,
+                                     self.engine is not None)[1] if self.cost.ready else 0
+        self._floor = max(self._floor, anchored + fixed)
         imbalance = max((max(c) * len(c) / max(1, sum(c)) for c in self._frame_counts.values()), default=1.0)
         self.telemetry.add(MicroBatch(
             step=self._step, micro_batch=frame.index, peak_bytes=frame.stats.peak_resident,
@@ -365,6 +376,9 @@ class Provisioner:
         resident = self.runtime.ledger.resident
         if resident + floor > self.budget:
             raise InfeasibleBudgetError(self.budget, resident + floor, f"micro-batch {self._frames}")
+
+    def _reserve(self) -> int:
+        return self._stacked * self._floor
 
     def _exceeded(self, resident: int, budget: int, key: str) -> None:
         raise BudgetExceededError(resident, budget, key)
@@ -412,7 +426,7 @@ class Provisioner:
         predicted = cost.predict_total(remaining, counts)  # for planning: loads rounded up
         # In-flight offload sources are released as their copies complete.
         resident = self.runtime.ledger.resident - self.runtime.inflight_bytes
-        target = int(self.budget * (1.0 - self.margin))
+        target = int(self.budget * (1.0 - self.margin)) - self._reserve()
         must_free = resident + predicted - target
         if not self._frame_predicted:
             exact = {g.layer: values for g in self.gates if g.layer >= layer}

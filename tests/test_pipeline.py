@@ -392,11 +392,6 @@ def test_provisioner_sees_each_stage_forward_with_its_phase(request, world_size,
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="provisioner does not reserve room for the micro-batches still to stack: with a budget "
-           "halfway between recompute_all's and keep_all's peaks, the warm-up forwards of "
-           "interleaved 1F1B fill it and micro-batch 4 is refused (InfeasibleBudgetError)",
-    strict=True)
 def test_adaptive_leaves_room_for_the_forwards_still_to_stack(runs2):
     """Invariant 2 with a tight budget where warm-up stacking matters: a plan exists (release
     everything), so adaptive must not let early micro-batches take the room later ones need."""

@@ -447,10 +447,15 @@ class ActivationRuntime:
         storage = t.untyped_storage()
         node = self.mode.nodes.get(storage._cdata)
         if node is None:
+            # From outside the traced forward: no recipe, and not this frame's to release.
+            if self._over_budget(storage):
+                self.settle(wait=True)
+                if self._over_budget(storage):
+                    return self._violate(frame, t, f"a saved input of shape {tuple(t.shape)}")
             return self._keep(frame, t, "leaf")
         nbytes = node.nbytes
         frame.keys_seen.setdefault(node.key, nbytes)
-        if nbytes < self.min_bytes:
+        if nbytes < self.min_bytes and not self._over_budget(storage):
             return self._keep(frame, t, node.key)
         state = node.state
         meta = view_meta(t)
