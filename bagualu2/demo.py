@@ -47,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batches", type=int, default=200, help="micro-batches per policy (default 200)")
     p.add_argument("--spike-rate", type=float, default=0.03, help="share of micro-batches with a routing spike")
     p.add_argument("--imbalance", type=float, default=2.6, help="load of the spiked expert over the mean")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--ep-size", type=int, default=4, help="expert-parallel ranks; this rank hosts 1/ep of the experts")
     p.add_argument("--budget", type=int, default=None,
                    help="activation budget in bytes (default: 5%% above the calm all-keep peak)")
@@ -67,34 +69,33 @@ def _spike_schedule(n: int, rate: float, seed: int, warmup: int) -> List[int]:
     return sorted(random.Random(seed).sample(candidates, count))
 
 
-def _train(model: torch.nn.Module, batches: Sequence[torch.Tensor], spikes: Sequence[int], imbalance: float,
-            spiked_expert: int, policy: str, budget: int, static_plan=None, progress=None):
-    import bagualu2
+class _Trainer:
+    """One policy's copy of the model, optimizer and provisioner, stepped one micro-batch at a time."""
 
-    model = copy.deepcopy(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    prov = bagualu2.enable(model, budget=budget, policy=static_plan if policy == "static" else policy)
-    losses: List[float] = []
-    times: List[float] = []
-    spike_set = set(spikes)
-    for i, batch in enumerate(batches):
+    def __init__(self, model: torch.nn.Module, policy, budget: int) -> None:
+        import bagualu2
+
+        self.model = copy.deepcopy(model)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05)
+        self.prov = bagualu2.enable(self.model, budget=budget, policy=policy)
+        self.losses: List[float] = []
+        self.times: List[float] = []
+
+    def step(self, i: int, batch: torch.Tensor, spike: Optional[float], expert: int) -> None:
         start = time.perf_counter()
         torch.manual_seed(i)
-        if i in spike_set:
-            with model.routing_spike(imbalance, experts=(spiked_expert,)):
-                loss = model(batch)
+        if spike:
+            with self.model.routing_spike(spike, experts=(expert,)):
+                loss = self.model(batch)
                 loss.backward()
         else:
-            loss = model(batch)
+            loss = self.model(batch)
             loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        prov.step()
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-        if progress is not None:
-            progress.update(1)
-    return prov, losses, times
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.prov.step()
+        self.times.append(time.perf_counter() - start)
+        self.losses.append(loss.item())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = MoEConfig.small(ep_size=args.ep_size)
     torch.manual_seed(args.seed)
     model = MoETransformer(cfg)
-    batch_size, seq_len = 4, 64
+    batch_size, seq_len = args.batch_size, args.seq_len
     batches = list(synthetic_batches(cfg.vocab_size, batch_size, seq_len, seed=args.seed,
                                      num_batches=args.micro_batches))
     warmup = 5
@@ -127,26 +128,22 @@ def run(args: argparse.Namespace) -> int:
           f"{len(spikes)} routing spikes ({args.imbalance}x on a local expert, EP {args.ep_size}), "
           f"activation budget {budget / 2**20:.2f} MiB")
 
-    results: Dict[str, PolicyResult] = {}
-    provs = {}
-    losses_by_policy: Dict[str, List[float]] = {}
-    order = [p for p in ("adaptive", "keep_all", "recompute_all", "static") if p in policies]
-    static_plan = None
+    # Policies take turns micro-batch by micro-batch, so machine noise falls on all alike.
+    order = [p for p in POLICY_ORDER if p in policies]
+    trainers = {p: _Trainer(model, _static_plan(model, batches[0], budget) if p == "static" else p, budget)
+                for p in order}
     with tqdm(total=len(order) * len(batches), unit="mb", desc="training", dynamic_ncols=True) as bar:
-        for policy in order:
-            bar.set_postfix_str(policy)
-            if policy == "static":
-                static_plan = _static_plan(provs.get("adaptive"), model, batches[0], budget)
-            prov, losses, times = _train(model, batches, spikes, args.imbalance, spiked_expert, policy,
-                                         budget, static_plan, bar)
-            provs[policy] = prov
-            losses_by_policy[policy] = losses
-            results[policy] = _summarize(policy, prov, losses, times, batches, spikes, warmup, budget)
-
-    reference = losses_by_policy.get("keep_all")
-    if reference is not None:
-        for name, r in results.items():
-            r.losses_match_keep_all = losses_by_policy[name] == reference
+        for i, batch in enumerate(batches):
+            spike = args.imbalance if i in spikes else None
+            for policy in order:
+                trainers[policy].step(i, batch, spike, spiked_expert)
+                bar.update(1)
+    results = {p: _summarize(p, t.prov, t.times, batches, spikes, warmup, budget) for p, t in trainers.items()}
+    reference = trainers["keep_all"].losses if "keep_all" in trainers else None
+    for name, r in results.items():
+        r.final_loss = trainers[name].losses[-1]
+        if reference is not None:
+            r.losses_match_keep_all = trainers[name].losses == reference
     _print_table(results, budget)
     summary = _ratios(results)
     for line in summary["lines"]:
@@ -157,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         "results": {k: asdict(v) for k, v in results.items()}, "ratios": summary["ratios"],
     }
     (args.out / "demo_results.json").write_text(json.dumps(out, indent=2))
-    png = _plot(provs, budget, args.out / "memory_timeline.png")
+    png = _plot({p: t.prov for p, t in trainers.items()}, budget, args.out / "memory_timeline.png")
     print(f"wrote {args.out / 'demo_results.json'} and {png}")
     return 0
 
@@ -175,21 +172,21 @@ def _calm_peak(model: torch.nn.Module, batch: torch.Tensor) -> int:
     return peak
 
 
-def _static_plan(adaptive, model: torch.nn.Module, batch: torch.Tensor, budget: int):
+def _static_plan(model: torch.nn.Module, batch: torch.Tensor, budget: int):
     """The per-operator plan the planner picks for the average (calm) load, then frozen."""
     import bagualu2
 
-    if adaptive is None:
-        probe = copy.deepcopy(model)
-        adaptive = bagualu2.enable(probe, budget=budget, policy="adaptive")
-        for i in range(adaptive.profile_frames):
-            torch.manual_seed(i)
-            probe(batch).backward()
-    counts = adaptive.mean_counts()
-    return adaptive.plan_for(counts)
+    probe = copy.deepcopy(model)
+    prov = bagualu2.enable(probe, budget=budget, policy="adaptive")
+    for i in range(prov.profile_frames):
+        torch.manual_seed(i)
+        probe(batch).backward()
+    plan = prov.plan_for(prov.mean_counts())
+    prov.disable()
+    return plan
 
 
-def _summarize(policy: str, prov, losses: List[float], times: List[float], batches, spikes, warmup: int,
+def _summarize(policy: str, prov, times: List[float], batches, spikes, warmup: int,
                budget: int) -> PolicyResult:
     report = prov.report()
     tokens = batches[0].numel()
@@ -204,7 +201,7 @@ def _summarize(policy: str, prov, losses: List[float], times: List[float], batch
         budget_bytes=budget,
         violations=report["violations"],
         violating_micro_batches=sum(1 for m in mbs if m.violations),
-        final_loss=losses[-1],
+        final_loss=float("nan"),
         losses_match_keep_all=None,
         decision_latency_us=report["decision_latency_us"]["mean"],
         plan_cache_hit_rate=report["plan_cache"].get("hit_rate", 0.0),
