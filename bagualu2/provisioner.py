@@ -148,6 +148,7 @@ class Provisioner:
         self._frame_predicted = 0
         self._oom_recoveries = 0
         self._floor = 0  # bytes one micro-batch holds that no plan releases (anchors, small, fixed)
+        self._worst_bytes: Optional[int] = None  # saved bytes of the worst possible routing
         self._latencies_us: List[float] = []
         self._static: Optional[Dict[str, Choice]] = None
         if isinstance(policy, Plan):
@@ -312,7 +313,29 @@ class Provisioner:
             return Frame(default=Choice.OFFLOAD, index=self._frames)
         frame = Frame(self._static, index=self._frames)
         frame.profile = self.cost.frames < self.profile_frames
+        # Stable phases cost nothing: when even the worst routing this micro-batch could see
+        # fits the budget, no decision can release anything, so the forward is not traced.
+        frame.traced = not (self.policy == "adaptive" and not frame.profile and self._ample())
         return frame
+
+    def _ample(self) -> bool:
+        if self.budget is None:
+            return True
+        if self._worst_bytes is None:
+            return False
+        resident = self.runtime.ledger.resident
+        return resident + self._worst_bytes + self._reserve() <= int(self.budget * (1.0 - self.margin))
+
+    def _worst_case_bytes(self) -> int:
+        """Saved bytes of a micro-batch whose every local expert gets every token it can."""
+        worst: Dict[int, List[int]] = {}
+        for spec in self.gates:
+            seen = self._frame_counts.get(spec.layer)
+            if not seen:
+                return 1 << 62  # a gate that did not fire: no bound
+            tokens = sum(seen) // (spec.top_k or 1)
+            worst[spec.layer] = [tokens] * len(seen)
+        return self.cost.predict_total(self.cost.order, worst)
 
     def _provisioned_forward(self, *args: Any, **kwargs: Any) -> Any:
         if is_recomputing() or not self.enabled:
@@ -356,6 +379,8 @@ class Provisioner:
         fixed = self.cost.candidates(self.cost.order, self._frame_counts, self.min_bytes,
                                      self.engine is not None)[1] if self.cost.ready else 0
         self._floor = max(self._floor, anchored + fixed)
+        if frame.profile and self.cost.frames >= self.profile_frames:
+            self._worst_bytes = self._worst_case_bytes()
         imbalance = max((max(c) * len(c) / max(1, sum(c)) for c in self._frame_counts.values()), default=1.0)
         self.telemetry.add(MicroBatch(
             step=self._step, micro_batch=frame.index, peak_bytes=frame.stats.peak_resident,
@@ -404,7 +429,7 @@ class Provisioner:
         if len(sums) == len(values):
             self._count_sums[layer] = [a + b for a, b in zip(sums, values)]
             self._count_frames[layer] = self._count_frames.get(layer, 0) + 1
-        if self.policy != "adaptive" or self.budget is None or not self.cost.ready:
+        if self.policy != "adaptive" or self.budget is None or not self.cost.ready or not frame.traced:
             return
         start = time.perf_counter()
         decision = self._decide(frame, layer, values)

@@ -266,3 +266,27 @@ def test_report_telemetry_and_plot(tmp_path) -> None:
         assert key in decision
     png = prov.plot(tmp_path / "memory.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ample_budget_skips_tracing_and_stays_exact() -> None:
+    """Invariant 5: with a budget no routing can exceed, the plan is all-keep and untraced."""
+    model = make_model(ep_size=4)
+    plain = copy.deepcopy(model)
+    prov = bagualu2.enable(model, budget=1 << 40, min_bytes=0)
+    for i, spike in enumerate([0.0, 0.0, 0.0, 2.6, 0.0]):
+        ref, got = step(plain, i, spike), step(model, i, spike)
+        assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+    mbs = prov.telemetry.micro_batches
+    assert all(m.violations == 0 for m in mbs)
+    # Frame 0 profiles, frame 1 profiles and decides at both gates; frames 2-4 are untraced.
+    assert [d.micro_batch for d in prov.telemetry.decisions] == [1] * model.cfg.num_layers
+    assert prov.report()["saved_bytes_by_choice"]["offload"] == 0
+
+
+def test_tight_budget_keeps_tracing() -> None:
+    model = make_model(ep_size=4)
+    budget = int(keep_all_peak(model, spike=2.6) * 1.02)  # calm fits, the worst routing may not
+    prov = bagualu2.enable(model, budget=budget, min_bytes=0)
+    for i in range(4):
+        step(model, i)
+    assert prov.report()["decisions"] >= 2 * 2  # frames 2 and 3 decided at both gates

@@ -147,6 +147,9 @@ class Frame:
                 raise TypeError(f"plan entry {key!r}: {choice!r} is not a bagualu2.Choice")
         self.default = default
         self.strict = strict  # a key in ``choices`` that names no op of the forward is an error
+        # False: no tracing, saved tensors are only counted and kept. For forwards that cannot
+        # need a release (an ample budget): they then cost about what the saved-tensor hooks cost.
+        self.traced = True
         self.index = index
         self.stats = FrameStats()
         self.keys_seen: Dict[str, int] = {}  # operator key -> storage bytes, first save
@@ -302,8 +305,9 @@ class ActivationRuntime:
         self._frame = frame
         frame.stats.start_resident = self.ledger.resident
         self.ledger.reset_peak()
+        tracing = self.mode if frame.traced else contextlib.nullcontext()
         try:
-            with self.mode, torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with tracing, torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield frame
             if frame.strict:
                 self._check_keys(frame)
@@ -341,13 +345,13 @@ class ActivationRuntime:
                 block = 1 if nested else 2
 
             def enter(mod: torch.nn.Module, args: tuple, _name: str = name, _block: int = block) -> None:
-                if self._frame is not None and not self.mode.suspended:
+                if self._frame is not None and self._frame.traced and not self.mode.suspended:
                     self.mode.push_module(_name)
                     if _block and args and isinstance(args[0], torch.Tensor):
                         self._anchor(args[0], outermost=_block == 2)
 
             def leave(mod: torch.nn.Module, args: tuple, out: Any) -> None:
-                if self._frame is not None and not self.mode.suspended:
+                if self._frame is not None and self._frame.traced and not self.mode.suspended:
                     self.mode.pop_module()
 
             handles.append(module.register_forward_pre_hook(enter))
