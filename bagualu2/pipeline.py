@@ -939,10 +939,7 @@ def enable_bagualu2(pipe: Pipeline, **kwargs: Any):
     ``bagualu2.enable`` (budget, policy, on_exceed, ...). ``pipe.close()`` undoes the wiring;
     ``prov.disable()`` removes bagualu2 itself.
     """
-    try:
-        from bagualu2 import enable
-    except ImportError:
-        from bagualu2.provisioner import enable
+    from bagualu2.provisioner import enable
 
     if len(pipe.modules) == 1:
         root: nn.Module = pipe.modules[0]
