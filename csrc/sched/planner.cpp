@@ -383,6 +383,19 @@ Plan Planner::solve(const std::vector<Candidate>& candidates, std::int64_t must_
     }
     const bool fold = nt == 2 && time_quantum_s_ <= 0 && std::isfinite(rho_hi) && rho_lo > 0 &&
                       rho_hi <= rho_lo * (1 + 1e-12);  // offload O <= R / rho_lo exactly
+    // The copy-time axes of a DP with `slots` time states: one per direction, or both folded
+    // onto the reload axis when reload times are proportional to offload times.
+    const auto copy_axes = [&](std::int64_t slots) {
+        Direction fwd = make_direction(off_times, offload_window_s, slots);
+        Direction bwd = make_direction(rel_times, reload_window_s, slots);
+        if (fold) {  // one axis in reload seconds (innermost, fastest); offload O <= R / rho_lo
+            bwd = make_folded(reload_window_s, rho_lo * offload_window_s, 1.0 / rho_lo, slots);
+            fwd = Direction{};
+            fwd.hidden = true;  // folded into bwd; its quantum is reported in offload seconds
+            fwd.quantum = bwd.quantum / rho_lo;
+        }
+        return std::make_pair(fwd, bwd);
+    };
     if (fold) nt = 1;
     auto slots_for = [&](std::int64_t nd) {
         if (nt == 0) return std::int64_t{1};
@@ -410,15 +423,7 @@ Plan Planner::solve(const std::vector<Candidate>& candidates, std::int64_t must_
         if (need_exact + 1 > nd_cap) qb *= ceil_div(need_exact, nd_cap - 1);
         need_q = ceil_div(must_free_bytes, qb);
         for (std::size_t i = 0; i < candidates.size(); ++i) bytes_q[i] = candidates[i].nbytes / qb;
-        const std::int64_t slots = slots_for(need_q + 1);
-        Direction fwd = make_direction(off_times, offload_window_s, slots);
-        Direction bwd = make_direction(rel_times, reload_window_s, slots);
-        if (fold) {  // one axis in reload seconds (innermost, fastest); offload O <= R / rho_lo
-            bwd = make_folded(reload_window_s, rho_lo * offload_window_s, 1.0 / rho_lo, slots);
-            fwd = Direction{};
-            fwd.hidden = true;  // folded into bwd; its quantum is reported in offload seconds
-            fwd.quantum = bwd.quantum / rho_lo;
-        }
+        auto [fwd, bwd] = copy_axes(slots_for(need_q + 1));
         run_dp(candidates, bytes_q, need_q, fwd, bwd, plan.choices, bound);
         plan.quantum_bytes = qb;
         plan.offload_quantum_s = fwd.quantum;
@@ -433,15 +438,7 @@ Plan Planner::solve(const std::vector<Candidate>& candidates, std::int64_t must_
             bytes_q[i] = ((c.can_offload || c.can_recompute) && c.nbytes > 0) ? 1 : 0;
             need_q += bytes_q[i];
         }
-        const std::int64_t slots = slots_for(need_q + 1);
-        Direction fwd = make_direction(off_times, offload_window_s, slots);
-        Direction bwd = make_direction(rel_times, reload_window_s, slots);
-        if (fold) {  // one axis in reload seconds (innermost, fastest); offload O <= R / rho_lo
-            bwd = make_folded(reload_window_s, rho_lo * offload_window_s, 1.0 / rho_lo, slots);
-            fwd = Direction{};
-            fwd.hidden = true;  // folded into bwd; its quantum is reported in offload seconds
-            fwd.quantum = bwd.quantum / rho_lo;
-        }
+        auto [fwd, bwd] = copy_axes(slots_for(need_q + 1));
         run_dp(candidates, bytes_q, need_q, fwd, bwd, plan.choices, bound);
         plan.offload_quantum_s = fwd.quantum;
         plan.reload_quantum_s = bwd.quantum;
