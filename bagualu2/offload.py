@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import collections
 import operator
-from typing import Any, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Union
 
 import torch
 
@@ -155,6 +155,11 @@ class OffloadHandle:
     def released(self) -> bool:
         return self._ticket.released
 
+    @property
+    def host_ptr(self) -> int:
+        """Address of the arena block holding the bytes (how ``CopyEngine.trace`` names it)."""
+        return self._ticket.host_ptr
+
     def __del__(self) -> None:
         try:
             if not self._ticket.released:
@@ -183,6 +188,13 @@ class ReloadHandle:
     def done(self) -> bool:
         """Whether the reload copy completed."""
         return self._ticket.done()
+
+    @property
+    def destination(self) -> torch.Tensor:
+        """The device buffer the copy writes (valid to read only after ``wait()``)."""
+        if self._result is None:
+            raise ValueError("ReloadHandle.destination after wait(): the tensor was already returned")
+        return self._staging if self._staging is not None else self._result
 
     def wait(self, stream: Any = None) -> torch.Tensor:
         """Make the consumer (``stream`` or the current stream; on cpu the calling thread) wait
@@ -369,6 +381,21 @@ class CopyEngine:
 
     def reset_stats(self) -> None:
         self._impl.reset_stats()
+
+    def start_trace(self, capacity: int = 1 << 16) -> None:
+        """Record every copy submitted from now on (up to ``capacity``; clears an earlier trace)."""
+        if capacity < 0:
+            raise ValueError(f"trace capacity={capacity} must be >= 0")
+        self._impl.start_trace(int(capacity))
+
+    def stop_trace(self) -> None:
+        self._impl.stop_trace()
+
+    def trace(self) -> List[dict]:
+        """Copies submitted since ``start_trace()``, in the order they entered their streams:
+        dicts with ``seq``, ``direction`` (``"d2h"`` offload, ``"h2d"`` reload), ``host_ptr``
+        (the arena block, see ``OffloadHandle.host_ptr``), ``nbytes`` and ``submit_s``."""
+        return self._impl.trace()
 
     def __del__(self) -> None:
         try:

@@ -21,16 +21,47 @@ The model (shared by the DP and by :func:`simulate`, the pure-Python reference):
 - Memory during every op: ``base_bytes`` + resident task bytes ``<= budget_bytes``.
 - ``exposed_s`` = stalls + late recompute time + bubble overflow, on the fixed timeline (an
   upper bound of the real makespan increase: a stall only gives later copies more time).
+
+:class:`OverlapDriver` makes the activation runtime follow such schedules on a pipeline rank
+(``bagualu2.pipeline.enable_bagualu2(pipe, overlap=True)``). For a forward ``F`` that runs
+right before the backward ``B`` of an earlier micro-batch, the op sequence is ``F``'s
+operators (the keys ``B``'s forward saved, in forward order, with the cost model's times), the
+measured idle gap between them (the bubble: the rank waits for ``B``'s gradient), then ``B``'s
+operators in reverse. The tasks are ``B``'s host copies (RELOAD, consumer = the backward op of
+their key), ``B``'s recomputed storages (RECOMPUTE) and the offloads ``F`` is expected to make
+(OFFLOAD, memory only). Issue points map to runtime events:
+
+==================  ==========================================================================
+after forward op i  ``F`` saves its i-th operator key (``Frame.on_saved``): due reloads issued
+after the last      ``F``'s end (the tracker's ``action_end``): due reloads are issued and the
+forward op          early recomputes start on a worker thread, which runs while the rank waits
+                    for ``B``'s gradient
+after the bubble    ``B``'s start (``action_begin``): the worker is joined, due reloads issued
+before backward     ``B`` unpacks key c (``ActivationRuntime.unpack_observer``): reloads due
+op c                before c are issued (the one ``B`` waits for last)
+==================  ==========================================================================
+
+``B``'s frame is marked ``scheduled``: its backward issues no reloads beyond the schedule's
+(a reload the schedule did not issue in time is made synchronously, never lost). Prefetched
+buffers and early-recomputed storages are charged to the runtime's ledger from issue until
+use (early ones until ``B`` ends). The schedule's memory model is an estimate, the budget is
+not: a reload that would take the ledger over the runtime's budget when it is due waits for
+the next point (``reloads_deferred``), and an early recompute that would is left to backward. The worker runs only between ``F``'s end and ``B``'s
+start, when this rank's schedule is only communicating: it is joined before any autograd work.
 """
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from bagualu2 import _C
+from bagualu2.planner import Choice
 
-__all__ = ["TaskKind", "OverlapOp", "OverlapTask", "Schedule", "OverlapScheduler", "simulate"]
+__all__ = ["TaskKind", "OverlapOp", "OverlapTask", "Schedule", "OverlapScheduler", "simulate",
+           "OverlapDriver", "PairProblem"]
 
 
 class TaskKind(enum.IntEnum):
@@ -230,3 +261,356 @@ def simulate(
     exposed += sum(max(0.0, w - ops[b].duration_s) for b, w in bubble_work.items())
     peak = max(resident, default=0)
     return peak <= budget_bytes, exposed, peak
+
+
+# ---------------------------------------------------------------------------------------------
+# Following schedules in the activation runtime
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PairProblem:
+    """The scheduler's input for one forward/backward pair, and what each task stands for.
+
+    Attributes:
+        ops, tasks: the DP's input (module docstring).
+        keys: operator keys of the forward ops, in forward order (op i is ``keys[i]``).
+        bubble: index of the bubble op, or None when the measured gap was too short.
+        backward_op: operator key -> index of its backward op.
+        targets: per task, the runtime object it acts on (a store for RELOAD, ``(node, state)``
+            for RECOMPUTE, None for the forward's OFFLOAD tasks).
+        budget_bytes: the budget the schedule was made for.
+    """
+
+    ops: List[OverlapOp]
+    tasks: List[OverlapTask]
+    keys: List[str]
+    bubble: Optional[int]
+    backward_op: Dict[str, int]
+    targets: List[Any]
+    budget_bytes: int
+
+    def lazy(self) -> Schedule:
+        """What happens without a scheduler: every reload issued right before its consumer,
+        every recompute late."""
+        issue = tuple(t.op if t.kind == TaskKind.OFFLOAD else t.op - 1 for t in self.tasks)
+        return Schedule(issue, tuple(False for _ in self.tasks), True, 0.0, 0)
+
+
+@dataclass
+class _Pair:
+    problem: PairProblem
+    schedule: Schedule
+    backward: Any  # the Frame whose backward comes next
+    backward_tag: Any
+    reloads: List[int]  # RELOAD task indices in issue order
+    early: List[int]  # early RECOMPUTE task indices in consumer order
+    next_reload: int = 0
+    forward_ops: int = 0  # operator keys the paired forward has saved so far
+    forward: Any = None
+    worker: Optional[threading.Thread] = None
+    pins: List[Any] = field(default_factory=list)
+    errors: List[str] = field(default_factory=list)
+
+
+class OverlapDriver:
+    """Plans each forward/backward pair with :class:`OverlapScheduler` and makes the
+    activation runtime issue reloads and early recomputes where the schedule says.
+
+    Args:
+        runtime: the ``ActivationRuntime`` to drive (``Provisioner.runtime``).
+        cost: the provisioner's ``CostModel`` (op times, copy bandwidths); without profiled
+            times every op counts as equally long.
+        budget_bytes: activation budget the schedules must hold (None: no limit).
+        scheduler: an ``OverlapScheduler`` (its cache is shared by every pair).
+        min_bubble_s: idle gaps shorter than this are not offered to early recomputes.
+        counts: callable returning MoE layer -> tokens per expert to price ops with.
+
+    Use :meth:`on_event` as a ``PipelinePhaseTracker`` subscriber, or drive a pair by hand
+    with :meth:`pair`, :meth:`forward_end`, :meth:`backward_begin`, :meth:`backward_end`.
+    """
+
+    def __init__(self, runtime: Any, cost: Any = None, budget_bytes: Optional[int] = None,
+                 scheduler: Optional[OverlapScheduler] = None, min_bubble_s: float = 1e-3,
+                 counts: Any = None) -> None:
+        if budget_bytes is not None and budget_bytes < 0:
+            raise ValueError(f"budget_bytes={budget_bytes} must be >= 0 or None")
+        if min_bubble_s < 0:
+            raise ValueError(f"min_bubble_s={min_bubble_s} must be >= 0")
+        self.runtime = runtime
+        self.cost = cost
+        self.budget_bytes = budget_bytes
+        self.scheduler = scheduler or OverlapScheduler()
+        self.min_bubble_s = min_bubble_s
+        self._counts = counts or (lambda: {})
+        self._pair: Optional[_Pair] = None
+        self._frames: Dict[Any, Any] = {}  # tag -> the Frame that ran its forward (this step)
+        self._running: Any = None  # tag of the forward now running
+        self._bubble_s: Dict[Any, float] = {}  # stage -> smoothed idle gap before a backward
+        self._forward_end_at: Optional[float] = None
+        self.stats: Dict[str, float] = {
+            "pairs": 0, "cache_hits": 0, "decision_s": 0.0, "reloads_forward": 0,
+            "reloads_bubble": 0, "reloads_backward": 0, "reloads_deferred": 0, "early_recomputes": 0,
+            "worker_errors": 0, "predicted_exposed_s": 0.0, "predicted_lazy_exposed_s": 0.0,
+            "infeasible": 0,
+        }
+        runtime.frame_observer = self._on_frame
+
+    def close(self) -> None:
+        """Finish any pair in progress and detach from the runtime."""
+        self._finish()
+        if self.runtime.frame_observer == self._on_frame:
+            self.runtime.frame_observer = None
+
+    def report(self) -> Dict[str, float]:
+        """Counters: pairs scheduled, reloads issued per kind of point, early recomputes,
+        predicted exposed time with the schedules and with lazy issue, decision time."""
+        out = dict(self.stats)
+        out["mean_decision_ms"] = 1e3 * self.stats["decision_s"] / max(1, self.stats["pairs"])
+        return out
+
+    # -- planning --------------------------------------------------------------------------
+    def problem(self, backward: Any, bubble_s: float = 0.0) -> PairProblem:
+        """The DP's input for the next forward followed by ``backward``'s backward.
+
+        Args:
+            backward: the ``Frame`` whose backward runs after the next forward.
+            bubble_s: expected idle time between that forward's end and the backward.
+        """
+        keys = list(backward.keys_seen)
+        n = len(keys)
+        counts = self._counts() or {}
+        fwd = self._op_seconds(keys, counts)
+        base0 = int(self.runtime.ledger.resident)
+        kept = {k: (nb if backward.choice(k) == Choice.KEEP else 0) for k, nb in backward.keys_seen.items()}
+        ops: List[OverlapOp] = []
+        grown = 0
+        for i, k in enumerate(keys):
+            grown += kept[k]
+            ops.append(OverlapOp(fwd[i], base0 + grown))
+        bubble = None
+        if bubble_s >= self.min_bubble_s:
+            bubble = len(ops)
+            ops.append(OverlapOp(bubble_s, base0 + grown, bubble=True))
+        start_b = len(ops)
+        backward_op = {k: start_b + (n - 1 - i) for i, k in enumerate(keys)}
+        freed = 0
+        for i in reversed(range(n)):
+            ops.append(OverlapOp(2.0 * fwd[i], base0 + grown - freed))
+            freed += kept[keys[i]]
+        d2h = getattr(self.cost, "d2h_bandwidth", 10e9)
+        h2d = getattr(self.cost, "h2d_bandwidth", 10e9)
+        tasks: List[OverlapTask] = []
+        targets: List[Any] = []
+        for i, k in enumerate(keys):  # the forward offloads what the backward frame offloaded
+            if backward.choice(k) == Choice.OFFLOAD:
+                nb = backward.keys_seen[k]
+                tasks.append(OverlapTask(TaskKind.OFFLOAD, i, nb / d2h, nb))
+                targets.append(None)
+        for store in backward.offload_stores():
+            c = backward_op.get(store.key)
+            if c is not None:
+                tasks.append(OverlapTask(TaskKind.RELOAD, c, store.nbytes / h2d, store.nbytes))
+                targets.append(store)
+        seconds = dict(zip(keys, fwd))
+        for key, node, state in backward.recompute_nodes():
+            c = backward_op.get(key)
+            if c is not None:
+                tasks.append(OverlapTask(TaskKind.RECOMPUTE, c, seconds.get(key, 0.0), node.nbytes))
+                targets.append((node, state))
+        budget = self.budget_bytes if self.budget_bytes is not None else (1 << 62)
+        return PairProblem(ops, tasks, keys, bubble, backward_op, targets, int(budget))
+
+    def _op_seconds(self, keys: List[str], counts: Dict[int, List[int]]) -> List[float]:
+        cost = self.cost
+        ops = getattr(cost, "ops", {}) or {}
+        raw = [max(0.0, ops[k].seconds(cost._tokens(ops[k], counts))) if k in ops else 0.0 for k in keys]
+        total = getattr(cost, "forward_seconds", 0.0) or 0.0
+        if sum(raw) > 0 and total > 0:
+            return [t * total / sum(raw) for t in raw]
+        if total > 0 and keys:
+            return [total / len(keys)] * len(keys)
+        return [1e-3] * len(keys)
+
+    def pair(self, backward: Any, schedule: Optional[Schedule] = None, *, bubble_s: float = 0.0,
+             stage: int = 0, phase: int = 2, tag: Any = None) -> Schedule:
+        """Arm the next forward and ``backward``'s backward to follow a schedule.
+
+        Args:
+            backward: the ``Frame`` whose backward follows the next forward.
+            schedule: a given schedule for ``problem(backward, bubble_s)``; None runs the DP
+                (cached by stage, task signature, phase and budget).
+            bubble_s, stage, phase: the pair's expected idle gap, stage index and pipeline phase.
+            tag: what ``backward_begin`` events will name this backward with (pipeline use).
+
+        Returns:
+            The schedule being followed (lazy issue when the DP found none feasible).
+        """
+        self._finish()
+        problem = self.problem(backward, bubble_s)
+        if schedule is None:
+            schedule = self._solve(problem, stage, phase)
+        elif len(schedule.issue_after) != len(problem.tasks):
+            raise ValueError(f"the schedule places {len(schedule.issue_after)} tasks, the pair has "
+                             f"{len(problem.tasks)}; build it from OverlapDriver.problem()")
+        reloads = [j for j in schedule.issue_order(problem.tasks) if problem.tasks[j].kind == TaskKind.RELOAD]
+        early = sorted((j for j, t in enumerate(problem.tasks)
+                        if t.kind == TaskKind.RECOMPUTE and schedule.early[j]),
+                       key=lambda j: (problem.tasks[j].op, j))
+        self._pair = _Pair(problem, schedule, backward, tag, reloads, early)
+        backward.scheduled = True
+        return schedule
+
+    def _solve(self, problem: PairProblem, stage: int, phase: int) -> Schedule:
+        signature = hash((tuple((int(t.kind), t.op, t.nbytes >> 12, t.earliest) for t in problem.tasks),
+                          len(problem.ops), problem.bubble,
+                          round(problem.ops[problem.bubble].duration_s * 1e3) if problem.bubble is not None
+                          else 0, problem.ops[0].base_bytes >> 20 if problem.ops else 0))
+        key = (int(stage), signature & ((1 << 62) - 1), int(phase), problem.budget_bytes >> 20)
+        t0 = time.perf_counter()
+        schedule = self.scheduler.schedule(problem.ops, problem.tasks, problem.budget_bytes, cache_key=key)
+        self.stats["decision_s"] += time.perf_counter() - t0
+        self.stats["pairs"] += 1
+        self.stats["cache_hits"] += int(schedule.cache_hit)
+        if not schedule.feasible:
+            self.stats["infeasible"] += 1
+            schedule = problem.lazy()
+        self.stats["predicted_exposed_s"] += schedule.exposed_s if schedule.feasible else 0.0
+        self.stats["predicted_lazy_exposed_s"] += simulate(problem.ops, problem.tasks, problem.lazy(),
+                                                           problem.budget_bytes)[1]
+        return schedule
+
+    # -- issue points ----------------------------------------------------------------------
+    def _on_frame(self, frame: Any) -> None:
+        frame.tag = self._running
+        if self._running is not None:
+            self._frames[self._running] = frame  # a Frame holds only weak references to its data
+        pair = self._pair
+        if pair is not None and pair.forward is None and frame is not pair.backward:
+            pair.forward = frame
+            frame.on_saved = lambda key: self._forward_op_done(pair)
+            self._issue_until(-1, "reloads_forward")
+
+    def _forward_op_done(self, pair: _Pair) -> None:
+        # Forward op i is the i-th operator key the forward saves (first-save order can differ
+        # between micro-batches, the count of ops done cannot).
+        self._issue_until(min(pair.forward_ops, len(pair.problem.keys) - 1), "reloads_forward")
+        pair.forward_ops += 1
+
+    def _issue_until(self, op: int, counter: str) -> None:
+        pair = self._pair
+        if pair is None:
+            return
+        while pair.next_reload < len(pair.reloads):
+            j = pair.reloads[pair.next_reload]
+            if pair.schedule.issue_after[j] > op:
+                break
+            store = pair.problem.targets[j]
+            budget = self.runtime.budget_bytes
+            if budget is not None and self.runtime.ledger.resident + store.nbytes > budget:
+                self.stats["reloads_deferred"] += 1
+                break  # no room now (the plan's estimate was short): retry at the next point
+            pair.next_reload += 1
+            if not store.handle.released and self.runtime.prefetch(store):
+                self.stats[counter] += 1
+
+    def forward_end(self) -> None:
+        """The paired forward ended: issue the reloads due by now and start early recomputes."""
+        pair = self._pair
+        if pair is None:
+            return
+        if pair.forward is not None:
+            pair.forward.on_saved = None
+        last_forward = len(pair.problem.keys) - 1
+        self._issue_until(last_forward, "reloads_forward")
+        if pair.early:
+            pair.worker = threading.Thread(target=self._run_early, args=(pair,), daemon=True,
+                                           name="bagualu2-early-recompute")
+            pair.worker.start()
+
+    def _run_early(self, pair: _Pair) -> None:
+        for j in pair.early:
+            node, state = pair.problem.targets[j]
+            budget = self.runtime.budget_bytes
+            if budget is not None and self.runtime.ledger.resident + node.nbytes > budget:
+                return  # this and the later ones are recomputed by backward when needed
+            try:
+                pair.pins.append(self.runtime.recompute_ahead(node, state))
+            except Exception as e:  # backward will recompute it late; nothing is lost
+                pair.errors.append(f"{node.key}: {e}")
+                return
+
+    def backward_begin(self) -> None:
+        """The paired backward starts: join the early recomputes, issue the reloads due after
+        the bubble, and follow the schedule through the backward's unpacks."""
+        pair = self._pair
+        if pair is None:
+            return
+        self._join(pair)
+        if pair.problem.bubble is not None:
+            self._issue_until(pair.problem.bubble, "reloads_bubble")
+        backward_op = pair.problem.backward_op
+        self.runtime.unpack_observer = (
+            lambda key: self._issue_until(backward_op[key] - 1, "reloads_backward") if key in backward_op else None)
+
+    def _join(self, pair: _Pair) -> None:
+        if pair.worker is not None:
+            pair.worker.join()
+            pair.worker = None
+            self.stats["early_recomputes"] += len(pair.pins)
+            if pair.errors:
+                self.stats["worker_errors"] += len(pair.errors)
+
+    def backward_end(self) -> None:
+        """The paired backward ended: release what the pair held."""
+        self._finish()
+
+    def _finish(self) -> None:
+        pair, self._pair = self._pair, None
+        if pair is None:
+            return
+        self._join(pair)
+        if self.runtime.unpack_observer is not None:
+            self.runtime.unpack_observer = None
+        if pair.forward is not None:
+            pair.forward.on_saved = None
+        pair.backward.scheduled = False
+        for pin in pair.pins:
+            pin.drop()
+
+    # -- pipeline tracker adapter ----------------------------------------------------------
+    def on_event(self, event: str, state: Any) -> None:
+        """``PipelinePhaseTracker`` subscriber: pairs each forward with the backward that
+        directly follows it on this rank, and maps the schedule's points to the actions."""
+        now = time.perf_counter()
+        if event == "action_begin":
+            tag = (state.stage_index, state.microbatch)
+            if state.action == "F":
+                self._running = tag
+                nxt = state.upcoming[0] if state.upcoming else None
+                if nxt is not None and nxt[0] in ("B", "I"):
+                    backward = self._frames.get((nxt[1], nxt[2]))
+                    if backward is not None and (backward.offload_stores() or backward.recompute_nodes()):
+                        self.pair(backward, bubble_s=self._bubble_s.get(nxt[1], 0.0), stage=nxt[1],
+                                  phase=int(state.phase), tag=(nxt[1], nxt[2]))
+            elif state.action in ("B", "I"):
+                if self._forward_end_at is not None:
+                    gap = now - self._forward_end_at
+                    old = self._bubble_s.get(state.stage_index)
+                    self._bubble_s[state.stage_index] = gap if old is None else 0.5 * (old + gap)
+                self._forward_end_at = None
+                if self._pair is not None and self._pair.backward_tag == tag:
+                    self.backward_begin()
+        elif event == "action_end":
+            if state.action == "F":
+                self._running = None
+                self._forward_end_at = now
+                if self._pair is not None and self._pair.forward is not None:
+                    self.forward_end()
+            elif state.action in ("B", "I"):
+                self._forward_end_at = None
+                if self._pair is not None and self._pair.backward_tag == (state.stage_index, state.microbatch):
+                    self.backward_end()
+        elif event == "step_end":
+            self._finish()
+            self._frames.clear()

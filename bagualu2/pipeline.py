@@ -928,14 +928,17 @@ class StageEntry(nn.Module):
         return self._root(x, stage=self.index)
 
 
-def enable_bagualu2(pipe: Pipeline, **kwargs: Any):
+def enable_bagualu2(pipe: Pipeline, overlap: bool = False, **kwargs: Any):
     """``bagualu2.enable`` on this rank's stages, fed by the pipeline's phase tracker.
 
     One provisioner and one budget per rank: a rank with one stage provisions that stage
     module; a rank with several (interleaved, V schedules) provisions a ``RankStages`` over
     them. Before each forward the provisioner learns the phase and how many other forwards
     will stack on this rank before its next backward (``Provisioner.set_pipeline_phase``); at
-    the end of each schedule step ``Provisioner.step()`` is called. Keyword arguments go to
+    the end of each schedule step ``Provisioner.step()`` is called. With ``overlap=True`` an
+    ``OverlapDriver`` (``bagualu2.overlap``) schedules each forward/backward pair: reloads of
+    the coming backward are prefetched during the forward and the bubble, recomputes may run
+    in the bubble; its counters are ``prov.report()["overlap"]``. Other keyword arguments go to
     ``bagualu2.enable`` (budget, policy, on_exceed, ...). ``pipe.close()`` undoes the wiring;
     ``prov.disable()`` removes bagualu2 itself.
     """
@@ -966,4 +969,11 @@ def enable_bagualu2(pipe: Pipeline, **kwargs: Any):
             prov.step()
 
     pipe._cleanups.append(pipe.tracker.subscribe(on_event))
+    if overlap:
+        from bagualu2.overlap import OverlapDriver
+
+        driver = OverlapDriver(prov.runtime, prov.cost, prov.budget, counts=prov.mean_counts)
+        prov.overlap = driver
+        pipe._cleanups.append(pipe.tracker.subscribe(driver.on_event))
+        pipe._cleanups.append(driver.close)
     return prov

@@ -150,6 +150,7 @@ class Provisioner:
         self._floor = 0  # bytes one micro-batch holds that no plan releases (anchors, small, fixed)
         self._worst_bytes: Optional[int] = None  # saved bytes of the worst possible routing
         self._latencies_us: List[float] = []
+        self.overlap: Any = None  # an OverlapDriver on a pipeline rank (pipeline.enable_bagualu2)
         self._static: Optional[Dict[str, Choice]] = None
         if isinstance(policy, Plan):
             self._static = dict(policy.choices)
@@ -289,6 +290,7 @@ class Provisioner:
             "plan_cache": cache,
             "arena_in_use_bytes": arena.get("in_use", 0),
             "gates": [g.name for g in self.gates],
+            "overlap": self.overlap.report() if self.overlap is not None else None,
         }
 
     def plot(self, path: Union[str, Path]) -> Path:

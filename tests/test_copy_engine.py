@@ -273,3 +273,35 @@ def test_many_threads_offloading_and_reloading_at_once_stay_bit_exact():
     arena.allocate(1)  # reclaim completed pending blocks
     s = arena.stats()
     assert s["in_use"] == 256 and s["pending"] == 0
+
+
+def test_trace_records_submissions_in_order_with_their_blocks(engine):
+    n = 3 * MiB + 5  # chunked: still one trace entry per copy
+    srcs = [rand_bytes(n, seed=i) for i in range(3)]
+    engine.offload(srcs[0].data_ptr(), n, 0).wait()  # before start_trace: not recorded
+    engine.start_trace(16)
+    tickets = [engine.offload(s.data_ptr(), n, 0) for s in srcs]
+    dst = torch.empty(n, dtype=torch.uint8)
+    reloads = [engine.reload(tickets[i], dst.data_ptr(), n, 0, True) for i in (2, 0)]
+    for r in reloads:
+        r.wait()
+    engine.stop_trace()
+    engine.offload(srcs[1].data_ptr(), n, 0).wait()  # after stop_trace: not recorded
+    trace = engine.trace()
+    assert [e["seq"] for e in trace] == list(range(5))
+    assert [(e["direction"], e["host_ptr"], e["nbytes"]) for e in trace] == (
+        [("d2h", t.host_ptr, n) for t in tickets] + [("h2d", tickets[i].host_ptr, n) for i in (2, 0)])
+    times = [e["submit_s"] for e in trace]
+    assert times == sorted(times) and times[0] >= 0
+    assert engine.trace_dropped == 0
+
+
+def test_trace_keeps_its_capacity_and_counts_the_rest(engine):
+    src = rand_bytes(4096)
+    engine.start_trace(2)
+    for _ in range(5):
+        engine.offload(src.data_ptr(), 4096, 0).wait()
+    assert [e["seq"] for e in engine.trace()] == [0, 1]
+    assert engine.trace_dropped == 3
+    engine.start_trace(8)  # a new trace starts empty
+    assert engine.trace() == [] and engine.trace_dropped == 0

@@ -15,6 +15,8 @@ Scenarios, per schedule:
 - ``keep_all`` / ``recompute_all`` / ``offload_all``: ``bagualu2.enable`` with a static policy
   (same spike);
 - ``adaptive``: ``policy="adaptive"`` under the budget (same spike);
+- ``offload_all+overlap`` / ``adaptive+overlap``: the same with the overlap scheduler driving
+  reloads and early recomputes (``enable_bagualu2(pipe, overlap=True)``);
 - ``keep_all_raise`` (last job of the 2-rank launch, 1F1B): keep_all with the adaptive budget
   and ``on_exceed="raise"``: what a static policy would do on a device.
 """
@@ -43,8 +45,9 @@ LAUNCH_TIMEOUT_S = 170
 SCHEDULES_2 = [("gpipe", 4), ("1f1b", 4), ("interleaved1f1b", 4), ("zbv", 4), ("dualpipev", 4)]
 SCHEDULES_4 = [("1f1b", 4), ("zbv", 8)]
 PROVISIONED = ("keep_all", "recompute_all", "offload_all", "adaptive")
+OVERLAP = ("offload_all+overlap", "adaptive+overlap")
 REPORT_KEYS = ("peak_bytes", "budget_bytes", "resident_bytes", "arena_in_use_bytes", "violations",
-               "micro_batches", "steps", "decisions", "saved_bytes_by_choice")
+               "micro_batches", "steps", "decisions", "saved_bytes_by_choice", "overlap")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,13 +104,14 @@ def _run_job(rank: int, world_size: int, job: dict, budgets: dict) -> dict | Non
     if variant not in ("plain", "plain_repeat", "keep_all_calm"):
         _spike_on(pipe, model, spiked)
     prov, told = None, []
-    policy = variant.replace("_raise", "").replace("_calm", "").replace("_tight", "")
+    policy = variant.replace("_raise", "").replace("_calm", "").replace("_tight", "").replace("+overlap", "")
     if policy in PROVISIONED:
         budget = budgets.get(schedule) if policy == "adaptive" or variant.endswith("_raise") else None
         if variant == "adaptive_tight":  # halfway between releasing and keeping everything
             budget = (budgets[f"{schedule}/keep_all"] + budgets[f"{schedule}/recompute_all"]) // 2
         prov = pp.enable_bagualu2(pipe, policy=policy, budget=budget, arena_bytes=16 << 20, min_bytes=0,
-                                  on_exceed="raise" if variant.endswith("_raise") else "record")
+                                  on_exceed="raise" if variant.endswith("_raise") else "record",
+                                  overlap=variant.endswith("+overlap"))
         inner = prov.set_pipeline_phase
         prov.set_pipeline_phase = lambda phase, stacked=0: (told.append((phase, stacked)), inner(phase, stacked))[1]
     torch.manual_seed(SEED + 1)  # dropout / sampling streams start equal in every scenario
@@ -177,7 +181,7 @@ def _rank_main(rank: int, world_size: int, jobs: list[dict], out_path: str) -> N
             torch.save(results, out_path)
 
 
-VARIANTS = ("plain", "plain_repeat", "plain_spike", "keep_all_calm") + PROVISIONED
+VARIANTS = ("plain", "plain_repeat", "plain_spike", "keep_all_calm") + PROVISIONED + OVERLAP
 
 
 def _jobs(schedules, raise_schedule: str | None = None) -> list[dict]:
@@ -335,7 +339,7 @@ def test_tracker_sees_every_action_in_schedule_order(request, world_size, schedu
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", PROVISIONED)
+@pytest.mark.parametrize("policy", PROVISIONED + OVERLAP)
 @pytest.mark.parametrize("world_size,schedule,n_mb", CASES, ids=CASE_IDS)
 def test_bagualu2_is_bitwise_exact(request, world_size, schedule, n_mb, policy):
     """Invariant 1 under pipelining: losses and every gradient equal the plain pipeline's, bit for bit."""
@@ -345,15 +349,16 @@ def test_bagualu2_is_bitwise_exact(request, world_size, schedule, n_mb, policy):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("variant", ["adaptive", "adaptive+overlap"])
 @pytest.mark.parametrize("world_size,schedule,n_mb", CASES, ids=CASE_IDS)
-def test_adaptive_holds_the_budget_on_every_rank_through_a_spike(request, world_size, schedule, n_mb):
+def test_adaptive_holds_the_budget_on_every_rank_through_a_spike(request, world_size, schedule, n_mb, variant):
     """Invariant 2: the budget of each rank is what keeping everything needs when routing is calm; with a
     spike on a local expert in stage 0's micro-batch 1 (keep_all goes over it), adaptive stays under it."""
     runs = _runs(request, world_size)
-    spiked = [x for info in runs[f"{schedule}/adaptive"]["extra"].values() for x in info["spike_imbalance"]]
+    spiked = [x for info in runs[f"{schedule}/{variant}"]["extra"].values() for x in info["spike_imbalance"]]
     assert spiked and min(spiked) >= 2.4, f"the spike did not take effect: imbalances {spiked}"
     over = []
-    for rank, info in runs[f"{schedule}/adaptive"]["extra"].items():
+    for rank, info in runs[f"{schedule}/{variant}"]["extra"].items():
         rep = info["report"]
         keep_peak = runs[f"{schedule}/keep_all"]["extra"][rank]["report"]["peak_bytes"]
         assert rep["budget_bytes"] is not None, rank
@@ -366,7 +371,28 @@ def test_adaptive_holds_the_budget_on_every_rank_through_a_spike(request, world_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", PROVISIONED)
+@pytest.mark.parametrize("world_size,schedule,n_mb", CASES, ids=CASE_IDS)
+def test_overlap_scheduler_prefetches_ahead_of_each_paired_backward(request, world_size, schedule, n_mb):
+    """With overlap=True a rank pairs each forward that directly precedes the backward of another
+    micro-batch with that backward, and the schedule's reloads enter the copy engine before the
+    backward starts (during the forward or the bubble), not at the backward's first unpack. (A
+    forward followed by its own backward, as on 1F1B's last stage, has nothing to overlap.)"""
+    paired_somewhere = False
+    for rank, info in _runs(request, world_size)[f"{schedule}/offload_all+overlap"]["extra"].items():
+        actions = info["expected_actions"]
+        pairs = sum(1 for a, b in zip(actions, actions[1:])
+                    if a[0] == "F" and b[0] in ("B", "I") and (a[1], a[2]) != (b[1], b[2]))
+        ovl = info["report"]["overlap"]
+        assert ovl is not None and ovl["pairs"] == pairs, f"rank {rank}: {pairs} pairs expected, {ovl}"
+        if pairs:
+            paired_somewhere = True
+            assert ovl["reloads_forward"] + ovl["reloads_bubble"] > 0, f"rank {rank}: {ovl}"
+        assert ovl["infeasible"] == 0 and ovl["worker_errors"] == 0, f"rank {rank}: {ovl}"
+    assert paired_somewhere
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", PROVISIONED + OVERLAP)
 @pytest.mark.parametrize("world_size,schedule,n_mb", CASES, ids=CASE_IDS)
 def test_nothing_resident_after_the_step(request, world_size, schedule, n_mb, policy):
     """Invariant 3: after the step no activation bytes are held and the arena is empty, on every rank,

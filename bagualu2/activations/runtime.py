@@ -155,27 +155,48 @@ class Frame:
         self.keys_seen: Dict[str, int] = {}  # operator key -> storage bytes, first save
         self.profile = False  # time every op, and fill ``saved_profile`` when the forward ends
         self.saved_profile: Dict[str, Tuple[int, float, bool]] = {}  # key -> (bytes, s, recomputable)
+        # Overlap scheduling (bagualu2.overlap.OverlapDriver): ``on_saved(key)`` is called once
+        # per operator key, right after the first activation of that key is packed (the op has
+        # run); with ``scheduled`` set, backward issues no reloads of its own beyond the one it
+        # is waiting for: the schedule issues them.
+        self.on_saved: Optional[Callable[[str], None]] = None
+        self.scheduled = False
+        self.tag: Any = None  # who runs this frame (a pipeline's (stage, micro-batch))
+        self._due: List[str] = []
         self._offloads: List["weakref.ref[_OffloadStore]"] = []
+        self._recomputes: List[Tuple[str, "weakref.ref[StorageNode]", int]] = []  # released by recompute
         self._anchors: List[StorageNode] = []
 
     def choice(self, key: str) -> Choice:
         return self.choices.get(key, self.default)
 
+    def offload_stores(self) -> List["_OffloadStore"]:
+        """This frame's host copies still alive, in pack (forward) order."""
+        return [s for s in (ref() for ref in self._offloads) if s is not None]
+
+    def recompute_nodes(self) -> List[Tuple[str, StorageNode, int]]:
+        """``(key, node, state)`` of the storages this frame released by recompute and that
+        are still needed (their packed objects alive), in forward order."""
+        return [(k, n, st) for k, n, st in ((k, ref(), st) for k, ref, st in self._recomputes) if n is not None]
+
 
 class _OffloadStore:
     """One storage's copy in the host arena, shared by every saved view of it."""
 
-    __slots__ = ("engine", "handle", "device", "nbytes", "pin", "prefetched", "frame", "index", "__weakref__")
+    __slots__ = ("engine", "handle", "device", "nbytes", "pin", "prefetched", "prefetch_pin", "frame", "index",
+                 "key", "__weakref__")
 
     def __init__(self, engine: Any, handle: Any, device: torch.device, nbytes: int,
-                 pin: Optional[_Pin], frame: Frame) -> None:
+                 pin: Optional[_Pin], frame: Frame, key: str) -> None:
         self.engine = engine
         self.handle = handle
         self.device = device
         self.nbytes = nbytes
+        self.key = key
         self.pin: Optional[_Pin] = pin  # device source held until the copy completes
         self.prefetched: Any = None
-        self.frame = weakref.ref(frame)
+        self.prefetch_pin: Optional[_Pin] = None  # the prefetch's device buffer, until used
+        self.frame = frame  # kept alive by its stores: backward prefetches from its list
         self.index = len(frame._offloads)
         frame._offloads.append(weakref.ref(self))
 
@@ -191,14 +212,21 @@ class _OffloadStore:
         self.pin = None
         return True
 
-    def prefetch(self) -> None:
-        if self.prefetched is None:
-            self.prefetched = self.engine.reload_async(self.handle, device=self.device)
+    def prefetch(self, ledger: ResidencyLedger) -> bool:
+        """Start reloading into a new device buffer, charged to ``ledger`` until used; False
+        when a prefetch is already pending."""
+        if self.prefetched is not None:
+            return False
+        self.prefetched = self.engine.reload_async(self.handle, device=self.device)
+        self.prefetch_pin = _Pin(ledger, self.prefetched.destination.untyped_storage())
+        return True
 
     def storage(self) -> torch.UntypedStorage:
         if self.prefetched is not None:
             buffer = self.prefetched.wait()
             self.prefetched = None
+            self.prefetch_pin.drop()
+            self.prefetch_pin = None
         else:
             buffer = self.engine.reload(self.handle, device=self.device)
         return buffer.untyped_storage()
@@ -211,6 +239,8 @@ class _OffloadStore:
         finally:
             if self.pin is not None:
                 self.pin.drop()
+            if self.prefetch_pin is not None:
+                self.prefetch_pin.drop()
 
 
 def _modified_error(what: str, saved: int, now: int) -> RuntimeError:
@@ -282,6 +312,10 @@ class ActivationRuntime:
         self._params: Set[int] = set()
         self._frame: Optional[Frame] = None
         self._inflight: Deque["weakref.ref[_OffloadStore]"] = collections.deque()
+        # Overlap scheduling: called with each frame as it starts, and with the operator key
+        # of every released activation backward unpacks (bagualu2.overlap.OverlapDriver).
+        self.frame_observer: Optional[Callable[[Frame], None]] = None
+        self.unpack_observer: Optional[Callable[[str], None]] = None
 
     # -- frames -----------------------------------------------------------------------------
     @property
@@ -303,6 +337,8 @@ class ActivationRuntime:
         self.mode.reset()
         self.mode.profile = frame.profile
         self._frame = frame
+        if self.frame_observer is not None:
+            self.frame_observer(frame)
         frame.stats.start_resident = self.ledger.resident
         self.ledger.reset_peak()
         tracing = self.mode if frame.traced else contextlib.nullcontext()
@@ -435,7 +471,12 @@ class ActivationRuntime:
             return _Kept(t if t.grad_fn is None else t.detach(), None)
         self.mode.suspended += 1  # the runtime's own ops are not part of the model
         try:
-            return self._pack_in(frame, t)
+            packed = self._pack_in(frame, t)
+            if frame._due:
+                due, frame._due = frame._due, []
+                for key in due:
+                    frame.on_saved(key)
+            return packed
         finally:
             self.mode.suspended -= 1
 
@@ -458,7 +499,10 @@ class ActivationRuntime:
                     return self._violate(frame, t, f"a saved input of shape {tuple(t.shape)}")
             return self._keep(frame, t, "leaf")
         nbytes = node.nbytes
-        frame.keys_seen.setdefault(node.key, nbytes)
+        if node.key not in frame.keys_seen:
+            frame.keys_seen[node.key] = nbytes
+            if frame.on_saved is not None:
+                frame._due.append(node.key)
         if nbytes < self.min_bytes and not self._over_budget(storage):
             return self._keep(frame, t, node.key)
         state = node.state
@@ -482,8 +526,7 @@ class ActivationRuntime:
         rebuildable = node.rebuildable(state)
         if choice == Choice.RECOMPUTE:
             if rebuildable:
-                stats.bytes_by_choice["recompute"] += nbytes
-                return _Recomputed(node, state, meta)
+                return self._recompute(frame, node, state, meta)
             stats.fallbacks.append(f"{node.key}: recompute -> offload ({node.why_not})")
             choice = Choice.OFFLOAD
         if choice == Choice.OFFLOAD:
@@ -492,12 +535,16 @@ class ActivationRuntime:
                 return packed
             if rebuildable:
                 stats.fallbacks.append(f"{node.key}: offload -> recompute (arena full or no engine)")
-                stats.bytes_by_choice["recompute"] += nbytes
-                return _Recomputed(node, state, meta)
+                return self._recompute(frame, node, state, meta)
             stats.fallbacks.append(f"{node.key}: offload -> keep (arena full or no engine; not recomputable)")
         if self._over_budget(storage):
             return self._violate(frame, t, node.key)
         return self._keep(frame, t, node.key)
+
+    def _recompute(self, frame: Frame, node: StorageNode, state: int, meta: ViewMeta) -> "_Recomputed":
+        frame.stats.bytes_by_choice["recompute"] += node.nbytes
+        frame._recomputes.append((node.key, weakref.ref(node), state))
+        return _Recomputed(node, state, meta)
 
     def _is_regenerable(self, node: StorageNode, state: int) -> bool:
         """A cast/copy (or chain of them) of a stored activation, nothing applied afterwards."""
@@ -553,7 +600,7 @@ class ActivationRuntime:
             handle.wait()  # no room even while the copy runs: copy synchronously
         else:
             pin = _Pin(self.ledger, storage)
-        store = _OffloadStore(self.engine, handle, storage.device, node.nbytes, pin, frame)
+        store = _OffloadStore(self.engine, handle, storage.device, node.nbytes, pin, frame, node.key)
         if pin is not None:
             self._inflight.append(weakref.ref(store))
         node.offloaded[state] = store
@@ -574,13 +621,33 @@ class ActivationRuntime:
             node = packed.node()
             if node is not None and node.state != packed.state:
                 raise _modified_error(f"activation {node.key}", packed.state, node.state)
-            self._prefetch_before(packed.store)
-            return view_of(packed.store.storage(), packed.meta)
+            store = packed.store
+            if self.unpack_observer is not None:
+                self.unpack_observer(store.key)
+            if not store.frame.scheduled:
+                self._prefetch_before(store.frame, store)
+            return view_of(store.storage(), packed.meta)
         node = packed.node
         if node.state != packed.state:
             raise _modified_error(f"activation {node.key}", packed.state, node.state)
+        if self.unpack_observer is not None:
+            self.unpack_observer(node.key)
+        node.cache.bind_to_backward()
         node.cache.evict_after(node.position)
         return view_of(Replayer(self._available).storage(node, packed.state), packed.meta)
+
+    def recompute_ahead(self, node: StorageNode, state: int) -> _Pin:
+        """Rebuild a released storage now, before backward needs it, into its frame's recompute
+        cache (where backward's unpack finds it). For the overlap scheduler's early recomputes,
+        run while the device would otherwise idle; any thread may call it while no forward or
+        backward of the same frame runs. Returns the ledger charge for the rebuilt storage:
+        ``drop()`` it once backward has used it."""
+        return _Pin(self.ledger, Replayer(self._available).storage(node, state))
+
+    def prefetch(self, store: "_OffloadStore") -> bool:
+        """Start reloading an offloaded storage now (charged to the ledger until backward
+        uses it); False when one is already pending."""
+        return store.prefetch(self.ledger)
 
     @staticmethod
     def _kept_tensor(node: StorageNode, state: int) -> Optional[torch.Tensor]:
@@ -601,10 +668,7 @@ class ActivationRuntime:
             return store.storage()
         return None
 
-    def _prefetch_before(self, store: _OffloadStore) -> None:
-        frame = store.frame()
-        if frame is None:
-            return
+    def _prefetch_before(self, frame: Frame, store: _OffloadStore) -> None:
         budget = self.prefetch_bytes
         for i in range(store.index - 1, -1, -1):
             other = frame._offloads[i]()
@@ -613,4 +677,4 @@ class ActivationRuntime:
             if budget < other.nbytes:
                 break
             budget -= other.nbytes
-            other.prefetch()
+            other.prefetch(self.ledger)

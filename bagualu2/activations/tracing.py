@@ -385,7 +385,7 @@ class RecomputeCache:
 
     def put(self, position: int, state: int, storage: torch.UntypedStorage) -> None:
         if not self._entries:
-            self._clear_after_backward()
+            self.bind_to_backward()
         self._entries[(position, state)] = storage
 
     def evict_after(self, position: int) -> None:
@@ -397,7 +397,9 @@ class RecomputeCache:
                 for key in [k for k in self._entries if k[0] >= boundary]:
                     del self._entries[key]
 
-    def _clear_after_backward(self) -> None:
+    def bind_to_backward(self) -> None:
+        """Clear the cache when the running backward pass ends (entries put ahead of it, by an
+        early recompute, included); nothing outside a backward pass."""
         task = torch._C._current_graph_task_id()
         if task != -1 and task != self._task:
             self._task = task

@@ -85,6 +85,20 @@ py::dict arena_stats_dict(const ArenaStats& s) {
     return d;
 }
 
+py::list engine_trace_list(CopyEngine& engine) {
+    py::list out;
+    for (const TraceEntry& e : engine.trace()) {
+        py::dict d;
+        d["seq"] = e.seq;
+        d["direction"] = e.h2d ? "h2d" : "d2h";
+        d["host_ptr"] = e.host_ptr;
+        d["nbytes"] = e.nbytes;
+        d["submit_s"] = e.submit_s;
+        out.append(std::move(d));
+    }
+    return out;
+}
+
 py::dict engine_stats_dict(CopyEngine& engine) {
     py::dict d;
     const DirectionStats dirs[2] = {engine.d2h_stats(), engine.h2d_stats()};
@@ -202,6 +216,13 @@ void register_offload(py::module_& m) {
         .def("synchronize", &CopyEngine::synchronize, py::call_guard<py::gil_scoped_release>())
         .def("stats", &engine_stats_dict)
         .def("reset_stats", &CopyEngine::reset_stats)
+        .def("start_trace", &CopyEngine::start_trace, py::arg("capacity") = 1 << 16,
+             "Record every submitted copy from now on (clears an earlier trace).")
+        .def("stop_trace", &CopyEngine::stop_trace)
+        .def("trace", &engine_trace_list,
+             "Copies submitted since start_trace(), in submission order: dicts with seq, "
+             "direction ('d2h'/'h2d'), host_ptr, nbytes, submit_s.")
+        .def_property_readonly("trace_dropped", &CopyEngine::trace_dropped)
         .def_property_readonly("d2h_stream", &CopyEngine::d2h_stream)
         .def_property_readonly("h2d_stream", &CopyEngine::h2d_stream)
         .def_property_readonly("device", &CopyEngine::device)

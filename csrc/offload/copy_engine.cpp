@@ -153,6 +153,7 @@ TicketPtr CopyEngine::offload(std::uintptr_t src, std::int64_t nbytes,
         std::lock_guard<std::mutex> lock(submit_mutex_);
         wait_for_stream(d2h_dir_, as_stream(producer_stream));
         done = enqueue_copy(d2h_dir_, block, reinterpret_cast<const void*>(src), n);
+        record(false, block, n);
     } catch (...) {
         arena_->free(block);  // nothing was enqueued that could still touch it
         throw;
@@ -189,12 +190,51 @@ TicketPtr CopyEngine::reload(const TicketPtr& from, std::uintptr_t dst, std::int
         }
         wait_for_stream(h2d_dir_, as_stream(consumer_stream));
         done = enqueue_copy(h2d_dir_, reinterpret_cast<void*>(dst), from->block_, n);
+        record(true, from->block_, n);
         if (consumer_waits && !(consumer_stream == 0 && rt_.is_host())) {
             rt_.stream_wait_event(as_stream(consumer_stream), done->event());
         }
     }
     from->reads_.push_back(done);
     return std::make_shared<Ticket>(Ticket::Kind::kReload, arena_, from->block_, n, std::move(done));
+}
+
+void CopyEngine::record(bool h2d, const void* host, std::size_t nbytes) {
+    if (!tracing_) {
+        return;
+    }
+    const std::uint64_t seq = trace_seq_++;
+    if (trace_.size() >= trace_capacity_) {
+        return;  // counted by trace_dropped()
+    }
+    const std::chrono::duration<double> since = std::chrono::steady_clock::now() - trace_start_;
+    trace_.push_back(TraceEntry{seq, h2d, reinterpret_cast<std::uintptr_t>(host), nbytes,
+                                since.count()});
+}
+
+void CopyEngine::start_trace(std::size_t capacity) {
+    std::lock_guard<std::mutex> lock(submit_mutex_);
+    trace_.clear();
+    trace_.reserve(std::min<std::size_t>(capacity, 4096));
+    trace_capacity_ = capacity;
+    trace_seq_ = 0;
+    trace_start_ = std::chrono::steady_clock::now();
+    tracing_ = true;
+}
+
+void CopyEngine::stop_trace() {
+    std::lock_guard<std::mutex> lock(submit_mutex_);
+    tracing_ = false;
+}
+
+std::vector<TraceEntry> CopyEngine::trace() {
+    std::lock_guard<std::mutex> lock(submit_mutex_);
+    return trace_;
+}
+
+std::uint64_t CopyEngine::trace_dropped() {
+    std::lock_guard<std::mutex> lock(submit_mutex_);
+    return trace_seq_ - trace_.size();
 }
 
 void CopyEngine::wait_on(const TicketPtr& ticket, std::uintptr_t stream) {

@@ -27,9 +27,13 @@
 //   5. Stats: per direction bytes, copies, busy time (elapsed between a copy's start and end
 //      events, so time spent waiting for a producer is not counted) and bandwidth; figures
 //      include every copy whose end event completed.
+//   6. Trace: while tracing, every submitted copy is appended (under the submission lock, so in
+//      the exact order copies enter their streams) with its direction, host block, size and
+//      submission time; the overlap scheduler's tests read it to check issue order.
 // Blocking calls (Ticket::wait, synchronize) are bound with the GIL released.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -92,6 +96,15 @@ private:
 
 using TicketPtr = std::shared_ptr<Ticket>;
 
+// One submitted copy, as the trace records it.
+struct TraceEntry {
+    std::uint64_t seq = 0;          // submission order, from 0 at start_trace()
+    bool h2d = false;               // reload (true) or offload (false)
+    std::uintptr_t host_ptr = 0;    // arena block the copy writes or reads
+    std::size_t nbytes = 0;
+    double submit_s = 0.0;          // seconds since start_trace()
+};
+
 struct DirectionStats {
     std::uint64_t bytes = 0;
     std::uint64_t copies = 0;
@@ -144,6 +157,15 @@ public:
     DirectionStats h2d_stats();
     void reset_stats();
 
+    /// Start recording submitted copies (clears an earlier trace).
+    /// \param[in] capacity  entries kept; later copies are counted in trace_dropped() only.
+    void start_trace(std::size_t capacity);
+    /// Stop recording; the trace stays readable.
+    void stop_trace();
+    /// Copies recorded since start_trace(), in submission order.
+    std::vector<TraceEntry> trace();
+    std::uint64_t trace_dropped();
+
     std::uintptr_t d2h_stream() const { return reinterpret_cast<std::uintptr_t>(d2h_); }
     std::uintptr_t h2d_stream() const { return reinterpret_cast<std::uintptr_t>(h2d_); }
     int device() const { return device_; }
@@ -168,6 +190,8 @@ private:
     // submit_mutex_ held.
     std::shared_ptr<EventFence> enqueue_copy(Direction& dir, void* dst, const void* src,
                                              std::size_t nbytes);
+    // Appends a submitted copy to the trace when tracing. submit_mutex_ held.
+    void record(bool h2d, const void* host, std::size_t nbytes);
     // Makes dir's stream wait for `stream`'s current tail (skipped for the host thread).
     void wait_for_stream(Direction& dir, gpu::Stream stream);
     // Accounts completed copies of `dir`. stats_mutex_ held.
@@ -189,6 +213,12 @@ private:
     gpu::Stream d2h_ = nullptr;
     gpu::Stream h2d_ = nullptr;
     gpu::Event sync_event_ = nullptr;
+    // Issue trace, guarded by submit_mutex_.
+    bool tracing_ = false;
+    std::size_t trace_capacity_ = 0;
+    std::uint64_t trace_seq_ = 0;
+    std::chrono::steady_clock::time_point trace_start_{};
+    std::vector<TraceEntry> trace_;
 
     // Statistics, guarded by stats_mutex_ (timings are appended under both locks).
     std::mutex stats_mutex_;

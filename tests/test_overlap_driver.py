@@ -1,0 +1,257 @@
+"""The activation runtime follows overlap schedules (bagualu2.overlap.OverlapDriver).
+
+One process, two micro-batches of the reference MoE model: A's forward, then B's forward
+while A's offloaded activations are reloaded at the points a schedule names, then A's
+backward, then B's. The CopyEngine's issue trace shows where each reload entered its stream
+relative to B's own offloads (one per forward op); losses and gradients must be bitwise those
+of plain PyTorch running the same sequence.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import pytest
+import torch
+
+from bagualu2.activations import ActivationRuntime, Frame
+from bagualu2.models import MoEConfig, MoETransformer
+from bagualu2.offload import CopyEngine, HostArena
+from bagualu2.overlap import OverlapDriver, OverlapScheduler, Schedule, TaskKind
+from bagualu2.planner import Choice
+
+SEEDS = (11, 12)  # dropout seeds of micro-batches A and B
+
+
+def make_model() -> Tuple[MoETransformer, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = MoETransformer(MoEConfig.tiny(dropout=0.1))
+    a = torch.randint(0, model.cfg.vocab_size, (4, 32))
+    b = torch.randint(0, model.cfg.vocab_size, (4, 32))
+    return model, a, b
+
+
+def plain_run(model, a, b) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """Forward A, forward B, backward A, backward B, without bagualu2."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(SEEDS[0])
+    la = model(a).float().pow(2).mean()
+    torch.manual_seed(SEEDS[1])
+    lb = model(b).float().pow(2).mean()
+    la.backward()
+    lb.backward()
+    return [la.detach(), lb.detach()], [p.grad.clone() for p in model.parameters()]
+
+
+class Run:
+    """The same sequence through an ActivationRuntime and an OverlapDriver."""
+
+    def __init__(self, model: MoETransformer, choice: Choice, bubble_s: float = 0.0) -> None:
+        self.model = model
+        self.engine = CopyEngine(HostArena(64 << 20))
+        self.runtime = ActivationRuntime(self.engine)
+        self.runtime.set_parameters(list(model.parameters()) + list(model.buffers()))
+        self.hooks = self.runtime.attach(model)
+        self.driver = OverlapDriver(self.runtime, min_bubble_s=0.0)
+        self.choice = choice
+        self.bubble_s = bubble_s
+
+    def forward(self, tokens: torch.Tensor, seed: int) -> Tuple[torch.Tensor, Frame]:
+        frame = Frame(default=self.choice)
+        torch.manual_seed(seed)
+        with self.runtime.frame(frame):
+            loss = self.model(tokens).float().pow(2).mean()
+        return loss, frame
+
+    def run(self, a, b, schedule_of=None):
+        """``schedule_of(problem)`` gives the schedule to follow (None: the DP's)."""
+        self.model.zero_grad(set_to_none=True)
+        la, fa = self.forward(a, SEEDS[0])
+        problem = self.driver.problem(fa, self.bubble_s)
+        schedule = schedule_of(problem) if schedule_of is not None else None
+        schedule = self.driver.pair(fa, schedule, bubble_s=self.bubble_s)
+        self.engine.start_trace()
+        lb, fb = self.forward(b, SEEDS[1])
+        self.driver.forward_end()
+        self.observed = self.snapshot(fa)
+        self.driver.backward_begin()
+        la.backward()
+        self.driver.backward_end()
+        self.engine.stop_trace()
+        self.b_offloads = [(st.key, st.handle.host_ptr) for st in fb.offload_stores()]
+        lb.backward()
+        self.frames = (fa, fb)
+        self.problem, self.schedule = problem, schedule
+        return [la.detach(), lb.detach()], [p.grad.clone() for p in self.model.parameters()]
+
+    def snapshot(self, frame: Frame) -> Dict[str, int]:
+        return {"resident": self.runtime.ledger.resident}
+
+    def close(self) -> None:
+        self.driver.close()
+        for h in self.hooks:
+            h.remove()
+
+
+def assert_bitwise(x, y) -> None:
+    for i, (p, q) in enumerate(zip(x[0], y[0])):
+        assert torch.equal(p, q), f"loss {i} differs"
+    for i, (p, q) in enumerate(zip(x[1], y[1])):
+        assert torch.equal(p, q), f"gradient {i} differs by {(p - q).abs().max().item()}"
+
+
+def spread(problem, pick) -> Schedule:
+    """A valid schedule whose reload k (in consumer order) is issued after op ``pick(k, task)``
+    clamped to its window and made non-decreasing."""
+    issue = [t.op if t.kind == TaskKind.OFFLOAD else t.op - 1 for t in problem.tasks]
+    order = sorted((j for j, t in enumerate(problem.tasks) if t.kind == TaskKind.RELOAD),
+                   key=lambda j: (problem.tasks[j].op, j))
+    last = -1
+    for k, j in enumerate(order):
+        t = problem.tasks[j]
+        s = min(max(pick(k, t), t.earliest, last), t.op - 1)
+        issue[j] = last = s
+    return Schedule(tuple(issue), tuple(False for _ in issue), True, 0.0, 0)
+
+
+def trace_positions(run: Run) -> Tuple[Dict[int, int], Dict[int, int]]:
+    """Trace index of B's offload of each forward op, and of each reload task."""
+    trace = run.engine.trace()
+    d2h: Dict[int, int] = {}
+    h2d: Dict[int, int] = {}  # a storage saved as several views is reloaded per unpack: first one
+    for i, e in enumerate(trace):
+        (d2h if e["direction"] == "d2h" else h2d).setdefault(e["host_ptr"], i)
+    index = {k: i for i, k in enumerate(run.frames[1].keys_seen)}  # B's forward op order
+    offload_at = {index[key]: d2h[ptr] for key, ptr in run.b_offloads if ptr in d2h}
+    reload_at = {j: h2d[run.problem.targets[j].handle.host_ptr] for j, t in enumerate(run.problem.tasks)
+                 if t.kind == TaskKind.RELOAD and run.problem.targets[j].handle.host_ptr in h2d}
+    return offload_at, reload_at
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model, a, b = make_model()
+    return plain_run(model, a, b)
+
+
+PICKS = {
+    "all_before_forward": lambda k, t: -1,
+    "one_per_forward_op": lambda k, t: k,
+    "every_third_op": lambda k, t: 3 * k,
+    "lazy": lambda k, t: t.op - 1,
+}
+
+
+@pytest.mark.parametrize("pick", sorted(PICKS))
+def test_reloads_enter_the_engine_at_the_scheduled_forward_points(reference, pick):
+    model, a, b = make_model()
+    run = Run(model, Choice.OFFLOAD)
+    try:
+        out = run.run(a, b, lambda p: spread(p, PICKS[pick]))
+        fa, fb = run.frames
+        assert_bitwise(out, reference)
+        offload_at, reload_at = trace_positions(run)
+        tasks, issue = run.problem.tasks, run.schedule.issue_after
+        reloads = [j for j, t in enumerate(tasks) if t.kind == TaskKind.RELOAD]
+        assert len(reloads) >= 10 and len(offload_at) >= 10
+        assert set(reload_at) == set(reloads), "every reload of A's backward went through the engine once"
+        # Order: the engine saw A's reloads in the schedule's issue order.
+        seen = sorted(reloads, key=lambda j: reload_at[j])
+        expected = [j for j in run.schedule.issue_order(tasks) if tasks[j].kind == TaskKind.RELOAD]
+        assert seen == expected
+        # Points: a reload issued after forward op s follows B's offloads of ops <= s and
+        # precedes those of later ops.
+        n_forward = len(run.problem.keys)
+        for j in reloads:
+            s = issue[j]
+            if s >= n_forward:
+                assert all(reload_at[j] > pos for pos in offload_at.values())
+                continue
+            for op, pos in offload_at.items():
+                if op <= s:
+                    assert reload_at[j] > pos, f"reload {j} (after op {s}) came before B's offload of op {op}"
+                else:
+                    assert reload_at[j] < pos, f"reload {j} (after op {s}) came after B's offload of op {op}"
+        assert run.runtime.ledger.resident == 0
+        del out, fa, fb
+        run.frames = None
+        run.problem = None
+        assert run.engine.arena.stats()["in_use"] == 0
+    finally:
+        run.close()
+
+
+def test_dp_schedule_is_followed_and_exact(reference):
+    model, a, b = make_model()
+    run = Run(model, Choice.OFFLOAD, bubble_s=0.002)
+    try:
+        out = run.run(a, b)
+        assert_bitwise(out, reference)
+        assert run.schedule.feasible
+        _, reload_at = trace_positions(run)
+        tasks = run.problem.tasks
+        expected = [j for j in run.schedule.issue_order(tasks) if tasks[j].kind == TaskKind.RELOAD]
+        assert sorted(reload_at, key=reload_at.get) == expected
+        issued = sum(run.driver.stats[k] for k in ("reloads_forward", "reloads_bubble", "reloads_backward"))
+        assert issued == len(expected)
+        assert run.driver.stats["pairs"] == 1
+    finally:
+        run.close()
+
+
+def test_early_recomputes_run_in_the_bubble_and_are_charged_until_backward_ends(reference):
+    model, a, b = make_model()
+    run = Run(model, Choice.RECOMPUTE, bubble_s=0.01)
+    early_nodes: List = []
+
+    def all_early(problem):
+        assert problem.bubble is not None
+        issue, flags = [], []
+        for j, t in enumerate(problem.tasks):
+            if t.kind == TaskKind.RECOMPUTE:
+                issue.append(problem.bubble - 1)
+                flags.append(True)
+                early_nodes.append(problem.targets[j])
+            else:
+                issue.append(t.op if t.kind == TaskKind.OFFLOAD else t.op - 1)
+                flags.append(False)
+        return Schedule(tuple(issue), tuple(flags), True, 0.0, 0)
+
+    resident: Dict[str, int] = {}
+    begin = run.driver.backward_begin
+
+    def observe_begin() -> None:
+        begin()
+        resident["after_join"] = run.runtime.ledger.resident
+        # rebuilt into the recompute cache, or held anyway (block inputs anchored for recipes)
+        resident["ready"] = sum(node.cache.get(node.position, state) is not None
+                                or (node.anchor is not None and node.anchor[1] == state)
+                                for node, state in early_nodes)
+
+    run.driver.backward_begin = observe_begin
+    try:
+        out = run.run(a, b, all_early)
+        assert_bitwise(out, reference)
+        assert len(early_nodes) >= 5
+        assert run.driver.stats["early_recomputes"] == len(early_nodes)
+        assert run.driver.stats["worker_errors"] == 0
+        assert resident["ready"] == len(early_nodes), "early recomputes are ready when backward starts"
+        rebuilt = {id(node): node.nbytes for node, state in early_nodes
+                   if not (node.anchor is not None and node.anchor[1] == state)}
+        assert resident["after_join"] == run.observed["resident"] + sum(rebuilt.values()), \
+            "each early-recomputed storage is charged to the ledger once"
+        early_nodes.clear()  # the test's own references to A's recipes (and their anchors)
+        run.problem = run.frames = None
+        assert run.runtime.ledger.resident == 0
+    finally:
+        run.close()
+
+
+def test_a_schedule_for_another_pair_is_refused():
+    model, a, b = make_model()
+    run = Run(model, Choice.OFFLOAD)
+    try:
+        _, fa = run.forward(a, SEEDS[0])
+        with pytest.raises(ValueError, match="places 1 tasks"):
+            run.driver.pair(fa, Schedule((0,), (False,), True, 0.0, 0))
+    finally:
+        run.close()
