@@ -25,20 +25,22 @@ The model (shared by the DP and by :func:`simulate`, the pure-Python reference):
 :class:`OverlapDriver` makes the activation runtime follow such schedules on a pipeline rank
 (``bagualu2.pipeline.enable_bagualu2(pipe, overlap=True)``). For a forward ``F`` that runs
 right before the backward ``B`` of an earlier micro-batch, the op sequence is ``F``'s
-operators (the keys ``B``'s forward saved, in forward order, with the cost model's times), the
-measured idle gap between them (the bubble: the rank waits for ``B``'s gradient), then ``B``'s
-operators in reverse. The tasks are ``B``'s host copies (RELOAD, consumer = the backward op of
-their key), ``B``'s recomputed storages (RECOMPUTE) and the offloads ``F`` is expected to make
+operators (the keys ``B``'s forward saved, in forward order, grouped into at most
+``segments`` contiguous ops, with the cost model's times), the measured idle gap between them
+(the bubble: the rank waits for ``B``'s gradient), then the same ops in reverse for ``B``. The
+tasks are ``B``'s host copies (RELOAD, one per backward op that consumes them), ``B``'s
+recomputed storages (RECOMPUTE, likewise grouped) and the offloads ``F`` is expected to make
 (OFFLOAD, memory only). Issue points map to runtime events:
 
 ==================  ==========================================================================
-after forward op i  ``F`` saves its i-th operator key (``Frame.on_saved``): due reloads issued
+after forward op i  ``F`` has saved as many operator keys as ops 0..i hold (``Frame.on_saved``):
+                    due reloads are issued
 after the last      ``F``'s end (the tracker's ``action_end``): due reloads are issued and the
 forward op          early recomputes start on a worker thread, which runs while the rank waits
                     for ``B``'s gradient
 after the bubble    ``B``'s start (``action_begin``): the worker is joined, due reloads issued
-before backward     ``B`` unpacks key c (``ActivationRuntime.unpack_observer``): reloads due
-op c                before c are issued (the one ``B`` waits for last)
+before backward     ``B`` unpacks a key of op c (``ActivationRuntime.unpack_observer``): reloads
+op c                due before c are issued
 ==================  ==========================================================================
 
 ``B``'s frame is marked ``scheduled``: its backward issues no reloads beyond the schedule's
@@ -46,8 +48,10 @@ op c                before c are issued (the one ``B`` waits for last)
 buffers and early-recomputed storages are charged to the runtime's ledger from issue until
 use (early ones until ``B`` ends). The schedule's memory model is an estimate, the budget is
 not: a reload that would take the ledger over the runtime's budget when it is due waits for
-the next point (``reloads_deferred``), and an early recompute that would is left to backward. The worker runs only between ``F``'s end and ``B``'s
-start, when this rank's schedule is only communicating: it is joined before any autograd work.
+the next point (``reloads_deferred``), and an early recompute that would is left to
+backward. Without a runtime budget the schedule is held to the peak lazy issue would reach.
+The worker runs only between ``F``'s end and ``B``'s start, when this rank's schedule is only
+communicating: it is joined before any autograd work.
 """
 from __future__ import annotations
 
@@ -56,6 +60,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
 
 from bagualu2 import _C
 from bagualu2.planner import Choice
@@ -274,12 +280,16 @@ class PairProblem:
 
     Attributes:
         ops, tasks: the DP's input (module docstring).
-        keys: operator keys of the forward ops, in forward order (op i is ``keys[i]``).
+        keys: operator keys of the backward frame, in forward order.
         bubble: index of the bubble op, or None when the measured gap was too short.
-        backward_op: operator key -> index of its backward op.
-        targets: per task, the runtime object it acts on (a store for RELOAD, ``(node, state)``
-            for RECOMPUTE, None for the forward's OFFLOAD tasks).
-        budget_bytes: the budget the schedule was made for.
+        backward_op: operator key -> index of the backward op that consumes it.
+        targets: per task, what it acts on: the stores to reload (RELOAD, in backward order),
+            the ``(node, state)`` to rebuild (RECOMPUTE, in forward order), None for the
+            forward's OFFLOAD tasks.
+        budget_bytes: the budget the schedule was made for (without a runtime budget: the
+            peak lazy issue would reach, so overlapping never raises it).
+        segment_of: forward key index -> forward op (segment) index.
+        segment_end: forward op -> index of its last key.
     """
 
     ops: List[OverlapOp]
@@ -289,6 +299,17 @@ class PairProblem:
     backward_op: Dict[str, int]
     targets: List[Any]
     budget_bytes: int
+    segment_of: List[int]
+    segment_end: List[int]
+
+    def completed(self, saved: int) -> int:
+        """The last forward op finished once the forward has saved ``saved`` keys (-1: none)."""
+        if saved <= 0:
+            return -1
+        if saved >= len(self.segment_of):
+            return len(self.segment_end) - 1
+        seg = self.segment_of[saved - 1]
+        return seg if self.segment_end[seg] == saved - 1 else seg - 1
 
     def lazy(self) -> Schedule:
         """What happens without a scheduler: every reload issued right before its consumer,
@@ -325,6 +346,7 @@ class OverlapDriver:
         scheduler: an ``OverlapScheduler`` (its cache is shared by every pair).
         min_bubble_s: idle gaps shorter than this are not offered to early recomputes.
         counts: callable returning MoE layer -> tokens per expert to price ops with.
+        segments: forward ops the DP sees at most (contiguous operator keys are grouped).
 
     Use :meth:`on_event` as a ``PipelinePhaseTracker`` subscriber, or drive a pair by hand
     with :meth:`pair`, :meth:`forward_end`, :meth:`backward_begin`, :meth:`backward_end`.
@@ -332,9 +354,12 @@ class OverlapDriver:
 
     def __init__(self, runtime: Any, cost: Any = None, budget_bytes: Optional[int] = None,
                  scheduler: Optional[OverlapScheduler] = None, min_bubble_s: float = 1e-3,
-                 counts: Any = None) -> None:
+                 counts: Any = None, segments: int = 16) -> None:
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"budget_bytes={budget_bytes} must be >= 0 or None")
+        if segments < 1:
+            raise ValueError(f"segments={segments} must be >= 1")
+        self.segments = segments
         if min_bubble_s < 0:
             raise ValueError(f"min_bubble_s={min_bubble_s} must be >= 0")
         self.runtime = runtime
@@ -373,53 +398,80 @@ class OverlapDriver:
     def problem(self, backward: Any, bubble_s: float = 0.0) -> PairProblem:
         """The DP's input for the next forward followed by ``backward``'s backward.
 
+        The forward's operator keys (those ``backward``'s forward saved, in forward order) are
+        grouped into at most ``segments`` contiguous ops; the backward has the same ops in
+        reverse. Tasks with the same op are merged (one reload per backward op, one recompute
+        group per backward op), so the DP stays small whatever the model's size.
+
         Args:
             backward: the ``Frame`` whose backward runs after the next forward.
             bubble_s: expected idle time between that forward's end and the backward.
         """
         keys = list(backward.keys_seen)
         n = len(keys)
-        counts = self._counts() or {}
-        fwd = self._op_seconds(keys, counts)
+        g = min(n, self.segments)
+        segment_of = [i * g // n for i in range(n)]
+        segment_end = [0] * g
+        for i, seg in enumerate(segment_of):
+            segment_end[seg] = i
+        seconds = self._op_seconds(keys, self._counts() or {})
+        fwd = [0.0] * g
+        kept = [0] * g
+        offloaded = [0] * g
+        for i, k in enumerate(keys):
+            fwd[segment_of[i]] += seconds[i]
+            choice = backward.choice(k)
+            if choice == Choice.KEEP:
+                kept[segment_of[i]] += backward.keys_seen[k]
+            elif choice == Choice.OFFLOAD:
+                offloaded[segment_of[i]] += backward.keys_seen[k]
         base0 = int(self.runtime.ledger.resident)
-        kept = {k: (nb if backward.choice(k) == Choice.KEEP else 0) for k, nb in backward.keys_seen.items()}
         ops: List[OverlapOp] = []
         grown = 0
-        for i, k in enumerate(keys):
-            grown += kept[k]
-            ops.append(OverlapOp(fwd[i], base0 + grown))
+        for seg in range(g):
+            grown += kept[seg]
+            ops.append(OverlapOp(fwd[seg], base0 + grown))
         bubble = None
         if bubble_s >= self.min_bubble_s:
             bubble = len(ops)
             ops.append(OverlapOp(bubble_s, base0 + grown, bubble=True))
         start_b = len(ops)
-        backward_op = {k: start_b + (n - 1 - i) for i, k in enumerate(keys)}
         freed = 0
-        for i in reversed(range(n)):
-            ops.append(OverlapOp(2.0 * fwd[i], base0 + grown - freed))
-            freed += kept[keys[i]]
+        for seg in reversed(range(g)):
+            ops.append(OverlapOp(2.0 * fwd[seg], base0 + grown - freed))
+            freed += kept[seg]
+        backward_op = {k: start_b + (g - 1 - segment_of[i]) for i, k in enumerate(keys)}
         d2h = getattr(self.cost, "d2h_bandwidth", 10e9)
         h2d = getattr(self.cost, "h2d_bandwidth", 10e9)
         tasks: List[OverlapTask] = []
         targets: List[Any] = []
-        for i, k in enumerate(keys):  # the forward offloads what the backward frame offloaded
-            if backward.choice(k) == Choice.OFFLOAD:
-                nb = backward.keys_seen[k]
-                tasks.append(OverlapTask(TaskKind.OFFLOAD, i, nb / d2h, nb))
+        for seg in range(g):  # the forward offloads what the backward frame offloaded
+            if offloaded[seg]:
+                tasks.append(OverlapTask(TaskKind.OFFLOAD, seg, offloaded[seg] / d2h, offloaded[seg]))
                 targets.append(None)
+        reloads: Dict[int, List[Any]] = {}
         for store in backward.offload_stores():
-            c = backward_op.get(store.key)
-            if c is not None:
-                tasks.append(OverlapTask(TaskKind.RELOAD, c, store.nbytes / h2d, store.nbytes))
-                targets.append(store)
-        seconds = dict(zip(keys, fwd))
+            if store.key in backward_op:
+                reloads.setdefault(backward_op[store.key], []).append(store)
+        for c, stores in sorted(reloads.items()):
+            nbytes = sum(st.nbytes for st in stores)
+            tasks.append(OverlapTask(TaskKind.RELOAD, c, nbytes / h2d, nbytes))
+            targets.append(stores[::-1])  # backward needs the later ones first
+        key_seconds = dict(zip(keys, seconds))
+        recomputes: Dict[int, List[Tuple[Any, int, float]]] = {}
         for key, node, state in backward.recompute_nodes():
-            c = backward_op.get(key)
-            if c is not None:
-                tasks.append(OverlapTask(TaskKind.RECOMPUTE, c, seconds.get(key, 0.0), node.nbytes))
-                targets.append((node, state))
-        budget = self.budget_bytes if self.budget_bytes is not None else (1 << 62)
-        return PairProblem(ops, tasks, keys, bubble, backward_op, targets, int(budget))
+            if key in backward_op:
+                recomputes.setdefault(backward_op[key], []).append((node, state, key_seconds.get(key, 0.0)))
+        for c, group in sorted(recomputes.items()):
+            tasks.append(OverlapTask(TaskKind.RECOMPUTE, c, sum(x[2] for x in group),
+                                     sum(x[0].nbytes for x in group)))
+            targets.append([(node, state) for node, state, _ in group])
+        problem = PairProblem(ops, tasks, keys, bubble, backward_op, targets, 0, segment_of, segment_end)
+        if self.budget_bytes is not None:
+            problem.budget_bytes = int(self.budget_bytes)
+        else:  # no budget: overlap without raising the peak that lazy issue has
+            problem.budget_bytes = simulate(ops, tasks, problem.lazy(), 1 << 62)[2]
+        return problem
 
     def _op_seconds(self, keys: List[str], counts: Dict[int, List[int]]) -> List[float]:
         cost = self.cost
@@ -492,10 +544,10 @@ class OverlapDriver:
             self._issue_until(-1, "reloads_forward")
 
     def _forward_op_done(self, pair: _Pair) -> None:
-        # Forward op i is the i-th operator key the forward saves (first-save order can differ
-        # between micro-batches, the count of ops done cannot).
-        self._issue_until(min(pair.forward_ops, len(pair.problem.keys) - 1), "reloads_forward")
+        # Progress is the count of operator keys the forward has saved (first-save order can
+        # differ between micro-batches, the count cannot).
         pair.forward_ops += 1
+        self._issue_until(pair.problem.completed(pair.forward_ops), "reloads_forward")
 
     def _issue_until(self, op: int, counter: str) -> None:
         pair = self._pair
@@ -505,14 +557,14 @@ class OverlapDriver:
             j = pair.reloads[pair.next_reload]
             if pair.schedule.issue_after[j] > op:
                 break
-            store = pair.problem.targets[j]
             budget = self.runtime.budget_bytes
-            if budget is not None and self.runtime.ledger.resident + store.nbytes > budget:
+            if budget is not None and self.runtime.ledger.resident + pair.problem.tasks[j].nbytes > budget:
                 self.stats["reloads_deferred"] += 1
                 break  # no room now (the plan's estimate was short): retry at the next point
             pair.next_reload += 1
-            if not store.handle.released and self.runtime.prefetch(store):
-                self.stats[counter] += 1
+            for store in pair.problem.targets[j]:
+                if not store.handle.released and self.runtime.prefetch(store):
+                    self.stats[counter] += 1
 
     def forward_end(self) -> None:
         """The paired forward ended: issue the reloads due by now and start early recomputes."""
@@ -521,24 +573,28 @@ class OverlapDriver:
             return
         if pair.forward is not None:
             pair.forward.on_saved = None
-        last_forward = len(pair.problem.keys) - 1
-        self._issue_until(last_forward, "reloads_forward")
+        self._issue_until(len(pair.problem.segment_end) - 1, "reloads_forward")
         if pair.early:
-            pair.worker = threading.Thread(target=self._run_early, args=(pair,), daemon=True,
-                                           name="bagualu2-early-recompute")
+            pair.worker = threading.Thread(target=self._run_early, args=(pair, torch.get_num_threads()),
+                                           daemon=True, name="bagualu2-early-recompute")
             pair.worker.start()
 
-    def _run_early(self, pair: _Pair) -> None:
+    def _run_early(self, pair: _Pair, threads: int) -> None:
+        # OpenMP's thread count is per thread: a new thread starts from the process default,
+        # not from torch.set_num_threads(), until ATen initializes it, and a kernel split over
+        # another number of threads may round differently (a pipeline rank running with one
+        # thread saw its rebuilt activations differ in the last bits). Use the caller's count.
+        torch.set_num_threads(threads)
         for j in pair.early:
-            node, state = pair.problem.targets[j]
-            budget = self.runtime.budget_bytes
-            if budget is not None and self.runtime.ledger.resident + node.nbytes > budget:
-                return  # this and the later ones are recomputed by backward when needed
-            try:
-                pair.pins.append(self.runtime.recompute_ahead(node, state))
-            except Exception as e:  # backward will recompute it late; nothing is lost
-                pair.errors.append(f"{node.key}: {e}")
-                return
+            for node, state in pair.problem.targets[j]:
+                budget = self.runtime.budget_bytes
+                if budget is not None and self.runtime.ledger.resident + node.nbytes > budget:
+                    return  # this and the later ones are recomputed by backward when needed
+                try:
+                    pair.pins.append(self.runtime.recompute_ahead(node, state))
+                except Exception as e:  # backward will recompute it late; nothing is lost
+                    pair.errors.append(f"{node.key}: {e}")
+                    return
 
     def backward_begin(self) -> None:
         """The paired backward starts: join the early recomputes, issue the reloads due after

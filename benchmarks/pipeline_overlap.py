@@ -1,26 +1,31 @@
-"""Pipeline step time, exposed copy time and recompute time with bagualu2, overlap scheduler on/off.
+"""Pipeline step time, exposed copy time and recompute time with the overlap scheduler on and off.
 
 A gloo pipeline (2 or 4 CPU processes, 127.0.0.1) of the reference MoE model under one
 schedule (1F1B by default). Every mode runs the same steps from the same weights:
 
-  plain           the pipeline without bagualu2
-  keep_all        bagualu2 enabled, everything kept (the machinery's own cost)
-  recompute_all   everything releasable recomputed in backward
-  offload_all     everything releasable offloaded to the host arena
-  adaptive        tight budget per rank (halfway between recompute_all's and keep_all's peaks
-                  by default), the runtime's own reload prefetch (overlap scheduler off)
-  adaptive+ovl    the same with the overlap scheduler driving the runtime, when bagualu2.enable
-                  accepts overlap=... (not yet: the scheduler exists as bagualu2.overlap but the
-                  activation runtime does not follow its schedules; see below)
+  plain              the pipeline without bagualu2
+  keep_all           bagualu2 enabled, everything kept (the machinery's own cost)
+  offload_all        everything releasable offloaded to the host arena; backward reloads with
+                     the runtime's own prefetch (from the first unpack on, 64 MiB ahead)
+  recompute_all      everything releasable recomputed in backward
+  adaptive           tight budget per rank (halfway between recompute_all's and keep_all's
+                     peaks by default)
+  <mode>+ovl         the same with the overlap scheduler (enable_bagualu2(pipe, overlap=True)):
+                     each forward that precedes another micro-batch's backward is planned with
+                     it; reloads are issued during that forward and the bubble, recomputes may
+                     run in the bubble
 
 Per rank and mode it measures, over --steps timed steps after one warm-up step:
   step_s       wall time of schedule.step (the slowest rank's is the pipeline's)
   reload_s     time backward waited for offloaded activations (exposed copy, H2D side)
   offload_s    time forward waited for offload copies to finish (exposed copy, D2H side)
   recompute_s  time backward spent rebuilding recomputed activations
+  idle_s       time between this rank's compute actions (bubbles and p2p waits)
   peak_bytes   the rank's activation high-water mark (bagualu2's exact accounting)
 The three exposed times come from timers around bagualu2's unpack / settle calls
-(instrumentation local to this script). Decision latency is what ``prov.report()`` says.
+(instrumentation local to this script). With the scheduler, the driver's counters say where
+reloads were issued, how many recomputes ran early, the DP's decision time and its predicted
+exposed time against lazy issue.
 
 Prints a table and writes JSON (--json, default benchmarks/results/pipeline_overlap.json).
 On this CPU machine copies are memcpy by worker threads and compete with compute for the same
@@ -30,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import inspect
 import json
 import os
 import statistics
@@ -40,7 +44,6 @@ import time
 import torch
 import torch.distributed as dist
 
-import bagualu2
 from bagualu2 import pipeline as pp
 from bagualu2.models import MoEConfig, MoETransformer, synthetic_batches
 
@@ -55,7 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="timed steps per mode (after one warm-up step)")
     p.add_argument("--budget-fraction", type=float, default=0.5,
                    help="adaptive budget = floor + fraction x (keep_all peak - floor), floor = recompute_all peak")
-    p.add_argument("--modes", default="plain,keep_all,recompute_all,offload_all,adaptive,adaptive+ovl")
+    p.add_argument("--modes", default="plain,keep_all,offload_all,offload_all+ovl,recompute_all,"
+                                      "recompute_all+ovl,adaptive,adaptive+ovl")
     p.add_argument("--small", action="store_true", help="MoEConfig.small instead of bench (quick check)")
     p.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results", "pipeline_overlap.json"))
     p.add_argument("--timeout", type=float, default=1800.0)
@@ -107,28 +111,17 @@ def _install_timers() -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def _overlap_kwargs() -> dict | None:
-    """How to switch the overlap scheduler on, or None when this build has none."""
-    params = inspect.signature(bagualu2.enable).parameters if hasattr(bagualu2, "enable") else {}
-    if "overlap" in params:
-        return {"overlap": True}
-    return None
-
-
 def _mode_kwargs(mode: str, budget: int | None) -> dict | None:
+    """enable_bagualu2 keyword arguments of a mode (None: plain)."""
     if mode == "plain":
         return None
-    if mode in ("keep_all", "recompute_all", "offload_all"):
-        return {"policy": mode}
-    if mode == "adaptive":
-        kw = {"policy": "adaptive", "budget": budget}
-        if _overlap_kwargs() is not None:
-            kw["overlap"] = False
-        return kw
-    if mode == "adaptive+ovl":
-        ovl = _overlap_kwargs()
-        return None if ovl is None else {"policy": "adaptive", "budget": budget, **ovl}
-    raise ValueError(f"unknown mode {mode!r}")
+    policy, _, ovl = mode.partition("+")
+    if policy not in ("keep_all", "recompute_all", "offload_all", "adaptive") or ovl not in ("", "ovl"):
+        raise ValueError(f"unknown mode {mode!r}")
+    kw = {"policy": policy, "overlap": ovl == "ovl"}
+    if policy == "adaptive":
+        kw["budget"] = budget
+    return kw
 
 
 def _report_value(report: dict, *names, default=None):
@@ -151,12 +144,8 @@ def _run_mode(rank, world_size, args, mode, budget) -> dict:
                              microbatch_example=batches[0][: args.microbatch_size, :-1])
     kwargs = _mode_kwargs(mode, budget)
     prov = pp.enable_bagualu2(pipe, arena_bytes=64 << 20, **kwargs) if kwargs is not None else None
-    frames = []
-    if prov is not None:  # keep each micro-batch's Frame: its plan feeds the overlap section
-        enter_frame = prov.runtime.frame
-        prov.runtime.frame = lambda frame: (frames.append(frame), enter_frame(frame))[1]
     # Idle time between this rank's compute actions (pipeline bubbles and p2p waits).
-    idle = {"s": 0.0, "last": None, "resident_at_f": []}
+    idle = {"s": 0.0, "last": None}
 
     def on_event(event, state):
         now = time.perf_counter()
@@ -165,8 +154,6 @@ def _run_mode(rank, world_size, args, mode, budget) -> dict:
         elif event == "action_begin":
             if idle["last"] is not None:
                 idle["s"] += now - idle["last"]
-            if prov is not None and state.action == "F":
-                idle["resident_at_f"].append(prov.runtime.ledger.resident)
         elif event == "action_end":
             idle["last"] = now
 
@@ -202,89 +189,11 @@ def _run_mode(rank, world_size, args, mode, budget) -> dict:
         out["peak_bytes"] = _report_value(rep, "peak_bytes", "peak", "peak_resident")
         lat = rep.get("decision_latency_us")
         out["decision_ms"] = lat["mean"] / 1e3 if isinstance(lat, dict) and rep.get("decisions") else None
-        if mode == "adaptive":
-            out["overlap"] = _overlap_section(prov, frames, out["idle_s"] / (2 * args.microbatches),
-                                              idle["resident_at_f"])
+        out["overlap"] = rep.get("overlap")
         out["report"] = {k: v for k, v in rep.items() if isinstance(v, (int, float, str, bool))}
         prov.disable()
     pipe.close()
     return out
-
-
-def _overlap_section(prov, frames, bubble_s: float, resident_at_f: list) -> dict:
-    """The overlap scheduler on this rank's measured steady state, against lazy issue.
-
-    The op sequence is one 1F1B steady-state pair as the cost model knows it: the forward of
-    one micro-batch (op times from the cost model, scaled to the measured forward time), the
-    measured mean idle gap between two actions (a bubble), then the backward of an older
-    micro-batch (twice the forward op times, reverse order). Tasks come from what the adaptive
-    plan actually did in the last frame (OFFLOAD / RECOMPUTE per operator key): the forward
-    offloads its offloaded ops, the backward reloads or recomputes them. Lazy issue (what
-    happens without the scheduler): reloads right before their consumer, recomputes late.
-    The exposed times are the scheduler model's predictions (bagualu2.overlap.simulate), not
-    measurements: the activation runtime does not execute overlap schedules yet.
-    """
-    try:
-        from bagualu2.overlap import OverlapOp, OverlapScheduler, OverlapTask, Schedule, TaskKind, simulate
-        from bagualu2.planner import Choice
-    except ImportError as e:
-        return {"available": False, "why": str(e)}
-    cost = prov.cost
-    keys = [k for k in cost.order if k in cost.ops]
-    if not keys or not frames:
-        return {"available": False, "why": "no profiled operators"}
-    frame = frames[-1]
-    choice = {k: frame.choices.get(k, frame.default) for k in keys}
-    for note in frame.stats.fallbacks:  # budget-forced releases at save time ("key: keep -> offload (budget)")
-        key, _, what = note.partition(": ")
-        if key in choice and "-> offload" in what:
-            choice[key] = Choice.OFFLOAD
-        elif key in choice and "-> recompute" in what:
-            choice[key] = Choice.RECOMPUTE
-    counts = dict(getattr(prov, "_frame_counts", {}) or {})
-    fwd = [max(0.0, cost.ops[k].seconds(cost._tokens(cost.ops[k], counts))) for k in keys]
-    scale = cost.forward_seconds / sum(fwd) if sum(fwd) > 0 else 1.0
-    fwd = [t * scale for t in fwd]
-    nbytes = {k: cost.predict_bytes(k, counts) for k in keys}
-    n = len(keys)
-    base = int(statistics.fmean(resident_at_f)) if resident_at_f else 0
-    ops = [OverlapOp(t, base) for t in fwd] + [OverlapOp(bubble_s, base, bubble=True)]
-    ops += [OverlapOp(2 * fwd[i], base) for i in reversed(range(n))]
-    tasks = []
-    for i, k in enumerate(keys):
-        consumer = n + 1 + (n - 1 - i)  # backward op that needs key's activation
-        if choice[k] == Choice.OFFLOAD:
-            tasks.append(OverlapTask(TaskKind.OFFLOAD, i, nbytes[k] / cost.d2h_bandwidth, nbytes[k]))
-            tasks.append(OverlapTask(TaskKind.RELOAD, consumer, nbytes[k] / cost.h2d_bandwidth, nbytes[k]))
-        elif choice[k] == Choice.RECOMPUTE:
-            tasks.append(OverlapTask(TaskKind.RECOMPUTE, consumer, fwd[i], nbytes[k]))
-    budget = int(prov.budget or 0) or (base + sum(nbytes.values()))
-    if not tasks:
-        return {"available": True, "tasks": 0, "note": "the last frame's plan kept everything"}
-    lazy = Schedule(
-        tuple(t.op if t.kind == TaskKind.OFFLOAD else t.op - 1 for t in tasks),
-        tuple(False for _ in tasks), True, 0.0, 0)
-    _, lazy_exposed, lazy_peak = simulate(ops, tasks, lazy, budget)
-    sched = OverlapScheduler()
-    t0 = time.perf_counter()
-    plan = sched.schedule(ops, tasks, budget, cache_key=(0, 0, 2, budget // 4096))
-    cold_ms = (time.perf_counter() - t0) * 1e3
-    t0 = time.perf_counter()
-    again = sched.schedule(ops, tasks, budget, cache_key=(0, 0, 2, budget // 4096))
-    cached_ms = (time.perf_counter() - t0) * 1e3
-    fits, dp_exposed, dp_peak = simulate(ops, tasks, plan, budget)
-    return {
-        "available": True,
-        "ops": len(ops), "merged_ops": plan.merged_ops, "tasks": len(tasks),
-        "offloads": sum(t.kind == TaskKind.OFFLOAD for t in tasks),
-        "recomputes": sum(t.kind == TaskKind.RECOMPUTE for t in tasks),
-        "early_recomputes": sum(plan.early),
-        "bubble_ms": bubble_s * 1e3,
-        "lazy_exposed_ms": lazy_exposed * 1e3, "scheduled_exposed_ms": dp_exposed * 1e3,
-        "lazy_peak_bytes": lazy_peak, "scheduled_peak_bytes": dp_peak, "budget_bytes": budget,
-        "scheduled_fits": fits, "feasible": plan.feasible,
-        "decision_cold_ms": cold_ms, "decision_cached_ms": cached_ms, "cache_hit": again.cache_hit,
-    }
 
 
 def _rank_main(rank: int, world_size: int, args: argparse.Namespace, out_path: str) -> None:
@@ -292,10 +201,6 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace, out_path: s
     modes = [m for m in args.modes.split(",") if m]
     results, budget = [], None
     for mode in modes:
-        if _mode_kwargs(mode, 0) is None and mode != "plain":
-            if rank == 0:
-                print(f"  {mode}: not available in this build (skipped)", flush=True)
-            continue
         if mode.startswith("adaptive") and budget is None:
             peaks = {}
             for static in ("keep_all", "recompute_all"):
@@ -366,23 +271,32 @@ def main(argv=None) -> None:
               f"{row['reload_s'] * 1e3:10.1f} {row['offload_s'] * 1e3:10.1f} {row['recompute_s'] * 1e3:10.1f} "
               f"{row['idle_s'] * 1e3:8.1f} {peaks:>14} {budgets:>14} {(max(lat) if lat else float('nan')):9.3f}")
     print("(reload/offload/recompute/idle: summed over ranks, per step; peak/budget: per rank)")
-    ovl = [(r["rank"], r["overlap"]) for r in rows if r["mode"] == "adaptive" and r.get("overlap")]
+    steps = {row["mode"]: row["step_s"] for row in summary}
+    pairs = [(m, m + "+ovl") for m in steps if m + "+ovl" in steps]
+    if pairs:
+        print("\nscheduler on vs off (step time of the pipeline, exposed times summed over ranks):")
+        print(f"{'mode':<14} {'step on/off':>11} {'reload ms off':>13} {'on':>8} {'recomp ms off':>13} {'on':>8}")
+        by = {row["mode"]: row for row in summary}
+        for off, on in pairs:
+            a, b = by[off], by[on]
+            print(f"{off:<14} {b['step_s'] / a['step_s']:11.3f} {a['reload_s'] * 1e3:13.1f} {b['reload_s'] * 1e3:8.1f} "
+                  f"{a['recompute_s'] * 1e3:13.1f} {b['recompute_s'] * 1e3:8.1f}")
+            for row in summary:
+                if row["mode"] == on:
+                    row["vs_scheduler_off"] = b["step_s"] / a["step_s"]
+    ovl = [(r["mode"], r["rank"], r["overlap"]) for r in rows if r.get("overlap")]
     if ovl:
-        print("\noverlap scheduler on each rank's measured 1F1B steady state (model predictions,"
-              " bagualu2.overlap.simulate):")
-        print(f"{'rank':>4} {'tasks':>5} {'ops':>4} {'merged':>6} {'bubble ms':>9} {'lazy exp ms':>11} "
-              f"{'sched exp ms':>12} {'early rec':>9} {'DP ms':>7} {'cached ms':>9}")
-        for rank, o in sorted(ovl, key=lambda x: x[0]):
-            if not o.get("available") or not o.get("tasks"):
-                print(f"{rank:>4} {o.get('why') or o.get('note')}")
-                continue
-            print(f"{rank:>4} {o['tasks']:>5} {o['ops']:>4} {o['merged_ops']:>6} {o['bubble_ms']:9.2f} "
-                  f"{o['lazy_exposed_ms']:11.2f} {o['scheduled_exposed_ms']:12.2f} {o['early_recomputes']:>9} "
-                  f"{o['decision_cold_ms']:7.3f} {o['decision_cached_ms']:9.4f}")
+        print("\noverlap driver per rank (totals over the timed and warm-up steps):")
+        print(f"{'mode':<18} {'rank':>4} {'pairs':>5} {'hits':>5} {'rel fwd':>7} {'rel bub':>7} {'rel bwd':>7} "
+              f"{'deferred':>8} {'early rec':>9} {'DP ms':>7} {'pred exp ms':>11} {'lazy exp ms':>11}")
+        for mode, rank, o in sorted(ovl, key=lambda x: (x[0], x[1])):
+            print(f"{mode:<18} {rank:>4} {o['pairs']:>5} {o['cache_hits']:>5} {o['reloads_forward']:>7} "
+                  f"{o['reloads_bubble']:>7} {o['reloads_backward']:>7} {o['reloads_deferred']:>8} "
+                  f"{o['early_recomputes']:>9} {o['mean_decision_ms']:7.3f} {o['predicted_exposed_s'] * 1e3:11.2f} "
+                  f"{o['predicted_lazy_exposed_s'] * 1e3:11.2f}")
     out = {
         "config": {k: v for k, v in vars(args).items() if k not in ("json",)},
         "torch": torch.__version__,
-        "overlap_scheduler_available": _overlap_kwargs() is not None,
         "wall_s": time.perf_counter() - t0,
         "summary": summary,
         "per_rank": rows,

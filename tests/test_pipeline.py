@@ -15,8 +15,8 @@ Scenarios, per schedule:
 - ``keep_all`` / ``recompute_all`` / ``offload_all``: ``bagualu2.enable`` with a static policy
   (same spike);
 - ``adaptive``: ``policy="adaptive"`` under the budget (same spike);
-- ``offload_all+overlap`` / ``adaptive+overlap``: the same with the overlap scheduler driving
-  reloads and early recomputes (``enable_bagualu2(pipe, overlap=True)``);
+- ``offload_all+overlap`` / ``recompute_all+overlap`` / ``adaptive+overlap``: the same with the
+  overlap scheduler driving reloads and early recomputes (``enable_bagualu2(pipe, overlap=True)``);
 - ``keep_all_raise`` (last job of the 2-rank launch, 1F1B): keep_all with the adaptive budget
   and ``on_exceed="raise"``: what a static policy would do on a device.
 """
@@ -45,7 +45,7 @@ LAUNCH_TIMEOUT_S = 170
 SCHEDULES_2 = [("gpipe", 4), ("1f1b", 4), ("interleaved1f1b", 4), ("zbv", 4), ("dualpipev", 4)]
 SCHEDULES_4 = [("1f1b", 4), ("zbv", 8)]
 PROVISIONED = ("keep_all", "recompute_all", "offload_all", "adaptive")
-OVERLAP = ("offload_all+overlap", "adaptive+overlap")
+OVERLAP = ("offload_all+overlap", "recompute_all+overlap", "adaptive+overlap")
 REPORT_KEYS = ("peak_bytes", "budget_bytes", "resident_bytes", "arena_in_use_bytes", "violations",
                "micro_batches", "steps", "decisions", "saved_bytes_by_choice", "overlap")
 
