@@ -56,6 +56,7 @@ communicating: it is joined before any autograd work.
 from __future__ import annotations
 
 import enum
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -272,6 +273,11 @@ def simulate(
 # ---------------------------------------------------------------------------------------------
 # Following schedules in the activation runtime
 # ---------------------------------------------------------------------------------------------
+
+
+def _bucket(x: float, per_doubling: int = 8) -> int:
+    """Logarithmic bucket of a non-negative size or time."""
+    return 0 if x < 1 else 1 + int(math.log2(x) * per_doubling)
 
 
 @dataclass
@@ -514,11 +520,23 @@ class OverlapDriver:
         return schedule
 
     def _solve(self, problem: PairProblem, stage: int, phase: int) -> Schedule:
-        signature = hash((tuple((int(t.kind), t.op, t.nbytes >> 12, t.earliest) for t in problem.tasks),
-                          len(problem.ops), problem.bubble,
-                          round(problem.ops[problem.bubble].duration_s * 1e3) if problem.bubble is not None
-                          else 0, problem.ops[0].base_bytes >> 20 if problem.ops else 0))
-        key = (int(stage), signature & ((1 << 62) - 1), int(phase), problem.budget_bytes >> 20)
+        # The key holds the pair's structure exactly (which ops have which tasks) and its
+        # totals (bytes and time per task kind, resident bytes, bubble) in 41% buckets: loads
+        # vary from micro-batch to micro-batch, and a schedule made for the same structure at a
+        # similar load is a good one. It is always a valid one (issue points depend only on the
+        # structure), and the budget is checked again at every issue.
+        totals = [[0, 0.0] for _ in TaskKind]
+        for t in problem.tasks:
+            totals[int(t.kind)][0] += t.nbytes
+            totals[int(t.kind)][1] += t.duration_s
+        signature = hash((
+            tuple((int(t.kind), t.op, t.earliest) for t in problem.tasks),
+            tuple((_bucket(b, 2), _bucket(d * 1e6, 2)) for b, d in totals),
+            tuple(o.bubble for o in problem.ops),
+            _bucket(sum(o.duration_s for o in problem.ops) * 1e6, 2),
+            _bucket(max((o.base_bytes for o in problem.ops), default=0), 2),
+        ))
+        key = (int(stage), signature & ((1 << 62) - 1), int(phase), _bucket(problem.budget_bytes))
         t0 = time.perf_counter()
         schedule = self.scheduler.schedule(problem.ops, problem.tasks, problem.budget_bytes, cache_key=key)
         self.stats["decision_s"] += time.perf_counter() - t0
@@ -647,7 +665,11 @@ class OverlapDriver:
                 if nxt is not None and nxt[0] in ("B", "I"):
                     backward = self._frames.get((nxt[1], nxt[2]))
                     if backward is not None and (backward.offload_stores() or backward.recompute_nodes()):
-                        self.pair(backward, bubble_s=self._bubble_s.get(nxt[1], 0.0), stage=nxt[1],
+                        # The measured gap, rounded down to a power of two: conservative, and
+                        # stable from step to step, so pairs find their schedule in the cache.
+                        gap = self._bubble_s.get(nxt[1], 0.0)
+                        bubble = 2.0 ** math.floor(math.log2(gap)) if gap > 0 else 0.0
+                        self.pair(backward, bubble_s=bubble, stage=nxt[1],
                                   phase=int(state.phase), tag=(nxt[1], nxt[2]))
             elif state.action in ("B", "I"):
                 if self._forward_end_at is not None:
