@@ -51,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help='activation budget per rank: bytes ("6e6"), a fraction of device memory ("0.8"), or "auto"')
     p.add_argument("--spike-every", type=int, default=7, help="force a 2.6x routing spike every N steps (0: never)")
     p.add_argument("--no-bagualu2", action="store_true", help="train the same pipeline without bagualu2")
+    p.add_argument("--overlap", action="store_true",
+                   help="overlap scheduler: prefetch the next backward's reloads during the forward "
+                        "before it, recompute in the bubble")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -96,10 +99,12 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
 
     # 5. bagualu2 on this rank's stage modules: one provisioner per rank, one budget per rank.
     #    The pipeline's phase tracker tells it which micro-batch is running and how many more
-    #    forwards will stack before the next backward (the warm-up depth).
+    #    forwards will stack before the next backward (the warm-up depth). With --overlap the
+    #    overlap scheduler also plans each forward with the backward that follows it.
     prov = None
     if not args.no_bagualu2:
-        prov = pp.enable_bagualu2(pipe, budget=parse_budget(args.budget), policy=args.policy)
+        prov = pp.enable_bagualu2(pipe, budget=parse_budget(args.budget), policy=args.policy,
+                                  overlap=args.overlap)
 
     # 6. An ordinary optimizer over the local parameters only.
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
