@@ -216,6 +216,33 @@ def test_retain_graph_unpacks_twice(engine: CopyEngine, choice: Choice) -> None:
     assert engine.arena.stats()["in_use"] == 0
 
 
+@pytest.mark.parametrize("window_stores", [0, 3])
+def test_backward_prefetch_stays_in_its_window_in_every_pass(engine: CopyEngine, window_stores: int) -> None:
+    """Backward reloads at most ``prefetch_bytes`` ahead of the unpack (charged to the ledger),
+    in the first pass and again in a retain_graph second pass; the results stay exact."""
+    model, tokens = make_model()
+    h = Harness(model, engine)
+    reference = loss_and_grads(model, h.forward(tokens, None))
+    frame = Frame(default=Choice.OFFLOAD)
+    loss = h.forward(tokens, frame)
+    largest = max(s.nbytes for s in frame.offload_stores())
+    h.runtime.prefetch_bytes = window_stores * largest
+    pending: List[Tuple[int, int]] = []  # (pass, bytes prefetched and not used) at each unpack
+    passes = [0]
+    h.runtime.unpack_observer = lambda key: pending.append((passes[0], frame._prefetch_pending))
+    for passes[0] in (1, 2):
+        model.zero_grad(set_to_none=True)
+        loss.backward(retain_graph=passes[0] == 1)
+        assert_bitwise(reference, (loss.detach(), [p.grad for p in model.parameters()]))
+    assert len({p for p, _ in pending}) == 2
+    assert all(b <= h.runtime.prefetch_bytes for _, b in pending)
+    for n in (1, 2):
+        seen = [b for p, b in pending if p == n]
+        assert (max(seen) > 0) == (window_stores > 0), f"pass {n}: pending bytes {seen[:10]}"
+    del loss, frame
+    assert h.runtime.ledger.resident == 0
+
+
 @pytest.mark.parametrize("choice", list(Choice))
 def test_graph_dropped_without_backward_frees_everything(engine: CopyEngine, choice: Choice) -> None:
     model, tokens = make_model()

@@ -164,6 +164,9 @@ class Frame:
         self.tag: Any = None  # who runs this frame (a pipeline's (stage, micro-batch))
         self._due: List[str] = []
         self._offloads: List["weakref.ref[_OffloadStore]"] = []
+        self._prefetch_cursor = 1 << 62  # next store index backward may prefetch (lazy issue)
+        self._prefetch_task = -1  # the backward pass the cursor belongs to
+        self._prefetch_pending = 0  # bytes prefetched and not used yet
         self._recomputes: List[Tuple[str, "weakref.ref[StorageNode]", int]] = []  # released by recompute
         self._anchors: List[StorageNode] = []
 
@@ -184,7 +187,7 @@ class _OffloadStore:
     """One storage's copy in the host arena, shared by every saved view of it."""
 
     __slots__ = ("engine", "handle", "device", "nbytes", "pin", "prefetched", "prefetch_pin", "frame", "index",
-                 "key", "__weakref__")
+                 "key", "last", "__weakref__")
 
     def __init__(self, engine: Any, handle: Any, device: torch.device, nbytes: int,
                  pin: Optional[_Pin], frame: Frame, key: str) -> None:
@@ -196,6 +199,7 @@ class _OffloadStore:
         self.pin: Optional[_Pin] = pin  # device source held until the copy completes
         self.prefetched: Any = None
         self.prefetch_pin: Optional[_Pin] = None  # the prefetch's device buffer, until used
+        self.last: Optional["weakref.ref[torch.Tensor]"] = None  # the latest tensor unpacked from it
         self.frame = frame  # kept alive by its stores: backward prefetches from its list
         self.index = len(frame._offloads)
         frame._offloads.append(weakref.ref(self))
@@ -219,7 +223,20 @@ class _OffloadStore:
             return False
         self.prefetched = self.engine.reload_async(self.handle, device=self.device)
         self.prefetch_pin = _Pin(ledger, self.prefetched.destination.untyped_storage())
+        self.frame._prefetch_pending += self.nbytes
         return True
+
+    def unpack(self, meta: ViewMeta) -> torch.Tensor:
+        """A tensor with ``meta``'s geometry over this storage's reloaded bytes. While a tensor
+        unpacked earlier from this store is alive and unmodified (several saved views of one
+        storage, unpacked by nearby backward nodes), its device copy is reused, not reloaded."""
+        last = self.last() if self.last is not None else None
+        if last is not None and last._version == 0:
+            out = view_of(last.untyped_storage(), meta)
+        else:
+            out = view_of(self.storage(), meta)
+        self.last = weakref.ref(out)
+        return out
 
     def storage(self) -> torch.UntypedStorage:
         if self.prefetched is not None:
@@ -227,6 +244,7 @@ class _OffloadStore:
             self.prefetched = None
             self.prefetch_pin.drop()
             self.prefetch_pin = None
+            self.frame._prefetch_pending -= self.nbytes
         else:
             buffer = self.engine.reload(self.handle, device=self.device)
         return buffer.untyped_storage()
@@ -241,6 +259,7 @@ class _OffloadStore:
                 self.pin.drop()
             if self.prefetch_pin is not None:
                 self.prefetch_pin.drop()
+                self.frame._prefetch_pending -= self.nbytes
 
 
 def _modified_error(what: str, saved: int, now: int) -> RuntimeError:
@@ -626,7 +645,7 @@ class ActivationRuntime:
                 self.unpack_observer(store.key)
             if not store.frame.scheduled:
                 self._prefetch_before(store.frame, store)
-            return view_of(store.storage(), packed.meta)
+            return store.unpack(packed.meta)
         node = packed.node
         if node.state != packed.state:
             raise _modified_error(f"activation {node.key}", packed.state, node.state)
@@ -669,12 +688,19 @@ class ActivationRuntime:
         return None
 
     def _prefetch_before(self, frame: Frame, store: _OffloadStore) -> None:
-        budget = self.prefetch_bytes
-        for i in range(store.index - 1, -1, -1):
-            other = frame._offloads[i]()
-            if other is None:
-                continue
-            if budget < other.nbytes:
-                break
-            budget -= other.nbytes
-            other.prefetch(self.ledger)
+        # Backward meets a frame's stores in about reverse pack order: keep up to
+        # ``prefetch_bytes`` of reloads pending below the one being unpacked. A cursor makes
+        # this O(1) amortized per unpack; a new backward pass (retain_graph) starts it again.
+        task = torch._C._current_graph_task_id()
+        cursor = frame._prefetch_cursor
+        if cursor > store.index - 1 or task != frame._prefetch_task:
+            cursor = store.index - 1
+            frame._prefetch_task = task
+        while cursor >= 0:
+            other = frame._offloads[cursor]()
+            if other is not None:
+                if frame._prefetch_pending + other.nbytes > self.prefetch_bytes:
+                    break
+                other.prefetch(self.ledger)
+            cursor -= 1
+        frame._prefetch_cursor = cursor
