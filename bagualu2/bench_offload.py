@@ -13,7 +13,8 @@ from --min-size to --max-size (powers of --step) and both directions it measures
 
 Each figure is the median over repeated batches: a batch issues up to 64 copies of one source
 into distinct destinations back to back (32 MiB per batch for small sizes, one copy at 32 MiB
-and above) and waits once, for every method alike. Output: a
+and above) and waits once, for every method alike. The methods of one size run round-robin,
+one batch each per round, so drift in the machine's load affects them alike. Output: a
 table with the engine's ratio to the best baseline, a JSON file and a PNG plot.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -58,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step", type=int, default=4, help="size multiplier between points (default 4)")
     parser.add_argument("--backend", default="auto", help="auto|cpu|cuda|hip (default auto)")
     parser.add_argument("--min-time", type=float, default=0.2,
-                        help="seconds of copying per measurement, at least --min-iters copies")
+                        help="seconds of copying per method and size (round-robin), at least --min-iters batches")
     parser.add_argument("--min-iters", type=int, default=3)
     parser.add_argument("--max-iters", type=int, default=200)
     parser.add_argument("--chunk-bytes", type=parse_size, default=16 * MiB, help="engine chunk size")
@@ -67,18 +68,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _measure(fn: Callable[[], None], nbytes: int, args) -> dict:
-    """Median seconds of one call of `fn`, which moves `nbytes` bytes."""
-    fn()  # warm-up (first touch, lazy init)
-    times = []
+def _measure(fns: Sequence[Callable[[], None]], nbytes: int, args) -> list:
+    """Median seconds of one call of each of ``fns`` (each moves ``nbytes`` bytes), measured
+    round-robin, one call of each per round, so that the machine's state drifts over all of
+    them alike (on a shared machine it moves by tens of percent from second to second)."""
+    for fn in fns:
+        fn()  # warm-up (first touch, lazy init)
+    times: list = [[] for _ in fns]
     start = time.perf_counter()
-    while len(times) < args.max_iters and (len(times) < args.min_iters or
-                                           time.perf_counter() - start < args.min_time):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    med = statistics.median(times)
-    return {"seconds": med, "GBps": nbytes / med / 1e9, "iters": len(times)}
+    rounds = 0
+    while rounds < args.max_iters and (rounds < args.min_iters or
+                                       time.perf_counter() - start < args.min_time * len(fns)):
+        for fn, samples in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+        rounds += 1
+    out = []
+    for samples in times:
+        med = statistics.median(samples)
+        out.append({"seconds": med, "GBps": nbytes / med / 1e9, "iters": len(samples)})
+    return out
 
 
 def batch_size(n: int) -> int:
@@ -218,10 +228,9 @@ def run(args: argparse.Namespace) -> int:
             fn = _hip_memcpy(s, direction)
             if fn is not None:
                 plan.append((direction, "hip_memcpy", fn))
-        for direction, name, fn in plan:
-            if bar is not None:
-                bar.set_postfix_str(f"{human(n)} {direction} {name}")
-            m = _measure(fn, n * s.k, args)
+        if bar is not None:
+            bar.set_postfix_str(f"{human(n)}: {len(plan)} methods round-robin")
+        for (direction, name, _), m in zip(plan, _measure([fn for _, _, fn in plan], n * s.k, args)):
             m["batch"] = s.k
             if name == "save_on_cpu" and cpu_tensors:
                 m["note"] = "no copy: save_on_cpu keeps cpu tensors as they are"

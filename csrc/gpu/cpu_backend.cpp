@@ -29,6 +29,7 @@ constexpr std::size_t kPageBytes = 4096;
 constexpr std::size_t kParallelMinBytes = std::size_t{1} << 20;  // below: one memcpy
 constexpr std::size_t kPieceMinBytes = std::size_t{256} << 10;
 constexpr std::size_t kInlineMaxBytes = std::size_t{64} << 10;  // idle stream: copy in caller
+constexpr int kSpinMicros = 50;  // polling before a copy thread sleeps
 
 using Clock = std::chrono::steady_clock;
 
@@ -62,9 +63,13 @@ public:
         {
             std::lock_guard<std::mutex> lock(mutex_);
             jobs_.push_back(job);
+            queued_.fetch_add(1);
         }
         cv_.notify_all();
         run_pieces(*job);
+        if (spin_until([&] { return job->done.load() == job->pieces; })) {
+            return;
+        }
         std::unique_lock<std::mutex> lock(job->mutex);
         job->cv.wait(lock, [&] { return job->done.load() == job->pieces; });
     }
@@ -87,11 +92,25 @@ private:
 
     CopyPool() {
         const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
-        const unsigned count = std::min(8u, hw);
+        const unsigned count = std::min(8u, hw - 1);  // with the stream thread: one per core
         for (unsigned i = 0; i < count; ++i) {
             threads_.emplace_back([this] { worker(); });
             threads_.back().detach();
         }
+    }
+
+    // Copies arrive back to back and a piece lasts tens of microseconds, about what a sleeping
+    // thread takes to wake up: poll briefly before sleeping (as OpenMP's workers do).
+    template <typename Ready>
+    static bool spin_until(Ready ready) {
+        const auto until = Clock::now() + std::chrono::microseconds(kSpinMicros);
+        while (!ready()) {
+            if (Clock::now() >= until) {
+                return false;
+            }
+            std::this_thread::yield();
+        }
+        return true;
     }
 
     static void run_pieces(Job& job) {
@@ -113,12 +132,14 @@ private:
     void worker() {
         for (;;) {
             std::shared_ptr<Job> job;
+            spin_until([&] { return queued_.load() > 0; });
             {
                 std::unique_lock<std::mutex> lock(mutex_);
                 cv_.wait(lock, [&] { return !jobs_.empty(); });
                 job = jobs_.front();
                 if (job->next.load() >= job->pieces) {
                     jobs_.pop_front();  // exhausted: every piece is claimed
+                    queued_.fetch_sub(1);
                     continue;
                 }
             }
@@ -131,6 +152,7 @@ private:
     std::mutex mutex_;
     std::condition_variable cv_;
     std::deque<std::shared_ptr<Job>> jobs_;
+    std::atomic<std::size_t> queued_{0};  // jobs_.size(), readable without the lock
 };
 
 // ---------------------------------------------------------------------------------------------
