@@ -13,8 +13,9 @@ from --min-size to --max-size (powers of --step) and both directions it measures
 
 Each figure is the median over repeated batches: a batch issues up to 64 copies of one source
 into distinct destinations back to back (32 MiB per batch for small sizes, one copy at 32 MiB
-and above) and waits once, for every method alike. The methods of one size run round-robin,
-one batch each per round, so drift in the machine's load affects them alike. Output: a
+and above) and waits once, for every method alike. The methods of one size take turns in
+blocks over several passes (--passes), so drift in the machine's load affects them alike
+while each block runs undisturbed by the others' threads. Output: a
 table with the engine's ratio to the best baseline, a JSON file and a PNG plot.
 """
 from __future__ import annotations
@@ -59,9 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step", type=int, default=4, help="size multiplier between points (default 4)")
     parser.add_argument("--backend", default="auto", help="auto|cpu|cuda|hip (default auto)")
     parser.add_argument("--min-time", type=float, default=0.2,
-                        help="seconds of copying per method and size (round-robin), at least --min-iters batches")
+                        help="seconds of copying per method and size, at least --min-iters batches per pass")
     parser.add_argument("--min-iters", type=int, default=3)
     parser.add_argument("--max-iters", type=int, default=200)
+    parser.add_argument("--passes", type=int, default=3,
+                        help="rounds in which every method runs its block of batches (drift reaches all alike)")
     parser.add_argument("--chunk-bytes", type=parse_size, default=16 * MiB, help="engine chunk size")
     parser.add_argument("--out", default="out/bench_offload", help="output path prefix (.json, .png)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -69,21 +72,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _measure(fns: Sequence[Callable[[], None]], nbytes: int, args) -> list:
-    """Median seconds of one call of each of ``fns`` (each moves ``nbytes`` bytes), measured
-    round-robin, one call of each per round, so that the machine's state drifts over all of
-    them alike (on a shared machine it moves by tens of percent from second to second)."""
+    """Median seconds of one call of each of ``fns`` (each moves ``nbytes`` bytes).
+
+    The methods take turns in blocks: ``--passes`` rounds, in each of which every method runs
+    back to back for its share of ``--min-time``. Drift in the machine's load (tens of percent
+    from second to second on a shared machine) then reaches every method alike, while within a
+    block a method runs as it would alone: run one call at a time round-robin instead and, on a
+    machine with few cores, torch's OpenMP workers, which spin for a while after each parallel
+    copy, take a core from the engine's copy threads that run next.
+    """
     for fn in fns:
         fn()  # warm-up (first touch, lazy init)
     times: list = [[] for _ in fns]
-    start = time.perf_counter()
-    rounds = 0
-    while rounds < args.max_iters and (rounds < args.min_iters or
-                                       time.perf_counter() - start < args.min_time * len(fns)):
+    share = args.min_time / max(1, args.passes)
+    for _ in range(max(1, args.passes)):
         for fn, samples in zip(fns, times):
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
-        rounds += 1
+            start = time.perf_counter()
+            count = 0
+            while count < args.max_iters and (count < args.min_iters or time.perf_counter() - start < share):
+                t0 = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t0)
+                count += 1
     out = []
     for samples in times:
         med = statistics.median(samples)
