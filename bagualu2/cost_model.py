@@ -25,6 +25,7 @@ the micro-batches that stack behind this one widen the offload window.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -72,7 +73,8 @@ class OpCost:
     layer: Optional[int]      # MoE layer whose expert drives it, or None (constant)
     expert: Optional[int]
     bytes: _Fit = field(default_factory=_Fit)
-    seconds: _Fit = field(default_factory=_Fit)
+    seconds: _Fit = field(default_factory=_Fit)  # the op itself, timed in profiled forwards
+    replay: _Fit = field(default_factory=_Fit)   # what rebuilding it cost in backward (measured)
     recomputable: bool = True
 
 
@@ -83,16 +85,27 @@ class CostModel:
         expert_prefixes: for each MoE layer index, the module path prefix of its experts
             (e.g. ``{0: "layers.0.moe.experts."}``).
         d2h_bandwidth, h2d_bandwidth: copy engine bandwidth in bytes per second.
+        copy_fixed_s: (offload, reload) seconds every copy costs besides its bytes (submission,
+            the reload's fresh device buffer, the wait).
+        copies_overlap: whether copies run beside compute (a GPU's copy engines). On the cpu
+            backend the copy threads share the cores with compute: copy time is never hidden,
+            and the copy windows are zero.
     """
 
     def __init__(self, expert_prefixes: Mapping[int, str], d2h_bandwidth: float = 10e9,
-                 h2d_bandwidth: float = 10e9) -> None:
+                 h2d_bandwidth: float = 10e9, copy_fixed_s: Tuple[float, float] = (0.0, 0.0),
+                 copies_overlap: bool = True) -> None:
         if d2h_bandwidth <= 0 or h2d_bandwidth <= 0:
             raise ValueError(f"bandwidths must be > 0, got {d2h_bandwidth=}, {h2d_bandwidth=}")
+        if min(copy_fixed_s) < 0:
+            raise ValueError(f"copy_fixed_s={copy_fixed_s} must be >= 0")
         self.expert_prefixes = dict(expert_prefixes)
         self.d2h_bandwidth = d2h_bandwidth
         self.h2d_bandwidth = h2d_bandwidth
+        self.copy_fixed_s = (float(copy_fixed_s[0]), float(copy_fixed_s[1]))
+        self.copies_overlap = copies_overlap
         self.ops: Dict[str, OpCost] = {}
+        self._replay_ratios: List[float] = []  # measured replay / profiled op time, latest 64
         self.order: List[str] = []           # keys in the order a micro-batch first saves them
         self.forward_seconds = 0.0           # measured forward time of one micro-batch
         self.frames = 0
@@ -133,6 +146,32 @@ class CostModel:
         self.forward_seconds = (forward_seconds if self.frames == 0
                                 else 0.5 * (self.forward_seconds + forward_seconds))
         self.frames += 1
+
+    def observe_replays(self, replays: Mapping[str, Tuple[float, int]],
+                        counts: Mapping[int, Sequence[int]]) -> None:
+        """Learn what recomputing cost in backward: ``replays`` maps a key to (seconds, count)
+        of its rebuilds (the op, the inputs it had to rebuild first, the replay's own work)."""
+        for key, (seconds, n) in replays.items():
+            op = self.ops.get(key)
+            if op is None or n <= 0:
+                continue
+            tokens = self._tokens(op, counts)
+            each = seconds / n
+            op.replay.add(tokens, each)
+            profiled = op.seconds(tokens)
+            if profiled > 0:
+                self._replay_ratios.append(each / profiled)
+        del self._replay_ratios[:-64]
+
+    def recompute_seconds(self, key: str, counts: Mapping[int, Sequence[int]]) -> float:
+        """Predicted backward cost of recomputing ``key``: its measured replays when there are
+        any; otherwise the profiled op time scaled by what replays cost relative to it so far."""
+        op = self.ops[key]
+        tokens = self._tokens(op, counts)
+        if op.replay.samples:
+            return op.replay(tokens)
+        factor = statistics.median(self._replay_ratios) if self._replay_ratios else 1.0
+        return op.seconds(tokens) * factor
 
     @staticmethod
     def _tokens(op: OpCost, counts: Mapping[int, Sequence[int]]) -> float:
@@ -176,9 +215,9 @@ class CostModel:
             out.append(Candidate(
                 key=key,
                 nbytes=nbytes,
-                recompute_s=op.seconds(tokens),
-                offload_s=nbytes / self.d2h_bandwidth,
-                reload_s=nbytes / self.h2d_bandwidth,
+                recompute_s=self.recompute_seconds(key, counts),
+                offload_s=self.copy_fixed_s[0] + nbytes / self.d2h_bandwidth,
+                reload_s=self.copy_fixed_s[1] + nbytes / self.h2d_bandwidth,
                 can_offload=can_offload,
                 can_recompute=op.recomputable,
             ))
@@ -192,5 +231,7 @@ class CostModel:
             stacked_forwards: forwards of other micro-batches that run before this one's
                 backward (pipeline warm-up); their compute hides offloads too.
         """
+        if not self.copies_overlap:
+            return 0.0, 0.0
         fwd = self.forward_seconds
         return fwd * (max(0.0, remaining_fraction) + stacked_forwards), 2.0 * fwd

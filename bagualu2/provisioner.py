@@ -132,7 +132,8 @@ class Provisioner:
         self.cache = PlanCache()
         self.gates: List[GateSpec] = list(gates) if gates is not None else find_gates(model)
         self.cost = CostModel({g.layer: f"{g.block_name}.experts." if g.block_name else "experts."
-                               for g in self.gates}, *self._bandwidth())
+                               for g in self.gates}, *self._copy_costs(),
+                              copies_overlap=self.device.type != "cpu")
         self._hooks: List[Any] = self.runtime.attach(model)
         for spec in self.gates:
             self._hooks.append(spec.module.register_forward_hook(self._gate_hook(spec)))
@@ -167,24 +168,32 @@ class Provisioner:
             arena_bytes = min(max(256 << 20, 2 * (self.budget or 0)), 8 << 30)
         return CopyEngine(HostArena(arena_bytes, backend), backend)
 
-    def _bandwidth(self) -> tuple:
-        """Measure the copy engine once (8 MiB each way) for the cost model."""
-        probe = torch.empty(8 << 20, dtype=torch.uint8, device=self.device)
-        best = [math.inf, math.inf]
-        for _ in range(3):
-            t0 = time.perf_counter()
-            handle = self.engine.offload(probe)
-            if handle is None:
-                return 1e9, 1e9
-            handle.wait()
-            t1 = time.perf_counter()
-            self.engine.reload(handle, out=probe)
-            if probe.is_cuda:
-                torch.cuda.current_stream(probe.device).synchronize()
-            t2 = time.perf_counter()
-            handle.release()
-            best = [min(best[0], t1 - t0), min(best[1], t2 - t1)]
-        return probe.numel() / best[0], probe.numel() / best[1]
+    def _copy_costs(self) -> tuple:
+        """Measure the copy engine's path as the runtime uses it (offload, wait; reload into a
+        fresh device buffer) at 64 KiB and 8 MiB: bandwidth per direction from the difference,
+        the rest of the small copy's time as a fixed cost per copy."""
+        times = {}
+        for nbytes in (64 << 10, 8 << 20):
+            probe = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            samples: List[tuple] = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                handle = self.engine.offload(probe)
+                if handle is None:
+                    return 1e9, 1e9, (0.0, 0.0)
+                handle.wait()
+                t1 = time.perf_counter()
+                back = self.engine.reload(handle)
+                if back.is_cuda:
+                    torch.cuda.current_stream(back.device).synchronize()
+                t2 = time.perf_counter()
+                handle.release()
+                samples.append((t1 - t0, t2 - t1))
+            times[nbytes] = [statistics.median(s[i] for s in samples) for i in (0, 1)]
+        small, big = times[64 << 10], times[8 << 20]
+        bandwidth = [((8 << 20) - (64 << 10)) / max(1e-9, big[i] - small[i]) for i in (0, 1)]
+        fixed = [max(0.0, small[i] - (64 << 10) / bandwidth[i]) for i in (0, 1)]
+        return bandwidth[0], bandwidth[1], (fixed[0], fixed[1])
 
     # -- public API -------------------------------------------------------------------------
     def register_gate(self, module: torch.nn.Module, num_experts: int,
@@ -357,6 +366,9 @@ class Provisioner:
             return self._run_frame(args, kwargs, conservative=True)
 
     def _run_frame(self, args: tuple, kwargs: dict, conservative: bool) -> Any:
+        replays = self.runtime.take_replay_times()
+        if replays:  # what the backward passes since the last frame paid to recompute
+            self.cost.observe_replays(replays, self.mean_counts())
         frame = self._new_frame(conservative)
         self._frame_counts = {}
         self._frame_predicted = 0

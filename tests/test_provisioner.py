@@ -290,3 +290,48 @@ def test_tight_budget_keeps_tracing() -> None:
     for i in range(4):
         step(model, i)
     assert prov.report()["decisions"] >= 2 * 2  # frames 2 and 3 decided at both gates
+
+
+# -- cost model: what copies and recomputes really cost ------------------------------------------
+def test_cost_model_copies_on_cpu_are_never_hidden_and_pay_a_fixed_cost() -> None:
+    from bagualu2.cost_model import CostModel
+
+    cost = CostModel({}, d2h_bandwidth=1e9, h2d_bandwidth=2e9, copy_fixed_s=(1e-4, 2e-4), copies_overlap=False)
+    cost.observe({"a:op:0": (10**6, 1e-3, True)}, {}, forward_seconds=0.05)
+    (cand,), _ = cost.candidates(["a:op:0"], {}, min_bytes=0, can_offload=True)
+    assert cand.offload_s == pytest.approx(1e-4 + 1e-3) and cand.reload_s == pytest.approx(2e-4 + 5e-4)
+    assert cost.windows(1.0, stacked_forwards=3) == (0.0, 0.0)
+    overlapping = CostModel({}, copies_overlap=True)
+    overlapping.observe({"a:op:0": (10**6, 1e-3, True)}, {}, forward_seconds=0.05)
+    assert overlapping.windows(1.0) == (pytest.approx(0.05), pytest.approx(0.1))
+    with pytest.raises(ValueError, match="copy_fixed_s"):
+        CostModel({}, copy_fixed_s=(-1.0, 0.0))
+
+
+def test_cost_model_learns_recompute_cost_from_measured_replays() -> None:
+    from bagualu2.cost_model import CostModel
+
+    cost = CostModel({})
+    cost.observe({"a:op:0": (1000, 1e-3, True), "b:op:0": (1000, 2e-3, True)}, {}, forward_seconds=0.01)
+    assert cost.recompute_seconds("b:op:0", {}) == pytest.approx(2e-3)  # nothing measured: profiled time
+    cost.observe_replays({"a:op:0": (9e-3, 3)}, {})  # three rebuilds of a, 3 ms each
+    assert cost.recompute_seconds("a:op:0", {}) == pytest.approx(3e-3)
+    # b was never rebuilt: its profiled time scaled by what replays cost relative to profiles
+    assert cost.recompute_seconds("b:op:0", {}) == pytest.approx(6e-3)
+
+
+def test_runtime_measures_each_backward_rebuild_and_the_provisioner_feeds_the_cost_model() -> None:
+    model = make_model()
+    prov = bagualu2.enable(model, budget=None, policy="recompute_all", min_bytes=0)
+    step(model, 0)
+    replays = prov.runtime.take_replay_times()
+    assert replays and all(s > 0 and n >= 1 for s, n in replays.values())
+    assert prov.runtime.take_replay_times() == {}  # taken: counting starts again
+    # Adaptive under a tight budget recomputes some activations; the next micro-batch hands
+    # the measured rebuilds to the cost model.
+    model = make_model()
+    adaptive = bagualu2.enable(model, budget=keep_all_peak(model) // 2, min_bytes=0)
+    for i in range(adaptive.profile_frames + 3):
+        step(model, i)
+    learned = [k for k, op in adaptive.cost.ops.items() if op.replay.samples]
+    assert learned, adaptive.report()["saved_bytes_by_choice"]

@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Set, Tuple
@@ -335,6 +336,7 @@ class ActivationRuntime:
         # of every released activation backward unpacks (bagualu2.overlap.OverlapDriver).
         self.frame_observer: Optional[Callable[[Frame], None]] = None
         self.unpack_observer: Optional[Callable[[str], None]] = None
+        self._replays: Dict[str, List[Any]] = {}  # key -> [seconds, count] of backward rebuilds
 
     # -- frames -----------------------------------------------------------------------------
     @property
@@ -651,9 +653,23 @@ class ActivationRuntime:
             raise _modified_error(f"activation {node.key}", packed.state, node.state)
         if self.unpack_observer is not None:
             self.unpack_observer(node.key)
+        start = time.perf_counter()
         node.cache.bind_to_backward()
         node.cache.evict_after(node.position)
-        return view_of(Replayer(self._available).storage(node, packed.state), packed.meta)
+        out = view_of(Replayer(self._available).storage(node, packed.state), packed.meta)
+        entry = self._replays.get(node.key)
+        if entry is None:
+            entry = self._replays[node.key] = [0.0, 0]
+        entry[0] += time.perf_counter() - start
+        entry[1] += 1
+        return out
+
+    def take_replay_times(self) -> Dict[str, Tuple[float, int]]:
+        """Seconds and count of backward rebuilds per operator key since the last call (what
+        recomputing really cost: the op, inputs rebuilt first, the replay's own work)."""
+        out = {k: (v[0], v[1]) for k, v in self._replays.items()}
+        self._replays.clear()
+        return out
 
     def recompute_ahead(self, node: StorageNode, state: int) -> _Pin:
         """Rebuild a released storage now, before backward needs it, into its frame's recompute
