@@ -74,7 +74,6 @@ class OpCost:
     expert: Optional[int]
     bytes: _Fit = field(default_factory=_Fit)
     seconds: _Fit = field(default_factory=_Fit)  # the op itself, timed in profiled forwards
-    replay: _Fit = field(default_factory=_Fit)   # what rebuilding it cost in backward (measured)
     recomputable: bool = True
 
 
@@ -105,7 +104,8 @@ class CostModel:
         self.copy_fixed_s = (float(copy_fixed_s[0]), float(copy_fixed_s[1]))
         self.copies_overlap = copies_overlap
         self.ops: Dict[str, OpCost] = {}
-        self._replay_ratios: List[float] = []  # measured replay / profiled op time, latest 64
+        self.replay_factor = 1.0  # what backward rebuilds cost per second of profiled op time
+        self.copy_factor = 1.0  # what an offload and its reload cost per second of predicted copy time
         self.order: List[str] = []           # keys in the order a micro-batch first saves them
         self.forward_seconds = 0.0           # measured forward time of one micro-batch
         self.frames = 0
@@ -149,29 +149,35 @@ class CostModel:
 
     def observe_replays(self, replays: Mapping[str, Tuple[float, int]],
                         counts: Mapping[int, Sequence[int]]) -> None:
-        """Learn what recomputing cost in backward: ``replays`` maps a key to (seconds, count)
-        of its rebuilds (the op, the inputs it had to rebuild first, the replay's own work)."""
+        """Learn what recomputing costs in backward: ``replays`` maps a key to (seconds, count)
+        of its rebuilds. A rebuild also pays for the inputs it must rebuild first and for the
+        replay's own work, and which key pays for a shared input depends on the plan, so one
+        factor is learned for all keys: measured seconds per second of profiled op time
+        (smoothed over observations)."""
+        measured = profiled = 0.0
         for key, (seconds, n) in replays.items():
             op = self.ops.get(key)
             if op is None or n <= 0:
                 continue
-            tokens = self._tokens(op, counts)
-            each = seconds / n
-            op.replay.add(tokens, each)
-            profiled = op.seconds(tokens)
-            if profiled > 0:
-                self._replay_ratios.append(each / profiled)
-        del self._replay_ratios[:-64]
+            measured += seconds
+            profiled += n * op.seconds(self._tokens(op, counts))
+        if measured > 0 and profiled > 0:
+            self.replay_factor = 0.5 * (self.replay_factor + measured / profiled)
+
+    def observe_copies(self, seconds: float, copies: int, nbytes: int) -> None:
+        """Learn what offloads cost: ``seconds`` of work they caused (the caller's submissions
+        and waits, and on the cpu backend the copy threads' time, which the cores give up to
+        them) for ``copies`` offloads of ``nbytes`` in all, against the predicted copy time."""
+        predicted = (copies * (self.copy_fixed_s[0] + self.copy_fixed_s[1])
+                     + nbytes / self.d2h_bandwidth + nbytes / self.h2d_bandwidth)
+        if seconds > 0 and predicted > 0:
+            self.copy_factor = 0.5 * (self.copy_factor + seconds / predicted)
 
     def recompute_seconds(self, key: str, counts: Mapping[int, Sequence[int]]) -> float:
-        """Predicted backward cost of recomputing ``key``: its measured replays when there are
-        any; otherwise the profiled op time scaled by what replays cost relative to it so far."""
+        """Predicted backward cost of recomputing ``key``: its profiled op time times the
+        measured ``replay_factor``."""
         op = self.ops[key]
-        tokens = self._tokens(op, counts)
-        if op.replay.samples:
-            return op.replay(tokens)
-        factor = statistics.median(self._replay_ratios) if self._replay_ratios else 1.0
-        return op.seconds(tokens) * factor
+        return op.seconds(self._tokens(op, counts)) * self.replay_factor
 
     @staticmethod
     def _tokens(op: OpCost, counts: Mapping[int, Sequence[int]]) -> float:
@@ -216,8 +222,8 @@ class CostModel:
                 key=key,
                 nbytes=nbytes,
                 recompute_s=self.recompute_seconds(key, counts),
-                offload_s=self.copy_fixed_s[0] + nbytes / self.d2h_bandwidth,
-                reload_s=self.copy_fixed_s[1] + nbytes / self.h2d_bandwidth,
+                offload_s=self.copy_factor * (self.copy_fixed_s[0] + nbytes / self.d2h_bandwidth),
+                reload_s=self.copy_factor * (self.copy_fixed_s[1] + nbytes / self.h2d_bandwidth),
                 can_offload=can_offload,
                 can_recompute=op.recomputable,
             ))

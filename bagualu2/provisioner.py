@@ -152,6 +152,7 @@ class Provisioner:
         self._worst_bytes: Optional[int] = None  # saved bytes of the worst possible routing
         self._latencies_us: List[float] = []
         self.overlap: Any = None  # an OverlapDriver on a pipeline rank (pipeline.enable_bagualu2)
+        self._copy_busy = 0.0  # the copy engine's busy seconds when copies were last observed
         self._static: Optional[Dict[str, Choice]] = None
         if isinstance(policy, Plan):
             self._static = dict(policy.choices)
@@ -369,6 +370,14 @@ class Provisioner:
         replays = self.runtime.take_replay_times()
         if replays:  # what the backward passes since the last frame paid to recompute
             self.cost.observe_replays(replays, self.mean_counts())
+        seconds, copies, nbytes = self.runtime.take_copy_times()
+        if copies and self.engine is not None:  # ... and to offload and reload
+            if not self.cost.copies_overlap:  # cpu: the copy threads' time is the cores' time
+                stats = self.engine.stats()
+                busy = stats["d2h_busy_s"] + stats["h2d_busy_s"]
+                seconds += busy - self._copy_busy
+                self._copy_busy = busy
+            self.cost.observe_copies(seconds, copies, nbytes)
         frame = self._new_frame(conservative)
         self._frame_counts = {}
         self._frame_predicted = 0

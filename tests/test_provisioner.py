@@ -314,13 +314,26 @@ def test_cost_model_learns_recompute_cost_from_measured_replays() -> None:
     cost = CostModel({})
     cost.observe({"a:op:0": (1000, 1e-3, True), "b:op:0": (1000, 2e-3, True)}, {}, forward_seconds=0.01)
     assert cost.recompute_seconds("b:op:0", {}) == pytest.approx(2e-3)  # nothing measured: profiled time
-    cost.observe_replays({"a:op:0": (9e-3, 3)}, {})  # three rebuilds of a, 3 ms each
-    assert cost.recompute_seconds("a:op:0", {}) == pytest.approx(3e-3)
-    # b was never rebuilt: its profiled time scaled by what replays cost relative to profiles
-    assert cost.recompute_seconds("b:op:0", {}) == pytest.approx(6e-3)
+    cost.observe_replays({"a:op:0": (9e-3, 3)}, {})  # three rebuilds of a at 3 ms: 3x its profile
+    assert cost.replay_factor == pytest.approx(2.0)  # smoothed: halfway from 1 to 3
+    assert cost.recompute_seconds("a:op:0", {}) == pytest.approx(2e-3)
+    assert cost.recompute_seconds("b:op:0", {}) == pytest.approx(4e-3)
+    cost.observe_replays({"unknown:op:0": (1.0, 1)}, {})  # keys the model does not know: ignored
+    assert cost.replay_factor == pytest.approx(2.0)
 
 
-def test_runtime_measures_each_backward_rebuild_and_the_provisioner_feeds_the_cost_model() -> None:
+def test_cost_model_learns_what_offloads_cost() -> None:
+    from bagualu2.cost_model import CostModel
+
+    cost = CostModel({}, d2h_bandwidth=1e9, h2d_bandwidth=1e9, copy_fixed_s=(1e-4, 1e-4))
+    cost.observe({"a:op:0": (10**6, 1e-3, True)}, {}, forward_seconds=0.05)
+    cost.observe_copies(seconds=2 * 3 * (2e-4 + 2e-3), copies=2, nbytes=2 * 10**6)  # 3x the prediction
+    assert cost.copy_factor == pytest.approx(2.0)  # smoothed: halfway from 1 to 3
+    (cand,), _ = cost.candidates(["a:op:0"], {}, min_bytes=0, can_offload=True)
+    assert cand.offload_s == pytest.approx(2 * (1e-4 + 1e-3)) and cand.reload_s == pytest.approx(2 * (1e-4 + 1e-3))
+
+
+def test_runtime_measures_rebuilds_and_copies_and_the_provisioner_feeds_the_cost_model() -> None:
     model = make_model()
     prov = bagualu2.enable(model, budget=None, policy="recompute_all", min_bytes=0)
     step(model, 0)
@@ -333,5 +346,9 @@ def test_runtime_measures_each_backward_rebuild_and_the_provisioner_feeds_the_co
     adaptive = bagualu2.enable(model, budget=keep_all_peak(model) // 2, min_bytes=0)
     for i in range(adaptive.profile_frames + 3):
         step(model, i)
-    learned = [k for k, op in adaptive.cost.ops.items() if op.replay.samples]
-    assert learned, adaptive.report()["saved_bytes_by_choice"]
+    assert adaptive.report()["saved_bytes_by_choice"]["recompute"] > 0
+    assert adaptive.cost.replay_factor != 1.0
+    offloading = bagualu2.enable(make_model(), budget=None, policy="offload_all", min_bytes=0)
+    step(offloading.model, 0)
+    seconds, copies, nbytes = offloading.runtime.take_copy_times()
+    assert seconds > 0 and copies > 0 and nbytes >= copies

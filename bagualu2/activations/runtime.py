@@ -337,6 +337,7 @@ class ActivationRuntime:
         self.frame_observer: Optional[Callable[[Frame], None]] = None
         self.unpack_observer: Optional[Callable[[str], None]] = None
         self._replays: Dict[str, List[Any]] = {}  # key -> [seconds, count] of backward rebuilds
+        self._copies: List[Any] = [0.0, 0, 0]  # caller seconds, offloads, bytes (take_copy_times)
 
     # -- frames -----------------------------------------------------------------------------
     @property
@@ -610,6 +611,14 @@ class ActivationRuntime:
                  meta: ViewMeta) -> Optional[_Offloaded]:
         if self.engine is None:
             return None
+        start = time.perf_counter()
+        try:
+            return self._offload_in(frame, node, storage, state, meta)
+        finally:
+            self._copies[0] += time.perf_counter() - start
+
+    def _offload_in(self, frame: Frame, node: StorageNode, storage: torch.UntypedStorage, state: int,
+                    meta: ViewMeta) -> Optional[_Offloaded]:
         source = torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage)
         handle = self.engine.offload(source)
         if handle is None:
@@ -627,6 +636,8 @@ class ActivationRuntime:
         node.offloaded[state] = store
         frame.stats.offloaded_storages += 1
         frame.stats.bytes_by_choice["offload"] += node.nbytes
+        self._copies[1] += 1
+        self._copies[2] += node.nbytes
         return _Offloaded(store, meta, node, state)
 
     # -- unpack -----------------------------------------------------------------------------
@@ -645,9 +656,12 @@ class ActivationRuntime:
             store = packed.store
             if self.unpack_observer is not None:
                 self.unpack_observer(store.key)
+            start = time.perf_counter()
             if not store.frame.scheduled:
                 self._prefetch_before(store.frame, store)
-            return store.unpack(packed.meta)
+            out = store.unpack(packed.meta)
+            self._copies[0] += time.perf_counter() - start
+            return out
         node = packed.node
         if node.state != packed.state:
             raise _modified_error(f"activation {node.key}", packed.state, node.state)
@@ -662,6 +676,14 @@ class ActivationRuntime:
             entry = self._replays[node.key] = [0.0, 0]
         entry[0] += time.perf_counter() - start
         entry[1] += 1
+        return out
+
+    def take_copy_times(self) -> Tuple[float, int, int]:
+        """Seconds the calling thread spent offloading (submitting, waiting for room) and
+        reloading (submitting, waiting, prefetching), with the number and bytes of offloads,
+        since the last call."""
+        out = (self._copies[0], self._copies[1], self._copies[2])
+        self._copies = [0.0, 0, 0]
         return out
 
     def take_replay_times(self) -> Dict[str, Tuple[float, int]]:
