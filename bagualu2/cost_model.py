@@ -25,7 +25,6 @@ the micro-batches that stack behind this one widen the offload window.
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 

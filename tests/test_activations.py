@@ -5,7 +5,7 @@ Every test compares against the same model run by plain PyTorch, bit for bit.
 from __future__ import annotations
 
 import gc
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -229,7 +229,7 @@ def test_backward_prefetch_stays_in_its_window_in_every_pass(engine: CopyEngine,
     h.runtime.prefetch_bytes = window_stores * largest
     pending: List[Tuple[int, int]] = []  # (pass, bytes prefetched and not used) at each unpack
     passes = [0]
-    h.runtime.unpack_observer = lambda key: pending.append((passes[0], frame._prefetch_pending))
+    h.runtime.unpack_observer = lambda key, f=frame: pending.append((passes[0], f._prefetch_pending))
     for passes[0] in (1, 2):
         model.zero_grad(set_to_none=True)
         loss.backward(retain_graph=passes[0] == 1)

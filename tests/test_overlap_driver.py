@@ -8,7 +8,7 @@ of plain PyTorch running the same sequence.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ import torch
 from bagualu2.activations import ActivationRuntime, Frame
 from bagualu2.models import MoEConfig, MoETransformer
 from bagualu2.offload import CopyEngine, HostArena
-from bagualu2.overlap import OverlapDriver, OverlapScheduler, Schedule, TaskKind
+from bagualu2.overlap import OverlapDriver, Schedule, TaskKind
 from bagualu2.planner import Choice
 
 SEEDS = (11, 12)  # dropout seeds of micro-batches A and B

@@ -76,8 +76,8 @@ def _policies(spec: str) -> List[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Run one simulation from parsed ``args``; prints the table. Returns the exit status."""
-    from bagualu2.sim.clusters import describe_clusters, get_cluster
-    from bagualu2.sim.models import describe_models, get_model
+    from bagualu2.sim.clusters import describe_clusters
+    from bagualu2.sim.models import describe_models
 
     if args.list:
         print("models:")

@@ -305,7 +305,6 @@ class Simulator:
             raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
         state = {} if state is None else state
         n = load.shape[0]
-        lay, model = self.layout, self.model
         fwd: Dict[tuple, np.ndarray] = {}
         bwd: Dict[tuple, np.ndarray] = {}
         peak = np.zeros((self.pp, n))
