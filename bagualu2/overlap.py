@@ -190,7 +190,8 @@ class OverlapScheduler:
         return Schedule(tuple(issue), tuple(early), feasible, exposed, peak, merged, hit)
 
     def cache_stats(self) -> Dict[str, float]:
-        """``{"hits", "misses", "hit_rate", "mean_lookup_us", "size"}``."""
+        """``{"hits", "misses", "hit_rate", "mean_lookup_us", "evictions", "size", "capacity"}``
+        (the same figures as ``PlanCache.stats()``)."""
         return self._impl.cache_stats()
 
     def clear_cache(self) -> None:
@@ -286,7 +287,6 @@ class PairProblem:
 
     Attributes:
         ops, tasks: the DP's input (module docstring).
-        keys: operator keys of the backward frame, in forward order.
         bubble: index of the bubble op, or None when the measured gap was too short.
         backward_op: operator key -> index of the backward op that consumes it.
         targets: per task, what it acts on: the stores to reload (RELOAD, in backward order),
@@ -300,7 +300,6 @@ class PairProblem:
 
     ops: List[OverlapOp]
     tasks: List[OverlapTask]
-    keys: List[str]
     bubble: Optional[int]
     backward_op: Dict[str, int]
     targets: List[Any]
@@ -472,7 +471,7 @@ class OverlapDriver:
             tasks.append(OverlapTask(TaskKind.RECOMPUTE, c, sum(x[2] for x in group),
                                      sum(x[0].nbytes for x in group)))
             targets.append([(node, state) for node, state, _ in group])
-        problem = PairProblem(ops, tasks, keys, bubble, backward_op, targets, 0, segment_of, segment_end)
+        problem = PairProblem(ops, tasks, bubble, backward_op, targets, 0, segment_of, segment_end)
         if self.budget_bytes is not None:
             problem.budget_bytes = int(self.budget_bytes)
         else:  # no budget: overlap without raising the peak that lazy issue has
@@ -552,7 +551,6 @@ class OverlapDriver:
 
     # -- issue points ----------------------------------------------------------------------
     def _on_frame(self, frame: Any) -> None:
-        frame.tag = self._running
         if self._running is not None:
             self._frames[self._running] = frame  # a Frame holds only weak references to its data
         pair = self._pair

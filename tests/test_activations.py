@@ -123,12 +123,15 @@ class ViewsCastsShared(torch.nn.Module):
         return (t.t().relu() * y).sum() + z.sum() + (w * c).sum()
 
 
-@pytest.mark.parametrize("choice", list(Choice))
-def test_exactness_views_casts_shared_storage(engine: CopyEngine, choice: Choice) -> None:
+def views_casts_shared(engine: CopyEngine) -> Tuple[ViewsCastsShared, torch.Tensor, Harness]:
     torch.manual_seed(0)
     model = ViewsCastsShared()
-    x = torch.randn(32, 16)
-    h = Harness(model, engine)
+    return model, torch.randn(32, 16), Harness(model, engine)
+
+
+@pytest.mark.parametrize("choice", list(Choice))
+def test_exactness_views_casts_shared_storage(engine: CopyEngine, choice: Choice) -> None:
+    model, x, h = views_casts_shared(engine)
     reference = loss_and_grads(model, h.forward(x, None))
     frame = Frame(default=choice)
     assert_bitwise(reference, loss_and_grads(model, h.forward(x, frame)))
@@ -137,10 +140,7 @@ def test_exactness_views_casts_shared_storage(engine: CopyEngine, choice: Choice
 
 
 def test_shared_storage_is_offloaded_once(engine: CopyEngine) -> None:
-    torch.manual_seed(0)
-    model = ViewsCastsShared()
-    x = torch.randn(32, 16)
-    h = Harness(model, engine)
+    model, x, h = views_casts_shared(engine)
     frame = Frame(default=Choice.OFFLOAD)
     before = engine.arena.stats()["num_allocs"]
     loss = h.forward(x, frame)
@@ -152,10 +152,7 @@ def test_shared_storage_is_offloaded_once(engine: CopyEngine) -> None:
 
 
 def test_cast_of_stored_activation_is_regenerated(engine: CopyEngine) -> None:
-    torch.manual_seed(0)
-    model = ViewsCastsShared()
-    x = torch.randn(32, 16)
-    h = Harness(model, engine)
+    model, x, h = views_casts_shared(engine)
     reference = loss_and_grads(model, h.forward(x, None))
     frame = Frame(default=Choice.KEEP)
     result = loss_and_grads(model, h.forward(x, frame))

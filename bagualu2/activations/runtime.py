@@ -162,13 +162,12 @@ class Frame:
         # is waiting for: the schedule issues them.
         self.on_saved: Optional[Callable[[str], None]] = None
         self.scheduled = False
-        self.tag: Any = None  # who runs this frame (a pipeline's (stage, micro-batch))
-        self._due: List[str] = []
         self._offloads: List["weakref.ref[_OffloadStore]"] = []
         self._prefetch_cursor = 1 << 62  # next store index backward may prefetch (lazy issue)
         self._prefetch_task = -1  # the backward pass the cursor belongs to
         self._prefetch_pending = 0  # bytes prefetched and not used yet
-        self._recomputes: List[Tuple[str, "weakref.ref[StorageNode]", int]] = []  # released by recompute
+        # released by recompute; recorded only while an overlap driver observes frames
+        self._recomputes: List[Tuple[str, "weakref.ref[StorageNode]", int]] = []
         self._anchors: List[StorageNode] = []
 
     def choice(self, key: str) -> Choice:
@@ -493,11 +492,10 @@ class ActivationRuntime:
             return _Kept(t if t.grad_fn is None else t.detach(), None)
         self.mode.suspended += 1  # the runtime's own ops are not part of the model
         try:
+            seen = len(frame.keys_seen)
             packed = self._pack_in(frame, t)
-            if frame._due:
-                due, frame._due = frame._due, []
-                for key in due:
-                    frame.on_saved(key)
+            if frame.on_saved is not None and len(frame.keys_seen) > seen:
+                frame.on_saved(next(reversed(frame.keys_seen)))  # _pack_in adds at most one key
             return packed
         finally:
             self.mode.suspended -= 1
@@ -521,10 +519,7 @@ class ActivationRuntime:
                     return self._violate(frame, t, f"a saved input of shape {tuple(t.shape)}")
             return self._keep(frame, t, "leaf")
         nbytes = node.nbytes
-        if node.key not in frame.keys_seen:
-            frame.keys_seen[node.key] = nbytes
-            if frame.on_saved is not None:
-                frame._due.append(node.key)
+        frame.keys_seen.setdefault(node.key, nbytes)
         if nbytes < self.min_bytes and not self._over_budget(storage):
             return self._keep(frame, t, node.key)
         state = node.state
@@ -565,7 +560,8 @@ class ActivationRuntime:
 
     def _recompute(self, frame: Frame, node: StorageNode, state: int, meta: ViewMeta) -> "_Recomputed":
         frame.stats.bytes_by_choice["recompute"] += node.nbytes
-        frame._recomputes.append((node.key, weakref.ref(node), state))
+        if self.frame_observer is not None:
+            frame._recomputes.append((node.key, weakref.ref(node), state))
         return _Recomputed(node, state, meta)
 
     def _is_regenerable(self, node: StorageNode, state: int) -> bool:

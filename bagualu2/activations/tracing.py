@@ -370,7 +370,8 @@ class RecomputeCache:
     anchor ``a``, cached storages of later blocks will not be needed again and are evicted: the
     cache holds about one block's recomputed activations, as per-block checkpointing does.
     Evicting too early costs a second replay, never a wrong value. The cache is cleared when
-    the backward pass that filled it ends.
+    the backward pass that uses it ends (each backward unpack calls ``bind_to_backward``), so
+    entries rebuilt ahead of that pass, by an early recompute, are cleared with it.
     """
 
     __slots__ = ("_entries", "_task", "anchors")
@@ -384,8 +385,6 @@ class RecomputeCache:
         return self._entries.get((position, state))
 
     def put(self, position: int, state: int, storage: torch.UntypedStorage) -> None:
-        if not self._entries:
-            self.bind_to_backward()
         self._entries[(position, state)] = storage
 
     def evict_after(self, position: int) -> None:
@@ -398,8 +397,7 @@ class RecomputeCache:
                     del self._entries[key]
 
     def bind_to_backward(self) -> None:
-        """Clear the cache when the running backward pass ends (entries put ahead of it, by an
-        early recompute, included); nothing outside a backward pass."""
+        """Clear the cache when the running backward pass ends; nothing outside one."""
         task = torch._C._current_graph_task_id()
         if task != -1 and task != self._task:
             self._task = task

@@ -48,6 +48,18 @@ py::tuple plan_to_tuple(const Plan& p) {
 
 using PyPlanCache = PlanCache<py::object>;
 
+py::dict cache_stats_dict(const PlanCacheStats& s) {
+    py::dict d;
+    d["hits"] = s.hits;
+    d["misses"] = s.misses;
+    d["hit_rate"] = s.hit_rate;
+    d["mean_lookup_us"] = s.mean_lookup_us;
+    d["evictions"] = s.evictions;
+    d["size"] = s.size;
+    d["capacity"] = s.capacity;
+    return d;
+}
+
 }  // namespace
 
 void register_sched(py::module_& m) {
@@ -101,18 +113,7 @@ void register_sched(py::module_& m) {
         .def("reset_stats", &PyPlanCache::reset_stats)
         .def("__len__", &PyPlanCache::size)
         .def_property_readonly("capacity", &PyPlanCache::capacity)
-        .def("stats", [](const PyPlanCache& self) {
-            const PlanCacheStats s = self.stats();
-            py::dict d;
-            d["hits"] = s.hits;
-            d["misses"] = s.misses;
-            d["hit_rate"] = s.hit_rate;
-            d["mean_lookup_us"] = s.mean_lookup_us;
-            d["evictions"] = s.evictions;
-            d["size"] = s.size;
-            d["capacity"] = s.capacity;
-            return d;
-        });
+        .def("stats", [](const PyPlanCache& self) { return cache_stats_dict(self.stats()); });
 
     py::class_<OverlapScheduler>(m, "OverlapScheduler",
                                  "Overlap scheduler DP (see csrc/sched/overlap_scheduler.h).")
@@ -168,16 +169,7 @@ void register_sched(py::module_& m) {
             },
             "Stored schedule for a key (counted as a lookup), or None.")
         .def("cache_stats",
-             [](const OverlapScheduler& self) {
-                 const PlanCacheStats s = self.cache_stats();
-                 py::dict d;
-                 d["hits"] = s.hits;
-                 d["misses"] = s.misses;
-                 d["hit_rate"] = s.hit_rate;
-                 d["mean_lookup_us"] = s.mean_lookup_us;
-                 d["size"] = s.size;
-                 return d;
-             })
+             [](const OverlapScheduler& self) { return cache_stats_dict(self.cache_stats()); })
         .def("clear_cache", &OverlapScheduler::clear_cache);
 }
 
