@@ -68,26 +68,52 @@ def _stream_handle(stream: Any) -> int:
     raise TypeError(f"stream must be an int handle or have .cuda_stream/.handle, got {type(stream)}")
 
 
-class HostArena:
-    """Pinned host memory reserved once; best-fit blocks with splitting and coalescing.
+def _positive_bytes(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    value = operator.index(value)  # ints and numpy ints; TypeError otherwise
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
 
-    ``allocate``/``free`` are the raw block interface (addresses as ints); tensors go through
-    :class:`CopyEngine`.
+
+class HostArena:
+    """Pinned host memory reserved up front; best-fit blocks with splitting and coalescing.
+
+    ``capacity_bytes`` are reserved now. With ``max_capacity`` (bytes, at least
+    ``capacity_bytes``) a request that fits no free block reserves one more segment, at least as
+    large as the arena so far, until ``max_capacity`` is reached; segments are kept until the
+    arena dies. ``allocate``/``free`` are the raw block interface (addresses as ints); tensors
+    go through :class:`CopyEngine`.
     """
 
     __slots__ = ("_impl",)
 
-    def __init__(self, capacity_bytes: int, backend: str = "cpu") -> None:
-        if isinstance(capacity_bytes, bool):
-            raise TypeError("capacity_bytes must be an int, got bool")
-        capacity_bytes = operator.index(capacity_bytes)  # ints and numpy ints; TypeError otherwise
-        if capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
-        self._impl = _C.HostArena(capacity_bytes, resolve_backend(backend))
+    def __init__(self, capacity_bytes: int, backend: str = "cpu", max_capacity: Optional[int] = None) -> None:
+        capacity_bytes = _positive_bytes("capacity_bytes", capacity_bytes)
+        if max_capacity is None:
+            max_capacity = 0
+        else:
+            max_capacity = _positive_bytes("max_capacity", max_capacity)
+            if max_capacity < capacity_bytes:
+                raise ValueError(f"max_capacity={max_capacity} is below capacity_bytes={capacity_bytes}: "
+                                 f"pass at least capacity_bytes, or None for an arena that does not grow")
+        self._impl = _C.HostArena(capacity_bytes, resolve_backend(backend), max_capacity)
 
     @property
     def capacity(self) -> int:
+        """Bytes reserved so far (all segments)."""
         return self._impl.capacity
+
+    @property
+    def max_capacity(self) -> int:
+        """Bytes the arena may grow to (its capacity when it does not grow)."""
+        return self._impl.max_capacity
+
+    @property
+    def segments(self) -> List[tuple]:
+        """(base address, bytes) of every reserved segment, oldest first."""
+        return self._impl.segments
 
     @property
     def backend(self) -> str:
@@ -107,8 +133,8 @@ class HostArena:
         self._impl.free(ptr, [f for f in fences if f is not None])
 
     def stats(self) -> dict:
-        """capacity, in_use, pending, peak_in_use, largest_free_block, free, fragmentation,
-        num_blocks, num_allocs, num_frees, num_failed."""
+        """capacity, max_capacity, segments, in_use, pending, peak_in_use, largest_free_block,
+        free, fragmentation, num_blocks, num_allocs, num_frees, num_failed."""
         return self._impl.stats()
 
     def reset_stats(self) -> None:
@@ -117,7 +143,8 @@ class HostArena:
 
     def __repr__(self) -> str:
         s = self._impl.stats()
-        return f"HostArena(capacity={s['capacity']}, in_use={s['in_use']}, backend={self.backend!r})"
+        grows = f", max_capacity={s['max_capacity']}" if s["max_capacity"] > s["capacity"] else ""
+        return f"HostArena(capacity={s['capacity']}{grows}, in_use={s['in_use']}, backend={self.backend!r})"
 
 
 class OffloadHandle:

@@ -30,6 +30,7 @@ forward reruns with a recompute-everything plan; the step goes on.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -49,6 +50,21 @@ __all__ = ["Provisioner", "enable", "on_gating", "POLICIES"]
 POLICIES = ("adaptive", "keep_all", "recompute_all", "offload_all")
 _PHASES = {"none": 0, "warmup": 1, "steady": 2, "cooldown": 3}
 _ACTIVE: List["Provisioner"] = []  # provisioners whose forward is running, innermost last
+
+
+def _host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not a POSIX host
+        return 16 << 30
+
+
+def _local_processes() -> int:
+    """Processes sharing this host's memory: torchrun's LOCAL_WORLD_SIZE, else 1."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
@@ -95,7 +111,8 @@ class Provisioner:
     def __init__(self, model: torch.nn.Module, budget: Union[str, int, float, None] = "auto",
                  policy: Union[str, Mapping[str, Choice]] = "adaptive", *,
                  on_exceed: str = "record", min_bytes: int = 64 << 10,
-                 arena_bytes: Optional[int] = None, reserve_bytes: int = 1 << 30,
+                 arena_bytes: Optional[int] = None, arena_max_bytes: Optional[int] = None,
+                 reserve_bytes: int = 1 << 30,
                  profile_frames: int = 2, margin: float = 0.02,
                  telemetry_path: Union[str, Path, None] = None, gates: Optional[Sequence[GateSpec]] = None,
                  engine: Any = None) -> None:
@@ -121,7 +138,7 @@ class Provisioner:
         self.margin = margin
         self.profile_frames = profile_frames
         self.telemetry = Telemetry(Path(telemetry_path) if telemetry_path else None)
-        self.engine = engine if engine is not None else self._make_engine(arena_bytes)
+        self.engine = engine if engine is not None else self._make_engine(arena_bytes, arena_max_bytes)
         adaptive = policy == "adaptive"
         self.runtime = ActivationRuntime(
             self.engine, min_bytes=min_bytes, budget_bytes=self.budget, enforce_budget=adaptive,
@@ -161,13 +178,16 @@ class Provisioner:
         self.enabled = True
 
     # -- setup ------------------------------------------------------------------------------
-    def _make_engine(self, arena_bytes: Optional[int]) -> Any:
+    def _make_engine(self, arena_bytes: Optional[int], arena_max_bytes: Optional[int]) -> Any:
         from bagualu2.offload import CopyEngine, HostArena
 
         backend = "cpu" if self.device.type == "cpu" else ("hip" if torch.version.hip else "cuda")
         if arena_bytes is None:
             arena_bytes = min(max(256 << 20, 2 * (self.budget or 0)), 8 << 30)
-        return CopyEngine(HostArena(arena_bytes, backend), backend)
+        if arena_max_bytes is None:
+            # Grow on demand up to half of this process's share of host memory.
+            arena_max_bytes = max(arena_bytes, _host_memory_bytes() // (2 * _local_processes()))
+        return CopyEngine(HostArena(arena_bytes, backend, max_capacity=arena_max_bytes), backend)
 
     def _copy_costs(self) -> tuple:
         """Measure the copy engine's path as the runtime uses it (offload, wait; reload into a
@@ -523,7 +543,9 @@ def enable(model: torch.nn.Module, budget: Union[str, int, float, None] = "auto"
             fixed mapping of operator keys to ``Choice``.
         **options: ``on_exceed`` (``"record"`` or ``"raise"``: raise ``BudgetExceededError``
             when the budget is crossed), ``min_bytes`` (smaller activations are always kept),
-            ``arena_bytes`` (pinned host arena size), ``reserve_bytes``, ``profile_frames``,
+            ``arena_bytes`` (pinned host memory reserved up front), ``arena_max_bytes`` (what the
+            arena may grow to when offloads need more; default half of this process's share
+            of host memory), ``reserve_bytes``, ``profile_frames``,
             ``margin``, ``telemetry_path`` (JSON lines), ``gates`` (a list of
             ``bagualu2.moe.GateSpec`` instead of discovery; ``[]`` when the model reports its
             routing through ``bagualu2.on_gating``).

@@ -184,11 +184,49 @@ def test_construction_errors_name_the_problem():
         HostArena(-1)
     with pytest.raises(TypeError):
         HostArena(1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"max_capacity=4096 is below capacity_bytes=8192"):
+        HostArena(8192, max_capacity=4096)
+    with pytest.raises(ValueError, match="at least capacity"):
+        _C.HostArena(8192, "cpu", 4096)
+    with pytest.raises(ValueError, match="max_capacity must be >= 0"):
+        _C.HostArena(8192, "cpu", -1)
+
+
+# -- invariant 7: growth by segments -----------------------------------------------------------
+def test_growth_adds_a_segment_only_when_no_gap_fits_and_stops_at_max_capacity(backend):
+    arena = HostArena(1 << 20, backend, max_capacity=(3 << 20) + 4096)
+    a = arena.allocate(600 << 10)
+    b = arena.allocate(300 << 10)
+    assert len(arena.segments) == 1, "grew although the first segment had room"
+    c = arena.allocate(600 << 10)  # fits nowhere: a segment as large as the arena so far
+    assert [size for _, size in arena.segments] == [1 << 20, 1 << 20]
+    assert arena.segments[1][0] <= c < arena.segments[1][0] + (1 << 20)
+    d = arena.allocate(1 << 20)  # no gap; what max_capacity leaves is less than the arena so far
+    assert d is not None and [size for _, size in arena.segments] == [1 << 20, 1 << 20, (1 << 20) + 4096]
+    assert arena.allocate(1 << 20) is None, "grew past max_capacity"
+    s = arena.stats()
+    assert (s["capacity"], s["max_capacity"], s["segments"], s["num_failed"]) == ((3 << 20) + 4096, (3 << 20) + 4096, 3, 1)
+    for p in (a, b, c, d):
+        arena.free(p)
+    assert arena.stats()["in_use"] == 0 and len(arena.segments) == 3, "segments are kept until the arena dies"
+    assert arena.allocate(1 << 20) is not None, "a freed segment serves again"
+
+
+def test_blocks_of_different_segments_never_merge(backend):
+    arena = HostArena(64 << 10, backend, max_capacity=128 << 10)
+    first = arena.allocate(64 << 10)
+    second = arena.allocate(64 << 10)
+    arena.free(first)
+    arena.free(second)
+    s = arena.stats()
+    assert s["largest_free_block"] == 64 << 10 and s["free"] == 128 << 10, s
+    assert arena.allocate((64 << 10) + 1) is None, "a block spanning two segments was handed out"
 
 
 # -- invariant 5: thread safety ----------------------------------------------------------------
-def test_concurrent_allocate_free_from_many_threads_keeps_blocks_disjoint(backend):
-    arena = _C.HostArena(4 << 20, backend)
+@pytest.mark.parametrize("max_capacity", [0, 16 << 20], ids=["fixed", "growing"])
+def test_concurrent_allocate_free_from_many_threads_keeps_blocks_disjoint(backend, max_capacity):
+    arena = _C.HostArena(4 << 20 if not max_capacity else 256 << 10, backend, max_capacity)
     owned: list[list[tuple[int, int]]] = [[] for _ in range(8)]
     errors: list[BaseException] = []
 
@@ -230,80 +268,116 @@ def test_concurrent_allocate_free_from_many_threads_keeps_blocks_disjoint(backen
     assert arena.stats()["pending"] == 0
 
 
-# -- invariants 1-4 against a reference model (hypothesis state machine) -----------------------
+# -- invariants 1-4 and 7 against a reference model (hypothesis state machine) -----------------
 CAPACITY = 64 * 1024
 
 
 class ArenaModel(RuleBasedStateMachine):
     """Random allocate / free / free-with-fence / complete sequences against a gap model.
 
-    The model keeps the occupied intervals (allocated, or pending with an unsignalled fence);
-    free space is the set of maximal gaps between them. The arena must answer every request
-    with the best-fitting gap's start (smallest gap that fits, lowest address on ties), or None
-    exactly when no gap fits.
+    The model keeps, per segment, the occupied intervals (allocated, or pending with an
+    unsignalled fence); free space is the set of maximal gaps between them inside each segment.
+    The arena must answer every request with the best-fitting gap's start (smallest gap that
+    fits, lowest address on ties); when none fits, it must add a segment exactly when
+    ``MAX_CAPACITY`` allows one (sized as invariant 7 says) and serve the request from it, and
+    return None otherwise.
     """
+
+    MAX_CAPACITY = 0  # no growth
 
     def __init__(self) -> None:
         super().__init__()
-        self.arena = _C.HostArena(CAPACITY, "cpu")
-        self.base = self.arena.base
-        self.allocated: dict[int, int] = {}  # offset -> size
-        self.pending: dict[int, tuple[int, _C.HostFence]] = {}  # offset -> (size, fence)
+        self.arena = _C.HostArena(CAPACITY, "cpu", self.MAX_CAPACITY)
+        self.max_capacity = self.MAX_CAPACITY or CAPACITY
+        self.segments = list(self.arena.segments)  # (base, size)
+        self.allocated: dict[int, int] = {}  # address -> size
+        self.pending: dict[int, tuple[int, _C.HostFence]] = {}  # address -> (size, fence)
 
     def gaps(self) -> list[tuple[int, int]]:
         occupied = sorted(list(self.allocated.items()) +
-                          [(o, s) for o, (s, f) in self.pending.items() if not f.ready()])
-        gaps, cursor = [], 0
-        for off, size in occupied:
-            if off > cursor:
-                gaps.append((cursor, off - cursor))
-            cursor = off + size
-        if cursor < CAPACITY:
-            gaps.append((cursor, CAPACITY - cursor))
+                          [(a, s) for a, (s, f) in self.pending.items() if not f.ready()])
+        gaps = []
+        for base, size in self.segments:
+            cursor, end = base, base + size
+            for addr, n in occupied:
+                if base <= addr < end:
+                    if addr > cursor:
+                        gaps.append((cursor, addr - cursor))
+                    cursor = addr + n
+            if cursor < end:
+                gaps.append((cursor, end - cursor))
         return gaps
 
-    @rule(n=st.integers(min_value=1, max_value=20000))
+    def in_reservation_order(self, addresses) -> list[int]:
+        """Addresses sorted by (segment, offset): independent of where the segments landed, so
+        hypothesis draws the same block when it replays a case."""
+        def key(addr: int) -> tuple[int, int]:
+            for i, (base, size) in enumerate(self.segments):
+                if base <= addr < base + size:
+                    return i, addr - base
+            raise AssertionError(f"block {addr:#x} outside every segment")
+        return sorted(addresses, key=key)
+
+    @rule(n=st.integers(min_value=1, max_value=100000))
     def allocate(self, n: int) -> None:
         size = round_up(n)
         fitting = [g for g in self.gaps() if g[1] >= size]
         p = self.arena.allocate(n)
         # Reclaim in the model what the arena reclaimed: pending blocks whose fence is ready.
-        self.pending = {o: v for o, v in self.pending.items() if not v[1].ready()}
+        self.pending = {a: v for a, v in self.pending.items() if not v[1].ready()}
+        total = sum(size for _, size in self.segments)
+        if not fitting and size <= self.max_capacity - total:
+            segments = list(self.arena.segments)
+            assert len(segments) == len(self.segments) + 1, "no segment added for a request that fits none"
+            assert segments[:-1] == self.segments
+            assert segments[-1][1] == max(size, min(total, self.max_capacity - total)), "segment size"
+            self.segments = segments
+            fitting = [segments[-1]]
+        else:
+            assert list(self.arena.segments) == self.segments, "a segment added though a gap fits or none may be"
         if not fitting:
             assert p is None, f"allocated {n} bytes with no fitting gap"
             return
         best = min(fitting, key=lambda g: (g[1], g[0]))
         assert p is not None, f"no block for {n} bytes though gap {best} fits"
-        assert p - self.base == best[0], f"not best fit: got {p - self.base}, want {best}"
-        self.allocated[p - self.base] = size
+        assert p == best[0], f"not best fit: got {p}, want {best}"
+        self.allocated[p] = size
 
     @precondition(lambda self: self.allocated)
     @rule(data=st.data(), with_fence=st.booleans())
     def free(self, data, with_fence: bool) -> None:
-        off = data.draw(st.sampled_from(sorted(self.allocated)))
-        size = self.allocated.pop(off)
+        addr = data.draw(st.sampled_from(self.in_reservation_order(self.allocated)))
+        size = self.allocated.pop(addr)
         if with_fence:
             fence = _C.HostFence()
-            self.arena.free(self.base + off, [fence])
-            self.pending[off] = (size, fence)
+            self.arena.free(addr, [fence])
+            self.pending[addr] = (size, fence)
         else:
-            self.arena.free(self.base + off)
+            self.arena.free(addr)
 
     @precondition(lambda self: any(not f.ready() for _, f in self.pending.values()))
     @rule(data=st.data())
     def complete(self, data) -> None:
-        open_ = sorted(o for o, (_, f) in self.pending.items() if not f.ready())
+        open_ = self.in_reservation_order(a for a, (_, f) in self.pending.items() if not f.ready())
         self.pending[data.draw(st.sampled_from(open_))][1].signal()
 
     @invariant()
     def accounting_matches(self) -> None:
         s = self.arena.stats()
+        capacity = sum(size for _, size in self.segments)
         assert s["in_use"] == sum(self.allocated.values())
         assert s["num_blocks"] == len(self.allocated)
-        assert s["in_use"] + s["pending"] + s["free"] == CAPACITY
+        assert s["in_use"] + s["pending"] + s["free"] == capacity == s["capacity"] <= self.max_capacity
+        assert s["segments"] == len(self.segments)
 
 
-ArenaModel.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
+class GrowingArenaModel(ArenaModel):
+    MAX_CAPACITY = 5 * CAPACITY + 3 * ALIGN  # not a multiple of the first segment: the last is cut short
+
+
+for machine in (ArenaModel, GrowingArenaModel):
+    machine.TestCase.settings = settings(
+        max_examples=60, stateful_step_count=40, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow])
 test_arena_matches_reference_model = ArenaModel.TestCase
+test_growing_arena_matches_reference_model = GrowingArenaModel.TestCase

@@ -207,6 +207,18 @@ def test_exhaustion_returns_none(engine, device):
     assert engine.offload(torch.ones(10, device=device)) is not None
 
 
+def test_a_growing_arena_takes_offloads_past_its_first_segment(backend, device):
+    engine = CopyEngine(HostArena(MiB, backend, max_capacity=12 * MiB))
+    tensors = [random_bits((3 * MiB // 4,), torch.float32, device, seed=i) for i in range(3)]
+    handles = [engine.offload(t) for t in tensors]
+    assert all(h is not None for h in handles)
+    assert len(engine.arena.segments) > 1
+    for t, h in zip(tensors, handles):
+        assert same_bits(engine.reload(h), t)
+    assert engine.offload(torch.empty(4 * MiB, dtype=torch.uint8, device=device)) is None, \
+        "grew past max_capacity"
+
+
 # -- misuse ------------------------------------------------------------------------------------
 def test_misuse_raises_clear_errors(engine, device):
     t = random_bits((1000,), torch.float32, device)

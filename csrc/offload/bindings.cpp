@@ -72,6 +72,8 @@ private:
 py::dict arena_stats_dict(const ArenaStats& s) {
     py::dict d;
     d["capacity"] = s.capacity;
+    d["max_capacity"] = s.max_capacity;
+    d["segments"] = s.segments;
     d["in_use"] = s.in_use;
     d["pending"] = s.pending;
     d["peak_in_use"] = s.peak_in_use;
@@ -145,14 +147,22 @@ void register_offload(py::module_& m) {
 
     py::class_<HostArena, std::shared_ptr<HostArena>>(m, "HostArena",
                                                       "Pinned host reservation with best-fit blocks.")
-        .def(py::init([](std::int64_t capacity, const std::string& backend) {
+        .def(py::init([](std::int64_t capacity, const std::string& backend,
+                         std::int64_t max_capacity) {
                  BAGUALU2_CHECK(capacity > 0, "HostArena capacity must be positive, got ",
                                 capacity);
-                 return std::make_shared<HostArena>(static_cast<std::size_t>(capacity), backend);
+                 BAGUALU2_CHECK(max_capacity >= 0,
+                                "HostArena max_capacity must be >= 0 (0: no growth), got ",
+                                max_capacity);
+                 return std::make_shared<HostArena>(static_cast<std::size_t>(capacity), backend,
+                                                    static_cast<std::size_t>(max_capacity));
              }),
-             py::arg("capacity_bytes"), py::arg("backend") = "cpu")
+             py::arg("capacity_bytes"), py::arg("backend") = "cpu", py::arg("max_capacity") = 0)
         .def_property_readonly("capacity", &HostArena::capacity)
+        .def_property_readonly("max_capacity", &HostArena::max_capacity)
         .def_property_readonly("base", &HostArena::base)
+        .def_property_readonly("segments", &HostArena::segments,
+                               "(base address, bytes) of every reserved segment, oldest first.")
         .def_property_readonly("backend", &HostArena::backend)
         .def_property_readonly_static("alignment",
                                       [](py::object) { return HostArena::kAlignment; })
