@@ -5,13 +5,18 @@ Compares, in one run and on the same model and batches:
 * adaptive with an ample budget (its plan is all-keep, and it skips tracing) against plain
   PyTorch: what bagualu2 costs in stable phases;
 * all-keep (``policy="keep_all"``, traced like every static baseline) against plain PyTorch;
-* all-offload (``policy="offload_all"``) against ``torch.autograd.graph.save_on_cpu``;
+* all-offload (``policy="offload_all"``) against ``torch.autograd.graph.save_on_cpu``, twice:
+  as a user calls it on this machine (``pin_memory=False``: on cpu tensors it copies nothing,
+  so it is plain PyTorch plus the hooks) and with ``pin_memory=True`` (the setting for GPUs,
+  which on cpu copies every saved tensor in the forward and hands the copy back in backward:
+  one copy per save, against the engine's copy out and copy back per storage);
 * all-recompute (``policy="recompute_all"``) against ``torch.utils.checkpoint`` on every block.
 
 Each variant runs ``--steps`` forward+backward steps after ``--warmup``; variants are
-interleaved round-robin so machine noise hits all of them alike; median and best are reported.
+interleaved round-robin so machine noise hits all of them alike; reported: the median over
+rounds of the ratio within a round (paired), and the ratios of medians and of bests.
 
-    python benchmarks/step_overhead.py --config bench --steps 5 --out step_overhead.json
+    python benchmarks/step_overhead.py --config bench --steps 7 --out step_overhead.json
 """
 from __future__ import annotations
 
@@ -52,7 +57,7 @@ def main() -> None:
     parser.add_argument("--config", default="bench", choices=["tiny", "small", "bench"])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default="step_overhead.json")
     args = parser.parse_args()
@@ -63,10 +68,12 @@ def main() -> None:
     def plain() -> None:
         model(batch).backward()
 
-    def save_on_cpu() -> None:
-        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
-            loss = model(batch)
-        loss.backward()
+    def save_on_cpu(pin_memory: bool) -> Callable[[], None]:
+        def run() -> None:
+            with torch.autograd.graph.save_on_cpu(pin_memory=pin_memory):
+                loss = model(batch)
+            loss.backward()
+        return run
 
     def torch_checkpoint() -> None:
         restore = checkpointed(model)
@@ -88,7 +95,8 @@ def main() -> None:
         "plain pytorch": plain,
         "bagualu2 adaptive, ample": provisioned("adaptive", budget=1 << 40),
         "bagualu2 keep_all": provisioned("keep_all"),
-        "torch save_on_cpu": save_on_cpu,
+        "torch save_on_cpu": save_on_cpu(torch.cuda.is_available()),
+        **({} if torch.cuda.is_available() else {"torch save_on_cpu, pinned": save_on_cpu(True)}),
         "bagualu2 offload_all": provisioned("offload_all"),
         "torch checkpoint": torch_checkpoint,
         "bagualu2 recompute_all": provisioned("recompute_all"),
@@ -103,22 +111,29 @@ def main() -> None:
             elapsed = time.perf_counter() - start
             if i >= args.warmup:
                 times[name].append(elapsed)
-            print(f"step {i} {name:<24} {elapsed * 1000:8.1f} ms", flush=True)
+            print(f"step {i} {name:<28} {elapsed * 1000:8.1f} ms", flush=True)
 
     median = {name: statistics.median(v) for name, v in times.items()}
     best = {name: min(v) for name, v in times.items()}
-    pairs = [("bagualu2 adaptive, ample", "plain pytorch"), ("bagualu2 keep_all", "plain pytorch"), ("bagualu2 offload_all", "torch save_on_cpu"),
+    pairs = [("bagualu2 adaptive, ample", "plain pytorch"), ("bagualu2 keep_all", "plain pytorch"),
+             ("bagualu2 offload_all", "torch save_on_cpu"), ("bagualu2 offload_all", "torch save_on_cpu, pinned"),
              ("bagualu2 recompute_all", "torch checkpoint")]
+    pairs = [(ours, baseline) for ours, baseline in pairs if baseline in variants]
+    # Paired: the ratio within each round (the two ran seconds apart), then the median.
+    paired = {(ours, baseline): statistics.median(a / b for a, b in zip(times[ours], times[baseline]))
+              for ours, baseline in pairs}
     print()
-    print(f"{'variant':<26}{'median ms':>11}{'best ms':>10}{'median ratio':>14}{'best ratio':>12}")
+    print(f"{'variant':<28}{'median ms':>11}{'best ms':>10}{'paired ratio':>14}{'median ratio':>14}{'best ratio':>12}")
     for ours, baseline in pairs:
-        print(f"{baseline:<26}{median[baseline] * 1000:>11.1f}{best[baseline] * 1000:>10.1f}")
-        print(f"{ours:<26}{median[ours] * 1000:>11.1f}{best[ours] * 1000:>10.1f}"
-              f"{median[ours] / median[baseline]:>13.3f}x{best[ours] / best[baseline]:>11.3f}x")
+        print(f"{baseline:<28}{median[baseline] * 1000:>11.1f}{best[baseline] * 1000:>10.1f}")
+        print(f"{ours:<28}{median[ours] * 1000:>11.1f}{best[ours] * 1000:>10.1f}"
+              f"{paired[(ours, baseline)]:>13.3f}x{median[ours] / median[baseline]:>13.3f}x"
+              f"{best[ours] / best[baseline]:>11.3f}x")
     result = {
         "config": args.config, "batch": args.batch, "seq": args.seq, "steps": args.steps,
         "threads": torch.get_num_threads(), "median_s": median, "best_s": best, "all_s": times,
         "ratios": {f"{ours} / {baseline}": median[ours] / median[baseline] for ours, baseline in pairs},
+        "paired_ratios": {f"{ours} / {baseline}": r for (ours, baseline), r in paired.items()},
     }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -151,6 +151,98 @@ def test_shared_storage_is_offloaded_once(engine: CopyEngine) -> None:
     loss.backward()
 
 
+@pytest.mark.parametrize("passes", [1, 2])
+def test_each_offloaded_storage_is_reloaded_once_per_backward_pass(engine: CopyEngine, passes: int) -> None:
+    """The MoE layer's experts each save a slice of one permuted token buffer, attention saves
+    q/k/v views of one projection, and casts are regenerated from stored sources: however many
+    saved tensors read an offloaded storage, it is reloaded once per backward pass, and the
+    copy held between its readers is charged to the ledger and released after the last one."""
+    model, tokens = make_model()
+    h = Harness(model, engine)
+    reference = loss_and_grads(model, h.forward(tokens, None))
+    frame = Frame(default=Choice.OFFLOAD)
+    loss = h.forward(tokens, frame)
+    stores = frame.offload_stores()
+    assert max(s.refs for s in stores) >= model.cfg.num_experts, "the token buffer is read by every expert"
+    engine.start_trace()
+    held_peak = [0]
+
+    def observe(key: str) -> None:
+        held_peak[0] = max(held_peak[0], sum(s.nbytes for s in stores if s.held is not None))
+
+    h.runtime.unpack_observer = observe
+    for n in range(passes):
+        model.zero_grad(set_to_none=True)
+        loss.backward(retain_graph=n + 1 < passes)
+        assert_bitwise(reference, (loss.detach(), [p.grad for p in model.parameters()]))
+        assert all(s.held is None for s in stores), "a copy still held after its last reader"
+    reloads: Dict[int, int] = {}
+    for r in engine.trace():
+        if r["direction"] == "h2d":
+            reloads[r["host_ptr"]] = reloads.get(r["host_ptr"], 0) + 1
+    assert sorted(reloads) == sorted(s.handle.host_ptr for s in stores)
+    assert set(reloads.values()) == {passes}, f"reloads per storage: {sorted(reloads.values())}"
+    assert held_peak[0] > 0
+    h.runtime.unpack_observer = None
+    del loss, frame, observe
+    stores.clear()
+    assert h.runtime.ledger.resident == 0
+    assert engine.arena.stats()["in_use"] == 0
+
+
+class Scale(torch.autograd.Function):
+    """y = x * 2; its backward (wrongly) writes into the tensor it saved when ``write``."""
+
+    write = True
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        if Scale.write:
+            x.zero_()
+        return grad * 2
+
+
+class TwoReadersOneWrites(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        a, b = y[:, :8], y[:, 4:12]  # overlapping views of one storage
+        # Backward runs a * a, then Scale (which zeroes b, half of it inside a), then sin.
+        return (a.sin() * 3).sum() + Scale.apply(b).sum() + (a * a).sum()
+
+
+def test_a_held_copy_written_in_place_is_not_handed_out_again(engine: CopyEngine) -> None:
+    """A backward that writes into its unpacked tensor must not corrupt what the storage's
+    later readers get: they receive the bytes saved in the forward. (Plain PyTorch refuses
+    this backward with its version check; the offloaded storage's readers each get the saved
+    bytes, so the gradient is the one computed without the stray write.)"""
+    torch.manual_seed(0)
+    model = TwoReadersOneWrites()
+    x = torch.randn(32, 16)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(model(x), model.lin.weight)
+    Scale.write = False
+    try:
+        expected = torch.autograd.grad(model(x), model.lin.weight)[0]
+    finally:
+        Scale.write = True
+    h = Harness(model, engine)
+    frame = Frame(default=Choice.OFFLOAD)
+    loss = h.forward(x, frame)
+    assert max(s.refs for s in frame.offload_stores()) == 4, "sin, Scale and a * a (twice) read one storage"
+    (grad,) = torch.autograd.grad(loss, model.lin.weight)
+    assert torch.equal(grad, expected)
+
+
 def test_cast_of_stored_activation_is_regenerated(engine: CopyEngine) -> None:
     model, x, h = views_casts_shared(engine)
     reference = loss_and_grads(model, h.forward(x, None))

@@ -184,10 +184,19 @@ class Frame:
 
 
 class _OffloadStore:
-    """One storage's copy in the host arena, shared by every saved view of it."""
+    """One storage's copy in the host arena, shared by every saved view of it.
+
+    Several saved tensors may read one storage (the per-expert slices of a permuted token
+    buffer, the q/k/v thirds of a fused projection, casts regenerated from it), each unpacked by
+    a different backward node. ``refs`` counts them; the first use in a backward pass reloads the
+    storage, and the device copy is then held, charged to the ledger, until the last of them has
+    been used in that pass: the storage crosses the bus once per pass, not once per reader. A
+    held copy modified in place through a view handed out is not handed out again: the next use
+    reloads the saved bytes.
+    """
 
     __slots__ = ("engine", "handle", "device", "nbytes", "pin", "prefetched", "prefetch_pin", "frame", "index",
-                 "key", "last", "__weakref__")
+                 "key", "refs", "task", "unpacked", "held", "held_version", "held_pin", "__weakref__")
 
     def __init__(self, engine: Any, handle: Any, device: torch.device, nbytes: int,
                  pin: Optional[_Pin], frame: Frame, key: str) -> None:
@@ -199,7 +208,12 @@ class _OffloadStore:
         self.pin: Optional[_Pin] = pin  # device source held until the copy completes
         self.prefetched: Any = None
         self.prefetch_pin: Optional[_Pin] = None  # the prefetch's device buffer, until used
-        self.last: Optional["weakref.ref[torch.Tensor]"] = None  # the latest tensor unpacked from it
+        self.refs = 0  # saved tensors that read this store at unpack
+        self.task = -2  # the backward pass (graph task id) that ``unpacked`` counts for
+        self.unpacked = 0
+        self.held: Optional[torch.Tensor] = None  # uint8 tensor over the reloaded storage
+        self.held_version = 0  # its version when it was made: any change means an in-place write
+        self.held_pin: Optional[_Pin] = None
         self.frame = frame  # kept alive by its stores: backward prefetches from its list
         self.index = len(frame._offloads)
         frame._offloads.append(weakref.ref(self))
@@ -218,27 +232,65 @@ class _OffloadStore:
 
     def prefetch(self, ledger: ResidencyLedger) -> bool:
         """Start reloading into a new device buffer, charged to ``ledger`` until used; False
-        when a prefetch is already pending."""
-        if self.prefetched is not None:
+        when a prefetch is pending or the device copy is held already."""
+        if self.prefetched is not None or self.held is not None:
             return False
         self.prefetched = self.engine.reload_async(self.handle, device=self.device)
         self.prefetch_pin = _Pin(ledger, self.prefetched.destination.untyped_storage())
         self.frame._prefetch_pending += self.nbytes
         return True
 
-    def unpack(self, meta: ViewMeta) -> torch.Tensor:
-        """A tensor with ``meta``'s geometry over this storage's reloaded bytes. While a tensor
-        unpacked earlier from this store is alive and unmodified (several saved views of one
-        storage, unpacked by nearby backward nodes), its device copy is reused, not reloaded."""
-        last = self.last() if self.last is not None else None
-        if last is not None and last._version == 0:
-            out = view_of(last.untyped_storage(), meta)
+    def take(self, ledger: ResidencyLedger, need: bool = True) -> Optional[torch.Tensor]:
+        """One reader's use in the running backward pass: a uint8 tensor over the device copy,
+        held (and charged to ``ledger``) while more of the ``refs`` readers are due. A reader
+        that found what it needed elsewhere passes ``need=False``: it is counted, nothing is
+        reloaded, and None is returned."""
+        task = torch._C._current_graph_task_id()
+        if task != self.task:
+            self.task, self.unpacked = task, 0
+        self.unpacked += 1
+        if not need:
+            if self.unpacked >= self.refs:
+                self._release_hold()
+            return None
+        base = self._held()
+        if base is None:
+            storage = self.storage()
+            base = torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage)
+        if self.unpacked < self.refs:
+            if self.held is not base:
+                self.held, self.held_version = base, base._version
+                self.held_pin = _Pin(ledger, base.untyped_storage())
         else:
-            out = view_of(self.storage(), meta)
-        self.last = weakref.ref(out)
-        return out
+            self._release_hold()
+        return base
+
+    def unpack(self, meta: ViewMeta, ledger: ResidencyLedger) -> torch.Tensor:
+        """A tensor with ``meta``'s geometry over this storage's device copy."""
+        base = self.take(ledger)
+        if self.refs == 1 or not base.numel():
+            return view_of(base.untyped_storage(), meta)
+        # A view of the held ``base``: the tensors handed out share its version counter.
+        size, stride, offset, dtype = meta
+        return base.view(dtype).as_strided(size, stride, offset)
+
+    def _held(self) -> Optional[torch.Tensor]:
+        if self.held is None or self.held._version == self.held_version:
+            return self.held
+        self._release_hold()  # changed in place through a view handed out: reload the saved bytes
+        return None
+
+    def _release_hold(self) -> None:
+        self.held = None
+        if self.held_pin is not None:
+            self.held_pin.drop()
+            self.held_pin = None
 
     def storage(self) -> torch.UntypedStorage:
+        """The device copy: the held one, else the pending prefetch, else a reload now."""
+        held = self._held()
+        if held is not None:
+            return held.untyped_storage()
         if self.prefetched is not None:
             buffer = self.prefetched.wait()
             self.prefetched = None
@@ -260,6 +312,8 @@ class _OffloadStore:
             if self.prefetch_pin is not None:
                 self.prefetch_pin.drop()
                 self.frame._prefetch_pending -= self.nbytes
+            if self.held_pin is not None:
+                self.held_pin.drop()
 
 
 def _modified_error(what: str, saved: int, now: int) -> RuntimeError:
@@ -284,18 +338,23 @@ class _Offloaded:
 
     def __init__(self, store: _OffloadStore, meta: ViewMeta, node: StorageNode, state: int) -> None:
         self.store = store
+        store.refs += 1
         self.meta = meta
         self.node = weakref.ref(node)  # only to see in-place changes after the save
         self.state = state
 
 
 class _Recomputed:
-    __slots__ = ("node", "state", "meta")
+    __slots__ = ("node", "state", "meta", "source")
 
-    def __init__(self, node: StorageNode, state: int, meta: ViewMeta) -> None:
+    def __init__(self, node: StorageNode, state: int, meta: ViewMeta,
+                 source: Optional[_OffloadStore] = None) -> None:
         self.node = node
         self.state = state
         self.meta = meta
+        self.source = source  # the offloaded storage a regenerated cast is rebuilt from
+        if source is not None:
+            source.refs += 1
 
 
 class ActivationRuntime:
@@ -528,9 +587,10 @@ class ActivationRuntime:
         if store is not None:
             stats.shared_bytes += nbytes
             return _Offloaded(store, meta, node, state)
-        if self._is_regenerable(node, state):
+        regenerable, source = self._regeneration_source(node, state)
+        if regenerable:
             stats.regenerated_bytes += nbytes
-            return _Recomputed(node, state, meta)
+            return _Recomputed(node, state, meta, source)
         choice = frame.choice(node.key)
         if choice == Choice.KEEP and self._over_budget(storage):
             self.settle(wait=True)
@@ -564,18 +624,22 @@ class ActivationRuntime:
             frame._recomputes.append((node.key, weakref.ref(node), state))
         return _Recomputed(node, state, meta)
 
-    def _is_regenerable(self, node: StorageNode, state: int) -> bool:
-        """A cast/copy (or chain of them) of a stored activation, nothing applied afterwards."""
+    def _regeneration_source(self, node: StorageNode, state: int) -> Tuple[bool, Optional[_OffloadStore]]:
+        """Whether the storage is a cast/copy (or chain of them) of a stored activation with
+        nothing applied afterwards, and the offloaded store it is then rebuilt from (None when
+        the source is kept)."""
         while str(node.creator.func) in _CAST_OPS and not node.mutations and node.recomputable:
             source = node.creator.args[0] if node.creator.args else None
             src_node = getattr(source, "node", None)
             if not isinstance(src_node, StorageNode):
-                return False
-            if (src_node.offloaded.get(source.state) is not None
-                    or self._kept_tensor(src_node, source.state) is not None):
-                return True
+                return False, None
+            store = src_node.offloaded.get(source.state)
+            if store is not None:
+                return True, store
+            if self._kept_tensor(src_node, source.state) is not None:
+                return True, None
             node = src_node
-        return False
+        return False, None
 
     def _over_budget(self, storage: torch.UntypedStorage) -> bool:
         budget = self.budget_bytes
@@ -655,7 +719,7 @@ class ActivationRuntime:
             start = time.perf_counter()
             if not store.frame.scheduled:
                 self._prefetch_before(store.frame, store)
-            out = store.unpack(packed.meta)
+            out = store.unpack(packed.meta, self.ledger)
             self._copies[0] += time.perf_counter() - start
             return out
         node = packed.node
@@ -666,7 +730,22 @@ class ActivationRuntime:
         start = time.perf_counter()
         node.cache.bind_to_backward()
         node.cache.evict_after(node.position)
-        out = view_of(Replayer(self._available).storage(node, packed.state), packed.meta)
+        source = packed.source
+        if source is None:
+            out = view_of(Replayer(self._available).storage(node, packed.state), packed.meta)
+        else:  # a cast regenerated from an offloaded storage: one of that store's readers
+            taken: List[torch.Tensor] = []
+
+            def available(n: StorageNode, s: int) -> Optional[torch.UntypedStorage]:
+                if n.offloaded.get(s) is not source:
+                    return self._available(n, s)
+                if not taken:
+                    taken.append(source.take(self.ledger))
+                return taken[0].untyped_storage()
+
+            out = view_of(Replayer(available).storage(node, packed.state), packed.meta)
+            if not taken:
+                source.take(self.ledger, need=False)
         entry = self._replays.get(node.key)
         if entry is None:
             entry = self._replays[node.key] = [0.0, 0]
