@@ -12,10 +12,13 @@ assigned a *driver*:
 * any other op is constant per micro-batch (attention, norms, routing and permutation of a fixed
   number of token slots).
 
-Bytes and seconds are fitted as ``a + b * tokens`` by least squares over the profiled samples
+Bytes are fitted as ``a + b * tokens`` by least squares over the profiled samples
 (proportional, ``a = 0``, while all samples share one token count; the largest sample for
 constant ops). Saved bytes of expert ops are exactly linear in tokens, so the fit is exact once
-two loads have been seen. Copy time is bytes over the copy engine's measured bandwidth.
+two loads have been seen. Seconds are timings, with outliers (a preempted op, the cold first
+micro-batch's allocations and first touches): the first micro-batch's timings are replaced by
+the second's, and the fit is robust (the median for constant ops, Theil-Sen's median slope
+otherwise). Copy time is bytes over the copy engine's measured bandwidth.
 
 Overlap: offload traffic hides behind the forward compute that follows it, reload traffic
 behind backward compute (taken as twice the forward); during pipeline warm-up the forwards of
@@ -25,6 +28,7 @@ the micro-batches that stack behind this one widen the offload window.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -35,21 +39,45 @@ __all__ = ["CostModel", "OpCost"]
 
 @dataclass
 class _Fit:
+    """``a + b * tokens`` from (tokens, value) samples: least squares (exact data such as
+    bytes), or ``robust`` (timings): median for one token count, Theil-Sen otherwise."""
+
+    robust: bool = False
     samples: List[Tuple[float, float]] = field(default_factory=list)  # (tokens, value)
     a: float = 0.0
     b: float = 0.0
+    _stale: bool = False
 
     def add(self, tokens: float, value: float) -> None:
         self.samples.append((tokens, value))
-        if len(self.samples) > 64:
+        if len(self.samples) > 32:
             del self.samples[0]
-        self._refit()
+        self._stale = True
+
+    def clear(self) -> None:
+        self.samples.clear()
+        self.a = self.b = 0.0
+        self._stale = False
 
     def _refit(self) -> None:
+        self._stale = False
         xs = [s[0] for s in self.samples]
         ys = [s[1] for s in self.samples]
         n = len(xs)
+        if n == 0:
+            return
         mean_x = sum(xs) / n
+        if self.robust:
+            slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(n) for j in range(i + 1, n)
+                      if xs[j] != xs[i]]
+            if slopes:
+                self.b = statistics.median(slopes)
+                self.a = statistics.median(y - self.b * x for x, y in zip(xs, ys))
+            elif mean_x > 0:
+                self.a, self.b = 0.0, statistics.median(ys) / mean_x
+            else:
+                self.a, self.b = statistics.median(ys), 0.0
+            return
         mean_y = sum(ys) / n
         var = sum((x - mean_x) ** 2 for x in xs)
         if var > 0:
@@ -61,6 +89,8 @@ class _Fit:
             self.a, self.b = max(ys), 0.0
 
     def __call__(self, tokens: float) -> float:
+        if self._stale:
+            self._refit()
         return max(0.0, self.a + self.b * tokens)
 
 
@@ -72,7 +102,7 @@ class OpCost:
     layer: Optional[int]      # MoE layer whose expert drives it, or None (constant)
     expert: Optional[int]
     bytes: _Fit = field(default_factory=_Fit)
-    seconds: _Fit = field(default_factory=_Fit)  # the op itself, timed in profiled forwards
+    seconds: _Fit = field(default_factory=lambda: _Fit(robust=True))  # the op, timed in profiled forwards
     recomputable: bool = True
 
 
@@ -104,6 +134,8 @@ class CostModel:
         self.copies_overlap = copies_overlap
         self.ops: Dict[str, OpCost] = {}
         self.replay_factor = 1.0  # what backward rebuilds cost per second of profiled op time
+        self.replay_fixed_s = 0.0  # and per rebuilt key (the replay's own work: decoding, caching)
+        self._replay_sums = [0.0] * 5  # decayed sums for the fit: n*n, n*p, p*p, n*y, p*y
         self.copy_factor = 1.0  # what an offload and its reload cost per second of predicted copy time
         self.order: List[str] = []           # keys in the order a micro-batch first saves them
         self.forward_seconds = 0.0           # measured forward time of one micro-batch
@@ -140,6 +172,8 @@ class CostModel:
                 self.order.append(key)
             tokens = self._tokens(op, counts)
             op.bytes.add(tokens, float(nbytes))
+            if self.frames == 1:
+                op.seconds.clear()  # the first micro-batch ran cold: its timings are not the op's
             op.seconds.add(tokens, float(seconds))
             op.recomputable = op.recomputable and recomputable
         self.forward_seconds = (forward_seconds if self.frames == 0
@@ -148,20 +182,37 @@ class CostModel:
 
     def observe_replays(self, replays: Mapping[str, Tuple[float, int]],
                         counts: Mapping[int, Sequence[int]]) -> None:
-        """Learn what recomputing costs in backward: ``replays`` maps a key to (seconds, count)
-        of its rebuilds. A rebuild also pays for the inputs it must rebuild first and for the
-        replay's own work, and which key pays for a shared input depends on the plan, so one
-        factor is learned for all keys: measured seconds per second of profiled op time
-        (smoothed over observations)."""
-        measured = profiled = 0.0
-        for key, (seconds, n) in replays.items():
+        """Learn what recomputing costs in backward: ``replays`` maps a key to (seconds, n):
+        what its rebuilds in ``n`` micro-batches took. A rebuild also pays for the replay's
+        own work and for inputs it must rebuild first, and which key pays for a shared input
+        depends on the plan, so the fit is on each observation's totals (what the plan's rebuilds
+        cost together), with two parameters for all keys:
+        ``total seconds = rebuilds * replay_fixed_s + replay_factor * total profiled seconds``,
+        by least squares over observations (older ones weigh half as much at each new one).
+        Until observations of different plans tell the two apart, only the factor is fitted."""
+        n = p = y = 0.0
+        for key, (seconds, frames) in replays.items():
             op = self.ops.get(key)
-            if op is None or n <= 0:
+            if op is None or frames <= 0:
                 continue
-            measured += seconds
-            profiled += n * op.seconds(self._tokens(op, counts))
-        if measured > 0 and profiled > 0:
-            self.replay_factor = 0.5 * (self.replay_factor + measured / profiled)
+            n += frames
+            p += frames * op.seconds(self._tokens(op, counts))
+            y += seconds
+        if y <= 0 or p <= 0:
+            return
+        s = self._replay_sums
+        s[:] = [0.5 * v for v in s]
+        for i, v in enumerate((n * n, n * p, p * p, n * y, p * y)):
+            s[i] += v
+        nn, np_, pp, ny, py = s
+        det = nn * pp - np_ * np_
+        fixed = factor = -1.0
+        if det > 1e-12 * nn * pp:
+            fixed = (pp * ny - np_ * py) / det
+            factor = (nn * py - np_ * ny) / det
+        if fixed < 0 or factor < 0:
+            fixed, factor = 0.0, (py / pp if pp > 0 else self.replay_factor)
+        self.replay_fixed_s, self.replay_factor = fixed, factor
 
     def observe_copies(self, seconds: float, copies: int, nbytes: int) -> None:
         """Learn what offloads cost: ``seconds`` of work they caused (the caller's submissions
@@ -173,10 +224,10 @@ class CostModel:
             self.copy_factor = 0.5 * (self.copy_factor + seconds / predicted)
 
     def recompute_seconds(self, key: str, counts: Mapping[int, Sequence[int]]) -> float:
-        """Predicted backward cost of recomputing ``key``: its profiled op time times the
-        measured ``replay_factor``."""
+        """Predicted backward cost of recomputing ``key``: the learned ``replay_fixed_s`` plus
+        its profiled rebuild time times the learned ``replay_factor``."""
         op = self.ops[key]
-        return op.seconds(self._tokens(op, counts)) * self.replay_factor
+        return self.replay_fixed_s + op.seconds(self._tokens(op, counts)) * self.replay_factor
 
     @staticmethod
     def _tokens(op: OpCost, counts: Mapping[int, Sequence[int]]) -> float:

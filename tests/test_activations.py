@@ -243,6 +243,51 @@ def test_a_held_copy_written_in_place_is_not_handed_out_again(engine: CopyEngine
     assert torch.equal(grad, expected)
 
 
+class Transients(torch.nn.Module):
+    """``lin(x)`` and ``a`` are saved by no op (freed after the forward); ``sin`` saves ``b``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.lin(x) + 1.0
+        b = a * 3.0
+        return b.sin().sum()
+
+
+def test_profiled_rebuild_time_includes_the_unsaved_inputs_it_must_rebuild_first(engine: CopyEngine) -> None:
+    torch.manual_seed(0)
+    model = Transients()
+    h = Harness(model, engine)
+    h.runtime.frame_observer = lambda f: None  # frames then list their recomputed nodes
+    frame = Frame(default=Choice.RECOMPUTE)
+    frame.profile = True
+    loss = h.forward(torch.randn(64, 16), frame)
+    by_key = {key: node for key, node, _ in frame.recompute_nodes()}
+    mul = next(k for k in frame.saved_profile if ":aten.mul.Tensor:" in k)
+    add = by_key[mul].creator.args[0].node  # a = lin(x) + 1: not saved, so rebuilt first
+    lin = add.creator.args[0].node  # lin(x): addmm saves its inputs, not its output
+    assert add.key not in frame.keys_seen and lin.key not in frame.keys_seen
+    chain = [by_key[mul].creator.seconds, add.creator.seconds, lin.creator.seconds]
+    assert min(chain) > 0
+    assert frame.saved_profile[mul][1] == pytest.approx(sum(chain))
+    h.runtime.take_replay_times()
+    loss.backward()
+    replays = h.runtime.take_replay_times()
+    assert replays[mul][1] == 1 and replays[mul][0] > 0
+
+
+def test_replay_times_count_micro_batches_not_unpacks(engine: CopyEngine) -> None:
+    model, x, h = views_casts_shared(engine)
+    losses = [h.forward(x, Frame(default=Choice.RECOMPUTE)) for _ in range(2)]
+    h.runtime.take_replay_times()
+    for loss in losses:
+        loss.backward()
+    replays = h.runtime.take_replay_times()
+    assert replays and {n for _, n in replays.values()} == {2}, replays
+
+
 def test_cast_of_stored_activation_is_regenerated(engine: CopyEngine) -> None:
     model, x, h = views_casts_shared(engine)
     reference = loss_and_grads(model, h.forward(x, None))

@@ -314,12 +314,31 @@ def test_cost_model_learns_recompute_cost_from_measured_replays() -> None:
     cost = CostModel({})
     cost.observe({"a:op:0": (1000, 1e-3, True), "b:op:0": (1000, 2e-3, True)}, {}, forward_seconds=0.01)
     assert cost.recompute_seconds("b:op:0", {}) == pytest.approx(2e-3)  # nothing measured: profiled time
-    cost.observe_replays({"a:op:0": (9e-3, 3)}, {})  # three rebuilds of a at 3 ms: 3x its profile
-    assert cost.replay_factor == pytest.approx(2.0)  # smoothed: halfway from 1 to 3
-    assert cost.recompute_seconds("a:op:0", {}) == pytest.approx(2e-3)
-    assert cost.recompute_seconds("b:op:0", {}) == pytest.approx(4e-3)
+    # Rebuilds that really cost 0.1 ms each plus twice their profiled time. One plan alone
+    # cannot tell a fixed cost from a factor: the factor takes it all.
+    cost.observe_replays({"a:op:0": (3 * (1e-4 + 2e-3), 3)}, {})  # a, rebuilt in 3 micro-batches
+    assert (cost.replay_fixed_s, cost.replay_factor) == (0.0, pytest.approx(2.1))
+    assert cost.recompute_seconds("b:op:0", {}) == pytest.approx(4.2e-3)
+    # A plan that also rebuilds b separates them (exact data: any weighting recovers them).
+    cost.observe_replays({"a:op:0": (1e-4 + 2e-3, 1), "b:op:0": (1e-4 + 4e-3, 1)}, {})
+    assert cost.replay_fixed_s == pytest.approx(1e-4) and cost.replay_factor == pytest.approx(2.0)
+    assert cost.recompute_seconds("b:op:0", {}) == pytest.approx(1e-4 + 4e-3)
     cost.observe_replays({"unknown:op:0": (1.0, 1)}, {})  # keys the model does not know: ignored
     assert cost.replay_factor == pytest.approx(2.0)
+
+
+def test_cost_model_timings_drop_the_cold_first_micro_batch_and_outliers() -> None:
+    from bagualu2.cost_model import CostModel
+
+    cost = CostModel({0: "experts."})
+    cost.observe({"attn:op:0": (100, 50e-3, True), "experts.0:mm:0": (400, 40e-3, True)},
+                 {0: [4]}, forward_seconds=1.0)  # cold: first touches, allocator growth
+    for seconds, tokens in ((1e-3, 4), (9e-3, 8), (1e-3, 2), (1e-3, 6)):  # one preempted run
+        cost.observe({"attn:op:0": (100, seconds, True), "experts.0:mm:0": (100 * tokens, tokens * 1e-3, True)},
+                     {0: [tokens]}, forward_seconds=0.1)
+    assert cost.recompute_seconds("attn:op:0", {}) == pytest.approx(1e-3)
+    assert cost.recompute_seconds("experts.0:mm:0", {0: [10]}) == pytest.approx(10e-3)
+    assert cost.predict_bytes("experts.0:mm:0", {0: [10]}) == 1000
 
 
 def test_cost_model_learns_what_offloads_cost() -> None:

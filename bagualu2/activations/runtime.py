@@ -46,7 +46,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from bagualu2.activations.tracing import (
-    Replayer, StorageNode, TracingMode, ViewMeta, is_plain, view_meta, view_of,
+    Replayer, StorageNode, TracingMode, ViewMeta, is_plain, step_inputs, view_meta, view_of,
 )
 from bagualu2.planner import Choice
 
@@ -394,7 +394,8 @@ class ActivationRuntime:
         # of every released activation backward unpacks (bagualu2.overlap.OverlapDriver).
         self.frame_observer: Optional[Callable[[Frame], None]] = None
         self.unpack_observer: Optional[Callable[[str], None]] = None
-        self._replays: Dict[str, List[Any]] = {}  # key -> [seconds, count] of backward rebuilds
+        # key -> [seconds, micro-batches, id of the last one's recompute cache] of backward rebuilds
+        self._replays: Dict[str, List[Any]] = {}
         self._copies: List[Any] = [0.0, 0, 0]  # caller seconds, offloads, bytes (take_copy_times)
 
     # -- frames -----------------------------------------------------------------------------
@@ -501,13 +502,32 @@ class ActivationRuntime:
             )
 
     def _profile(self, frame: Frame) -> Dict[str, Tuple[int, float, bool]]:
+        """Per saved key: bytes, seconds to rebuild it, and whether it can be. Rebuilding
+        replays the key's own ops and, first, those of every input that nothing saved (freed
+        after the forward, so rebuilt too), up to saved storages and block inputs."""
         by_key = {node.key: node for node in self.mode.nodes.values()}
+        saved = frame.keys_seen
+        memo: Dict[int, float] = {}
+
+        def rebuild_seconds(node: StorageNode) -> float:
+            seconds = memo.get(id(node))
+            if seconds is not None:
+                return seconds
+            memo[id(node)] = 0.0
+            steps = [node.creator] + node.mutations
+            seconds = sum(step.seconds for step in steps)
+            inputs = {id(n): n for step in steps for n in step_inputs(step)}
+            for n in inputs.values():
+                if n is not node and n.key not in saved and n.anchor is None:
+                    seconds += rebuild_seconds(n)
+            memo[id(node)] = seconds
+            return seconds
+
         out: Dict[str, Tuple[int, float, bool]] = {}
-        for key, nbytes in frame.keys_seen.items():
+        for key, nbytes in saved.items():
             node = by_key.get(key)
             if node is not None:
-                seconds = node.creator.seconds + sum(m.seconds for m in node.mutations)
-                out[key] = (nbytes, seconds, node.rebuildable(node.state))
+                out[key] = (nbytes, rebuild_seconds(node), node.rebuildable(node.state))
         return out
 
     @contextlib.contextmanager
@@ -748,9 +768,11 @@ class ActivationRuntime:
                 source.take(self.ledger, need=False)
         entry = self._replays.get(node.key)
         if entry is None:
-            entry = self._replays[node.key] = [0.0, 0]
+            entry = self._replays[node.key] = [0.0, 0, None]
         entry[0] += time.perf_counter() - start
-        entry[1] += 1
+        if entry[2] != id(node.cache):  # a micro-batch's first rebuild of this key
+            entry[1] += 1
+            entry[2] = id(node.cache)
         return out
 
     def take_copy_times(self) -> Tuple[float, int, int]:
@@ -762,8 +784,10 @@ class ActivationRuntime:
         return out
 
     def take_replay_times(self) -> Dict[str, Tuple[float, int]]:
-        """Seconds and count of backward rebuilds per operator key since the last call (what
-        recomputing really cost: the op, inputs rebuilt first, the replay's own work)."""
+        """Per operator key, since the last call: seconds its backward unpacks spent rebuilding
+        (what recomputing really cost: the op, inputs rebuilt first, the replay's own work;
+        several saved views of one storage are rebuilt once) and the number of micro-batches
+        that rebuilt it."""
         out = {k: (v[0], v[1]) for k, v in self._replays.items()}
         self._replays.clear()
         return out

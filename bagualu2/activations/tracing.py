@@ -38,13 +38,13 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Ref", "Step", "StorageNode", "TracingMode", "is_recomputing", "ViewMeta"]
+__all__ = ["Ref", "Step", "StorageNode", "TracingMode", "is_recomputing", "step_inputs", "ViewMeta"]
 
 _STATE = threading.local()
 
@@ -194,17 +194,21 @@ def _set_rng_state(state: Tuple[torch.device, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(value, device)
 
 
-def _reads_newer(step: Step, position: int) -> bool:
-    """Whether ``step`` reads a storage created after ``position``."""
+def step_inputs(step: Step) -> Iterator["StorageNode"]:
+    """The traced storages ``step`` reads (not the one it mutates)."""
     stack: List[Any] = [step.args, list(step.kwargs.values())]
     while stack:
         x = stack.pop()
         if isinstance(x, Ref):
-            if x.node is not SELF and x.node.position > position:
-                return True
+            if x.node is not SELF:
+                yield x.node
         elif isinstance(x, (list, tuple)):
             stack.extend(x)
-    return False
+
+
+def _reads_newer(step: Step, position: int) -> bool:
+    """Whether ``step`` reads a storage created after ``position``."""
+    return any(node.position > position for node in step_inputs(step))
 
 
 class _OpInfo:
