@@ -30,9 +30,9 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from bagualu2.planner import Candidate
+from bagualu2.planner import Candidate, Choice
 
 __all__ = ["CostModel", "OpCost"]
 
@@ -102,8 +102,9 @@ class OpCost:
     layer: Optional[int]      # MoE layer whose expert drives it, or None (constant)
     expert: Optional[int]
     bytes: _Fit = field(default_factory=_Fit)
-    seconds: _Fit = field(default_factory=lambda: _Fit(robust=True))  # the op, timed in profiled forwards
+    seconds: _Fit = field(default_factory=lambda: _Fit(robust=True))  # its own ops, timed in profiled forwards
     recomputable: bool = True
+    unsaved_inputs: Tuple[str, ...] = ()  # storages nothing saves that rebuilding it rebuilds first
 
 
 class CostModel:
@@ -133,9 +134,11 @@ class CostModel:
         self.copy_fixed_s = (float(copy_fixed_s[0]), float(copy_fixed_s[1]))
         self.copies_overlap = copies_overlap
         self.ops: Dict[str, OpCost] = {}
+        self.unsaved: Dict[str, OpCost] = {}  # ops whose outputs nothing saves (rebuilt as inputs)
         self.replay_factor = 1.0  # what backward rebuilds cost per second of profiled op time
-        self.replay_fixed_s = 0.0  # and per rebuilt key (the replay's own work: decoding, caching)
-        self._replay_sums = [0.0] * 5  # decayed sums for the fit: n*n, n*p, p*p, n*y, p*y
+        self.replay_fixed_s = 0.0  # and per replayed op (the replay's own work: decoding, caching)
+        self._replay_sums = [0.0] * 5  # decayed weighted sums for the fit: n*n, n*p, p*p, n*y, p*y
+        self.replay_memory = 0.9  # weight an observation keeps at each newer one
         self.copy_factor = 1.0  # what an offload and its reload cost per second of predicted copy time
         self.order: List[str] = []           # keys in the order a micro-batch first saves them
         self.forward_seconds = 0.0           # measured forward time of one micro-batch
@@ -154,56 +157,93 @@ class CostModel:
                     return layer, int(head)
         return None, None
 
-    def observe(self, saved: Mapping[str, Tuple[int, float, bool]],
-                counts: Mapping[int, Sequence[int]], forward_seconds: float) -> None:
+    def observe(self, saved: Mapping[str, Tuple], counts: Mapping[int, Sequence[int]],
+                forward_seconds: float, unsaved: Optional[Mapping[str, float]] = None) -> None:
         """Learn from one profiled micro-batch.
 
         Args:
-            saved: key -> (saved storage bytes, measured seconds to rebuild, recomputable), in
-                the order the micro-batch first saved them.
+            saved: key -> (saved storage bytes, measured seconds of its own ops, recomputable[,
+                keys of the unsaved storages its rebuild rebuilds first]), in the order the
+                micro-batch first saved them.
             counts: MoE layer -> tokens per expert of this micro-batch.
             forward_seconds: wall time of the micro-batch's forward.
+            unsaved: key -> measured seconds of the ops of those unsaved storages.
         """
-        for key, (nbytes, seconds, recomputable) in saved.items():
+        for key, seconds in (unsaved or {}).items():
+            op = self.unsaved.get(key)
+            if op is None:
+                op = self.unsaved[key] = OpCost(key, *self._driver(key))
+            self._time(op, counts, seconds)
+        for key, (nbytes, seconds, recomputable, *rest) in saved.items():
             op = self.ops.get(key)
             if op is None:
                 layer, expert = self._driver(key)
                 op = self.ops[key] = OpCost(key, layer, expert)
                 self.order.append(key)
-            tokens = self._tokens(op, counts)
-            op.bytes.add(tokens, float(nbytes))
-            if self.frames == 1:
-                op.seconds.clear()  # the first micro-batch ran cold: its timings are not the op's
-            op.seconds.add(tokens, float(seconds))
+            op.bytes.add(self._tokens(op, counts), float(nbytes))
+            self._time(op, counts, seconds)
             op.recomputable = op.recomputable and recomputable
+            if rest:
+                op.unsaved_inputs = tuple(rest[0])
         self.forward_seconds = (forward_seconds if self.frames == 0
                                 else 0.5 * (self.forward_seconds + forward_seconds))
         self.frames += 1
+
+    def _time(self, op: OpCost, counts: Mapping[int, Sequence[int]], seconds: float) -> None:
+        if self.frames == 1:
+            op.seconds.clear()  # the first micro-batch ran cold: its timings are not the op's
+        op.seconds.add(self._tokens(op, counts), float(seconds))
+
+    def rebuild_profile(self, keys: Iterable[str], counts: Mapping[int, Sequence[int]]) -> Tuple[int, float]:
+        """What rebuilding ``keys`` together replays: the number of ops and their profiled
+        seconds (each key's own ops, and each unsaved input any of them needs, once: a rebuilt
+        input is cached for the others)."""
+        seconds = 0.0
+        ops = 0
+        inputs: Dict[str, None] = {}
+        for key in keys:
+            op = self.ops.get(key)
+            if op is not None:
+                ops += 1
+                seconds += op.seconds(self._tokens(op, counts))
+                inputs.update(dict.fromkeys(op.unsaved_inputs))
+        for key in inputs:
+            op = self.unsaved.get(key)
+            if op is not None:
+                ops += 1
+                seconds += op.seconds(self._tokens(op, counts))
+        return ops, seconds
+
+    def _rebuild_seconds(self, keys: Iterable[str], counts: Mapping[int, Sequence[int]]) -> float:
+        ops, seconds = self.rebuild_profile(keys, counts)
+        return ops * self.replay_fixed_s + seconds * self.replay_factor
 
     def observe_replays(self, replays: Mapping[str, Tuple[float, int]],
                         counts: Mapping[int, Sequence[int]]) -> None:
         """Learn what recomputing costs in backward: ``replays`` maps a key to (seconds, n):
         what its rebuilds in ``n`` micro-batches took. A rebuild also pays for the replay's
         own work and for inputs it must rebuild first, and which key pays for a shared input
-        depends on the plan, so the fit is on each observation's totals (what the plan's rebuilds
-        cost together), with two parameters for all keys:
-        ``total seconds = rebuilds * replay_fixed_s + replay_factor * total profiled seconds``,
-        by least squares over observations (older ones weigh half as much at each new one).
-        Until observations of different plans tell the two apart, only the factor is fitted."""
-        n = p = y = 0.0
-        for key, (seconds, frames) in replays.items():
-            op = self.ops.get(key)
-            if op is None or frames <= 0:
-                continue
-            n += frames
-            p += frames * op.seconds(self._tokens(op, counts))
-            y += seconds
+        depends on the plan, so the fit is on each observation's totals (what the plan's
+        rebuilds cost together), with two parameters for all ops:
+        ``seconds = replayed ops * replay_fixed_s + replay_factor * their profiled seconds``,
+        by least squares on the relative error (a plan that rebuilds little counts as much as
+        one that rebuilds a lot) over observations, each weighing ``replay_memory`` times as
+        much at each newer one. Until observations of different plans tell the two apart, only the factor is
+        fitted."""
+        known = {k: v for k, v in replays.items() if k in self.ops and v[1] > 0}
+        if not known:
+            return
+        frames = sum(f for _, f in known.values()) / len(known)  # micro-batches observed
+        ops, profiled = self.rebuild_profile(known, counts)
+        n, p = ops * frames, profiled * frames
+        y = sum(seconds for seconds, _ in known.values())
         if y <= 0 or p <= 0:
             return
         s = self._replay_sums
-        s[:] = [0.5 * v for v in s]
+        s[:] = [self.replay_memory * v for v in s]
+        w = 1.0 / (y * y)
         for i, v in enumerate((n * n, n * p, p * p, n * y, p * y)):
-            s[i] += v
+            s[i] += w * v
         nn, np_, pp, ny, py = s
         det = nn * pp - np_ * np_
         fixed = factor = -1.0
@@ -215,19 +255,37 @@ class CostModel:
         self.replay_fixed_s, self.replay_factor = fixed, factor
 
     def observe_copies(self, seconds: float, copies: int, nbytes: int) -> None:
-        """Learn what offloads cost: ``seconds`` of work they caused (the caller's submissions
-        and waits, and on the cpu backend the copy threads' time, which the cores give up to
-        them) for ``copies`` offloads of ``nbytes`` in all, against the predicted copy time."""
+        """Learn what offloads cost: ``seconds`` the training thread spent on them (submitting,
+        waiting for copies and for room; measured on this cpu machine, the step time grows by
+        about that much, the copy threads' own time hiding behind waits for them) for
+        ``copies`` offloads of ``nbytes`` in all, against the predicted copy time."""
         predicted = (copies * (self.copy_fixed_s[0] + self.copy_fixed_s[1])
                      + nbytes / self.d2h_bandwidth + nbytes / self.h2d_bandwidth)
         if seconds > 0 and predicted > 0:
             self.copy_factor = 0.5 * (self.copy_factor + seconds / predicted)
 
     def recompute_seconds(self, key: str, counts: Mapping[int, Sequence[int]]) -> float:
-        """Predicted backward cost of recomputing ``key``: the learned ``replay_fixed_s`` plus
-        its profiled rebuild time times the learned ``replay_factor``."""
-        op = self.ops[key]
-        return self.replay_fixed_s + op.seconds(self._tokens(op, counts)) * self.replay_factor
+        """Predicted backward cost of recomputing ``key`` alone: the learned ``replay_fixed_s``
+        per op it replays (unsaved inputs included) plus their profiled time times the learned
+        ``replay_factor``. The planner adds these up; a plan that recomputes several keys with
+        a common unsaved input pays for that input once (``plan_seconds``)."""
+        return self._rebuild_seconds((key,), counts)
+
+    def plan_seconds(self, choices: Mapping[str, Any], counts: Mapping[int, Sequence[int]],
+                     offload_window: float = 0.0, reload_window: float = 0.0) -> float:
+        """Predicted step-time overhead of a plan (key -> Choice): its recomputes rebuilt
+        together, plus the copy time the windows do not hide."""
+        recompute = [k for k, c in choices.items() if c == Choice.RECOMPUTE and k in self.ops]
+        offload = [k for k, c in choices.items() if c == Choice.OFFLOAD and k in self.ops]
+        seconds = 0.0
+        if recompute:
+            seconds += self._rebuild_seconds(recompute, counts)
+        out = back = 0.0
+        for key in offload:
+            nbytes = self.predict_bytes(key, counts)
+            out += self.copy_factor * (self.copy_fixed_s[0] + nbytes / self.d2h_bandwidth)
+            back += self.copy_factor * (self.copy_fixed_s[1] + nbytes / self.h2d_bandwidth)
+        return seconds + max(0.0, out - offload_window) + max(0.0, back - reload_window)
 
     @staticmethod
     def _tokens(op: OpCost, counts: Mapping[int, Sequence[int]]) -> float:

@@ -169,7 +169,6 @@ class Provisioner:
         self._worst_bytes: Optional[int] = None  # saved bytes of the worst possible routing
         self._latencies_us: List[float] = []
         self.overlap: Any = None  # an OverlapDriver on a pipeline rank (pipeline.enable_bagualu2)
-        self._copy_busy = 0.0  # the copy engine's busy seconds when copies were last observed
         self._static: Optional[Dict[str, Choice]] = None
         if isinstance(policy, Plan):
             self._static = dict(policy.choices)
@@ -278,6 +277,13 @@ class Provisioner:
         offload_window, reload_window = self._windows(1.0)
         return self.planner.solve(candidates, total - int(self.budget * (1.0 - self.margin)),
                                   offload_window, reload_window)
+
+    def predicted_overhead(self, plan: Plan, counts: Mapping[int, Sequence[int]]) -> float:
+        """The cost model's step-time overhead of a whole micro-batch under ``plan`` (seconds):
+        like the plan's ``exposed_s``, but a common unsaved input of several recomputed keys is
+        counted once, as the runtime rebuilds it once."""
+        offload_window, reload_window = self._windows(1.0)
+        return self.cost.plan_seconds(plan.choices, counts, offload_window, reload_window)
 
     def _windows(self, remaining_fraction: float) -> tuple:
         # The CPU backend copies on worker threads that share the cores with compute: nothing
@@ -392,11 +398,6 @@ class Provisioner:
             self.cost.observe_replays(replays, self.mean_counts())
         seconds, copies, nbytes = self.runtime.take_copy_times()
         if copies and self.engine is not None:  # ... and to offload and reload
-            if not self.cost.copies_overlap:  # cpu: the copy threads' time is the cores' time
-                stats = self.engine.stats()
-                busy = stats["d2h_busy_s"] + stats["h2d_busy_s"]
-                seconds += busy - self._copy_busy
-                self._copy_busy = busy
             self.cost.observe_copies(seconds, copies, nbytes)
         frame = self._new_frame(conservative)
         self._frame_counts = {}
@@ -418,7 +419,7 @@ class Provisioner:
         seconds = time.perf_counter() - start
         self._frames += 1
         if frame.profile:
-            self.cost.observe(frame.saved_profile, self._frame_counts, seconds)
+            self.cost.observe(frame.saved_profile, self._frame_counts, seconds, frame.unsaved_seconds)
         fixed = self.cost.candidates(self.cost.order, self._frame_counts, self.min_bytes,
                                      self.engine is not None)[1] if self.cost.ready else 0
         self._floor = max(self._floor, anchored + fixed)

@@ -327,6 +327,23 @@ def test_cost_model_learns_recompute_cost_from_measured_replays() -> None:
     assert cost.replay_factor == pytest.approx(2.0)
 
 
+def test_cost_model_counts_an_unsaved_input_once_per_plan() -> None:
+    from bagualu2.cost_model import CostModel
+    from bagualu2.planner import Choice
+
+    cost = CostModel({}, copies_overlap=False)
+    saved = {"q:op:0": (1000, 1e-3, True, ("proj:mm:0",)), "k:op:0": (1000, 2e-3, True, ("proj:mm:0",)),
+             "o:op:0": (1000, 4e-3, True, ())}
+    cost.observe(saved, {}, forward_seconds=0.1, unsaved={"proj:mm:0": 10e-3})
+    assert cost.recompute_seconds("q:op:0", {}) == pytest.approx(11e-3)  # alone: pays for proj
+    assert cost.recompute_seconds("k:op:0", {}) == pytest.approx(12e-3)
+    both = {"q:op:0": Choice.RECOMPUTE, "k:op:0": Choice.RECOMPUTE, "o:op:0": Choice.KEEP}
+    assert cost.plan_seconds(both, {}) == pytest.approx(13e-3)  # proj rebuilt once, for both
+    # Replays are fitted against the same plan-level profile.
+    cost.observe_replays({"q:op:0": (0.5 * 13e-3, 1), "k:op:0": (0.5 * 13e-3, 1)}, {})
+    assert cost.replay_factor == pytest.approx(1.0) and cost.replay_fixed_s == 0.0
+
+
 def test_cost_model_timings_drop_the_cold_first_micro_batch_and_outliers() -> None:
     from bagualu2.cost_model import CostModel
 

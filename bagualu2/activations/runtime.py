@@ -155,7 +155,9 @@ class Frame:
         self.stats = FrameStats()
         self.keys_seen: Dict[str, int] = {}  # operator key -> storage bytes, first save
         self.profile = False  # time every op, and fill ``saved_profile`` when the forward ends
-        self.saved_profile: Dict[str, Tuple[int, float, bool]] = {}  # key -> (bytes, s, recomputable)
+        # key -> (bytes, seconds of its own ops, recomputable, unsaved inputs rebuilt first)
+        self.saved_profile: Dict[str, Tuple[int, float, bool, Tuple[str, ...]]] = {}
+        self.unsaved_seconds: Dict[str, float] = {}  # those unsaved inputs' own seconds
         # Overlap scheduling (bagualu2.overlap.OverlapDriver): ``on_saved(key)`` is called once
         # per operator key, right after the first activation of that key is packed (the op has
         # run); with ``scheduled`` set, backward issues no reloads of its own beyond the one it
@@ -431,7 +433,7 @@ class ActivationRuntime:
         finally:
             frame.stats.peak_resident = self.ledger.peak
             if frame.profile:
-                frame.saved_profile = self._profile(frame)
+                frame.saved_profile, frame.unsaved_seconds = self._profile(frame)
             self.settle()
             for node in frame._anchors:
                 if node.offloaded:
@@ -501,34 +503,39 @@ class ActivationRuntime:
                 + "; keys look like '<module path>:<aten op>:<occurrence>', see Frame.keys_seen"
             )
 
-    def _profile(self, frame: Frame) -> Dict[str, Tuple[int, float, bool]]:
-        """Per saved key: bytes, seconds to rebuild it, and whether it can be. Rebuilding
-        replays the key's own ops and, first, those of every input that nothing saved (freed
-        after the forward, so rebuilt too), up to saved storages and block inputs."""
+    def _profile(self, frame: Frame) -> Tuple[Dict[str, Tuple[int, float, bool, Tuple[str, ...]]], Dict[str, float]]:
+        """Per saved key: bytes, seconds of its own ops, whether it can be rebuilt, and the
+        storages nothing saved (freed after the forward) that rebuilding it must rebuild first,
+        up to saved storages and block inputs; and those unsaved storages' own seconds."""
         by_key = {node.key: node for node in self.mode.nodes.values()}
         saved = frame.keys_seen
-        memo: Dict[int, float] = {}
+        unsaved: Dict[str, float] = {}
+        chains: Dict[int, Tuple[str, ...]] = {}
 
-        def rebuild_seconds(node: StorageNode) -> float:
-            seconds = memo.get(id(node))
-            if seconds is not None:
-                return seconds
-            memo[id(node)] = 0.0
-            steps = [node.creator] + node.mutations
-            seconds = sum(step.seconds for step in steps)
-            inputs = {id(n): n for step in steps for n in step_inputs(step)}
-            for n in inputs.values():
-                if n is not node and n.key not in saved and n.anchor is None:
-                    seconds += rebuild_seconds(n)
-            memo[id(node)] = seconds
-            return seconds
+        def own_seconds(node: StorageNode) -> float:
+            return node.creator.seconds + sum(m.seconds for m in node.mutations)
 
-        out: Dict[str, Tuple[int, float, bool]] = {}
+        def chain(node: StorageNode) -> Tuple[str, ...]:
+            found = chains.get(id(node))
+            if found is not None:
+                return found
+            chains[id(node)] = ()
+            keys: Dict[str, None] = {}
+            for step in [node.creator] + node.mutations:
+                for n in step_inputs(step):
+                    if n is not node and n.key not in saved and n.anchor is None:
+                        unsaved[n.key] = own_seconds(n)
+                        keys[n.key] = None
+                        keys.update(dict.fromkeys(chain(n)))
+            chains[id(node)] = tuple(keys)
+            return chains[id(node)]
+
+        out: Dict[str, Tuple[int, float, bool, Tuple[str, ...]]] = {}
         for key, nbytes in saved.items():
             node = by_key.get(key)
             if node is not None:
-                out[key] = (nbytes, rebuild_seconds(node), node.rebuildable(node.state))
-        return out
+                out[key] = (nbytes, own_seconds(node), node.rebuildable(node.state), chain(node))
+        return out, unsaved
 
     @contextlib.contextmanager
     def untraced(self) -> Iterator[None]:
