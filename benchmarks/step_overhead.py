@@ -13,7 +13,8 @@ Compares, in one run and on the same model and batches:
 * all-recompute (``policy="recompute_all"``) against ``torch.utils.checkpoint`` on every block.
 
 Each variant runs ``--steps`` forward+backward steps after ``--warmup``; variants are
-interleaved round-robin so machine noise hits all of them alike; reported: the median over
+interleaved round-robin (the order rotating every round) so machine noise hits all of them
+alike; reported: the median over
 rounds of the ratio within a round (paired), and the ratios of medians and of bests.
 
     python benchmarks/step_overhead.py --config bench --steps 7 --out step_overhead.json
@@ -102,8 +103,12 @@ def main() -> None:
         "bagualu2 recompute_all": provisioned("recompute_all"),
     }
     times: Dict[str, List[float]] = {name: [] for name in variants}
+    names = list(variants)
     for i in range(args.warmup + args.steps):
-        for name, fn in variants.items():
+        # The order rotates every round: a variant then does not always run right after the
+        # same one (whose freed memory the allocator may or may not still hold).
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            fn = variants[name]
             model.zero_grad(set_to_none=True)
             torch.manual_seed(i)
             start = time.perf_counter()

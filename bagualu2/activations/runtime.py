@@ -655,7 +655,7 @@ class ActivationRuntime:
         """Whether the storage is a cast/copy (or chain of them) of a stored activation with
         nothing applied afterwards, and the offloaded store it is then rebuilt from (None when
         the source is kept)."""
-        while str(node.creator.func) in _CAST_OPS and not node.mutations and node.recomputable:
+        while node.creator.name in _CAST_OPS and not node.mutations and node.recomputable:
             source = node.creator.args[0] if node.creator.args else None
             src_node = getattr(source, "node", None)
             if not isinstance(src_node, StorageNode):

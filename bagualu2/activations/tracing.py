@@ -70,9 +70,12 @@ class _Replaying:
 ViewMeta = Tuple[Tuple[int, ...], Tuple[int, ...], int, torch.dtype]
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def is_plain(t: torch.Tensor) -> bool:
     """A dense strided tensor with a storage of its own kind (not sparse, nested or a subclass)."""
-    return t.layout == torch.strided and not t.is_nested and type(t) in (torch.Tensor, torch.nn.Parameter)
+    return type(t) in _PLAIN_TYPES and t.layout == torch.strided and not t.is_nested
 
 
 def view_meta(t: torch.Tensor) -> ViewMeta:
@@ -132,6 +135,11 @@ class Step:
     out_index: int = 0
     seconds: float = 0.0  # measured forward time of the op (profiling frames only)
     siblings: List[Any] = field(default_factory=list)  # weak refs to every output node of the call
+
+    @property
+    def name(self) -> str:
+        """The op's printable name (``aten.mul.Tensor``), computed once per op."""
+        return _OpInfo.of(self.func).name
 
 
 class StorageNode:
@@ -243,6 +251,12 @@ class TracingMode(TorchDispatchMode):
     returns an object that counts it for as long as the recipe lives. With ``profile`` set, each
     op is timed.
     """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch otherwise wraps __torch_dispatch__ in a Dynamo-disabling shim that costs more
+        # per op than the recording itself; the traced forward runs eagerly, not compiled.
+        return False
 
     def __init__(self, pin_leaf: Callable[[torch.Tensor], Any]) -> None:
         super().__init__()
