@@ -212,6 +212,24 @@ def test_growth_adds_a_segment_only_when_no_gap_fits_and_stops_at_max_capacity(b
     assert arena.allocate(1 << 20) is not None, "a freed segment serves again"
 
 
+def _host_refuses_huge_allocations() -> bool:
+    """Linux's heuristic overcommit (mode 0) refuses one allocation far beyond RAM + swap."""
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            return f.read().strip() == "0"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _host_refuses_huge_allocations(), reason="needs heuristic overcommit (mode 0)")
+def test_a_segment_the_host_refuses_is_exhaustion_not_an_error():
+    arena = HostArena(1 << 20, "cpu", max_capacity=1 << 46)
+    assert arena.allocate(1 << 45) is None  # 32 TiB: the reservation fails
+    s = arena.stats()
+    assert (s["segments"], s["capacity"], s["num_failed"]) == (1, 1 << 20, 1)
+    assert arena.allocate(4 << 20) is not None, "growth still works after a refused reservation"
+
+
 def test_blocks_of_different_segments_never_merge(backend):
     arena = HostArena(64 << 10, backend, max_capacity=128 << 10)
     first = arena.allocate(64 << 10)

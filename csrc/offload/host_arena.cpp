@@ -166,7 +166,14 @@ bool HostArena::grow(std::size_t size) {
     }
     const std::size_t seg_size = std::max(size, std::min(total, max_capacity_ - total));
     // The runtime call, with the bookkeeping lock released (pinning can take milliseconds).
-    auto* base = static_cast<char*>(rt_.host_alloc(seg_size));
+    // A reservation the host refuses is exhaustion like any other: the caller keeps or
+    // recomputes instead.
+    char* base = nullptr;
+    try {
+        base = static_cast<char*>(rt_.host_alloc(seg_size));
+    } catch (const RuntimeError&) {
+        return false;
+    }
     const auto addr = reinterpret_cast<std::uintptr_t>(base);
     BAGUALU2_RUNTIME_CHECK(addr % kAlignment == 0, "host_alloc returned memory not aligned to ",
                            kAlignment, " bytes");

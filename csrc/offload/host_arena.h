@@ -32,7 +32,8 @@
 //   7. Growth: a new segment is reserved only for a request that fits nowhere, holds at least
 //      that request, is at least as large as the arena so far (geometric growth: few
 //      reservations) unless that would pass max_capacity, and the total never passes
-//      max_capacity.
+//      max_capacity. A reservation the runtime refuses leaves the arena as it was and the
+//      request fails like any exhaustion (nullptr, num_failed).
 #pragma once
 
 #include <cstddef>
