@@ -242,11 +242,11 @@ class _OffloadStore:
         self.frame._prefetch_pending += self.nbytes
         return True
 
-    def take(self, ledger: ResidencyLedger, need: bool = True) -> Optional[torch.Tensor]:
-        """One reader's use in the running backward pass: a uint8 tensor over the device copy,
-        held (and charged to ``ledger``) while more of the ``refs`` readers are due. A reader
-        that found what it needed elsewhere passes ``need=False``: it is counted, nothing is
-        reloaded, and None is returned."""
+    def take(self, ledger: ResidencyLedger, need: bool = True) -> Optional[torch.UntypedStorage]:
+        """One reader's use in the running backward pass: the device copy, held (and charged
+        to ``ledger``) while more of the ``refs`` readers are due. A reader that found what
+        it needed elsewhere passes ``need=False``: it is counted, nothing is reloaded, and None
+        is returned."""
         task = torch._C._current_graph_task_id()
         if task != self.task:
             self.task, self.unpacked = task, 0
@@ -255,26 +255,24 @@ class _OffloadStore:
             if self.unpacked >= self.refs:
                 self._release_hold()
             return None
-        base = self._held()
-        if base is None:
-            storage = self.storage()
-            base = torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage)
-        if self.unpacked < self.refs:
-            if self.held is not base:
-                self.held, self.held_version = base, base._version
-                self.held_pin = _Pin(ledger, base.untyped_storage())
-        else:
+        storage = self.storage()
+        if self.unpacked >= self.refs:
             self._release_hold()
-        return base
+        elif self.held is None:
+            self.held = torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage)
+            self.held_version = self.held._version
+            self.held_pin = _Pin(ledger, storage)
+        return storage
 
     def unpack(self, meta: ViewMeta, ledger: ResidencyLedger) -> torch.Tensor:
         """A tensor with ``meta``'s geometry over this storage's device copy."""
-        base = self.take(ledger)
-        if self.refs == 1 or not base.numel():
-            return view_of(base.untyped_storage(), meta)
-        # A view of the held ``base``: the tensors handed out share its version counter.
+        storage = self.take(ledger)
+        held = self.held
+        if held is None or not held.numel():  # the pass's last (or only) reader
+            return view_of(storage, meta)
+        # A view of the held copy: the tensors handed out share its version counter.
         size, stride, offset, dtype = meta
-        return base.view(dtype).as_strided(size, stride, offset)
+        return held.view(dtype).as_strided(size, stride, offset)
 
     def _held(self) -> Optional[torch.Tensor]:
         if self.held is None or self.held._version == self.held_version:
@@ -761,14 +759,14 @@ class ActivationRuntime:
         if source is None:
             out = view_of(Replayer(self._available).storage(node, packed.state), packed.meta)
         else:  # a cast regenerated from an offloaded storage: one of that store's readers
-            taken: List[torch.Tensor] = []
+            taken: List[torch.UntypedStorage] = []
 
             def available(n: StorageNode, s: int) -> Optional[torch.UntypedStorage]:
                 if n.offloaded.get(s) is not source:
                     return self._available(n, s)
                 if not taken:
                     taken.append(source.take(self.ledger))
-                return taken[0].untyped_storage()
+                return taken[0]
 
             out = view_of(Replayer(available).storage(node, packed.state), packed.meta)
             if not taken:
