@@ -162,8 +162,8 @@ class CostModel:
         """Learn from one profiled micro-batch.
 
         Args:
-            saved: key -> (saved storage bytes, measured seconds of its own ops, recomputable[,
-                keys of the unsaved storages its rebuild rebuilds first]), in the order the
+            saved: key -> (saved storage bytes, measured seconds of its own ops, recomputable,
+                keys of the unsaved storages its rebuild rebuilds first), in the order the
                 micro-batch first saved them.
             counts: MoE layer -> tokens per expert of this micro-batch.
             forward_seconds: wall time of the micro-batch's forward.
@@ -174,7 +174,7 @@ class CostModel:
             if op is None:
                 op = self.unsaved[key] = OpCost(key, *self._driver(key))
             self._time(op, counts, seconds)
-        for key, (nbytes, seconds, recomputable, *rest) in saved.items():
+        for key, (nbytes, seconds, recomputable, unsaved_inputs) in saved.items():
             op = self.ops.get(key)
             if op is None:
                 layer, expert = self._driver(key)
@@ -183,8 +183,7 @@ class CostModel:
             op.bytes.add(self._tokens(op, counts), float(nbytes))
             self._time(op, counts, seconds)
             op.recomputable = op.recomputable and recomputable
-            if rest:
-                op.unsaved_inputs = tuple(rest[0])
+            op.unsaved_inputs = tuple(unsaved_inputs)
         self.forward_seconds = (forward_seconds if self.frames == 0
                                 else 0.5 * (self.forward_seconds + forward_seconds))
         self.frames += 1
@@ -271,6 +270,14 @@ class CostModel:
         a common unsaved input pays for that input once (``plan_seconds``)."""
         return self._rebuild_seconds((key,), counts)
 
+    def offload_seconds(self, nbytes: int) -> float:
+        """Predicted cost of offloading ``nbytes`` (one copy)."""
+        return self.copy_factor * (self.copy_fixed_s[0] + nbytes / self.d2h_bandwidth)
+
+    def reload_seconds(self, nbytes: int) -> float:
+        """Predicted cost of reloading ``nbytes`` (one copy)."""
+        return self.copy_factor * (self.copy_fixed_s[1] + nbytes / self.h2d_bandwidth)
+
     def plan_seconds(self, choices: Mapping[str, Any], counts: Mapping[int, Sequence[int]],
                      offload_window: float = 0.0, reload_window: float = 0.0) -> float:
         """Predicted step-time overhead of a plan (key -> Choice): its recomputes rebuilt
@@ -283,8 +290,8 @@ class CostModel:
         out = back = 0.0
         for key in offload:
             nbytes = self.predict_bytes(key, counts)
-            out += self.copy_factor * (self.copy_fixed_s[0] + nbytes / self.d2h_bandwidth)
-            back += self.copy_factor * (self.copy_fixed_s[1] + nbytes / self.h2d_bandwidth)
+            out += self.offload_seconds(nbytes)
+            back += self.reload_seconds(nbytes)
         return seconds + max(0.0, out - offload_window) + max(0.0, back - reload_window)
 
     @staticmethod
@@ -330,8 +337,8 @@ class CostModel:
                 key=key,
                 nbytes=nbytes,
                 recompute_s=self.recompute_seconds(key, counts),
-                offload_s=self.copy_factor * (self.copy_fixed_s[0] + nbytes / self.d2h_bandwidth),
-                reload_s=self.copy_factor * (self.copy_fixed_s[1] + nbytes / self.h2d_bandwidth),
+                offload_s=self.offload_seconds(nbytes),
+                reload_s=self.reload_seconds(nbytes),
                 can_offload=can_offload,
                 can_recompute=op.recomputable,
             ))

@@ -297,12 +297,12 @@ def test_cost_model_copies_on_cpu_are_never_hidden_and_pay_a_fixed_cost() -> Non
     from bagualu2.cost_model import CostModel
 
     cost = CostModel({}, d2h_bandwidth=1e9, h2d_bandwidth=2e9, copy_fixed_s=(1e-4, 2e-4), copies_overlap=False)
-    cost.observe({"a:op:0": (10**6, 1e-3, True)}, {}, forward_seconds=0.05)
+    cost.observe({"a:op:0": (10**6, 1e-3, True, ())}, {}, forward_seconds=0.05)
     (cand,), _ = cost.candidates(["a:op:0"], {}, min_bytes=0, can_offload=True)
     assert cand.offload_s == pytest.approx(1e-4 + 1e-3) and cand.reload_s == pytest.approx(2e-4 + 5e-4)
     assert cost.windows(1.0, stacked_forwards=3) == (0.0, 0.0)
     overlapping = CostModel({}, copies_overlap=True)
-    overlapping.observe({"a:op:0": (10**6, 1e-3, True)}, {}, forward_seconds=0.05)
+    overlapping.observe({"a:op:0": (10**6, 1e-3, True, ())}, {}, forward_seconds=0.05)
     assert overlapping.windows(1.0) == (pytest.approx(0.05), pytest.approx(0.1))
     with pytest.raises(ValueError, match="copy_fixed_s"):
         CostModel({}, copy_fixed_s=(-1.0, 0.0))
@@ -312,7 +312,7 @@ def test_cost_model_learns_recompute_cost_from_measured_replays() -> None:
     from bagualu2.cost_model import CostModel
 
     cost = CostModel({})
-    cost.observe({"a:op:0": (1000, 1e-3, True), "b:op:0": (1000, 2e-3, True)}, {}, forward_seconds=0.01)
+    cost.observe({"a:op:0": (1000, 1e-3, True, ()), "b:op:0": (1000, 2e-3, True, ())}, {}, forward_seconds=0.01)
     assert cost.recompute_seconds("b:op:0", {}) == pytest.approx(2e-3)  # nothing measured: profiled time
     # Rebuilds that really cost 0.1 ms each plus twice their profiled time. One plan alone
     # cannot tell a fixed cost from a factor: the factor takes it all.
@@ -348,10 +348,10 @@ def test_cost_model_timings_drop_the_cold_first_micro_batch_and_outliers() -> No
     from bagualu2.cost_model import CostModel
 
     cost = CostModel({0: "experts."})
-    cost.observe({"attn:op:0": (100, 50e-3, True), "experts.0:mm:0": (400, 40e-3, True)},
+    cost.observe({"attn:op:0": (100, 50e-3, True, ()), "experts.0:mm:0": (400, 40e-3, True, ())},
                  {0: [4]}, forward_seconds=1.0)  # cold: first touches, allocator growth
     for seconds, tokens in ((1e-3, 4), (9e-3, 8), (1e-3, 2), (1e-3, 6)):  # one preempted run
-        cost.observe({"attn:op:0": (100, seconds, True), "experts.0:mm:0": (100 * tokens, tokens * 1e-3, True)},
+        cost.observe({"attn:op:0": (100, seconds, True, ()), "experts.0:mm:0": (100 * tokens, tokens * 1e-3, True, ())},
                      {0: [tokens]}, forward_seconds=0.1)
     assert cost.recompute_seconds("attn:op:0", {}) == pytest.approx(1e-3)
     assert cost.recompute_seconds("experts.0:mm:0", {0: [10]}) == pytest.approx(10e-3)
@@ -362,7 +362,7 @@ def test_cost_model_learns_what_offloads_cost() -> None:
     from bagualu2.cost_model import CostModel
 
     cost = CostModel({}, d2h_bandwidth=1e9, h2d_bandwidth=1e9, copy_fixed_s=(1e-4, 1e-4))
-    cost.observe({"a:op:0": (10**6, 1e-3, True)}, {}, forward_seconds=0.05)
+    cost.observe({"a:op:0": (10**6, 1e-3, True, ())}, {}, forward_seconds=0.05)
     cost.observe_copies(seconds=2 * 3 * (2e-4 + 2e-3), copies=2, nbytes=2 * 10**6)  # 3x the prediction
     assert cost.copy_factor == pytest.approx(2.0)  # smoothed: halfway from 1 to 3
     (cand,), _ = cost.candidates(["a:op:0"], {}, min_bytes=0, can_offload=True)
