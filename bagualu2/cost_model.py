@@ -20,6 +20,11 @@ micro-batch's allocations and first touches): the first micro-batch's timings ar
 the second's, and the fit is robust (the median for constant ops, Theil-Sen's median slope
 otherwise). Copy time is bytes over the copy engine's measured bandwidth.
 
+What the backward pass really pays is learned from the runtime's measurements of whole plans
+(``_CostFit``): rebuilds as a cost per replayed op plus a factor on the profiled op time,
+offloads as a cost per offloaded storage (its training-thread work: store, fresh reload
+buffer, hooks) plus a factor on the predicted copy time.
+
 Overlap: offload traffic hides behind the forward compute that follows it, reload traffic
 behind backward compute (taken as twice the forward); during pipeline warm-up the forwards of
 the micro-batches that stack behind this one widen the offload window.
@@ -94,6 +99,73 @@ class _Fit:
         return max(0.0, self.a + self.b * tokens)
 
 
+class _CostFit:
+    """``y = sum(coef[i] * x[i])``: a cost made of parts, each proportional to one feature of
+    an observation (the last feature is a prediction of the cost, the others count items that
+    each cost the same), fitted to observed totals ``y``.
+
+    Least squares on the relative error (an observation of a small total counts as much as one
+    of a large total), over all observations, each weighing ``memory`` times as much at each
+    newer one (costs drift with the machine's load). Every coefficient stays >= 0: among the
+    subsets of features that keep the last one and that the observations can tell apart, the
+    fit with non-negative coefficients and the least residual wins (the smaller subset on a
+    tie). Before any observation the prediction is taken as it is (last coefficient 1).
+    """
+
+    __slots__ = ("coef", "memory", "_a", "_b", "_subsets")
+
+    def __init__(self, features: int, memory: float = 0.9) -> None:
+        self.coef = [0.0] * (features - 1) + [1.0]
+        self.memory = memory
+        self._a = [[0.0] * features for _ in range(features)]  # decayed weighted sums of x x^T
+        self._b = [0.0] * features  # ... and of x y
+        last = features - 1
+        self._subsets = sorted(
+            ([i for i in range(last) if mask >> i & 1] + [last] for mask in range(1 << last)), key=len)
+
+    def add(self, x: Sequence[float], y: float) -> None:
+        if not (y > 0 and x[-1] > 0 and min(x) >= 0):
+            return
+        w = 1.0 / (y * y)
+        k = len(self.coef)
+        for i in range(k):
+            self._b[i] = self.memory * self._b[i] + w * x[i] * y
+            for j in range(k):
+                self._a[i][j] = self.memory * self._a[i][j] + w * x[i] * x[j]
+        best: Optional[Tuple[float, List[float]]] = None
+        for subset in self._subsets:
+            theta = _solve([[self._a[i][j] for j in subset] for i in subset], [self._b[i] for i in subset])
+            if theta is None or min(theta) < 0:
+                continue
+            # Residual up to a constant: theta^T A theta - 2 theta^T b = -theta^T b at the optimum.
+            residual = -sum(t * self._b[i] for t, i in zip(theta, subset))
+            if best is None or residual < best[0] - 1e-9 * abs(best[0]):
+                coef = [0.0] * k
+                for t, i in zip(theta, subset):
+                    coef[i] = t
+                best = (residual, coef)
+        if best is not None:
+            self.coef = best[1]
+
+
+def _solve(a: List[List[float]], b: List[float]) -> Optional[List[float]]:
+    """``a x = b`` for a small positive semi-definite ``a``; None when (nearly) singular."""
+    n = len(b)
+    m = [row[:] + [v] for row, v in zip(a, b)]
+    scale = [max(abs(m[i][i]), 1e-300) for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) <= 1e-9 * scale[col]:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                for c in range(col, n + 1):
+                    m[r][c] -= f * m[col][c]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
 @dataclass
 class OpCost:
     """What the cost model knows of one operator key."""
@@ -135,11 +207,8 @@ class CostModel:
         self.copies_overlap = copies_overlap
         self.ops: Dict[str, OpCost] = {}
         self.unsaved: Dict[str, OpCost] = {}  # ops whose outputs nothing saves (rebuilt as inputs)
-        self.replay_factor = 1.0  # what backward rebuilds cost per second of profiled op time
-        self.replay_fixed_s = 0.0  # and per replayed op (the replay's own work: decoding, caching)
-        self._replay_sums = [0.0] * 5  # decayed weighted sums for the fit: n*n, n*p, p*p, n*y, p*y
-        self.replay_memory = 0.9  # weight an observation keeps at each newer one
-        self.copy_factor = 1.0  # what an offload and its reload cost per second of predicted copy time
+        self._replay_fit = _CostFit(3)  # micro-batches, replayed ops, their profiled seconds -> rebuild seconds
+        self._copy_fit = _CostFit(2)  # offloads, their predicted copy seconds -> training-thread seconds
         self.order: List[str] = []           # keys in the order a micro-batch first saves them
         self.forward_seconds = 0.0           # measured forward time of one micro-batch
         self.frames = 0
@@ -223,60 +292,69 @@ class CostModel:
         what its rebuilds in ``n`` micro-batches took. A rebuild also pays for the replay's
         own work and for inputs it must rebuild first, and which key pays for a shared input
         depends on the plan, so the fit is on each observation's totals (what the plan's
-        rebuilds cost together), with two parameters for all ops:
-        ``seconds = replayed ops * replay_fixed_s + replay_factor * their profiled seconds``,
-        by least squares on the relative error (a plan that rebuilds little counts as much as
-        one that rebuilds a lot) over observations, each weighing ``replay_memory`` times as
-        much at each newer one. Until observations of different plans tell the two apart, only the factor is
-        fitted."""
+        rebuilds cost together), with three parameters for all ops:
+        ``seconds = replay_frame_s + replayed ops * replay_fixed_s + replay_factor * their
+        profiled seconds`` per micro-batch that rebuilds anything (``_CostFit``)."""
         known = {k: v for k, v in replays.items() if k in self.ops and v[1] > 0}
         if not known:
             return
         frames = sum(f for _, f in known.values()) / len(known)  # micro-batches observed
         ops, profiled = self.rebuild_profile(known, counts)
-        n, p = ops * frames, profiled * frames
-        y = sum(seconds for seconds, _ in known.values())
-        if y <= 0 or p <= 0:
-            return
-        s = self._replay_sums
-        s[:] = [self.replay_memory * v for v in s]
-        w = 1.0 / (y * y)
-        for i, v in enumerate((n * n, n * p, p * p, n * y, p * y)):
-            s[i] += w * v
-        nn, np_, pp, ny, py = s
-        det = nn * pp - np_ * np_
-        fixed = factor = -1.0
-        if det > 1e-12 * nn * pp:
-            fixed = (pp * ny - np_ * py) / det
-            factor = (nn * py - np_ * ny) / det
-        if fixed < 0 or factor < 0:
-            fixed, factor = 0.0, (py / pp if pp > 0 else self.replay_factor)
-        self.replay_fixed_s, self.replay_factor = fixed, factor
+        self._replay_fit.add((frames, ops * frames, profiled * frames), sum(s for s, _ in known.values()))
+
+    @property
+    def replay_frame_s(self) -> float:
+        """Learned seconds per micro-batch whose backward rebuilds anything."""
+        return self._replay_fit.coef[0]
+
+    @property
+    def replay_fixed_s(self) -> float:
+        """Learned seconds per replayed op (the replay's own work: decoding, caching)."""
+        return self._replay_fit.coef[1]
+
+    @property
+    def replay_factor(self) -> float:
+        """Learned backward rebuild seconds per second of profiled op time."""
+        return self._replay_fit.coef[2]
 
     def observe_copies(self, seconds: float, copies: int, nbytes: int) -> None:
         """Learn what offloads cost: ``seconds`` the training thread spent on them (submitting,
         waiting for copies and for room; measured on this cpu machine, the step time grows by
         about that much, the copy threads' own time hiding behind waits for them) for
-        ``copies`` offloads of ``nbytes`` in all, against the predicted copy time."""
+        ``copies`` offloads (each with its reload) of ``nbytes`` in all:
+        ``seconds = copies * copy_overhead_s + copy_factor * predicted copy time`` (``_CostFit``).
+        A copy's own work on the training thread (its store, the reload's fresh buffer, the
+        hooks) does not scale with its bytes; what its bytes cost depends on how much of the
+        copy the thread waits for."""
         predicted = (copies * (self.copy_fixed_s[0] + self.copy_fixed_s[1])
                      + nbytes / self.d2h_bandwidth + nbytes / self.h2d_bandwidth)
-        if seconds > 0 and predicted > 0:
-            self.copy_factor = 0.5 * (self.copy_factor + seconds / predicted)
+        self._copy_fit.add((float(copies), predicted), seconds)
+
+    @property
+    def copy_overhead_s(self) -> float:
+        """Learned training-thread seconds per offloaded storage (offload and reload together)."""
+        return self._copy_fit.coef[0]
+
+    @property
+    def copy_factor(self) -> float:
+        """Learned seconds per second of copy time predicted from the engine's bandwidth."""
+        return self._copy_fit.coef[1]
 
     def recompute_seconds(self, key: str, counts: Mapping[int, Sequence[int]]) -> float:
         """Predicted backward cost of recomputing ``key`` alone: the learned ``replay_fixed_s``
         per op it replays (unsaved inputs included) plus their profiled time times the learned
         ``replay_factor``. The planner adds these up; a plan that recomputes several keys with
-        a common unsaved input pays for that input once (``plan_seconds``)."""
+        a common unsaved input pays for that input once, and ``replay_frame_s`` once
+        (``plan_seconds``)."""
         return self._rebuild_seconds((key,), counts)
 
     def offload_seconds(self, nbytes: int) -> float:
         """Predicted cost of offloading ``nbytes`` (one copy)."""
-        return self.copy_factor * (self.copy_fixed_s[0] + nbytes / self.d2h_bandwidth)
+        return 0.5 * self.copy_overhead_s + self.copy_factor * (self.copy_fixed_s[0] + nbytes / self.d2h_bandwidth)
 
     def reload_seconds(self, nbytes: int) -> float:
         """Predicted cost of reloading ``nbytes`` (one copy)."""
-        return self.copy_factor * (self.copy_fixed_s[1] + nbytes / self.h2d_bandwidth)
+        return 0.5 * self.copy_overhead_s + self.copy_factor * (self.copy_fixed_s[1] + nbytes / self.h2d_bandwidth)
 
     def plan_seconds(self, choices: Mapping[str, Any], counts: Mapping[int, Sequence[int]],
                      offload_window: float = 0.0, reload_window: float = 0.0) -> float:
@@ -286,7 +364,7 @@ class CostModel:
         offload = [k for k, c in choices.items() if c == Choice.OFFLOAD and k in self.ops]
         seconds = 0.0
         if recompute:
-            seconds += self._rebuild_seconds(recompute, counts)
+            seconds += self.replay_frame_s + self._rebuild_seconds(recompute, counts)
         out = back = 0.0
         for key in offload:
             nbytes = self.predict_bytes(key, counts)

@@ -62,6 +62,11 @@ def memory_accuracy(model: MoETransformer, batches: List[torch.Tensor], spikes: 
             "spike_mean_abs_error": statistics.fmean([abs(r["error"]) for r in rows if r["imbalance"] >= 1.5] or [0.0])}
 
 
+def only(plan: "bagualu2.Plan", choice: "bagualu2.Choice") -> Dict[str, "bagualu2.Choice"]:
+    """The part of ``plan`` that makes ``choice``."""
+    return {k: c for k, c in plan.choices.items() if c == choice}
+
+
 def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[float], repeats: int,
                   learn_steps: int) -> List[Dict]:
     """Each plan against keep_all on the same batch, the variants interleaved round-robin
@@ -89,6 +94,7 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
         planner_prov.budget = int(keep_peak * fraction)
         plans.append(planner_prov.plan_for(counts))
     predictions: List[List[float]] = [[] for _ in plans]
+    split: List[List[tuple]] = [[] for _ in plans]  # (rebuild, copy) predicted per round
     variants = []
     for policy in ["keep_all"] + plans:
         m = copy.deepcopy(model)
@@ -96,7 +102,7 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
         run_step(m, batch, 0.0, 0)  # warm-up
         variants.append((m, prov))
     samples: List[List[float]] = [[] for _ in variants]
-    mechanism: List[List[float]] = [[] for _ in variants]  # rebuild + copy seconds per step
+    mechanism: List[List[tuple]] = [[] for _ in variants]  # (rebuild, copy) seconds per step
     for _, prov in variants:
         prov.runtime.take_replay_times()
         prov.runtime.take_copy_times()
@@ -104,25 +110,33 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
         planner_prov.budget = int(keep_peak * fractions[r % len(fractions)])
         planner_prov.runtime.budget_bytes = planner_prov.budget
         run_step(probe, batch, 0.0, 200 + r)
-        for plan, out in zip(plans, predictions):
+        for plan, out, parts in zip(plans, predictions, split):
             out.append(planner_prov.predicted_overhead(plan, counts))
+            parts.append(tuple(planner_prov.cost.plan_seconds(only(plan, choice), counts)
+                               for choice in (bagualu2.Choice.RECOMPUTE, bagualu2.Choice.OFFLOAD)))
         for (m, prov), out, mech in zip(variants, samples, mechanism):
             start = time.perf_counter()
             run_step(m, batch, 0.0, r)
             out.append(time.perf_counter() - start)
-            mech.append(sum(s for s, _ in prov.runtime.take_replay_times().values())
-                        + prov.runtime.take_copy_times()[0])
+            mech.append((sum(s for s, _ in prov.runtime.take_replay_times().values()),
+                         prov.runtime.take_copy_times()[0]))
     for _, prov in variants:
         prov.disable()
     base = samples[0]
     rows = []
-    for fraction, plan, preds, steps, mech in zip(fractions, plans, predictions, samples[1:], mechanism[1:]):
+    for fraction, plan, preds, parts, steps, mech_parts in zip(fractions, plans, predictions, split, samples[1:],
+                                                               mechanism[1:]):
         pred = statistics.median(preds)
         diffs = [a - b for a, b in zip(steps, base)]
         q = statistics.quantiles(diffs, n=4)
+        mech = [a + b for a, b in mech_parts]
         rows.append({"budget_fraction": fraction, "mix": {c.name.lower(): n for c, n in plan.mix().items()},
                      "predicted_overhead_s": pred, "planner_exposed_s": plan.exposed_s, "measured_overhead_s": statistics.median(diffs),
                      "measured_rebuild_copy_s": statistics.median(mech),
+                     "predicted_rebuild_s": statistics.median(p[0] for p in parts),
+                     "predicted_copy_s": statistics.median(p[1] for p in parts),
+                     "measured_rebuild_s": statistics.median(m[0] for m in mech_parts),
+                     "measured_copy_s": statistics.median(m[1] for m in mech_parts),
                      "mechanism_error": (pred - statistics.median(mech)) / statistics.median(mech)
                      if statistics.median(mech) > 0 else None,
                      "measured_iqr_s": [q[0], q[2]], "keep_all_step_s": statistics.median(base),
@@ -163,6 +177,10 @@ def main() -> None:
               f"{r['predicted_overhead_s'] * 1e3:>14.1f}{r['measured_overhead_s'] * 1e3:>15.1f}"
               f"{r['measured_iqr_s'][0] * 1e3:>8.1f}..{r['measured_iqr_s'][1] * 1e3:<6.1f}{err}"
               f"{r['measured_rebuild_copy_s'] * 1e3:>17.1f}{mech}")
+    print(f"\n{'budget':>8}{'rebuild ms: predicted':>23}{'measured':>10}{'copy ms: predicted':>20}{'measured':>10}")
+    for r in rows:
+        print(f"{r['budget_fraction']:>8.0%}{r['predicted_rebuild_s'] * 1e3:>23.2f}{r['measured_rebuild_s'] * 1e3:>10.2f}"
+              f"{r['predicted_copy_s'] * 1e3:>20.2f}{r['measured_copy_s'] * 1e3:>10.2f}")
     print(f"(keep_all step {rows[0]['keep_all_step_s'] * 1e3:.1f} ms; step delta = median over "
           f"{args.repeats} interleaved rounds of the plan's step minus keep_all's; rebuild+copy = "
           f"median per step of the seconds the plan's runtime measured rebuilding and copying)")

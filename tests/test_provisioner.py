@@ -319,12 +319,34 @@ def test_cost_model_learns_recompute_cost_from_measured_replays() -> None:
     cost.observe_replays({"a:op:0": (3 * (1e-4 + 2e-3), 3)}, {})  # a, rebuilt in 3 micro-batches
     assert (cost.replay_fixed_s, cost.replay_factor) == (0.0, pytest.approx(2.1))
     assert cost.recompute_seconds("b:op:0", {}) == pytest.approx(4.2e-3)
-    # A plan that also rebuilds b separates them (exact data: any weighting recovers them).
+    # Plans that also rebuild b separate them (exact data: any weighting recovers them).
     cost.observe_replays({"a:op:0": (1e-4 + 2e-3, 1), "b:op:0": (1e-4 + 4e-3, 1)}, {})
+    cost.observe_replays({"b:op:0": (2 * (1e-4 + 4e-3), 2)}, {})
     assert cost.replay_fixed_s == pytest.approx(1e-4) and cost.replay_factor == pytest.approx(2.0)
     assert cost.recompute_seconds("b:op:0", {}) == pytest.approx(1e-4 + 4e-3)
     cost.observe_replays({"unknown:op:0": (1.0, 1)}, {})  # keys the model does not know: ignored
     assert cost.replay_factor == pytest.approx(2.0)
+    assert cost.replay_frame_s == 0.0
+
+
+def test_cost_model_learns_a_cost_per_micro_batch_that_rebuilds() -> None:
+    from bagualu2.cost_model import CostModel
+    from bagualu2.planner import Choice
+
+    cost = CostModel({})
+    profiled = {"a:op:0": 1e-3, "b:op:0": 2e-3, "c:op:0": 4e-3}
+    cost.observe({k: (1000, v, True, ()) for k, v in profiled.items()}, {}, forward_seconds=0.01)
+    # Backward pays 0.2 ms once per micro-batch that rebuilds anything, plus 1.5x the ops' time.
+    plans = [("a:op:0",), ("a:op:0", "b:op:0"), ("b:op:0", "c:op:0"), ("a:op:0", "b:op:0", "c:op:0")]
+    for frames, keys in enumerate(plans, start=1):
+        total = frames * (2e-4 + 1.5 * sum(profiled[k] for k in keys))
+        cost.observe_replays({k: (total / len(keys), frames) for k in keys}, {})
+    assert (cost.replay_frame_s, cost.replay_fixed_s, cost.replay_factor) == (
+        pytest.approx(2e-4), pytest.approx(0.0, abs=1e-12), pytest.approx(1.5))
+    plan = {"b:op:0": Choice.RECOMPUTE, "c:op:0": Choice.RECOMPUTE, "a:op:0": Choice.KEEP}
+    assert cost.plan_seconds(plan, {}) == pytest.approx(2e-4 + 1.5 * 6e-3)  # the per-micro-batch part once
+    assert cost.recompute_seconds("c:op:0", {}) == pytest.approx(1.5 * 4e-3)  # a key's own part
+    assert cost.plan_seconds({"a:op:0": Choice.KEEP}, {}) == 0.0
 
 
 def test_cost_model_counts_an_unsaved_input_once_per_plan() -> None:
@@ -363,10 +385,23 @@ def test_cost_model_learns_what_offloads_cost() -> None:
 
     cost = CostModel({}, d2h_bandwidth=1e9, h2d_bandwidth=1e9, copy_fixed_s=(1e-4, 1e-4))
     cost.observe({"a:op:0": (10**6, 1e-3, True, ())}, {}, forward_seconds=0.05)
-    cost.observe_copies(seconds=2 * 3 * (2e-4 + 2e-3), copies=2, nbytes=2 * 10**6)  # 3x the prediction
-    assert cost.copy_factor == pytest.approx(2.0)  # smoothed: halfway from 1 to 3
     (cand,), _ = cost.candidates(["a:op:0"], {}, min_bytes=0, can_offload=True)
-    assert cand.offload_s == pytest.approx(2 * (1e-4 + 1e-3)) and cand.reload_s == pytest.approx(2 * (1e-4 + 1e-3))
+    assert cand.offload_s == pytest.approx(1e-4 + 1e-3)  # nothing measured: the engine's figures
+    # Offloads that really cost 50 us each on the training thread plus 1.5x their copy time.
+    def observed(copies: int, nbytes: int) -> float:
+        return copies * 5e-5 + 1.5 * (copies * 2e-4 + 2 * nbytes / 1e9)
+
+    # One observation cannot tell a per-copy cost from a factor: the factor takes it all.
+    cost.observe_copies(observed(2, 2 * 10**6), copies=2, nbytes=2 * 10**6)
+    assert cost.copy_overhead_s == 0.0
+    assert cost.copy_factor == pytest.approx(observed(2, 2 * 10**6) / 4.4e-3)
+    # Many small copies separate them (exact data: any weighting recovers them).
+    cost.observe_copies(observed(10, 10**5), copies=10, nbytes=10**5)
+    assert cost.copy_overhead_s == pytest.approx(5e-5) and cost.copy_factor == pytest.approx(1.5)
+    (cand,), _ = cost.candidates(["a:op:0"], {}, min_bytes=0, can_offload=True)
+    assert cand.offload_s + cand.reload_s == pytest.approx(observed(1, 10**6))
+    cost.observe_copies(0.0, copies=3, nbytes=10)  # nothing measured: ignored
+    assert cost.copy_factor == pytest.approx(1.5)
 
 
 def test_runtime_measures_rebuilds_and_copies_and_the_provisioner_feeds_the_cost_model() -> None:
@@ -388,3 +423,21 @@ def test_runtime_measures_rebuilds_and_copies_and_the_provisioner_feeds_the_cost
     step(offloading.model, 0)
     seconds, copies, nbytes = offloading.runtime.take_copy_times()
     assert seconds > 0 and copies > 0 and nbytes >= copies
+
+
+@settings(max_examples=200, deadline=None)
+@given(coef=st.tuples(st.floats(0, 1e-2), st.floats(0, 1e-3), st.floats(0.05, 5.0)),
+       obs=st.lists(st.tuples(st.integers(1, 4), st.integers(0, 64), st.floats(1e-5, 1e-1)), min_size=1, max_size=12),
+       noise=st.lists(st.floats(-0.5, 0.5), min_size=12, max_size=12))
+def test_cost_fit_reproduces_exact_costs_and_never_goes_negative(coef, obs, noise) -> None:
+    from bagualu2.cost_model import _CostFit
+
+    exact, noisy = _CostFit(3), _CostFit(3)
+    for x, e in zip(obs, noise):
+        y = sum(c * v for c, v in zip(coef, x))
+        exact.add(x, y)
+        noisy.add(x, y * (1 + e))
+        assert min(noisy.coef) >= 0 and min(exact.coef) >= 0
+    # Whatever split it finds, exact observations are reproduced.
+    for x in obs:
+        assert sum(c * v for c, v in zip(exact.coef, x)) == pytest.approx(sum(c * v for c, v in zip(coef, x)), rel=1e-4)
