@@ -65,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-iters", type=int, default=200)
     parser.add_argument("--passes", type=int, default=3,
                         help="rounds in which every method runs its block of batches (drift reaches all alike)")
-    parser.add_argument("--chunk-bytes", type=parse_size, default=16 * MiB, help="engine chunk size")
+    parser.add_argument("--chunk-bytes", type=parse_size, default=None,
+                        help="engine chunk size (default: the backend's, 4M on cpu, 16M on gpus)")
     parser.add_argument("--out", default="out/bench_offload", help="output path prefix (.json, .png)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -261,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
 
     _print_table(results, backend)
     meta = {"backend": backend, "device": str(device), "torch": torch.__version__,
-            "machine": platform.machine(), "cpus": os.cpu_count(), "chunk_bytes": args.chunk_bytes,
+            "machine": platform.machine(), "cpus": os.cpu_count(), "chunk_bytes": engine.chunk_bytes,
             "engine_stats": engine.stats(), "arena_stats": arena.stats()}
     if device.type == "cuda":
         meta["gpu"] = torch.cuda.get_device_name(device)

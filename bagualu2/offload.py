@@ -238,11 +238,19 @@ class ReloadHandle:
 
 
 class CopyEngine:
-    """Asynchronous device-to-host (offload) and host-to-device (reload) copies of tensors."""
+    """Asynchronous device-to-host (offload) and host-to-device (reload) copies of tensors.
+
+    Args:
+        arena: the host arena offloads allocate from.
+        backend: ``"cpu"``, ``"cuda"`` or ``"hip"`` (default: the arena's).
+        device: the device whose tensors it copies (gpu backends; default: the current one).
+        chunk_bytes: largest single copy enqueued on a stream (default: the backend's, 4 MiB
+            on cpu and 16 MiB on gpus).
+    """
 
     def __init__(self, arena: HostArena, backend: Optional[str] = None,
                  device: Union[int, str, torch.device, None] = None,
-                 chunk_bytes: int = 16 << 20) -> None:
+                 chunk_bytes: Optional[int] = None) -> None:
         if not isinstance(arena, HostArena):
             raise TypeError(f"arena must be a bagualu2.HostArena, got {type(arena).__name__}")
         backend = arena.backend if backend is None else resolve_backend(backend)
@@ -265,6 +273,7 @@ class CopyEngine:
                 raise ValueError(f"the cpu backend copies cpu tensors only, got device={device}")
             self.device = torch.device("cpu")
         self._impl = _C.CopyEngine(arena._impl, backend, index, chunk_bytes)
+        self.chunk_bytes: int = self._impl.chunk_bytes
         self._inflight: collections.deque = collections.deque()  # (ticket, host tensor kept alive)
         if self._gpu:
             self._d2h = torch.cuda.ExternalStream(self._impl.d2h_stream, device=self.device)

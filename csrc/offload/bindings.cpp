@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "bindings/registry.h"
@@ -212,9 +213,15 @@ void register_offload(py::module_& m) {
 
     py::class_<CopyEngine, std::shared_ptr<CopyEngine>>(m, "CopyEngine",
                                                         "Async D2H/H2D copies into a HostArena.")
-        .def(py::init<std::shared_ptr<HostArena>, const std::string&, int, std::size_t>(),
+        .def(py::init([](std::shared_ptr<HostArena> arena, const std::string& backend, int device,
+                         std::optional<std::size_t> chunk_bytes) {
+                 return std::make_shared<CopyEngine>(
+                     std::move(arena), backend, device,
+                     chunk_bytes.value_or(CopyEngine::default_chunk_bytes(backend)));
+             }),
              py::arg("arena"), py::arg("backend") = "cpu", py::arg("device") = -1,
-             py::arg("chunk_bytes") = CopyEngine::kDefaultChunkBytes)
+             py::arg("chunk_bytes") = py::none(),
+             "chunk_bytes: largest single memcpy enqueued (None: the backend's default)")
         .def("offload", &CopyEngine::offload, py::arg("src"), py::arg("nbytes"),
              py::arg("producer_stream") = 0,
              "Ticket of a copy of [src, src+nbytes) into a new block, or None if the arena is full.")
