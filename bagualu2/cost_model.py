@@ -390,25 +390,30 @@ class CostModel:
         """Predicted saved bytes of ``keys`` (all keep) for a micro-batch with ``counts``."""
         return sum(self.predict_bytes(k, counts) for k in keys)
 
+    def _sized(self, keys: Iterable[str], counts: Mapping[int, Sequence[int]], min_bytes: int,
+               can_offload: bool, fixed: Iterable[str]) -> Iterable[Tuple[str, OpCost, int, bool]]:
+        """(key, op, predicted bytes, whether a plan can release it) for the known keys with bytes."""
+        fixed = set(fixed)
+        for key in keys:
+            op = self.ops.get(key)
+            if op is None:
+                continue
+            nbytes = int(math.ceil(op.bytes(self._tokens(op, counts))))
+            if nbytes:
+                releasable = nbytes >= min_bytes and key not in fixed and (can_offload or op.recomputable)
+                yield key, op, nbytes, releasable
+
     def candidates(self, keys: Iterable[str], counts: Mapping[int, Sequence[int]], min_bytes: int,
                    can_offload: bool, fixed: Iterable[str] = ()) -> Tuple[List[Candidate], int]:
         """Planner candidates for ``keys``, and the predicted bytes that must stay resident.
 
         Keys below ``min_bytes`` and keys in ``fixed`` (anchors) are kept: their bytes are the
-        floor that no plan can release.
+        floor that no plan can release (``floor_bytes``).
         """
-        fixed = set(fixed)
         out: List[Candidate] = []
         floor = 0
-        for key in keys:
-            op = self.ops.get(key)
-            if op is None:
-                continue
-            tokens = self._tokens(op, counts)
-            nbytes = int(math.ceil(op.bytes(tokens)))
-            if nbytes == 0:
-                continue
-            if nbytes < min_bytes or key in fixed or not (can_offload or op.recomputable):
+        for key, op, nbytes, releasable in self._sized(keys, counts, min_bytes, can_offload, fixed):
+            if not releasable:
                 floor += nbytes
                 continue
             out.append(Candidate(
@@ -421,6 +426,13 @@ class CostModel:
                 can_recompute=op.recomputable,
             ))
         return out, floor
+
+    def floor_bytes(self, keys: Iterable[str], counts: Mapping[int, Sequence[int]], min_bytes: int,
+                    can_offload: bool, fixed: Iterable[str] = ()) -> int:
+        """The predicted bytes of ``keys`` that no plan can release (``candidates``' floor,
+        without pricing the candidates)."""
+        return sum(n for _, _, n, releasable in self._sized(keys, counts, min_bytes, can_offload, fixed)
+                   if not releasable)
 
     def windows(self, remaining_fraction: float, stacked_forwards: int = 0) -> Tuple[float, float]:
         """(offload window, reload window) in seconds for the rest of a micro-batch.

@@ -420,8 +420,8 @@ class Provisioner:
         self._frames += 1
         if frame.profile:
             self.cost.observe(frame.saved_profile, self._frame_counts, seconds, frame.unsaved_seconds)
-        fixed = self.cost.candidates(self.cost.order, self._frame_counts, self.min_bytes,
-                                     self.engine is not None)[1] if self.cost.ready else 0
+        fixed = self.cost.floor_bytes(self.cost.order, self._frame_counts, self.min_bytes,
+                                      self.engine is not None) if self.cost.ready else 0
         self._floor = max(self._floor, anchored + fixed)
         if frame.profile and self.cost.frames >= self.profile_frames:
             self._worst_bytes = self._worst_case_bytes()
@@ -440,8 +440,8 @@ class Provisioner:
         if self.budget is None or self.policy != "adaptive" or not self.cost.ready:
             return
         # Loads of the previous micro-batch stand in for this one's, not yet routed.
-        _, floor = self.cost.candidates(self.cost.order, self._frame_counts, self.min_bytes,
-                                        self.engine is not None)
+        floor = self.cost.floor_bytes(self.cost.order, self._frame_counts, self.min_bytes,
+                                      self.engine is not None)
         resident = self.runtime.ledger.resident
         if resident + floor > self.budget:
             raise InfeasibleBudgetError(self.budget, resident + floor, f"micro-batch {self._frames}")

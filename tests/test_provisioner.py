@@ -308,6 +308,22 @@ def test_cost_model_copies_on_cpu_are_never_hidden_and_pay_a_fixed_cost() -> Non
         CostModel({}, copy_fixed_s=(-1.0, 0.0))
 
 
+def test_cost_model_floor_is_what_no_plan_can_release() -> None:
+    from bagualu2.cost_model import CostModel
+
+    cost = CostModel({0: "experts."})
+    saved = {"small:op:0": (100, 1e-3, True, ()), "anchor:op:0": (4000, 1e-3, True, ()),
+             "rng:op:0": (2000, 1e-3, False, ()), "experts.0:mm:0": (800, 1e-3, True, ()),
+             "empty:op:0": (0, 1e-3, True, ())}
+    cost.observe(saved, {0: [8]}, forward_seconds=0.01)
+    keys = list(saved)
+    for can_offload, floor in ((True, 100 + 4000), (False, 100 + 4000 + 2000)):
+        cands, cand_floor = cost.candidates(keys, {0: [16]}, 500, can_offload, fixed=["anchor:op:0"])
+        assert cand_floor == floor == cost.floor_bytes(keys, {0: [16]}, 500, can_offload, fixed=["anchor:op:0"])
+        released = {c.key: c.nbytes for c in cands}
+        assert released == ({"rng:op:0": 2000, "experts.0:mm:0": 1600} if can_offload else {"experts.0:mm:0": 1600})
+
+
 def test_cost_model_learns_recompute_cost_from_measured_replays() -> None:
     from bagualu2.cost_model import CostModel
 
