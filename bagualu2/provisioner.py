@@ -14,7 +14,8 @@ after the router has produced its tokens per expert and before any expert runs, 
    keyed by layer, quantized load, pipeline phase and quantized excess), and
 4. installs the plan in the frame; the runtime applies it as the experts save activations.
 
-With an ample budget step 3 is skipped: the plan stays all-keep and costs only tracing.
+With an ample budget step 3 is skipped: the plan stays all-keep and the forward is not even
+traced (nor is any keep_all forward): it costs the saved-tensor hooks' bookkeeping only.
 The runtime independently holds the ledger under the budget at every save (offloading or
 recomputing a storage that would cross it), so a misprediction costs time, never the budget.
 
@@ -351,9 +352,11 @@ class Provisioner:
             return Frame(default=Choice.OFFLOAD, index=self._frames)
         frame = Frame(self._static, index=self._frames)
         frame.profile = self.cost.frames < self.profile_frames
-        # Stable phases cost nothing: when even the worst routing this micro-batch could see
-        # fits the budget, no decision can release anything, so the forward is not traced.
-        frame.traced = not (self.policy == "adaptive" and not frame.profile and self._ample())
+        # Stable phases cost nothing: a forward whose plan cannot release anything is not traced
+        # (its recipes would never be used): keep_all's, and adaptive's when even the worst
+        # routing this micro-batch could see fits the budget.
+        frame.traced = frame.profile or not (
+            self.policy == "keep_all" or (self.policy == "adaptive" and self._ample()))
         return frame
 
     def _ample(self) -> bool:

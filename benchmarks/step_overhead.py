@@ -4,7 +4,10 @@ Compares, in one run and on the same model and batches:
 
 * adaptive with an ample budget (its plan is all-keep, and it skips tracing) against plain
   PyTorch: what bagualu2 costs in stable phases;
-* all-keep (``policy="keep_all"``, traced like every static baseline) against plain PyTorch;
+* all-keep (``policy="keep_all"``: nothing can be released, so it is not traced either) against
+  plain PyTorch;
+* an all-keep plan that is traced (``policy={}``, a fixed plan with no entries) against plain
+  PyTorch: the price of tracing, which a micro-batch pays when a release may be needed;
 * all-offload (``policy="offload_all"``) against ``torch.autograd.graph.save_on_cpu``, twice:
   as a user calls it on this machine (``pin_memory=False``: on cpu tensors it copies nothing,
   so it is plain PyTorch plus the hooks) and with ``pin_memory=True`` (the setting for GPUs,
@@ -27,7 +30,7 @@ import copy
 import json
 import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
 import torch.utils.checkpoint
@@ -83,7 +86,7 @@ def main() -> None:
         finally:
             restore()
 
-    def provisioned(policy: str, budget: Optional[int] = None) -> Callable[[], None]:
+    def provisioned(policy: Union[str, dict], budget: Optional[int] = None) -> Callable[[], None]:
         own = copy.deepcopy(model)  # enabled once, outside the timed steps
         bagualu2.enable(own, budget=budget, policy=policy)
 
@@ -96,6 +99,7 @@ def main() -> None:
         "plain pytorch": plain,
         "bagualu2 adaptive, ample": provisioned("adaptive", budget=1 << 40),
         "bagualu2 keep_all": provisioned("keep_all"),
+        "bagualu2 all-keep, traced": provisioned({}),
         "torch save_on_cpu": save_on_cpu(torch.cuda.is_available()),
         **({} if torch.cuda.is_available() else {"torch save_on_cpu, pinned": save_on_cpu(True)}),
         "bagualu2 offload_all": provisioned("offload_all"),
@@ -121,6 +125,7 @@ def main() -> None:
     median = {name: statistics.median(v) for name, v in times.items()}
     best = {name: min(v) for name, v in times.items()}
     pairs = [("bagualu2 adaptive, ample", "plain pytorch"), ("bagualu2 keep_all", "plain pytorch"),
+             ("bagualu2 all-keep, traced", "plain pytorch"),
              ("bagualu2 offload_all", "torch save_on_cpu"), ("bagualu2 offload_all", "torch save_on_cpu, pinned"),
              ("bagualu2 recompute_all", "torch checkpoint")]
     pairs = [(ours, baseline) for ours, baseline in pairs if baseline in variants]

@@ -283,6 +283,23 @@ def test_ample_budget_skips_tracing_and_stays_exact() -> None:
     assert prov.report()["saved_bytes_by_choice"]["offload"] == 0
 
 
+def test_keep_all_traces_only_its_profiling_forwards_and_counts_every_byte() -> None:
+    model = make_model(ep_size=4)
+    plain = copy.deepcopy(model)
+    traced = copy.deepcopy(model)
+    prov = bagualu2.enable(model, budget=None, policy="keep_all", min_bytes=0)
+    ref = bagualu2.enable(traced, budget=None, policy={}, min_bytes=0)  # an all-keep plan, traced
+    frames: List[bagualu2.activations.Frame] = []
+    prov.runtime.frame_observer = frames.append
+    for i, spike in enumerate([0.0, 0.0, 2.6, 0.0]):
+        a, b, c = step(plain, i, spike), step(model, i, spike), step(traced, i, spike)
+        assert torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+        assert torch.equal(a[0], c[0])
+    assert [f.traced for f in frames] == [True, True, False, False]  # profile_frames=2
+    # Untraced, the ledger still counts every saved byte: the same peaks as traced.
+    assert [m.peak_bytes for m in prov.telemetry.micro_batches] == [m.peak_bytes for m in ref.telemetry.micro_batches]
+
+
 def test_tight_budget_keeps_tracing() -> None:
     model = make_model(ep_size=4)
     budget = int(keep_all_peak(model, spike=2.6) * 1.02)  # calm fits, the worst routing may not
