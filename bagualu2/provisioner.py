@@ -14,8 +14,12 @@ after the router has produced its tokens per expert and before any expert runs, 
    keyed by layer, quantized load, pipeline phase and quantized excess), and
 4. installs the plan in the frame; the runtime applies it as the experts save activations.
 
-With an ample budget step 3 is skipped: the plan stays all-keep and the forward is not even
-traced (nor is any keep_all forward): it costs the saved-tensor hooks' bookkeeping only.
+When calm, step 3 is skipped: the plan stays all-keep and the forward is not even traced (nor
+is any keep_all forward): it costs the saved-tensor hooks' bookkeeping only. Calm means that
+the worst routing the micro-batch could see fits the budget, or, with a copy engine, that the
+heaviest routing of the last few micro-batches does: a spike that then arrives unannounced is
+held under the budget by offloading (an untraced forward has no recipes to recompute from),
+and the micro-batches after it are traced, ready to plan.
 The runtime independently holds the ledger under the budget at every save (offloading or
 recomputing a storage that would cross it), so a misprediction costs time, never the budget.
 
@@ -30,12 +34,13 @@ forward reruns with a recompute-everything plan; the step goes on.
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -51,6 +56,9 @@ __all__ = ["Provisioner", "enable", "on_gating", "POLICIES"]
 POLICIES = ("adaptive", "keep_all", "recompute_all", "offload_all")
 _PHASES = {"none": 0, "warmup": 1, "steady": 2, "cooldown": 3}
 _ACTIVE: List["Provisioner"] = []  # provisioners whose forward is running, innermost last
+# Micro-batches whose routing predicts the next one's: after a spike, this many are traced
+# (ready to plan releases) before calm forwards go untraced again.
+_RECENT = 8
 
 
 def _host_memory_bytes() -> int:
@@ -168,6 +176,7 @@ class Provisioner:
         self._oom_recoveries = 0
         self._floor = 0  # bytes one micro-batch holds that no plan releases (anchors, small, fixed)
         self._worst_bytes: Optional[int] = None  # saved bytes of the worst possible routing
+        self._recent_bytes: Deque[int] = collections.deque(maxlen=_RECENT)  # of recent routings
         self._latencies_us: List[float] = []
         self.overlap: Any = None  # an OverlapDriver on a pipeline rank (pipeline.enable_bagualu2)
         self._static: Optional[Dict[str, Choice]] = None
@@ -352,20 +361,24 @@ class Provisioner:
             return Frame(default=Choice.OFFLOAD, index=self._frames)
         frame = Frame(self._static, index=self._frames)
         frame.profile = self.cost.frames < self.profile_frames
-        # Stable phases cost nothing: a forward whose plan cannot release anything is not traced
-        # (its recipes would never be used): keep_all's, and adaptive's when even the worst
-        # routing this micro-batch could see fits the budget.
+        # Stable phases cost nothing: a forward whose plan is not expected to release anything
+        # is not traced (its recipes would never be used): keep_all's, and adaptive's when
+        # calm (``_calm``).
         frame.traced = frame.profile or not (
-            self.policy == "keep_all" or (self.policy == "adaptive" and self._ample()))
+            self.policy == "keep_all" or (self.policy == "adaptive" and self._calm()))
         return frame
 
-    def _ample(self) -> bool:
+    def _calm(self) -> bool:
+        """Whether this micro-batch is not expected to need a release: even the worst routing
+        it could see fits the budget, or, when a copy engine can offload what an unexpected
+        spike brings (the runtime does so in untraced forwards), the heaviest routing of the
+        last ``_RECENT`` micro-batches does."""
         if self.budget is None:
             return True
-        if self._worst_bytes is None:
-            return False
-        resident = self.runtime.ledger.resident
-        return resident + self._worst_bytes + self._reserve() <= int(self.budget * (1.0 - self.margin))
+        room = int(self.budget * (1.0 - self.margin)) - self.runtime.ledger.resident - self._reserve()
+        if self._worst_bytes is not None and self._worst_bytes <= room:
+            return True
+        return self.engine is not None and bool(self._recent_bytes) and max(self._recent_bytes) <= room
 
     def _worst_case_bytes(self) -> int:
         """Saved bytes of a micro-batch whose every local expert gets every token it can."""
@@ -428,6 +441,8 @@ class Provisioner:
         self._floor = max(self._floor, anchored + fixed)
         if frame.profile and self.cost.frames >= self.profile_frames:
             self._worst_bytes = self._worst_case_bytes()
+        if self.cost.ready and self._frame_counts:
+            self._recent_bytes.append(self.cost.predict_total(self.cost.order, self._frame_counts))
         imbalance = max((max(c) * len(c) / max(1, sum(c)) for c in self._frame_counts.values()), default=1.0)
         self.telemetry.add(MicroBatch(
             step=self._step, micro_batch=frame.index, peak_bytes=frame.stats.peak_resident,
@@ -476,7 +491,12 @@ class Provisioner:
         if len(sums) == len(values):
             self._count_sums[layer] = [a + b for a, b in zip(sums, values)]
             self._count_frames[layer] = self._count_frames.get(layer, 0) + 1
-        if self.policy != "adaptive" or self.budget is None or not self.cost.ready or not frame.traced:
+        if self.policy != "adaptive" or self.budget is None or not self.cost.ready:
+            return
+        if not frame.traced:
+            if not self._frame_predicted:  # the high-water mark, predicted as a traced frame's is
+                exact = {g.layer: self._frame_counts.get(g.layer, values) for g in self.gates}
+                self._frame_predicted = frame.stats.start_resident + self.cost.predict_total(self.cost.order, exact)
             return
         start = time.perf_counter()
         decision = self._decide(frame, layer, values)

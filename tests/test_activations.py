@@ -542,6 +542,50 @@ def test_saved_tensor_modified_in_place_is_refused() -> None:
         loss.backward()
 
 
+def untraced() -> Frame:
+    frame = Frame()
+    frame.traced = False
+    return frame
+
+
+def test_untraced_forward_over_budget_offloads_exactly_within_the_budget(engine: CopyEngine) -> None:
+    model, tokens = make_model()
+    plain = Harness(model, engine)
+    ref = loss_and_grads(model, plain.forward(tokens, None))
+    keep = untraced()
+    plain.forward(tokens, keep)
+    peak = keep.stats.peak_resident
+    plain.close()
+    h = Harness(model, engine)
+    h.runtime.budget_bytes = peak // 2
+    frame = untraced()
+    got = loss_and_grads(model, h.forward(tokens, frame))
+    assert_bitwise(ref, got)
+    assert frame.stats.violations == 0 and frame.stats.peak_resident <= peak // 2
+    assert frame.stats.bytes_by_choice["offload"] > 0 and frame.stats.bytes_by_choice["recompute"] == 0
+    assert any("untraced" in f for f in frame.stats.fallbacks)
+    assert h.runtime.ledger.resident == 0 and engine.arena.stats()["in_use"] == 0
+
+
+def test_untraced_offload_stores_a_storage_once_and_refuses_in_place_changes(engine: CopyEngine) -> None:
+    class Saves(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x.exp()
+            return (y.sin() + y[1:].cos().sum() + y.t().log1p().sum()).sum(), y
+
+    x = torch.randn(64, 64, requires_grad=True)
+    h = Harness(Saves(), engine)
+    h.runtime.budget_bytes = 0  # every save crosses it
+    frame = untraced()
+    loss, y = h.forward(x, frame)
+    assert frame.stats.offloaded_storages == 1  # y's storage, saved by four ops, copied once
+    assert frame.stats.shared_bytes == 3 * y.untyped_storage().nbytes()
+    loss.backward(retain_graph=True)
+    y.mul_(2)  # the saved tensor is still alive: its version shows the change
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_sparse_saved_tensor_is_kept_and_reported() -> None:
     class Sparse(torch.nn.Module):
         def __init__(self) -> None:

@@ -300,12 +300,41 @@ def test_keep_all_traces_only_its_profiling_forwards_and_counts_every_byte() -> 
     assert [m.peak_bytes for m in prov.telemetry.micro_batches] == [m.peak_bytes for m in ref.telemetry.micro_batches]
 
 
-def test_tight_budget_keeps_tracing() -> None:
+def test_calm_forwards_go_untraced_and_an_unannounced_spike_is_offloaded_under_the_budget() -> None:
     model = make_model(ep_size=4)
-    budget = int(keep_all_peak(model, spike=2.6) * 1.02)  # calm fits, the worst routing may not
-    prov = bagualu2.enable(model, budget=budget, min_bytes=0)
+    plain = copy.deepcopy(model)
+    calm, spiked = keep_all_peak(model), keep_all_peak(model, spike=2.6)
+    budget = (calm + spiked) // 2  # calm fits; a spike, and the worst routing, do not
+    prov = bagualu2.enable(model, budget=budget, min_bytes=0, margin=0.0)
+    frames: List[bagualu2.activations.Frame] = []
+    prov.runtime.frame_observer = frames.append
+    trace = [0.0, 0.0, 0.0, 0.0, 2.6, 0.0, 0.0]
+    for i, spike in enumerate(trace):
+        ref, got = step(plain, i, spike), step(model, i, spike)
+        assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+    # Two profiling forwards, calm ones untraced, the spike untraced too (unannounced), and
+    # the forwards after it traced, ready to plan.
+    assert [f.traced for f in frames] == [True, True, False, False, False, True, True]
+    spike = frames[4].stats
+    assert spike.violations == 0 and spike.peak_resident <= budget
+    assert spike.bytes_by_choice["offload"] > 0 and any("untraced" in f for f in spike.fallbacks)
+    assert all(f.stats.bytes_by_choice["offload"] == 0 for f in frames[2:4])
+    assert prov.report()["violations"] == 0 and prov.report()["resident_bytes"] == 0
+    # Untraced forwards are predicted too (the high-water mark at the first gate).
+    assert all(m.predicted_peak_bytes > 0 for m in prov.telemetry.micro_batches[1:])
+
+
+def test_without_a_copy_engine_only_the_worst_routing_makes_a_forward_calm() -> None:
+    model = make_model(ep_size=4)
+    budget = int(keep_all_peak(model) * 1.05)
+    prov = bagualu2.enable(model, budget=budget, min_bytes=0, engine=None)
+    prov.engine = None  # nothing could hold an untraced spike under the budget
+    prov.runtime.engine = None
+    frames: List[bagualu2.activations.Frame] = []
+    prov.runtime.frame_observer = frames.append
     for i in range(4):
         step(model, i)
+    assert all(f.traced for f in frames)
     assert prov.report()["decisions"] >= 2 * 2  # frames 2 and 3 decided at both gates
 
 

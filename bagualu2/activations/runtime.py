@@ -27,7 +27,8 @@ Invariants:
   counted.
 * Budget: with ``enforce_budget`` set, a storage that would push the ledger over the budget is
   offloaded or recomputed instead of kept (waiting for in-flight offloads first); what cannot be
-  released is a violation, reported through ``on_exceed``.
+  released is a violation, reported through ``on_exceed``. An untraced frame (one whose plan was
+  not expected to release anything) has no recipes, so there such a storage is offloaded.
 * Fallbacks never lose data: an offload the arena cannot take becomes a recompute (or a keep),
   a recompute that cannot be replayed becomes an offload (or a keep), and each is recorded.
 """
@@ -171,6 +172,9 @@ class Frame:
         # released by recompute; recorded only while an overlap driver observes frames
         self._recomputes: List[Tuple[str, "weakref.ref[StorageNode]", int]] = []
         self._anchors: List[StorageNode] = []
+        # Untraced frames, while the forward runs: storages offloaded without a node
+        # (address -> the storage's weak ref, its version, the store's weak ref)
+        self._untraced_offloads: Dict[int, Tuple[StorageWeakRef, int, "weakref.ref[_OffloadStore]"]] = {}
 
     def choice(self, key: str) -> Choice:
         return self.choices.get(key, self.default)
@@ -334,13 +338,19 @@ class _Kept:
 
 
 class _Offloaded:
-    __slots__ = ("store", "meta", "node", "state")
+    """A saved view of an offloaded storage. In-place changes after the save are seen through
+    the storage's node (``state``: its mutations) or, in untraced frames, through the saved
+    tensor while it lives (``state``: its version)."""
 
-    def __init__(self, store: _OffloadStore, meta: ViewMeta, node: StorageNode, state: int) -> None:
+    __slots__ = ("store", "meta", "node", "state", "watch")
+
+    def __init__(self, store: _OffloadStore, meta: ViewMeta, node: Optional[StorageNode], state: int,
+                 watch: Optional[torch.Tensor] = None) -> None:
         self.store = store
         store.refs += 1
         self.meta = meta
-        self.node = weakref.ref(node)  # only to see in-place changes after the save
+        self.node = weakref.ref(node) if node is not None else None
+        self.watch = weakref.ref(watch) if watch is not None else None
         self.state = state
 
 
@@ -437,6 +447,7 @@ class ActivationRuntime:
                 if node.offloaded:
                     node.anchor = None
             frame._anchors = []
+            frame._untraced_offloads = {}
             self._frame = None
             self.mode.reset()
 
@@ -594,6 +605,8 @@ class ActivationRuntime:
                                    f"tensor, so it is neither counted nor released")
             return _Kept(t if t.grad_fn is None else t.detach(), None)
         storage = t.untyped_storage()
+        if not frame.traced:
+            return self._pack_untraced(frame, t, storage)
         node = self.mode.nodes.get(storage._cdata)
         if node is None:
             # From outside the traced forward: no recipe, and not this frame's to release.
@@ -642,6 +655,26 @@ class ActivationRuntime:
         if self._over_budget(storage):
             return self._violate(frame, t, node.key)
         return self._keep(frame, t, node.key)
+
+    def _pack_untraced(self, frame: Frame, t: torch.Tensor, storage: torch.UntypedStorage) -> Any:
+        """Keep, unless that would cross an enforced budget: then offload (no recipe exists to
+        recompute from). A storage offloaded earlier in the frame, unchanged, is shared."""
+        found = frame._untraced_offloads.get(storage._cdata) if frame._untraced_offloads else None
+        store = found[2]() if found is not None and not found[0].expired() and found[1] == t._version else None
+        if store is not None:
+            frame.stats.shared_bytes += storage.nbytes()
+            return _Offloaded(store, view_meta(t), None, t._version, t)
+        if not self._over_budget(storage):
+            return self._keep(frame, t, "untraced")
+        self.settle(wait=True)
+        if not self._over_budget(storage):
+            return self._keep(frame, t, "untraced")
+        store = self._start_offload(frame, storage, "untraced") if self.enforce_budget else None
+        if store is None:
+            return self._violate(frame, t, f"a saved tensor of shape {tuple(t.shape)} (untraced forward)")
+        frame.stats.fallbacks.append(f"untraced forward over budget: offloaded {storage.nbytes()} bytes")
+        frame._untraced_offloads[storage._cdata] = (StorageWeakRef(storage), t._version, weakref.ref(store))
+        return _Offloaded(store, view_meta(t), None, t._version, t)
 
     def _recompute(self, frame: Frame, node: StorageNode, state: int, meta: ViewMeta) -> "_Recomputed":
         frame.stats.bytes_by_choice["recompute"] += node.nbytes
@@ -694,36 +727,40 @@ class ActivationRuntime:
 
     def _offload(self, frame: Frame, node: StorageNode, storage: torch.UntypedStorage, state: int,
                  meta: ViewMeta) -> Optional[_Offloaded]:
+        store = self._start_offload(frame, storage, node.key)
+        if store is None:
+            return None
+        node.offloaded[state] = store
+        return _Offloaded(store, meta, node, state)
+
+    def _start_offload(self, frame: Frame, storage: torch.UntypedStorage, key: str) -> Optional[_OffloadStore]:
+        """Copy ``storage`` into the arena; None when there is no engine or no room there."""
         if self.engine is None:
             return None
         start = time.perf_counter()
         try:
-            return self._offload_in(frame, node, storage, state, meta)
+            source = torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage)
+            handle = self.engine.offload(source)
+            if handle is None:
+                return None
+            pin: Optional[_Pin] = None
+            if self._over_budget(storage):
+                self.settle(wait=True)
+            if self._over_budget(storage):
+                handle.wait()  # no room even while the copy runs: copy synchronously
+            else:
+                pin = _Pin(self.ledger, storage)
+            nbytes = storage.nbytes()
+            store = _OffloadStore(self.engine, handle, storage.device, nbytes, pin, frame, key)
+            if pin is not None:
+                self._inflight.append(weakref.ref(store))
+            frame.stats.offloaded_storages += 1
+            frame.stats.bytes_by_choice["offload"] += nbytes
+            self._copies[1] += 1
+            self._copies[2] += nbytes
+            return store
         finally:
             self._copies[0] += time.perf_counter() - start
-
-    def _offload_in(self, frame: Frame, node: StorageNode, storage: torch.UntypedStorage, state: int,
-                    meta: ViewMeta) -> Optional[_Offloaded]:
-        source = torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage)
-        handle = self.engine.offload(source)
-        if handle is None:
-            return None
-        pin: Optional[_Pin] = None
-        if self._over_budget(storage):
-            self.settle(wait=True)
-        if self._over_budget(storage):
-            handle.wait()  # no room even while the copy runs: copy synchronously
-        else:
-            pin = _Pin(self.ledger, storage)
-        store = _OffloadStore(self.engine, handle, storage.device, node.nbytes, pin, frame, node.key)
-        if pin is not None:
-            self._inflight.append(weakref.ref(store))
-        node.offloaded[state] = store
-        frame.stats.offloaded_storages += 1
-        frame.stats.bytes_by_choice["offload"] += node.nbytes
-        self._copies[1] += 1
-        self._copies[2] += node.nbytes
-        return _Offloaded(store, meta, node, state)
 
     # -- unpack -----------------------------------------------------------------------------
     def _unpack(self, packed: Any) -> torch.Tensor:
@@ -735,9 +772,12 @@ class ActivationRuntime:
                                       packed.tensor._version)
             return packed.tensor
         if isinstance(packed, _Offloaded):
-            node = packed.node()
+            node = packed.node() if packed.node is not None else None
             if node is not None and node.state != packed.state:
                 raise _modified_error(f"activation {node.key}", packed.state, node.state)
+            watched = packed.watch() if packed.watch is not None else None
+            if watched is not None and watched._version != packed.state:
+                raise _modified_error(f"a tensor of shape {tuple(watched.shape)}", packed.state, watched._version)
             store = packed.store
             if self.unpack_observer is not None:
                 self.unpack_observer(store.key)
