@@ -175,6 +175,7 @@ class Provisioner:
         self._frame_predicted = 0
         self._oom_recoveries = 0
         self._floor = 0  # bytes one micro-batch holds that no plan releases (anchors, small, fixed)
+        self._fixed_floor = 0  # ... of those, what the cost model predicts for the last routing
         self._worst_bytes: Optional[int] = None  # saved bytes of the worst possible routing
         self._recent_bytes: Deque[int] = collections.deque(maxlen=_RECENT)  # of recent routings
         self._latencies_us: List[float] = []
@@ -436,9 +437,9 @@ class Provisioner:
         self._frames += 1
         if frame.profile:
             self.cost.observe(frame.saved_profile, self._frame_counts, seconds, frame.unsaved_seconds)
-        fixed = self.cost.floor_bytes(self.cost.order, self._frame_counts, self.min_bytes,
-                                      self.engine is not None) if self.cost.ready else 0
-        self._floor = max(self._floor, anchored + fixed)
+        self._fixed_floor = self.cost.floor_bytes(self.cost.order, self._frame_counts, self.min_bytes,
+                                                  self.engine is not None) if self.cost.ready else 0
+        self._floor = max(self._floor, anchored + self._fixed_floor)
         if frame.profile and self.cost.frames >= self.profile_frames:
             self._worst_bytes = self._worst_case_bytes()
         if self.cost.ready and self._frame_counts:
@@ -458,11 +459,9 @@ class Provisioner:
         if self.budget is None or self.policy != "adaptive" or not self.cost.ready:
             return
         # Loads of the previous micro-batch stand in for this one's, not yet routed.
-        floor = self.cost.floor_bytes(self.cost.order, self._frame_counts, self.min_bytes,
-                                      self.engine is not None)
         resident = self.runtime.ledger.resident
-        if resident + floor > self.budget:
-            raise InfeasibleBudgetError(self.budget, resident + floor, f"micro-batch {self._frames}")
+        if resident + self._fixed_floor > self.budget:
+            raise InfeasibleBudgetError(self.budget, resident + self._fixed_floor, f"micro-batch {self._frames}")
 
     def _reserve(self) -> int:
         return self._stacked * self._floor
