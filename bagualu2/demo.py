@@ -40,6 +40,7 @@ class PolicyResult:
     losses_match_keep_all: Optional[bool]
     decision_latency_us: float
     plan_cache_hit_rate: float
+    traced_micro_batches: int
     seconds: float
 
 
@@ -109,14 +110,17 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"unknown policies {unknown}; choose from {', '.join(POLICY_ORDER)}")
     if args.micro_batches < 20:
         raise SystemExit(f"--micro-batches {args.micro_batches} is too few; use at least 20")
+    warmup = 5
+    try:
+        spikes = _spike_schedule(args.micro_batches, args.spike_rate, args.seed, warmup)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     cfg = MoEConfig.small(ep_size=args.ep_size)
     torch.manual_seed(args.seed)
     model = MoETransformer(cfg)
     batch_size, seq_len = args.batch_size, args.seq_len
     batches = list(synthetic_batches(cfg.vocab_size, batch_size, seq_len, seed=args.seed,
                                      num_batches=args.micro_batches))
-    warmup = 5
-    spikes = _spike_schedule(args.micro_batches, args.spike_rate, args.seed, warmup)
     spiked_expert = 0  # hosted by this rank
 
     budget = args.budget
@@ -205,6 +209,7 @@ def _summarize(policy: str, prov, times: List[float], batches, spikes, warmup: i
         losses_match_keep_all=None,
         decision_latency_us=report["decision_latency_us"]["mean"],
         plan_cache_hit_rate=report["plan_cache"].get("hit_rate", 0.0),
+        traced_micro_batches=report["traced_micro_batches"],
         seconds=sum(times),
     )
 
@@ -235,7 +240,8 @@ def _ratios(results: Dict[str, PolicyResult]) -> Dict:
         lines.append(f"adaptive on calm micro-batches: {ratios['adaptive_calm_over_keep_all']:.1%} of keep_all")
     if a:
         lines.append(f"adaptive decision latency: {a.decision_latency_us:.0f} us mean, "
-                     f"plan cache hit rate {a.plan_cache_hit_rate:.0%}")
+                     f"plan cache hit rate {a.plan_cache_hit_rate:.0%}, "
+                     f"{a.traced_micro_batches} micro-batches traced (the others were calm)")
     return {"ratios": ratios, "lines": lines}
 
 

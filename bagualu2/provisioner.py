@@ -321,6 +321,7 @@ class Provisioner:
             "policy": self.policy if isinstance(self.policy, str) else "static",
             "steps": self._step,
             "micro_batches": len(mbs),
+            "traced_micro_batches": sum(r.traced for r in mbs),
             "budget_bytes": self.budget,
             "peak_bytes": max((r.peak_bytes for r in mbs), default=0),
             "resident_bytes": self.runtime.ledger.resident,
@@ -450,7 +451,7 @@ class Provisioner:
             predicted_peak_bytes=self._frame_predicted, budget_bytes=self.budget,
             imbalance=imbalance, bytes_by_choice=dict(frame.stats.bytes_by_choice),
             violations=frame.stats.violations, fallbacks=len(frame.stats.fallbacks),
-            forward_seconds=seconds, oom_recovered=conservative,
+            forward_seconds=seconds, oom_recovered=conservative, traced=frame.traced,
         ))
         return out
 

@@ -44,6 +44,7 @@ class MicroBatch:
     fallbacks: int
     forward_seconds: float
     oom_recovered: bool = False
+    traced: bool = True        # False: calm, not traced (nothing planned; only offload could release)
     kind: str = "micro_batch"
 
 

@@ -315,6 +315,8 @@ def test_calm_forwards_go_untraced_and_an_unannounced_spike_is_offloaded_under_t
     # Two profiling forwards, calm ones untraced, the spike untraced too (unannounced), and
     # the forwards after it traced, ready to plan.
     assert [f.traced for f in frames] == [True, True, False, False, False, True, True]
+    assert [m.traced for m in prov.telemetry.micro_batches] == [f.traced for f in frames]
+    assert prov.report()["traced_micro_batches"] == 4
     spike = frames[4].stats
     assert spike.violations == 0 and spike.peak_resident <= budget
     assert spike.bytes_by_choice["offload"] > 0 and any("untraced" in f for f in spike.fallbacks)
