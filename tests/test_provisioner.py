@@ -326,6 +326,24 @@ def test_calm_forwards_go_untraced_and_an_unannounced_spike_is_offloaded_under_t
     assert all(m.predicted_peak_bytes > 0 for m in prov.telemetry.micro_batches[1:])
 
 
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=st.lists(st.sampled_from([0.0, 0.0, 0.0, 1.8, 2.6]), min_size=4, max_size=9),
+       between=st.floats(min_value=0.1, max_value=0.9))
+def test_untraced_and_traced_forwards_hold_a_budget_between_calm_and_spike(trace: Sequence[float],
+                                                                           between: float) -> None:
+    model = make_model(ep_size=4)
+    plain = copy.deepcopy(model)
+    calm, spiked = keep_all_peak(model), keep_all_peak(model, spike=2.6)
+    budget = int(calm + between * (spiked - calm))
+    prov = bagualu2.enable(model, budget=budget, min_bytes=0, margin=0.0)
+    for i, spike in enumerate(trace):
+        ref, got = step(plain, i, spike), step(model, i, spike)
+        assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+    for mb in prov.telemetry.micro_batches:
+        assert mb.peak_bytes <= budget and mb.violations == 0, mb
+    assert prov.report()["resident_bytes"] == 0 and prov.report()["arena_in_use_bytes"] == 0
+
+
 def test_without_a_copy_engine_only_the_worst_routing_makes_a_forward_calm() -> None:
     model = make_model(ep_size=4)
     budget = int(keep_all_peak(model) * 1.05)
