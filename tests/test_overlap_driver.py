@@ -271,3 +271,26 @@ def test_a_schedule_for_another_pair_is_refused():
             run.driver.pair(fa, Schedule((0,), (False,), True, 0.0, 0))
     finally:
         run.close()
+
+
+def test_an_untraced_frame_pairs_with_nothing_to_schedule_and_stays_exact() -> None:
+    """A calm (untraced) backward frame has no operator keys: its pair schedules nothing, and
+    what it offloaded past the budget reloads at unpack."""
+    model, a, b = make_model()
+    ref = plain_run(model, a, b)
+    run = Run(model, Choice.KEEP)
+    run.runtime.budget_bytes = 0  # every save of an untraced frame crosses it: all offloaded
+
+    def forward(tokens: torch.Tensor, seed: int) -> Tuple[torch.Tensor, Frame]:
+        frame = Frame()
+        frame.traced = False
+        torch.manual_seed(seed)
+        with run.runtime.frame(frame):
+            loss = run.model(tokens).float().pow(2).mean()
+        return loss, frame
+
+    run.forward = forward
+    assert_bitwise(run.run(a, b), ref)
+    assert run.frames[0].stats.bytes_by_choice["keep"] == 0 < run.frames[0].stats.bytes_by_choice["offload"]
+    assert run.driver.stats["pairs"] == 1 and run.driver.stats["reloads_forward"] == 0
+    run.close()
