@@ -21,9 +21,10 @@ the second's, and the fit is robust (the median for constant ops, Theil-Sen's me
 otherwise). Copy time is bytes over the copy engine's measured bandwidth.
 
 What the backward pass really pays is learned from the runtime's measurements of whole plans
-(``_CostFit``): rebuilds as a cost per replayed op plus a factor on the profiled op time,
-offloads as a cost per offloaded storage (its training-thread work: store, fresh reload
-buffer, hooks) plus a factor on the predicted copy time.
+(``_CostFit``): rebuilds as a cost per micro-batch that rebuilds anything, a cost per
+replayed op and a factor on the profiled op time; offloads as a cost per offloaded storage
+(its training-thread work: store, fresh reload buffer, hooks) plus a factor on the predicted
+copy time.
 
 Overlap: offload traffic hides behind the forward compute that follows it, reload traffic
 behind backward compute (taken as twice the forward); during pipeline warm-up the forwards of
