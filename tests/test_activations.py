@@ -542,6 +542,24 @@ def test_saved_tensor_modified_in_place_is_refused() -> None:
         loss.backward()
 
 
+def test_a_long_chain_without_blocks_is_rebuilt_without_deep_recursion(engine: CopyEngine) -> None:
+    """No ModuleList, so no block input bounds a recompute chain: rebuilding the last storage
+    replays 1,500 ops, far past Python's recursion limit were it done recursively."""
+    class Chain(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(500):
+                x = (x * 1.0001 + 0.5).sin()
+            return x.sum()
+
+    model = Chain()
+    x = torch.randn(8, 8, requires_grad=True)
+    ref = torch.autograd.grad(model(x), x)[0]
+    h = Harness(model, engine)
+    got = torch.autograd.grad(h.forward(x, Frame(default=Choice.RECOMPUTE)), x)[0]
+    assert torch.equal(ref, got)
+    assert h.runtime.ledger.resident == 0
+
+
 def untraced() -> Frame:
     frame = Frame()
     frame.traced = False

@@ -44,7 +44,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Ref", "Step", "StorageNode", "TracingMode", "is_recomputing", "step_inputs", "ViewMeta"]
+__all__ = ["Ref", "Step", "StorageNode", "TracingMode", "is_recomputing", "step_inputs", "step_refs", "ViewMeta"]
 
 _STATE = threading.local()
 
@@ -202,16 +202,21 @@ def _set_rng_state(state: Tuple[torch.device, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(value, device)
 
 
-def step_inputs(step: Step) -> Iterator["StorageNode"]:
-    """The traced storages ``step`` reads (not the one it mutates)."""
+def step_refs(step: Step) -> Iterator[Ref]:
+    """The references to traced storages ``step`` reads (not to the one it mutates)."""
     stack: List[Any] = [step.args, list(step.kwargs.values())]
     while stack:
         x = stack.pop()
         if isinstance(x, Ref):
             if x.node is not SELF:
-                yield x.node
+                yield x
         elif isinstance(x, (list, tuple)):
             stack.extend(x)
+
+
+def step_inputs(step: Step) -> Iterator["StorageNode"]:
+    """The traced storages ``step`` reads (not the one it mutates)."""
+    return (ref.node for ref in step_refs(step))
 
 
 def _reads_newer(step: Step, position: int) -> bool:
@@ -431,20 +436,49 @@ class Replayer:
 
     ``source(node, state)`` returns the storage from an anchor, a kept tensor or an offloaded
     copy, or None when it must be recomputed; recomputed storages go to the node's frame cache.
+    What must be rebuilt is found by an explicit depth-first walk (inputs before the storages
+    that read them), so a chain of dropped storages of any length is rebuilt without deep
+    recursion. A storage ``source`` hands out is asked for once per replayer (one unpack).
     """
 
     def __init__(self, source: Callable[[StorageNode, int], Optional[torch.UntypedStorage]]) -> None:
         self._source = source
+        self._found: Dict[Tuple[int, int], torch.UntypedStorage] = {}  # (id(node), state) -> storage
 
     def storage(self, node: StorageNode, state: int) -> torch.UntypedStorage:
-        found = self._source(node, state)
-        if found is not None:
-            return found
-        found = node.cache.get(node.position, state)
+        found = self._at_hand(node, state)
         if found is None:
-            found = self._recompute(node, state)
-            node.cache.put(node.position, state, found)
+            self._rebuild(node, state)
+            found = self._found[(id(node), state)]
         return found
+
+    def _at_hand(self, node: StorageNode, state: int) -> Optional[torch.UntypedStorage]:
+        key = (id(node), state)
+        found = self._found.get(key)
+        if found is None:
+            found = self._source(node, state)
+            if found is None:
+                found = node.cache.get(node.position, state)
+            if found is not None:
+                self._found[key] = found
+        return found
+
+    def _rebuild(self, root: StorageNode, root_state: int) -> None:
+        stack: List[Tuple[StorageNode, int, bool]] = [(root, root_state, False)]
+        while stack:
+            node, state, inputs_ready = stack.pop()
+            if self._at_hand(node, state) is not None:
+                continue
+            if inputs_ready:
+                found = self._recompute(node, state)
+                node.cache.put(node.position, state, found)
+                self._found[(id(node), state)] = found
+                continue
+            stack.append((node, state, True))
+            for step in [node.creator] + node.mutations[:state]:
+                for ref in step_refs(step):
+                    if self._at_hand(ref.node, ref.state) is None:
+                        stack.append((ref.node, ref.state, False))
 
     def _recompute(self, node: StorageNode, state: int) -> torch.UntypedStorage:
         if not node.rebuildable(state):
