@@ -560,6 +560,23 @@ def test_a_long_chain_without_blocks_is_rebuilt_without_deep_recursion(engine: C
     assert h.runtime.ledger.resident == 0
 
 
+def test_profiling_a_long_chain_of_unsaved_storages_needs_no_deep_recursion() -> None:
+    class Chain(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(800):
+                x = x * 1.0001 + 0.5  # ops with a scalar save nothing
+            return x.sin().sum()
+
+    h = Harness(Chain(), None)
+    frame = Frame()
+    frame.profile = True
+    h.forward(torch.randn(4, 8, requires_grad=True), frame).backward()
+    (key,) = frame.saved_profile  # sin saves its input, the last add's output
+    assert key == ":aten.add.Tensor:799"
+    assert len(frame.saved_profile[key][3]) == 1599  # every mul and add before it: rebuilt first
+    assert len(frame.unsaved_seconds) == 1599
+
+
 def untraced() -> Frame:
     frame = Frame()
     frame.traced = False

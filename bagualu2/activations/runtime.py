@@ -524,20 +524,29 @@ class ActivationRuntime:
         def own_seconds(node: StorageNode) -> float:
             return node.creator.seconds + sum(m.seconds for m in node.mutations)
 
-        def chain(node: StorageNode) -> Tuple[str, ...]:
-            found = chains.get(id(node))
-            if found is not None:
-                return found
-            chains[id(node)] = ()
-            keys: Dict[str, None] = {}
-            for step in [node.creator] + node.mutations:
-                for n in step_inputs(step):
-                    if n is not node and n.key not in saved and n.anchor is None:
-                        unsaved[n.key] = own_seconds(n)
-                        keys[n.key] = None
-                        keys.update(dict.fromkeys(chain(n)))
-            chains[id(node)] = tuple(keys)
-            return chains[id(node)]
+        def chain(root: StorageNode) -> Tuple[str, ...]:
+            # Depth-first, inputs before the storages that read them, without recursion: a
+            # chain of unsaved storages can be as long as the forward.
+            inputs: Dict[int, List[StorageNode]] = {}
+            stack: List[StorageNode] = [root]
+            while stack:
+                node = stack[-1]
+                if id(node) in chains:
+                    stack.pop()
+                    continue
+                if id(node) not in inputs:
+                    inputs[id(node)] = [n for step in [node.creator] + node.mutations for n in step_inputs(step)
+                                        if n is not node and n.key not in saved and n.anchor is None]
+                    stack.extend(n for n in inputs[id(node)] if id(n) not in chains)
+                    continue
+                stack.pop()
+                keys: Dict[str, None] = {}
+                for n in inputs[id(node)]:
+                    unsaved[n.key] = own_seconds(n)
+                    keys[n.key] = None
+                    keys.update(dict.fromkeys(chains[id(n)]))
+                chains[id(node)] = tuple(keys)
+            return chains[id(root)]
 
         out: Dict[str, Tuple[int, float, bool, Tuple[str, ...]]] = {}
         for key, nbytes in saved.items():
