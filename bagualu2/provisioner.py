@@ -45,6 +45,7 @@ from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence
 import torch
 
 from bagualu2.activations import ActivationRuntime, Frame, is_recomputing
+from bagualu2.activations.tracing import is_plain
 from bagualu2.cost_model import CostModel
 from bagualu2.errors import BudgetExceededError, InfeasibleBudgetError
 from bagualu2.moe import GateSpec, describe_unsupported, find_gates
@@ -176,6 +177,7 @@ class Provisioner:
         self._oom_recoveries = 0
         self._floor = 0  # bytes one micro-batch holds that no plan releases (anchors, small, fixed)
         self._fixed_floor = 0  # ... of those, what the cost model predicts for the last routing
+        self._leaf_bytes: Optional[int] = None  # most bytes of outside inputs recipes pinned
         self._worst_bytes: Optional[int] = None  # saved bytes of the worst possible routing
         self._recent_bytes: Deque[int] = collections.deque(maxlen=_RECENT)  # of recent routings
         self._latencies_us: List[float] = []
@@ -425,8 +427,10 @@ class Provisioner:
         budget = self.runtime.budget_bytes
         if budget is not None and self.policy == "adaptive":
             # Leave room for the floor of each micro-batch that stacks on this rank before its
-            # next backward (pipeline warm-up), so the last of them still fits.
-            self.runtime.budget_bytes = max(0, budget - self._reserve())
+            # next backward (pipeline warm-up), so the last of them still fits, and for what
+            # recipes will pin that nothing can release (labels the loss reads at the very end):
+            # it is charged when pinned.
+            self.runtime.budget_bytes = max(0, budget - self._reserve() - self._outside_bytes(args, kwargs))
         try:
             with self.runtime.frame(frame):
                 out = self._forward(*args, **kwargs)
@@ -436,6 +440,8 @@ class Provisioner:
             _ACTIVE.remove(self)
         seconds = time.perf_counter() - start
         self._frames += 1
+        if frame.traced:
+            self._leaf_bytes = max(self._leaf_bytes or 0, frame.stats.leaf_bytes)
         if frame.profile:
             self.cost.observe(frame.saved_profile, self._frame_counts, seconds, frame.unsaved_seconds)
         self._fixed_floor = self.cost.floor_bytes(self.cost.order, self._frame_counts, self.min_bytes,
@@ -463,6 +469,17 @@ class Provisioner:
         resident = self.runtime.ledger.resident
         if resident + self._fixed_floor > self.budget:
             raise InfeasibleBudgetError(self.budget, resident + self._fixed_floor, f"micro-batch {self._frames}")
+
+    def _outside_bytes(self, args: tuple, kwargs: dict) -> int:
+        """Bytes that recipes may pin and nothing can release (inputs from outside the forward,
+        storages written in place beyond replay): as many as they did in traced micro-batches
+        so far, or, before any, the forward's own tensor arguments or the margin, the larger."""
+        if self._leaf_bytes is not None:
+            return self._leaf_bytes
+        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                    for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                    if isinstance(t, torch.Tensor) and is_plain(t)}
+        return max(sum(storages.values()), int((self.budget or 0) * self.margin))
 
     def _reserve(self) -> int:
         return self._stacked * self._floor

@@ -129,6 +129,7 @@ class FrameStats:
     regenerated_bytes: int = 0  # casts/copies of a stored activation, rebuilt from it
     fallbacks: List[str] = field(default_factory=list)
     violations: int = 0
+    leaf_bytes: int = 0         # storages recipes pin as they are (inputs, storages written in place)
     peak_resident: int = 0      # ledger high-water mark while this frame's forward ran
     start_resident: int = 0
 
@@ -585,7 +586,10 @@ class ActivationRuntime:
     def _pin_leaf(self, t: torch.Tensor) -> Optional[_Pin]:
         if not is_plain(t) or self._is_parameter(t):
             return None
-        return _Pin(self.ledger, t.untyped_storage())
+        storage = t.untyped_storage()
+        if self._frame is not None and not self.ledger.holds(storage):
+            self._frame.stats.leaf_bytes += storage.nbytes()
+        return _Pin(self.ledger, storage)
 
     # -- pack -------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:
