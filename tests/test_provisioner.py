@@ -81,6 +81,29 @@ def test_budget_never_exceeded_on_random_spike_traces(trace: Sequence[float], fr
     assert prov.report()["resident_bytes"] == 0
 
 
+@pytest.mark.parametrize("policy", ["recompute_all", "offload_all", "adaptive"])
+def test_exact_under_autocast(policy: str) -> None:
+    """Mixed precision as users train with it: replays run below autocast with the dtypes it
+    chose in the forward, so bf16 losses and gradients stay bitwise those of plain PyTorch."""
+    model = make_model(ep_size=4)
+    plain = copy.deepcopy(model)
+    budget = int(keep_all_peak(model) * 0.6) if policy == "adaptive" else None
+    prov = bagualu2.enable(model, budget=budget, policy=policy, min_bytes=0)
+    for i in range(4):
+        out = []
+        for m in (plain, model):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(i)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = m(tokens_for(m, i))
+            loss.float().backward()
+            out.append((loss.detach(), [p.grad for p in m.parameters()]))
+        assert torch.equal(out[0][0], out[1][0])
+        assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
+    released = prov.report()["saved_bytes_by_choice"]
+    assert released["offload"] + released["recompute"] > 0 and prov.report()["violations"] == 0
+
+
 def test_keep_all_with_raise_reports_what_would_have_crashed() -> None:
     model = make_model(ep_size=4)
     budget = int(keep_all_peak(model) * 0.7)
