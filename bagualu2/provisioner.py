@@ -396,7 +396,9 @@ class Provisioner:
         return self.cost.predict_total(self.cost.order, worst)
 
     def _provisioned_forward(self, *args: Any, **kwargs: Any) -> Any:
-        if is_recomputing() or not self.enabled:
+        # Without grad (evaluation, inference mode) autograd saves nothing: there is nothing to
+        # provision, and such a forward must not count as one the cost model learned from.
+        if is_recomputing() or not self.enabled or not torch.is_grad_enabled():
             return self._forward(*args, **kwargs)
         self._check_feasible()
         rng = torch.get_rng_state()

@@ -104,6 +104,23 @@ def test_exact_under_autocast(policy: str) -> None:
     assert released["offload"] + released["recompute"] > 0 and prov.report()["violations"] == 0
 
 
+def test_forwards_without_grad_are_not_provisioned_and_teach_the_cost_model_nothing() -> None:
+    model = make_model(ep_size=4)
+    plain = copy.deepcopy(model)
+    budget = int(keep_all_peak(model) * 0.6)
+    prov = bagualu2.enable(model, budget=budget, min_bytes=0)
+    with torch.no_grad():  # validation before training
+        model(tokens_for(model, 0))
+    with torch.inference_mode():
+        model(tokens_for(model, 1))
+    assert prov.cost.frames == 0 and not prov.telemetry.micro_batches
+    for i, spike in enumerate([0.0, 0.0, 2.6, 0.0]):
+        ref, got = step(plain, i, spike), step(model, i, spike)
+        assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+    assert prov.cost.ops and prov.report()["decisions"] >= 2 * 2  # profiled from training forwards
+    assert prov.report()["saved_bytes_by_choice"]["recompute"] > 0
+
+
 def test_keep_all_with_raise_reports_what_would_have_crashed() -> None:
     model = make_model(ep_size=4)
     budget = int(keep_all_peak(model) * 0.7)
