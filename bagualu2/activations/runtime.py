@@ -310,7 +310,8 @@ class _OffloadStore:
         try:
             if self.prefetched is not None:
                 self.prefetched.wait()
-            self.handle.release()
+            if not self.handle.released:  # a cycle's collector may have finalized the handle first
+                self.handle.release()
         finally:
             if self.pin is not None:
                 self.pin.drop()
