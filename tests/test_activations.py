@@ -4,6 +4,7 @@ Every test compares against the same model run by plain PyTorch, bit for bit.
 """
 from __future__ import annotations
 
+import copy
 import gc
 from typing import Dict, List, Optional, Tuple
 
@@ -557,6 +558,40 @@ def test_a_long_chain_without_blocks_is_rebuilt_without_deep_recursion(engine: C
     h = Harness(model, engine)
     got = torch.autograd.grad(h.forward(x, Frame(default=Choice.RECOMPUTE)), x)[0]
     assert torch.equal(ref, got)
+    assert h.runtime.ledger.resident == 0
+
+
+@pytest.mark.parametrize("choice", [Choice.RECOMPUTE, Choice.OFFLOAD])
+def test_batch_norm_running_statistics_are_updated_once(engine: CopyEngine, choice: Choice) -> None:
+    """``aten.native_batch_norm`` updates running_mean / running_var in place without its schema
+    saying so: its outputs are never replayed (a replay would update the statistics again), and a
+    recipe that reads one holds it instead."""
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(
+                torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.2),
+                                    torch.nn.GELU()) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x.pow(2).mean()
+
+    torch.manual_seed(0)
+    model = Net()
+    plain = copy.deepcopy(model)
+    h = Harness(model, engine)
+    for i in range(3):
+        x = torch.randn(8, 16)
+        torch.manual_seed(SEED)  # as Harness.forward does: the same dropout masks
+        ref = loss_and_grads(plain, plain(x))
+        frame = Frame(default=choice)
+        got = loss_and_grads(model, h.forward(x, frame))
+        assert_bitwise(ref, got)
+        assert all(torch.equal(a, b) for a, b in zip(plain.buffers(), model.buffers()))
+    if choice == Choice.RECOMPUTE:
+        assert any("running statistics" in f for f in frame.stats.fallbacks)
     assert h.runtime.ledger.resident == 0
 
 

@@ -21,14 +21,16 @@ Invariants:
   nodes form a DAG and are freed by reference counting the moment nothing needs them. An
   in-place op on an older storage that reads newer ones (``buf[i] += f(buf)``) would break
   this; it is recorded without its arguments and ends the states that can be replayed
-  (``replayable``). A later op reading such a storage holds it as a ``Leaf`` instead.
+  (``replayable``). A later op reading such a storage, or one no replay can rebuild (made by
+  an op that cannot be replayed), holds it as a ``Leaf`` instead.
 * A node holds its storage only weakly (``StorageWeakRef``): tracing never extends the life of
   an activation. The weak reference also keeps the storage's address from being reused while the
   node is in the frame's map, so the address is a sound key.
 * Replaying a recipe runs the same aten ops on bitwise-identical inputs with the same RNG state,
   so it reproduces the storage bit for bit. Ops that mutate storages outside the traced region
-  (running statistics, collectives) or are not aten ops are marked non-recomputable, because
-  replaying them would repeat their side effects.
+  (running statistics, collectives; also the batch-norm ops whose schemas do not declare their
+  running-statistics writes) or are not aten ops are marked non-recomputable, because replaying
+  them would repeat their side effects.
 """
 
 from __future__ import annotations
@@ -224,10 +226,19 @@ def _reads_newer(step: Step, position: int) -> bool:
     return any(node.position > position for node in step_inputs(step))
 
 
-class _OpInfo:
-    """Per-OpOverload facts computed once: printable name, written args, random, replayable."""
+# aten ops that update their running_mean / running_var arguments in place although their
+# schemas do not mark them written: replaying one would update the statistics a second time.
+_UNDECLARED_WRITES = frozenset({
+    "aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm",
+    "aten::batch_norm_update_stats", "aten::batch_norm_gather_stats_with_counts",
+})
 
-    __slots__ = ("name", "written", "random", "replayable")
+
+class _OpInfo:
+    """Per-OpOverload facts computed once: printable name, written args, random, and why it
+    cannot be replayed ("" when it can)."""
+
+    __slots__ = ("name", "written", "random", "why_not")
     _cache: Dict[Any, "_OpInfo"] = {}
 
     def __init__(self, func: Any) -> None:
@@ -237,7 +248,16 @@ class _OpInfo:
             i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
         )
         self.random = torch.Tag.nondeterministic_seeded in func.tags
-        self.replayable = func.namespace in ("aten", "prims")
+        if func.namespace not in ("aten", "prims"):
+            self.why_not = f"{self.name} is not an aten op"
+        elif schema.name in _UNDECLARED_WRITES:
+            self.why_not = f"{self.name} updates running statistics in place: a replay would update them again"
+        else:
+            self.why_not = ""
+
+    @property
+    def replayable(self) -> bool:
+        return not self.why_not
 
     @classmethod
     def of(cls, func: Any) -> "_OpInfo":
@@ -296,7 +316,7 @@ class TracingMode(TorchDispatchMode):
             if not is_plain(x):
                 return Leaf(x, None)
             node = self.nodes.get(x.untyped_storage()._cdata)
-            if node is None or (node is not mutated and len(node.mutations) > node.replayable):
+            if node is None or (node is not mutated and not node.rebuildable(len(node.mutations))):
                 return Leaf(x, self._pin_leaf(x))
             return Ref(SELF if node is mutated else node, len(node.mutations), view_meta(x))
         if isinstance(x, (list, tuple)):
@@ -342,10 +362,9 @@ class TracingMode(TorchDispatchMode):
                 counts[info.name] = n + 1
                 key = f"{path}:{info.name}:{n}"
             step = Step(func, encoded[0], encoded[1], rng, index, seconds, siblings)
-            why = "" if info.replayable else f"{info.name} is not an aten op"
             node = StorageNode(
-                key if index == 0 else f"{key}.{index}", len(self.nodes), storage, step, not why, why,
-                self.cache,
+                key if index == 0 else f"{key}.{index}", len(self.nodes), storage, step, info.replayable,
+                info.why_not, self.cache,
             )
             self.nodes[storage._cdata] = node
             siblings.append(weakref.ref(node))
