@@ -409,7 +409,7 @@ class CostModel:
         """Planner candidates for ``keys``, and the predicted bytes that must stay resident.
 
         Keys below ``min_bytes`` and keys in ``fixed`` (anchors) are kept: their bytes are the
-        floor that no plan can release (``floor_bytes``).
+        floor that no plan can release (``floors``).
         """
         out: List[Candidate] = []
         floor = 0
@@ -428,12 +428,19 @@ class CostModel:
             ))
         return out, floor
 
-    def floor_bytes(self, keys: Iterable[str], counts: Mapping[int, Sequence[int]], min_bytes: int,
-                    can_offload: bool, fixed: Iterable[str] = ()) -> int:
-        """The predicted bytes of ``keys`` that no plan can release (``candidates``' floor,
-        without pricing the candidates)."""
-        return sum(n for _, _, n, releasable in self._sized(keys, counts, min_bytes, can_offload, fixed)
-                   if not releasable)
+    def floors(self, keys: Iterable[str], counts: Mapping[int, Sequence[int]], min_bytes: int,
+               can_offload: bool) -> Tuple[int, int]:
+        """The predicted bytes of ``keys`` that no plan releases (``candidates``' floor, without
+        pricing the candidates), and of those the bytes nothing can release at all (neither
+        offloadable nor recomputable: the runtime releases small ones too when the budget
+        demands it)."""
+        soft = hard = 0
+        for _, op, nbytes, releasable in self._sized(keys, counts, min_bytes, can_offload, ()):
+            if not releasable:
+                soft += nbytes
+                if not (can_offload or op.recomputable):
+                    hard += nbytes
+        return soft, hard
 
     def windows(self, remaining_fraction: float, stacked_forwards: int = 0) -> Tuple[float, float]:
         """(offload window, reload window) in seconds for the rest of a micro-batch.

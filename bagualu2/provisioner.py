@@ -177,6 +177,8 @@ class Provisioner:
         self._oom_recoveries = 0
         self._floor = 0  # bytes one micro-batch holds that no plan releases (anchors, small, fixed)
         self._fixed_floor = 0  # ... of those, what the cost model predicts for the last routing
+        self._hard_floor = 0  # bytes of the last routing that not even the runtime could release
+        self._outside_held = 0  # most bytes from outside the forward a micro-batch held (inputs)
         self._leaf_bytes: Optional[int] = None  # most bytes of outside inputs recipes pinned
         self._worst_bytes: Optional[int] = None  # saved bytes of the worst possible routing
         self._recent_bytes: Deque[int] = collections.deque(maxlen=_RECENT)  # of recent routings
@@ -432,22 +434,26 @@ class Provisioner:
             # next backward (pipeline warm-up), so the last of them still fits, and for what
             # recipes will pin that nothing can release (labels the loss reads at the very end):
             # it is charged when pinned.
-            self.runtime.budget_bytes = max(0, budget - self._reserve() - self._outside_bytes(args, kwargs))
+            self.runtime.budget_bytes = max(0, budget - self._reserve())
+            self.runtime.pin_headroom = self._outside_bytes(args, kwargs)
         try:
             with self.runtime.frame(frame):
                 out = self._forward(*args, **kwargs)
                 anchored = sum(node.nbytes for node in frame._anchors)
         finally:
             self.runtime.budget_bytes = budget
+            self.runtime.pin_headroom = 0
             _ACTIVE.remove(self)
         seconds = time.perf_counter() - start
         self._frames += 1
         if frame.traced:
             self._leaf_bytes = max(self._leaf_bytes or 0, frame.stats.leaf_bytes)
+            self._outside_held = max(self._outside_held, frame.stats.outside_bytes)
         if frame.profile:
             self.cost.observe(frame.saved_profile, self._frame_counts, seconds, frame.unsaved_seconds)
-        self._fixed_floor = self.cost.floor_bytes(self.cost.order, self._frame_counts, self.min_bytes,
-                                                  self.engine is not None) if self.cost.ready else 0
+        if self.cost.ready:
+            self._fixed_floor, self._hard_floor = self.cost.floors(
+                self.cost.order, self._frame_counts, self.min_bytes, self.engine is not None)
         self._floor = max(self._floor, anchored + self._fixed_floor)
         if frame.profile and self.cost.frames >= self.profile_frames:
             self._worst_bytes = self._worst_case_bytes()
@@ -467,10 +473,13 @@ class Provisioner:
         """Refuse a micro-batch no plan can fit, before it allocates anything."""
         if self.budget is None or self.policy != "adaptive" or not self.cost.ready:
             return
-        # Loads of the previous micro-batch stand in for this one's, not yet routed.
+        # Loads of the previous micro-batch stand in for this one's, not yet routed. What no
+        # release can take back: the storages that can be neither offloaded nor recomputed, and
+        # what the forward holds from outside it (its inputs, saved or pinned by recipes).
         resident = self.runtime.ledger.resident
-        if resident + self._fixed_floor > self.budget:
-            raise InfeasibleBudgetError(self.budget, resident + self._fixed_floor, f"micro-batch {self._frames}")
+        floor = self._hard_floor + self._outside_held
+        if resident + floor > self.budget:
+            raise InfeasibleBudgetError(self.budget, resident + floor, f"micro-batch {self._frames}")
 
     def _outside_bytes(self, args: tuple, kwargs: dict) -> int:
         """Bytes that recipes may pin and nothing can release (inputs from outside the forward,
@@ -585,7 +594,8 @@ def enable(model: torch.nn.Module, budget: Union[str, int, float, None] = "auto"
             the same machinery: ``"keep_all"``, ``"recompute_all"``, ``"offload_all"``, or a
             fixed mapping of operator keys to ``Choice``.
         **options: ``on_exceed`` (``"record"`` or ``"raise"``: raise ``BudgetExceededError``
-            when the budget is crossed), ``min_bytes`` (smaller activations are always kept),
+            when the budget is crossed), ``min_bytes`` (smaller activations are kept, unless
+            the budget leaves no room for one),
             ``arena_bytes`` (pinned host memory reserved up front), ``arena_max_bytes`` (what the
             arena may grow to when offloads need more; default half of this process's share
             of host memory), ``reserve_bytes``, ``profile_frames``,

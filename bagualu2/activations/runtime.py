@@ -130,6 +130,7 @@ class FrameStats:
     fallbacks: List[str] = field(default_factory=list)
     violations: int = 0
     leaf_bytes: int = 0         # storages recipes pin as they are (inputs, storages written in place)
+    outside_bytes: int = 0      # storages from outside the forward it holds, saved or pinned
     peak_resident: int = 0      # ledger high-water mark while this frame's forward ran
     start_resident: int = 0
 
@@ -374,7 +375,7 @@ class ActivationRuntime:
 
     Args:
         engine: a ``bagualu2.CopyEngine`` for OFFLOAD, or None (OFFLOAD then falls back).
-        min_bytes: storages smaller than this are always kept.
+        min_bytes: storages smaller than this are kept, unless keeping one would cross the budget.
         budget_bytes: the activation budget the ledger is held to, or None for no budget.
         enforce_budget: release (offload, else recompute) a storage that would exceed the budget
             instead of keeping it. Static baselines turn this off to show what they would do.
@@ -395,6 +396,9 @@ class ActivationRuntime:
         self.min_bytes = min_bytes
         self.budget_bytes = budget_bytes
         self.enforce_budget = enforce_budget
+        # Part of the budget saves leave free for what recipes pin and nothing can release
+        # (inputs from outside the forward); a pin that crosses the budget itself is a violation.
+        self.pin_headroom = 0
         self.on_exceed = on_exceed
         self.prefetch_bytes = prefetch_bytes
         self.ledger = ResidencyLedger()
@@ -588,9 +592,21 @@ class ActivationRuntime:
         if not is_plain(t) or self._is_parameter(t):
             return None
         storage = t.untyped_storage()
-        if self._frame is not None and not self.ledger.holds(storage):
-            self._frame.stats.leaf_bytes += storage.nbytes()
-        return _Pin(self.ledger, storage)
+        frame = self._frame
+        if frame is None or self.ledger.holds(storage):
+            return _Pin(self.ledger, storage)
+        frame.stats.leaf_bytes += storage.nbytes()
+        if storage._cdata not in self.mode.nodes:
+            frame.stats.outside_bytes += storage.nbytes()
+        pin = _Pin(self.ledger, storage)
+        budget = self.budget_bytes
+        if budget is not None and self.ledger.resident > budget:
+            self.settle(wait=True)
+            if self.ledger.resident > budget:  # nothing can release it: the budget is crossed
+                frame.stats.violations += 1
+                if self.on_exceed is not None:
+                    self.on_exceed(self.ledger.resident, budget, f"a tensor of shape {tuple(t.shape)} a recipe holds")
+        return pin
 
     # -- pack -------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:
@@ -624,6 +640,8 @@ class ActivationRuntime:
         node = self.mode.nodes.get(storage._cdata)
         if node is None:
             # From outside the traced forward: no recipe, and not this frame's to release.
+            if not self.ledger.holds(storage):
+                stats.outside_bytes += storage.nbytes()
             if self._over_budget(storage):
                 self.settle(wait=True)
                 if self._over_budget(storage):
@@ -716,7 +734,7 @@ class ActivationRuntime:
     def _over_budget(self, storage: torch.UntypedStorage) -> bool:
         budget = self.budget_bytes
         return (budget is not None and not self.ledger.holds(storage)
-                and self.ledger.resident + storage.nbytes() > budget)
+                and self.ledger.resident + storage.nbytes() > budget - self.pin_headroom)
 
     def _violate(self, frame: Frame, t: torch.Tensor, key: str) -> Any:
         frame.stats.violations += 1
