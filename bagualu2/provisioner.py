@@ -165,7 +165,10 @@ class Provisioner:
         for spec in self.gates:
             self._hooks.append(spec.module.register_forward_hook(self._gate_hook(spec)))
         self._forward = model.forward
-        model.forward = self._provisioned_forward  # type: ignore[method-assign]
+        # Under torch.compile the provisioned forward runs eagerly: the tracing mode, the
+        # saved-tensor hooks and the gating callbacks are Python that Dynamo would otherwise try
+        # to trace, graph-breaking and recompiling at every op.
+        model.forward = torch.compiler.disable(self._provisioned_forward)  # type: ignore[method-assign]
         self._phase = "none"
         self._stacked = 0
         self._frames = 0

@@ -121,6 +121,24 @@ def test_forwards_without_grad_are_not_provisioned_and_teach_the_cost_model_noth
     assert prov.report()["saved_bytes_by_choice"]["recompute"] > 0
 
 
+def test_a_compiled_model_is_provisioned_eagerly_and_exactly() -> None:
+    """torch.compile of an enabled model: the provisioned forward runs eagerly (Dynamo would
+    graph-break and recompile at every op of the tracing mode and hooks), still releasing."""
+    import torch._dynamo
+
+    model = make_model(ep_size=4)
+    plain = copy.deepcopy(model)
+    prov = bagualu2.enable(model, budget=None, policy="recompute_all", min_bytes=0)
+    compiled = torch.compile(model, backend="eager")
+    torch._dynamo.utils.counters.clear()
+    for i in range(2):
+        ref, got = step(plain, i), step(compiled, i)
+        assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+    assert prov.report()["saved_bytes_by_choice"]["recompute"] > 0
+    assert sum(torch._dynamo.utils.counters["frames"].values()) == 0
+    torch._dynamo.reset()
+
+
 def test_keep_all_with_raise_reports_what_would_have_crashed() -> None:
     model = make_model(ep_size=4)
     budget = int(keep_all_peak(model) * 0.7)
