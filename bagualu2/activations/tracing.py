@@ -484,20 +484,21 @@ class Replayer:
 
     def _rebuild(self, root: StorageNode, root_state: int) -> None:
         stack: List[Tuple[StorageNode, int, bool]] = [(root, root_state, False)]
-        while stack:
-            node, state, inputs_ready = stack.pop()
-            if self._at_hand(node, state) is not None:
-                continue
-            if inputs_ready:
-                found = self._recompute(node, state)
-                node.cache.put(node.position, state, found)
-                self._found[(id(node), state)] = found
-                continue
-            stack.append((node, state, True))
-            for step in [node.creator] + node.mutations[:state]:
-                for ref in step_refs(step):
-                    if self._at_hand(ref.node, ref.state) is None:
-                        stack.append((ref.node, ref.state, False))
+        with _Replaying(), torch.no_grad(), _no_autocast():  # entered once for the whole chain
+            while stack:
+                node, state, inputs_ready = stack.pop()
+                if self._at_hand(node, state) is not None:
+                    continue
+                if inputs_ready:
+                    found = self._recompute(node, state)
+                    node.cache.put(node.position, state, found)
+                    self._found[(id(node), state)] = found
+                    continue
+                stack.append((node, state, True))
+                for step in [node.creator] + node.mutations[:state]:
+                    for ref in step_refs(step):
+                        if self._at_hand(ref.node, ref.state) is None:
+                            stack.append((ref.node, ref.state, False))
 
     def _recompute(self, node: StorageNode, state: int) -> torch.UntypedStorage:
         if not node.rebuildable(state):
@@ -505,16 +506,15 @@ class Replayer:
                 f"bagualu2: activation {node.key} is needed to recompute another but was dropped "
                 f"and cannot be recomputed ({node.why_not})"
             )
-        with _Replaying(), torch.no_grad(), _no_autocast():
-            out = self._run(node.creator, None)
-            outs = out if isinstance(out, (tuple, list)) else (out,)
-            storage = outs[node.creator.out_index].untyped_storage()
-            for sibling_ref in node.creator.siblings:  # other outputs of the same op call
-                sibling = sibling_ref()
-                if sibling is not None and sibling is not node and sibling.creator.out_index < len(outs):
-                    sibling.cache.put(sibling.position, 0, outs[sibling.creator.out_index].untyped_storage())
-            for step in node.mutations[:state]:
-                self._run(step, storage)
+        out = self._run(node.creator, None)  # below _rebuild's replay, no-grad, no-autocast scope
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        storage = outs[node.creator.out_index].untyped_storage()
+        for sibling_ref in node.creator.siblings:  # other outputs of the same op call
+            sibling = sibling_ref()
+            if sibling is not None and sibling is not node and sibling.creator.out_index < len(outs):
+                sibling.cache.put(sibling.position, 0, outs[sibling.creator.out_index].untyped_storage())
+        for step in node.mutations[:state]:
+            self._run(step, storage)
         return storage
 
     def _decode(self, x: Any, self_storage: Optional[torch.UntypedStorage]) -> Any:
