@@ -179,10 +179,9 @@ class Provisioner:
         self._frame_predicted = 0
         self._oom_recoveries = 0
         self._floor = 0  # bytes one micro-batch holds that no plan releases (anchors, small, fixed)
-        self._fixed_floor = 0  # ... of those, what the cost model predicts for the last routing
         self._hard_floor = 0  # bytes of the last routing that not even the runtime could release
         self._outside_held = 0  # most bytes from outside the forward a micro-batch held (inputs)
-        self._leaf_bytes: Optional[int] = None  # most bytes of outside inputs recipes pinned
+        self._leaf_bytes: Optional[int] = None  # most bytes recipes pinned as they were (FrameStats)
         self._worst_bytes: Optional[int] = None  # saved bytes of the worst possible routing
         self._recent_bytes: Deque[int] = collections.deque(maxlen=_RECENT)  # of recent routings
         self._latencies_us: List[float] = []
@@ -438,7 +437,7 @@ class Provisioner:
             # recipes will pin that nothing can release (labels the loss reads at the very end):
             # it is charged when pinned.
             self.runtime.budget_bytes = max(0, budget - self._reserve())
-            self.runtime.pin_headroom = self._outside_bytes(args, kwargs)
+            self.runtime.pin_headroom = self._pin_headroom(args, kwargs)
         try:
             with self.runtime.frame(frame):
                 out = self._forward(*args, **kwargs)
@@ -454,10 +453,11 @@ class Provisioner:
             self._outside_held = max(self._outside_held, frame.stats.outside_bytes)
         if frame.profile:
             self.cost.observe(frame.saved_profile, self._frame_counts, seconds, frame.unsaved_seconds)
+        kept = 0
         if self.cost.ready:
-            self._fixed_floor, self._hard_floor = self.cost.floors(
+            kept, self._hard_floor = self.cost.floors(
                 self.cost.order, self._frame_counts, self.min_bytes, self.engine is not None)
-        self._floor = max(self._floor, anchored + self._fixed_floor)
+        self._floor = max(self._floor, anchored + kept)
         if frame.profile and self.cost.frames >= self.profile_frames:
             self._worst_bytes = self._worst_case_bytes()
         if self.cost.ready and self._frame_counts:
@@ -484,7 +484,7 @@ class Provisioner:
         if resident + floor > self.budget:
             raise InfeasibleBudgetError(self.budget, resident + floor, f"micro-batch {self._frames}")
 
-    def _outside_bytes(self, args: tuple, kwargs: dict) -> int:
+    def _pin_headroom(self, args: tuple, kwargs: dict) -> int:
         """Bytes that recipes may pin and nothing can release (inputs from outside the forward,
         storages written in place beyond replay): as many as they did in traced micro-batches
         so far, or, before any, the forward's own tensor arguments or the margin, the larger."""

@@ -238,7 +238,7 @@ class _OpInfo:
     """Per-OpOverload facts computed once: printable name, written args, random, and why it
     cannot be replayed ("" when it can)."""
 
-    __slots__ = ("name", "written", "random", "why_not")
+    __slots__ = ("name", "written", "random", "why_not", "replayable")
     _cache: Dict[Any, "_OpInfo"] = {}
 
     def __init__(self, func: Any) -> None:
@@ -254,10 +254,7 @@ class _OpInfo:
             self.why_not = f"{self.name} updates running statistics in place: a replay would update them again"
         else:
             self.why_not = ""
-
-    @property
-    def replayable(self) -> bool:
-        return not self.why_not
+        self.replayable = not self.why_not
 
     @classmethod
     def of(cls, func: Any) -> "_OpInfo":
