@@ -178,6 +178,21 @@ class OffloadHandle:
         """Free the host block (reused only after the copies using it end). Raises if released."""
         self._ticket.release()
 
+    def host_view(self) -> torch.Tensor:
+        """The offloaded tensor where its bytes lie in the arena: a cpu tensor equal to what
+        ``reload(h, device="cpu")`` returns, without the copy back (what a host consumer
+        reads). Waits for the offload copy. The tensor and every view of it hold the block:
+        ``release()`` meanwhile frees it when the last of them dies. Writing through it
+        changes what later reloads return. A tensor offloaded with negative or overlapping
+        strides comes back contiguous."""
+        self.wait()
+        if not self.nbytes:
+            return torch.empty_strided(self.shape, self.stride, dtype=self.dtype)
+        flat = torch.frombuffer(self._ticket.host_view(), dtype=self.dtype)
+        if self._mode == _SPAN:
+            return flat.as_strided(self.shape, self.stride)
+        return flat.view(self.shape)
+
     @property
     def released(self) -> bool:
         return self._ticket.released

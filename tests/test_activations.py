@@ -30,11 +30,15 @@ def make_model(dtype: torch.dtype = torch.float32, **cfg) -> Tuple[MoETransforme
 
 
 class Harness:
-    """Runs one training micro-batch of ``model`` plainly or through a runtime frame."""
+    """Runs one training micro-batch of ``model`` plainly or through a runtime frame.
 
-    def __init__(self, model: torch.nn.Module, engine: Optional[CopyEngine]) -> None:
+    Offloaded storages are copied back in backward, as on a device, unless ``reload_in_place``
+    (the cpu default of ``bagualu2.enable``: backward reads them in the arena).
+    """
+
+    def __init__(self, model: torch.nn.Module, engine: Optional[CopyEngine], reload_in_place: bool = False) -> None:
         self.model = model
-        self.runtime = ActivationRuntime(engine)
+        self.runtime = ActivationRuntime(engine, reload_in_place=reload_in_place)
         self.runtime.set_parameters(list(model.parameters()) + list(model.buffers()))
         self._hooks = self.runtime.attach(model)
 
@@ -91,11 +95,13 @@ def test_exactness_uniform_plans(engine: CopyEngine, dtype: torch.dtype, choice:
     assert released > 0 and not [f for f in frame.stats.fallbacks if "arena" in f]
 
 
+@pytest.mark.parametrize("reload_in_place", [False, True])
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_exactness_random_per_operator_plans(engine: CopyEngine, keys: List[str], data: st.DataObject) -> None:
+def test_exactness_random_per_operator_plans(engine: CopyEngine, keys: List[str], reload_in_place: bool,
+                                             data: st.DataObject) -> None:
     model, tokens = make_model()
-    h = Harness(model, engine)
+    h = Harness(model, engine, reload_in_place)
     reference = loss_and_grads(model, h.forward(tokens, None))
     plan = {k: data.draw(st.sampled_from(list(Choice)), label=k) for k in keys}
     result = loss_and_grads(model, h.forward(tokens, Frame(plan, strict=True)))
@@ -332,6 +338,82 @@ def test_custom_autograd_function(engine: CopyEngine, choice: Choice) -> None:
     frame = Frame(default=choice)
     assert_bitwise(reference, loss_and_grads(model, h.forward(x, frame)))
     assert any(":aten.mul.Tensor:" in k for k in frame.keys_seen)
+
+
+# -- reloading in place (cpu) ------------------------------------------------------------------
+@pytest.mark.parametrize("model_kind", ["moe fp32", "moe bf16", "views, casts, shared"])
+def test_reload_in_place_is_exact_and_copies_nothing_back(engine: CopyEngine, model_kind: str) -> None:
+    """Backward reads offloaded cpu storages in the arena: the same bits as plain PyTorch, in a
+    first and a retain_graph second pass, no reload copy, and everything returned after."""
+    if model_kind == "views, casts, shared":
+        model, x, _ = views_casts_shared(engine)
+    else:
+        model, x = make_model(torch.bfloat16 if "bf16" in model_kind else torch.float32)
+    h = Harness(model, engine, reload_in_place=True)
+    reference = loss_and_grads(model, h.forward(x, None))
+    frame = Frame(default=Choice.OFFLOAD)
+    loss = h.forward(x, frame)
+    assert frame.stats.offloaded_storages > 0
+    for retain in (True, False):
+        model.zero_grad(set_to_none=True)
+        loss.backward(retain_graph=retain)
+        assert_bitwise(reference, (loss.detach(), [p.grad for p in model.parameters()]))
+    engine.synchronize()
+    assert engine.stats()["h2d_copies"] == 0 and engine.stats()["d2h_copies"] > 0
+    del loss, frame
+    assert h.runtime.ledger.resident == 0
+    assert engine.arena.stats()["in_use"] == 0
+
+
+class Stash(torch.autograd.Function):
+    """y = x * 3; its backward keeps the tensor it saved (as user code may) in ``kept``."""
+
+    kept: List[torch.Tensor] = []
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        Stash.kept.append(ctx.saved_tensors[0])
+        return grad * 3
+
+
+def test_a_tensor_read_in_place_outlives_its_graph(engine: CopyEngine) -> None:
+    """The arena block under a tensor backward was handed stays allocated, its bytes intact,
+    until that tensor dies, although the graph that offloaded it died first."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 64)
+    x = torch.randn(128, 64)
+    h = Harness(torch.nn.Sequential(lin), engine, reload_in_place=True)
+    with h.runtime.frame(Frame(default=Choice.OFFLOAD)):
+        y = lin(x).relu()
+        loss = Stash.apply(y).sum()
+    expected = y.detach().clone()
+    del y
+    loss.backward()
+    del loss
+    gc.collect()
+    (kept,) = Stash.kept
+    Stash.kept.clear()
+    assert engine.arena.stats()["in_use"] > 0 and torch.equal(kept, expected)
+    del kept
+    assert engine.arena.stats()["in_use"] == 0
+    assert h.runtime.ledger.resident == 0
+
+
+def test_a_write_into_bytes_read_in_place_is_refused_for_the_next_reader(engine: CopyEngine) -> None:
+    """Read in place, a storage's readers share its bytes, as without offloading; a backward
+    that writes into them makes the next reader fail as autograd's own version check does."""
+    torch.manual_seed(0)
+    model = TwoReadersOneWrites()
+    x = torch.randn(32, 16)
+    h = Harness(model, engine, reload_in_place=True)
+    loss = h.forward(x, Frame(default=Choice.OFFLOAD))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(loss, model.lin.weight)
 
 
 # -- invariant 3: nothing lost, nothing leaked ------------------------------------------------

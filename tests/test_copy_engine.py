@@ -152,6 +152,47 @@ def test_released_block_is_not_reused_while_a_reload_reads_it(engine):
     assert arena.allocate(n) == t.host_ptr
 
 
+def test_a_held_block_outlives_its_release_until_the_last_hold_drops(engine):
+    arena = engine.arena
+    n = arena.capacity  # one block is the whole arena: any reuse would be this block
+    src = rand_bytes(n, seed=4)
+    t = engine.offload(src.data_ptr(), n, 0)
+    t.wait()
+    first, second = t.host_view(), t.host_view()
+    assert memoryview(first).nbytes == n and bytes(memoryview(first)[:64]) == src[:64].numpy().tobytes()
+    t.release()
+    assert t.released and arena.allocate(256) is None, "block freed while a host view holds it"
+    del first
+    assert arena.allocate(256) is None, "block freed while the second host view holds it"
+    as_tensor = torch.frombuffer(second, dtype=torch.uint8)  # the tensor keeps the view alive
+    del second
+    assert arena.allocate(256) is None and torch.equal(as_tensor, src)
+    del as_tensor
+    assert arena.stats()["in_use"] == 0
+    assert arena.allocate(n) == t.host_ptr
+
+
+def test_a_host_view_needs_a_finished_unreleased_offload(engine):
+    src = rand_bytes(MiB)
+    producer = _C.Stream("cpu")
+    gate = _C.HostFence()
+    producer.wait_fence(gate)
+    t = engine.offload(src.data_ptr(), MiB, producer.handle)
+    with pytest.raises(ValueError, match="before the offload copy completed"):
+        t.host_view()
+    gate.signal()
+    t.wait()
+    dst = torch.zeros(MiB, dtype=torch.uint8)
+    r = engine.reload(t, dst.data_ptr(), MiB, 0, True)
+    r.wait()
+    with pytest.raises(ValueError, match="needs an offload ticket"):
+        r.host_view()
+    t.release()
+    with pytest.raises(ValueError, match="released ticket"):
+        t.host_view()
+    assert engine.arena.stats()["in_use"] == 0
+
+
 # -- invariant 4: exhaustion -------------------------------------------------------------------
 def test_offload_returns_none_when_the_arena_is_full_and_leaks_nothing(engine):
     arena = engine.arena

@@ -88,6 +88,26 @@ def test_non_contiguous_layouts_keep_dtype_shape_and_strides(engine, device, lay
     assert same_bits(out, t)
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_host_view_reads_the_offloaded_bytes_in_place(engine, device, layout):
+    """A host consumer's view equals the tensor without copying it back, holds the block past
+    release(), and a write through it is what later reloads return."""
+    t = LAYOUTS[layout](random_bits((16, 9, 12), torch.float32, device, seed=8))
+    h = engine.offload(t)
+    view = h.host_view()
+    assert view.device.type == "cpu" and view.shape == t.shape and view.dtype == t.dtype
+    assert same_bits(view, t.cpu())
+    first = (0,) * t.dim()
+    if t.numel() and layout != "expanded":  # (an expanded tensor's elements share memory)
+        view[first] = 1.5
+        assert engine.reload(h)[first].item() == 1.5
+    h.release()
+    in_use = engine.arena.stats()["in_use"]
+    assert (in_use > 0) == (h.nbytes > 0)
+    del view
+    assert engine.arena.stats()["in_use"] == 0
+
+
 def test_reload_async_prefetch_returns_the_same_bits(engine, device):
     t = random_bits((1000, 300), torch.bfloat16, device, seed=9)
     h = engine.offload(t)

@@ -48,7 +48,7 @@ class Run:
     def __init__(self, model: MoETransformer, choice: Choice, bubble_s: float = 0.0) -> None:
         self.model = model
         self.engine = CopyEngine(HostArena(64 << 20))
-        self.runtime = ActivationRuntime(self.engine)
+        self.runtime = ActivationRuntime(self.engine, reload_in_place=False)  # reloads copy, as on a device
         self.runtime.set_parameters(list(model.parameters()) + list(model.buffers()))
         self.hooks = self.runtime.attach(model)
         self.driver = OverlapDriver(self.runtime, min_bubble_s=0.0)

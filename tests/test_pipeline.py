@@ -16,7 +16,8 @@ Scenarios, per schedule:
   (same spike);
 - ``adaptive``: ``policy="adaptive"`` under the budget (same spike);
 - ``offload_all+overlap`` / ``recompute_all+overlap`` / ``adaptive+overlap``: the same with the
-  overlap scheduler driving reloads and early recomputes (``enable_bagualu2(pipe, overlap=True)``);
+  overlap scheduler driving reloads and early recomputes (``enable_bagualu2(pipe, overlap=True)``),
+  with reloads that copy back as on a device (the other variants read offloaded bytes in place);
 - ``keep_all_raise`` (last job of the 2-rank launch, 1F1B): keep_all with the adaptive budget
   and ``on_exceed="raise"``: what a static policy would do on a device.
 """
@@ -112,6 +113,8 @@ def _run_job(rank: int, world_size: int, job: dict, budgets: dict) -> dict | Non
         prov = pp.enable_bagualu2(pipe, policy=policy, budget=budget, arena_bytes=16 << 20, min_bytes=0,
                                   on_exceed="raise" if variant.endswith("_raise") else "record",
                                   overlap=variant.endswith("+overlap"))
+        if variant.endswith("+overlap"):
+            prov.runtime.reload_in_place = False  # reloads copy, as on a device: there is something to schedule
         inner = prov.set_pipeline_phase
         prov.set_pipeline_phase = lambda phase, stacked=0: (told.append((phase, stacked)), inner(phase, stacked))[1]
     torch.manual_seed(SEED + 1)  # dropout / sampling streams start equal in every scenario

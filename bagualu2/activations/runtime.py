@@ -201,17 +201,28 @@ class _OffloadStore:
     been used in that pass: the storage crosses the bus once per pass, not once per reader. A
     held copy modified in place through a view handed out is not handed out again: the next use
     reloads the saved bytes.
+
+    With ``in_place`` (a cpu storage, whose "device" is host memory) nothing is copied back:
+    every use reads the bytes where they lie in the arena (``OffloadHandle.host_view``), as
+    ``save_on_cpu`` hands back its host copy on cpu. All readers then share those bytes, as
+    they would share the storage without offloading, and one changed in place is an error for
+    the next reader, as autograd's own check makes it without hooks. The ledger charges the
+    bytes exactly as a reloaded copy.
     """
 
-    __slots__ = ("engine", "handle", "device", "nbytes", "pin", "prefetched", "prefetch_pin", "frame", "index",
-                 "key", "refs", "task", "unpacked", "held", "held_version", "held_pin", "__weakref__")
+    __slots__ = ("engine", "handle", "device", "nbytes", "in_place", "alias", "alias_version", "pin",
+                 "prefetched", "prefetch_pin", "frame", "index", "key", "refs", "task", "unpacked", "held",
+                 "held_version", "held_pin", "__weakref__")
 
     def __init__(self, engine: Any, handle: Any, device: torch.device, nbytes: int,
-                 pin: Optional[_Pin], frame: Frame, key: str) -> None:
+                 pin: Optional[_Pin], frame: Frame, key: str, in_place: bool = False) -> None:
         self.engine = engine
         self.handle = handle
         self.device = device
         self.nbytes = nbytes
+        self.in_place = in_place
+        self.alias: Optional[torch.Tensor] = None  # with in_place: uint8 tensor over the block
+        self.alias_version = 0
         self.key = key
         self.pin: Optional[_Pin] = pin  # device source held until the copy completes
         self.prefetched: Any = None
@@ -241,7 +252,7 @@ class _OffloadStore:
     def prefetch(self, ledger: ResidencyLedger) -> bool:
         """Start reloading into a new device buffer, charged to ``ledger`` until used; False
         when a prefetch is pending or the device copy is held already."""
-        if self.prefetched is not None or self.held is not None:
+        if self.in_place or self.prefetched is not None or self.held is not None:
             return False
         self.prefetched = self.engine.reload_async(self.handle, device=self.device)
         self.prefetch_pin = _Pin(ledger, self.prefetched.destination.untyped_storage())
@@ -265,7 +276,8 @@ class _OffloadStore:
         if self.unpacked >= self.refs:
             self._release_hold()
         elif self.held is None:
-            self.held = torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage)
+            self.held = self.alias if self.in_place else (
+                torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage))
             self.held_version = self.held._version
             self.held_pin = _Pin(ledger, storage)
         return storage
@@ -273,10 +285,11 @@ class _OffloadStore:
     def unpack(self, meta: ViewMeta, ledger: ResidencyLedger) -> torch.Tensor:
         """A tensor with ``meta``'s geometry over this storage's device copy."""
         storage = self.take(ledger)
-        held = self.held
-        if held is None or not held.numel():  # the pass's last (or only) reader
+        held = self.alias if self.in_place else self.held
+        if held is None or not held.numel():  # the pass's last (or only) reader of a copy
             return view_of(storage, meta)
-        # A view of the held copy: the tensors handed out share its version counter.
+        # A view of the held copy (or of the block): the tensors handed out share its version
+        # counter.
         size, stride, offset, dtype = meta
         return held.view(dtype).as_strided(size, stride, offset)
 
@@ -303,9 +316,19 @@ class _OffloadStore:
             self.prefetch_pin.drop()
             self.prefetch_pin = None
             self.frame._prefetch_pending -= self.nbytes
+        elif self.in_place:
+            buffer = self._in_place()
         else:
             buffer = self.engine.reload(self.handle, device=self.device)
         return buffer.untyped_storage()
+
+    def _in_place(self) -> torch.Tensor:
+        if self.alias is None:
+            self.alias = self.handle.host_view()
+            self.alias_version = self.alias._version
+        elif self.alias._version != self.alias_version:
+            raise _modified_error(f"offloaded activation {self.key}", self.alias_version, self.alias._version)
+        return self.alias
 
     def __del__(self) -> None:
         try:
@@ -382,12 +405,15 @@ class ActivationRuntime:
         on_exceed: called with (resident, budget, key) when the budget is exceeded anyway; it may
             raise (``on_exceed="raise"`` in ``bagualu2.enable``).
         prefetch_bytes: how far ahead of use backward reloads offloaded storages.
+        reload_in_place: backward reads an offloaded cpu storage where it lies in the host arena
+            instead of copying it back (see ``_OffloadStore``); False copies it back as on a
+            device (the way to exercise reloads and prefetches on a cpu-only machine).
     """
 
     def __init__(self, engine: Any = None, *, min_bytes: int = 0, budget_bytes: Optional[int] = None,
                  enforce_budget: bool = True,
                  on_exceed: Optional[Callable[[int, int, str], None]] = None,
-                 prefetch_bytes: int = 64 << 20) -> None:
+                 prefetch_bytes: int = 64 << 20, reload_in_place: bool = True) -> None:
         if min_bytes < 0:
             raise ValueError(f"min_bytes={min_bytes} must be >= 0")
         if budget_bytes is not None and budget_bytes < 0:
@@ -401,6 +427,7 @@ class ActivationRuntime:
         self.pin_headroom = 0
         self.on_exceed = on_exceed
         self.prefetch_bytes = prefetch_bytes
+        self.reload_in_place = reload_in_place
         self.ledger = ResidencyLedger()
         self.mode = TracingMode(self._pin_leaf)
         self._params: Set[int] = set()
@@ -783,7 +810,8 @@ class ActivationRuntime:
             else:
                 pin = _Pin(self.ledger, storage)
             nbytes = storage.nbytes()
-            store = _OffloadStore(self.engine, handle, storage.device, nbytes, pin, frame, key)
+            store = _OffloadStore(self.engine, handle, storage.device, nbytes, pin, frame, key,
+                                  self.reload_in_place and storage.device.type == "cpu")
             if pin is not None:
                 self._inflight.append(weakref.ref(store))
             frame.stats.offloaded_storages += 1
@@ -814,7 +842,7 @@ class ActivationRuntime:
             if self.unpack_observer is not None:
                 self.unpack_observer(store.key)
             start = time.perf_counter()
-            if not store.frame.scheduled:
+            if not store.frame.scheduled and not store.in_place:
                 self._prefetch_before(store.frame, store)
             out = store.unpack(packed.meta, self.ledger)
             self._copies[0] += time.perf_counter() - start

@@ -70,6 +70,14 @@ private:
     gpu::Stream stream_ = nullptr;
 };
 
+// An offload ticket's block as a writable byte buffer (the Python buffer protocol), holding
+// the block allocated while the buffer lives: torch.frombuffer keeps it for as long as the
+// tensor's storage lives.
+struct HostView {
+    std::shared_ptr<void> hold;
+    std::size_t nbytes;
+};
+
 py::dict arena_stats_dict(const ArenaStats& s) {
     py::dict d;
     d["capacity"] = s.capacity;
@@ -193,10 +201,22 @@ void register_offload(py::module_& m) {
         .def("stats", [](HostArena& a) { return arena_stats_dict(a.stats()); })
         .def("reset_stats", &HostArena::reset_stats);
 
+    py::class_<HostView>(m, "HostView", py::buffer_protocol(),
+                         "An offloaded block's bytes in place; holds the block while alive.")
+        .def_buffer([](HostView& v) {
+            return py::buffer_info(v.hold.get(), 1, py::format_descriptor<std::uint8_t>::format(), 1,
+                                   {static_cast<py::ssize_t>(v.nbytes)}, {1});
+        })
+        .def_property_readonly("nbytes", [](const HostView& v) { return v.nbytes; });
+
     py::class_<Ticket, std::shared_ptr<Ticket>>(m, "Ticket", "One asynchronous copy.")
         .def("done", &Ticket::done)
         .def("wait", &Ticket::wait, py::call_guard<py::gil_scoped_release>())
         .def("release", &Ticket::release)
+        .def(
+            "host_view", [](Ticket& t) { return HostView{t.hold(), t.nbytes()}; },
+            "The offloaded bytes in place (buffer protocol), holding the block while alive; "
+            "release() meanwhile frees it when the view dies.")
         .def_property_readonly("released", &Ticket::released)
         .def_property_readonly("nbytes", &Ticket::nbytes)
         .def_property_readonly("host_ptr", &Ticket::host_ptr)

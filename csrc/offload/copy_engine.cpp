@@ -52,20 +52,44 @@ bool Ticket::released() const {
 }
 
 void Ticket::release() {
-    std::vector<FencePtr> fences;
-    {
-        std::lock_guard<std::mutex> lock(mutex_);
-        BAGUALU2_CHECK(!released_, "release() of a ticket that was already released");
-        released_ = true;
-        fences = std::move(reads_);
-        reads_.clear();
-    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    BAGUALU2_CHECK(!released_, "release() of a ticket that was already released");
+    released_ = true;
     if (done_ != nullptr) {
-        fences.push_back(done_);
+        reads_.push_back(done_);
     }
+    if (holds_ == 0) {
+        free_block_locked();
+    }
+}
+
+void Ticket::free_block_locked() {
+    std::vector<FencePtr> fences = std::move(reads_);
+    reads_.clear();
     if (kind_ == Kind::kOffload && block_ != nullptr) {
         arena_->free(block_, std::move(fences));
     }
+}
+
+std::shared_ptr<void> Ticket::hold() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    BAGUALU2_CHECK(kind_ == Kind::kOffload, "hold() needs an offload ticket, got a reload ticket");
+    BAGUALU2_CHECK(!released_, "hold() on a released ticket (use after release)");
+    BAGUALU2_CHECK(done_ == nullptr || done_->ready(),
+                   "hold() before the offload copy completed: wait() first");
+    ++holds_;
+    // The token owns a reference to the ticket, so the last drop can free the block.
+    std::shared_ptr<Ticket> self = shared_from_this();
+    return std::shared_ptr<void>(block_, [self](void*) {
+        std::lock_guard<std::mutex> drop_lock(self->mutex_);
+        if (--self->holds_ == 0 && self->released_) {
+            try {
+                self->free_block_locked();
+            } catch (...) {
+                // A deleter must not throw; the block was the arena's own, so this is unreachable.
+            }
+        }
+    });
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -17,7 +17,9 @@
 //      destination only after the consumer stream reached the reload call, and the consumer
 //      stream waits for the reload's completion (reload(wait=true) or wait_on()).
 //   2. A ticket's block is returned to the arena only by release(), and then only after the
-//      offload copy and every reload issued from it completed (its fences go to the arena).
+//      offload copy and every reload issued from it completed (its fences go to the arena)
+//      and every hold() on it was dropped (a host reader reads the block in place; release()
+//      while one is held defers the free to the last drop).
 //      The caller keeps the offload source alive until the ticket is done.
 //   3. Misuse throws bagualu2::Error (Python ValueError) and changes nothing: waiting on or
 //      querying a released ticket, releasing twice, reloading from a released ticket,
@@ -51,7 +53,7 @@ namespace bagualu2 {
 class CopyEngine;
 
 // One asynchronous copy: an offload (owns an arena block) or a reload (reads one).
-class Ticket {
+class Ticket : public std::enable_shared_from_this<Ticket> {
 public:
     enum class Kind { kOffload, kReload };
 
@@ -67,8 +69,14 @@ public:
     void wait();
 
     /// Give the ticket up. For an offload ticket this frees its block, which the arena reuses
-    /// only after the offload copy and every reload from it completed. Throws if released.
+    /// only after the offload copy and every reload from it completed, and once no hold()
+    /// remains. Throws if released.
     void release();
+
+    /// Keep an offload ticket's block allocated while the returned token lives, so a host
+    /// reader can use the bytes where they lie (no copy back). Throws for a reload ticket,
+    /// after release(), and before the offload copy completed.
+    std::shared_ptr<void> hold();
 
     bool released() const;
     Kind kind() const { return kind_; }
@@ -88,10 +96,15 @@ private:
     std::size_t nbytes_;
     std::shared_ptr<EventFence> done_;
 
-    // Release state and the fences of reloads reading the block, guarded by mutex_.
+    // Frees the block with the fences saved by release(); mutex_ held.
+    void free_block_locked();
+
+    // Release state, the fences of reloads reading the block and the holds on it, guarded by
+    // mutex_. With holds left, release() saves its fences in reads_ and the last drop frees.
     mutable std::mutex mutex_;
     bool released_ = false;
     std::vector<FencePtr> reads_;
+    std::size_t holds_ = 0;
 };
 
 using TicketPtr = std::shared_ptr<Ticket>;
