@@ -178,6 +178,7 @@ class OpCost:
     seconds: _Fit = field(default_factory=lambda: _Fit(robust=True))  # its own ops, timed in profiled forwards
     recomputable: bool = True
     unsaved_inputs: Tuple[str, ...] = ()  # storages nothing saves that rebuilding it rebuilds first
+    saved_inputs: Tuple[str, ...] = ()  # saved keys that rebuild reads (rebuilt first when released)
 
 
 class CostModel:
@@ -208,7 +209,8 @@ class CostModel:
         self.copies_overlap = copies_overlap
         self.ops: Dict[str, OpCost] = {}
         self.unsaved: Dict[str, OpCost] = {}  # ops whose outputs nothing saves (rebuilt as inputs)
-        self._replay_fit = _CostFit(3)  # micro-batches, replayed ops, their profiled seconds -> rebuild seconds
+        # micro-batches, replayed ops, rebuilds entered, the ops' profiled seconds -> rebuild seconds
+        self._replay_fit = _CostFit(4)
         self._copy_fit = _CostFit(2)  # offloads, their predicted copy seconds -> training-thread seconds
         self.order: List[str] = []           # keys in the order a micro-batch first saves them
         self.forward_seconds = 0.0           # measured forward time of one micro-batch
@@ -233,8 +235,8 @@ class CostModel:
 
         Args:
             saved: key -> (saved storage bytes, measured seconds of its own ops, recomputable,
-                keys of the unsaved storages its rebuild rebuilds first), in the order the
-                micro-batch first saved them.
+                keys of the unsaved storages its rebuild rebuilds first[, saved keys its rebuild
+                reads]), in the order the micro-batch first saved them.
             counts: MoE layer -> tokens per expert of this micro-batch.
             forward_seconds: wall time of the micro-batch's forward.
             unsaved: key -> measured seconds of the ops of those unsaved storages.
@@ -244,7 +246,7 @@ class CostModel:
             if op is None:
                 op = self.unsaved[key] = OpCost(key, *self._driver(key))
             self._time(op, counts, seconds)
-        for key, (nbytes, seconds, recomputable, unsaved_inputs) in saved.items():
+        for key, (nbytes, seconds, recomputable, unsaved_inputs, *saved_inputs) in saved.items():
             op = self.ops.get(key)
             if op is None:
                 layer, expert = self._driver(key)
@@ -254,6 +256,7 @@ class CostModel:
             self._time(op, counts, seconds)
             op.recomputable = op.recomputable and recomputable
             op.unsaved_inputs = tuple(unsaved_inputs)
+            op.saved_inputs = tuple(saved_inputs[0]) if saved_inputs else ()
         self.forward_seconds = (forward_seconds if self.frames == 0
                                 else 0.5 * (self.forward_seconds + forward_seconds))
         self.frames += 1
@@ -263,29 +266,31 @@ class CostModel:
             op.seconds.clear()  # the first micro-batch ran cold: its timings are not the op's
         op.seconds.add(self._tokens(op, counts), float(seconds))
 
-    def rebuild_profile(self, keys: Iterable[str], counts: Mapping[int, Sequence[int]]) -> Tuple[int, float]:
-        """What rebuilding ``keys`` together replays: the number of ops and their profiled
-        seconds (each key's own ops, and each unsaved input any of them needs, once: a rebuilt
-        input is cached for the others)."""
+    def rebuild_profile(self, keys: Iterable[str], counts: Mapping[int, Sequence[int]]) -> Tuple[int, int, float]:
+        """What rebuilding ``keys`` together replays: the number of ops, the number of rebuilds
+        backward enters (a key whose storage another of ``keys`` reads is rebuilt inside that
+        key's rebuild, which backward meets first), and the ops' profiled seconds (each key's
+        own ops, and each unsaved input any of them needs, once: a rebuilt input is cached for
+        the others)."""
         seconds = 0.0
         ops = 0
         inputs: Dict[str, None] = {}
-        for key in keys:
-            op = self.ops.get(key)
-            if op is not None:
-                ops += 1
-                seconds += op.seconds(self._tokens(op, counts))
-                inputs.update(dict.fromkeys(op.unsaved_inputs))
+        known = [op for op in (self.ops.get(key) for key in keys) if op is not None]
+        read = {k for op in known for k in op.saved_inputs}
+        for op in known:
+            ops += 1
+            seconds += op.seconds(self._tokens(op, counts))
+            inputs.update(dict.fromkeys(op.unsaved_inputs))
         for key in inputs:
             op = self.unsaved.get(key)
             if op is not None:
                 ops += 1
                 seconds += op.seconds(self._tokens(op, counts))
-        return ops, seconds
+        return ops, sum(op.key not in read for op in known), seconds
 
     def _rebuild_seconds(self, keys: Iterable[str], counts: Mapping[int, Sequence[int]]) -> float:
-        ops, seconds = self.rebuild_profile(keys, counts)
-        return ops * self.replay_fixed_s + seconds * self.replay_factor
+        ops, rebuilds, seconds = self.rebuild_profile(keys, counts)
+        return ops * self.replay_fixed_s + rebuilds * self.replay_entry_s + seconds * self.replay_factor
 
     def observe_replays(self, replays: Mapping[str, Tuple[float, int]],
                         counts: Mapping[int, Sequence[int]]) -> None:
@@ -293,15 +298,17 @@ class CostModel:
         what its rebuilds in ``n`` micro-batches took. A rebuild also pays for the replay's
         own work and for inputs it must rebuild first, and which key pays for a shared input
         depends on the plan, so the fit is on each observation's totals (what the plan's
-        rebuilds cost together), with three parameters for all ops:
-        ``seconds = replay_frame_s + replayed ops * replay_fixed_s + replay_factor * their
-        profiled seconds`` per micro-batch that rebuilds anything (``_CostFit``)."""
+        rebuilds cost together), with four parameters for all ops:
+        ``seconds = replay_frame_s + replayed ops * replay_fixed_s + rebuilds entered *
+        replay_entry_s + replay_factor * the ops' profiled seconds`` per micro-batch that
+        rebuilds anything (``_CostFit``)."""
         known = {k: v for k, v in replays.items() if k in self.ops and v[1] > 0}
         if not known:
             return
         frames = sum(f for _, f in known.values()) / len(known)  # micro-batches observed
-        ops, profiled = self.rebuild_profile(known, counts)
-        self._replay_fit.add((frames, ops * frames, profiled * frames), sum(s for s, _ in known.values()))
+        ops, rebuilds, profiled = self.rebuild_profile(known, counts)
+        self._replay_fit.add((frames, ops * frames, rebuilds * frames, profiled * frames),
+                             sum(s for s, _ in known.values()))
 
     @property
     def replay_frame_s(self) -> float:
@@ -314,9 +321,14 @@ class CostModel:
         return self._replay_fit.coef[1]
 
     @property
+    def replay_entry_s(self) -> float:
+        """Learned seconds per rebuild backward enters (its scopes, its walk of the recipe)."""
+        return self._replay_fit.coef[2]
+
+    @property
     def replay_factor(self) -> float:
         """Learned backward rebuild seconds per second of profiled op time."""
-        return self._replay_fit.coef[2]
+        return self._replay_fit.coef[3]
 
     def observe_copies(self, seconds: float, copies: int, nbytes: int) -> None:
         """Learn what offloads cost: ``seconds`` the training thread spent on them (submitting,
@@ -342,9 +354,9 @@ class CostModel:
         return self._copy_fit.coef[1]
 
     def recompute_seconds(self, key: str, counts: Mapping[int, Sequence[int]]) -> float:
-        """Predicted backward cost of recomputing ``key`` alone: the learned ``replay_fixed_s``
-        per op it replays (unsaved inputs included) plus their profiled time times the learned
-        ``replay_factor``. The planner adds these up; a plan that recomputes several keys with
+        """Predicted backward cost of recomputing ``key`` alone: the learned ``replay_entry_s``
+        for entering its rebuild, ``replay_fixed_s`` per op it replays (unsaved inputs
+        included), plus their profiled time times the learned ``replay_factor``. The planner adds these up; a plan that recomputes several keys with
         a common unsaved input pays for that input once, and ``replay_frame_s`` once
         (``plan_seconds``)."""
         return self._rebuild_seconds((key,), counts)

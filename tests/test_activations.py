@@ -276,15 +276,38 @@ def test_profile_names_the_unsaved_inputs_a_rebuild_must_rebuild_first(engine: C
     add = by_key[mul].creator.args[0].node  # a = lin(x) + 1: not saved, so rebuilt first
     lin = add.creator.args[0].node  # lin(x): addmm saves its inputs, not its output
     assert add.key not in frame.keys_seen and lin.key not in frame.keys_seen
-    nbytes, own, rebuildable, unsaved = frame.saved_profile[mul]
+    nbytes, own, rebuildable, unsaved, reads = frame.saved_profile[mul]
     assert own == by_key[mul].creator.seconds > 0 and rebuildable
-    assert set(unsaved) == {add.key, lin.key}
+    assert set(unsaved) == {add.key, lin.key} and reads == ()
     assert frame.unsaved_seconds[add.key] == add.creator.seconds > 0
     assert frame.unsaved_seconds[lin.key] == lin.creator.seconds > 0
     h.runtime.take_replay_times()
     loss.backward()
     replays = h.runtime.take_replay_times()
     assert replays[mul][1] == 1 and replays[mul][0] > 0
+
+
+class Norm(torch.nn.Module):
+    """RMSNorm as the reference model computes it: ``x * r`` is saved by ``* weight``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (normed * self.weight).sin().sum()
+
+
+def test_profile_names_the_saved_storages_a_rebuild_reads(engine: CopyEngine) -> None:
+    torch.manual_seed(0)
+    h = Harness(Norm(), engine)
+    frame = Frame(default=Choice.RECOMPUTE)
+    frame.profile = True
+    h.forward(torch.randn(8, 16, requires_grad=True), frame).backward()
+    profile = frame.saved_profile  # keys of the root module: ":<op>:<occurrence>"
+    assert profile[":aten.mul.Tensor:1"][4] == (":aten.mul.Tensor:0",)  # (x * r) * weight reads x * r
+    assert profile[":aten.mul.Tensor:0"][4] == (":aten.rsqrt.default:0",)  # x is the forward's input
 
 
 def test_replay_times_count_micro_batches_not_unpacks(engine: CopyEngine) -> None:

@@ -511,6 +511,32 @@ def test_cost_model_learns_a_cost_per_micro_batch_that_rebuilds() -> None:
     assert cost.plan_seconds({"a:op:0": Choice.KEEP}, {}) == 0.0
 
 
+def test_cost_model_learns_a_cost_per_rebuild_entered_and_none_for_a_key_rebuilt_inside_another() -> None:
+    """RMSNorm's ``x * r`` then ``* weight``: with both recomputed, backward meets the second
+    first and rebuilds the first inside it, so the plan enters one rebuild, not two."""
+    from bagualu2.cost_model import CostModel
+    from bagualu2.planner import Choice
+
+    cost = CostModel({})
+    profiled = {"a:op:0": 1e-3, "b:op:0": 2e-3, "c:op:0": 4e-3}
+    cost.observe({"a:op:0": (1000, 1e-3, True, (), ()), "b:op:0": (1000, 2e-3, True, (), ("a:op:0",)),
+                  "c:op:0": (1000, 4e-3, True, (), ())}, {}, forward_seconds=0.01)
+    assert cost.rebuild_profile(["a:op:0", "b:op:0"], {}) == (2, 1, pytest.approx(3e-3))
+    assert cost.rebuild_profile(["a:op:0", "c:op:0"], {}) == (2, 2, pytest.approx(5e-3))
+
+    def truth(keys: tuple) -> float:  # 10 us per op, 200 us per rebuild entered, 1.5x the ops
+        entered = sum(k != "a:op:0" or "b:op:0" not in keys for k in keys)
+        return len(keys) * 1e-5 + entered * 2e-4 + 1.5 * sum(profiled[k] for k in keys)
+
+    for keys in [("a:op:0",), ("a:op:0", "b:op:0"), ("b:op:0",), ("a:op:0", "c:op:0"), ("c:op:0",),
+                 ("a:op:0", "b:op:0", "c:op:0")]:
+        cost.observe_replays({k: (truth(keys) / len(keys), 1) for k in keys}, {})
+    assert (cost.replay_frame_s, cost.replay_fixed_s, cost.replay_entry_s, cost.replay_factor) == (
+        pytest.approx(0.0, abs=1e-12), pytest.approx(1e-5), pytest.approx(2e-4), pytest.approx(1.5))
+    both = {"a:op:0": Choice.RECOMPUTE, "b:op:0": Choice.RECOMPUTE, "c:op:0": Choice.KEEP}
+    assert cost.plan_seconds(both, {}) == pytest.approx(truth(("a:op:0", "b:op:0")))
+
+
 def test_cost_model_counts_an_unsaved_input_once_per_plan() -> None:
     from bagualu2.cost_model import CostModel
     from bagualu2.planner import Choice

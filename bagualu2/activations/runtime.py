@@ -545,10 +545,12 @@ class ActivationRuntime:
                 + "; keys look like '<module path>:<aten op>:<occurrence>', see Frame.keys_seen"
             )
 
-    def _profile(self, frame: Frame) -> Tuple[Dict[str, Tuple[int, float, bool, Tuple[str, ...]]], Dict[str, float]]:
-        """Per saved key: bytes, seconds of its own ops, whether it can be rebuilt, and the
+    def _profile(self, frame: Frame) -> Tuple[Dict[str, Tuple[int, float, bool, Tuple[str, ...], Tuple[str, ...]]],
+                                               Dict[str, float]]:
+        """Per saved key: bytes, seconds of its own ops, whether it can be rebuilt, the
         storages nothing saved (freed after the forward) that rebuilding it must rebuild first,
-        up to saved storages and block inputs; and those unsaved storages' own seconds."""
+        up to saved storages and block inputs, and the saved storages that rebuild reads; and
+        the unsaved storages' own seconds."""
         by_key = {node.key: node for node in self.mode.nodes.values()}
         saved = frame.keys_seen
         unsaved: Dict[str, float] = {}
@@ -581,11 +583,19 @@ class ActivationRuntime:
                 chains[id(node)] = tuple(keys)
             return chains[id(root)]
 
-        out: Dict[str, Tuple[int, float, bool, Tuple[str, ...]]] = {}
+        def reads(root: StorageNode, unsaved_inputs: Tuple[str, ...]) -> Tuple[str, ...]:
+            keys: Dict[str, None] = {}
+            for node in [root] + [by_key[k] for k in unsaved_inputs]:
+                for step in [node.creator] + node.mutations:
+                    keys.update((n.key, None) for n in step_inputs(step) if n.key in saved and n is not root)
+            return tuple(keys)
+
+        out: Dict[str, Tuple[int, float, bool, Tuple[str, ...], Tuple[str, ...]]] = {}
         for key, nbytes in saved.items():
             node = by_key.get(key)
             if node is not None:
-                out[key] = (nbytes, own_seconds(node), node.rebuildable(node.state), chain(node))
+                inputs = chain(node)
+                out[key] = (nbytes, own_seconds(node), node.rebuildable(node.state), inputs, reads(node, inputs))
         return out, unsaved
 
     @contextlib.contextmanager
