@@ -21,10 +21,16 @@ the second's, and the fit is robust (the median for constant ops, Theil-Sen's me
 otherwise). Copy time is bytes over the copy engine's measured bandwidth.
 
 What the backward pass really pays is learned from the runtime's measurements of whole plans
-(``_CostFit``): rebuilds as a cost per micro-batch that rebuilds anything, a cost per
-replayed op and a factor on the profiled op time; offloads as a cost per offloaded storage
-(its training-thread work: store, fresh reload buffer, hooks) plus a factor on the predicted
-copy time.
+(``_CostFit``): rebuilds as a cost per micro-batch that rebuilds anything, a cost per rebuild
+backward enters, a cost per replayed op and a factor on the profiled op time; offloads as a
+cost per offloaded storage (its training-thread work: store, fresh reload buffer, hooks) plus
+a factor on the predicted copy time. A plan's recomputed keys fall into rebuilds: each key
+backward meets first (no other recomputed key reads it) enters one, and rebuilds inside it the
+recomputed keys and unsaved storages it reads. On top of the shared fit, each key that enters
+a rebuild learns its own correction (the median ratio of what its rebuilds measured to what
+the current fit predicts for them): the same few ops cost very different amounts to replay in
+backward (an RMSNorm's ``* weight`` measured 60-150 us, an index_select pair 25-55 us, on
+similar profiled times).
 
 Overlap: offload traffic hides behind the forward compute that follows it, reload traffic
 behind backward compute (taken as twice the forward); during pipeline warm-up the forwards of
@@ -174,11 +180,17 @@ class OpCost:
     key: str
     layer: Optional[int]      # MoE layer whose expert drives it, or None (constant)
     expert: Optional[int]
+    position: int = -1        # in the order a micro-batch first saves the keys (-1: unsaved storage)
     bytes: _Fit = field(default_factory=_Fit)
     seconds: _Fit = field(default_factory=lambda: _Fit(robust=True))  # its own ops, timed in profiled forwards
     recomputable: bool = True
     unsaved_inputs: Tuple[str, ...] = ()  # storages nothing saves that rebuilding it rebuilds first
     saved_inputs: Tuple[str, ...] = ()  # saved keys that rebuild reads (rebuilt first when released)
+    # Rebuilds it entered: (measured seconds, all rebuilds of that micro-batch together, ops
+    # replayed, their profiled seconds), and the correction they make of the shared fit,
+    # cached for one version of that fit.
+    replays: List[Tuple[float, float, int, float]] = field(default_factory=list)
+    replay_ratio: Tuple[int, float] = (-1, 1.0)
 
 
 class CostModel:
@@ -211,6 +223,7 @@ class CostModel:
         self.unsaved: Dict[str, OpCost] = {}  # ops whose outputs nothing saves (rebuilt as inputs)
         # micro-batches, replayed ops, rebuilds entered, the ops' profiled seconds -> rebuild seconds
         self._replay_fit = _CostFit(4)
+        self._replay_version = 0
         self._copy_fit = _CostFit(2)  # offloads, their predicted copy seconds -> training-thread seconds
         self.order: List[str] = []           # keys in the order a micro-batch first saves them
         self.forward_seconds = 0.0           # measured forward time of one micro-batch
@@ -250,7 +263,7 @@ class CostModel:
             op = self.ops.get(key)
             if op is None:
                 layer, expert = self._driver(key)
-                op = self.ops[key] = OpCost(key, layer, expert)
+                op = self.ops[key] = OpCost(key, layer, expert, position=len(self.order))
                 self.order.append(key)
             op.bytes.add(self._tokens(op, counts), float(nbytes))
             self._time(op, counts, seconds)
@@ -266,49 +279,109 @@ class CostModel:
             op.seconds.clear()  # the first micro-batch ran cold: its timings are not the op's
         op.seconds.add(self._tokens(op, counts), float(seconds))
 
-    def rebuild_profile(self, keys: Iterable[str], counts: Mapping[int, Sequence[int]]) -> Tuple[int, int, float]:
-        """What rebuilding ``keys`` together replays: the number of ops, the number of rebuilds
-        backward enters (a key whose storage another of ``keys`` reads is rebuilt inside that
-        key's rebuild, which backward meets first), and the ops' profiled seconds (each key's
-        own ops, and each unsaved input any of them needs, once: a rebuilt input is cached for
-        the others)."""
-        seconds = 0.0
-        ops = 0
-        inputs: Dict[str, None] = {}
-        known = [op for op in (self.ops.get(key) for key in keys) if op is not None]
-        read = {k for op in known for k in op.saved_inputs}
-        for op in known:
-            ops += 1
-            seconds += op.seconds(self._tokens(op, counts))
-            inputs.update(dict.fromkeys(op.unsaved_inputs))
-        for key in inputs:
-            op = self.unsaved.get(key)
-            if op is not None:
+    def rebuilds(self, keys: Iterable[str], counts: Mapping[int, Sequence[int]]) -> List[Tuple[str, List[str], int, float]]:
+        """The rebuilds backward enters to recompute ``keys`` together, latest key first:
+        (the key that enters it, the recomputed keys it rebuilds, the ops it replays, their
+        profiled seconds). A rebuild replays its key's own op, the recomputed keys that op
+        reads (and so on), and each unsaved storage any of those needs that no earlier rebuild
+        made (a rebuilt storage is cached for the rest of the backward pass)."""
+        known = sorted((k for k in dict.fromkeys(keys) if k in self.ops), key=lambda k: -self.ops[k].position)
+        wanted = set(known)
+        read = {k for key in known for k in self.ops[key].saved_inputs if k in wanted}
+        claimed: set = set()
+        made: set = set()
+        out = []
+        for entry in known:
+            if entry in read:
+                continue
+            members: List[str] = []
+            stack = [entry]
+            while stack:
+                key = stack.pop()
+                if key in claimed:
+                    continue
+                claimed.add(key)
+                members.append(key)
+                stack.extend(k for k in self.ops[key].saved_inputs if k in wanted)
+            ops = 0
+            seconds = 0.0
+            for key in members:
+                op = self.ops[key]
                 ops += 1
                 seconds += op.seconds(self._tokens(op, counts))
-        return ops, sum(op.key not in read for op in known), seconds
+                for name in op.unsaved_inputs:
+                    unsaved = self.unsaved.get(name)
+                    if unsaved is not None and name not in made:
+                        made.add(name)
+                        ops += 1
+                        seconds += unsaved.seconds(self._tokens(unsaved, counts))
+            out.append((entry, members, ops, seconds))
+        # A recomputed key read only by keys already rebuilt elsewhere is met on its own.
+        for key in known:
+            if key not in claimed:
+                claimed.add(key)
+                op = self.ops[key]
+                out.append((key, [key], 1, op.seconds(self._tokens(op, counts))))
+        return out
+
+    def rebuild_profile(self, keys: Iterable[str], counts: Mapping[int, Sequence[int]]) -> Tuple[int, int, float]:
+        """What rebuilding ``keys`` together replays: the number of ops, the number of rebuilds
+        backward enters (``rebuilds``) and the ops' profiled seconds."""
+        found = self.rebuilds(keys, counts)
+        return sum(r[2] for r in found), len(found), sum(r[3] for r in found)
+
+    def _fitted(self, ops: int, seconds: float) -> float:
+        """The shared fit's seconds of one rebuild of ``ops`` ops profiled at ``seconds``."""
+        return self.replay_entry_s + ops * self.replay_fixed_s + seconds * self.replay_factor
+
+    def replay_ratio(self, key: str) -> float:
+        """How much more (or less) than the shared fit the rebuilds ``key`` entered measured:
+        the median ratio over its last 16 (1 until one was measured). The per-micro-batch part
+        is paid by whichever rebuild comes first; each measurement sheds its share of it, in
+        proportion to its seconds."""
+        op = self.ops[key]
+        if op.replay_ratio[0] != self._replay_version:
+            frame = self.replay_frame_s
+            ratios = [measured * (1.0 - min(1.0, frame / total)) / fitted for measured, total, ops, seconds in op.replays
+                      if (fitted := self._fitted(ops, seconds)) > 0]
+            op.replay_ratio = (self._replay_version,
+                               min(10.0, max(0.1, statistics.median(ratios))) if ratios else 1.0)
+        return op.replay_ratio[1]
 
     def _rebuild_seconds(self, keys: Iterable[str], counts: Mapping[int, Sequence[int]]) -> float:
-        ops, rebuilds, seconds = self.rebuild_profile(keys, counts)
-        return ops * self.replay_fixed_s + rebuilds * self.replay_entry_s + seconds * self.replay_factor
+        return sum(self.replay_ratio(entry) * self._fitted(ops, seconds)
+                   for entry, _, ops, seconds in self.rebuilds(keys, counts))
 
     def observe_replays(self, replays: Mapping[str, Tuple[float, int]],
                         counts: Mapping[int, Sequence[int]]) -> None:
         """Learn what recomputing costs in backward: ``replays`` maps a key to (seconds, n):
         what its rebuilds in ``n`` micro-batches took. A rebuild also pays for the replay's
         own work and for inputs it must rebuild first, and which key pays for a shared input
-        depends on the plan, so the fit is on each observation's totals (what the plan's
-        rebuilds cost together), with four parameters for all ops:
+        depends on the plan, so the shared fit is on each observation's totals (what the
+        plan's rebuilds cost together), with four parameters for all ops:
         ``seconds = replay_frame_s + replayed ops * replay_fixed_s + rebuilds entered *
         replay_entry_s + replay_factor * the ops' profiled seconds`` per micro-batch that
-        rebuilds anything (``_CostFit``)."""
+        rebuilds anything (``_CostFit``). Each rebuild's key also records what the rebuild
+        measured (its members' seconds together, less a share of the per-micro-batch part), from
+        which ``replay_ratio`` corrects the fit for it."""
         known = {k: v for k, v in replays.items() if k in self.ops and v[1] > 0}
         if not known:
             return
         frames = sum(f for _, f in known.values()) / len(known)  # micro-batches observed
-        ops, rebuilds, profiled = self.rebuild_profile(known, counts)
-        self._replay_fit.add((frames, ops * frames, rebuilds * frames, profiled * frames),
+        found = self.rebuilds(known, counts)
+        ops = sum(r[2] for r in found)
+        profiled = sum(r[3] for r in found)
+        self._replay_fit.add((frames, ops * frames, len(found) * frames, profiled * frames),
                              sum(s for s, _ in known.values()))
+        self._replay_version += 1
+        total = sum(s / n for s, n in known.values())
+        for entry, members, n_ops, seconds in found:
+            measured = sum(known[k][0] / known[k][1] for k in members)
+            if measured > 0:
+                samples = self.ops[entry].replays
+                samples.append((measured, total, n_ops, seconds))
+                if len(samples) > 16:
+                    del samples[0]
 
     @property
     def replay_frame_s(self) -> float:

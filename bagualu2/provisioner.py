@@ -207,8 +207,10 @@ class Provisioner:
 
     def _copy_costs(self) -> tuple:
         """Measure the copy engine's path as the runtime uses it (offload, wait; reload into a
-        fresh device buffer) at 64 KiB and 8 MiB: bandwidth per direction from the difference,
-        the rest of the small copy's time as a fixed cost per copy."""
+        fresh device buffer, or on cpu the bytes read in place) at 64 KiB and 8 MiB: bandwidth
+        per direction from the difference, the rest of the small copy's time as a fixed cost
+        per copy."""
+        in_place = self.runtime.reload_in_place and self.device.type == "cpu"
         times = {}
         for nbytes in (64 << 10, 8 << 20):
             probe = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -220,10 +222,11 @@ class Provisioner:
                     return 1e9, 1e9, (0.0, 0.0)
                 handle.wait()
                 t1 = time.perf_counter()
-                back = self.engine.reload(handle)
+                back = handle.host_view() if in_place else self.engine.reload(handle)
                 if back.is_cuda:
                     torch.cuda.current_stream(back.device).synchronize()
                 t2 = time.perf_counter()
+                del back
                 handle.release()
                 samples.append((t1 - t0, t2 - t1))
             times[nbytes] = [statistics.median(s[i] for s in samples) for i in (0, 1)]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import pytest
 import torch
@@ -501,8 +501,9 @@ def test_cost_model_learns_a_cost_per_micro_batch_that_rebuilds() -> None:
     # Backward pays 0.2 ms once per micro-batch that rebuilds anything, plus 1.5x the ops' time.
     plans = [("a:op:0",), ("a:op:0", "b:op:0"), ("b:op:0", "c:op:0"), ("a:op:0", "b:op:0", "c:op:0")]
     for frames, keys in enumerate(plans, start=1):
-        total = frames * (2e-4 + 1.5 * sum(profiled[k] for k in keys))
-        cost.observe_replays({k: (total / len(keys), frames) for k in keys}, {})
+        own = 1.5 * sum(profiled[k] for k in keys)
+        total = frames * (2e-4 + own)  # each key's measurement carries a share of the 0.2 ms
+        cost.observe_replays({k: (total * 1.5 * profiled[k] / own, frames) for k in keys}, {})
     assert (cost.replay_frame_s, cost.replay_fixed_s, cost.replay_factor) == (
         pytest.approx(2e-4), pytest.approx(0.0, abs=1e-12), pytest.approx(1.5))
     plan = {"b:op:0": Choice.RECOMPUTE, "c:op:0": Choice.RECOMPUTE, "a:op:0": Choice.KEEP}
@@ -524,17 +525,41 @@ def test_cost_model_learns_a_cost_per_rebuild_entered_and_none_for_a_key_rebuilt
     assert cost.rebuild_profile(["a:op:0", "b:op:0"], {}) == (2, 1, pytest.approx(3e-3))
     assert cost.rebuild_profile(["a:op:0", "c:op:0"], {}) == (2, 2, pytest.approx(5e-3))
 
-    def truth(keys: tuple) -> float:  # 10 us per op, 200 us per rebuild entered, 1.5x the ops
-        entered = sum(k != "a:op:0" or "b:op:0" not in keys for k in keys)
-        return len(keys) * 1e-5 + entered * 2e-4 + 1.5 * sum(profiled[k] for k in keys)
+    def measured(keys: tuple) -> Dict[str, float]:  # 10 us per op, 200 us per rebuild entered, 1.5x the ops
+        own = {k: 1e-5 + 1.5 * profiled[k] for k in keys}
+        if "b:op:0" in keys and "a:op:0" in keys:  # b's rebuild makes a; a's unpack finds it made
+            own["b:op:0"] += own.pop("a:op:0")
+            own["a:op:0"] = 0.0
+        return {k: v + (2e-4 if v else 0.0) for k, v in own.items()}
+
+    def truth(keys: tuple) -> float:
+        return sum(measured(keys).values())
 
     for keys in [("a:op:0",), ("a:op:0", "b:op:0"), ("b:op:0",), ("a:op:0", "c:op:0"), ("c:op:0",),
                  ("a:op:0", "b:op:0", "c:op:0")]:
-        cost.observe_replays({k: (truth(keys) / len(keys), 1) for k in keys}, {})
+        cost.observe_replays({k: (v, 1) for k, v in measured(keys).items()}, {})
     assert (cost.replay_frame_s, cost.replay_fixed_s, cost.replay_entry_s, cost.replay_factor) == (
         pytest.approx(0.0, abs=1e-12), pytest.approx(1e-5), pytest.approx(2e-4), pytest.approx(1.5))
     both = {"a:op:0": Choice.RECOMPUTE, "b:op:0": Choice.RECOMPUTE, "c:op:0": Choice.KEEP}
     assert cost.plan_seconds(both, {}) == pytest.approx(truth(("a:op:0", "b:op:0")))
+
+
+def test_cost_model_learns_what_each_key_s_rebuild_costs_beyond_the_shared_fit() -> None:
+    """Two keys profiled alike whose rebuilds cost 100 us and 30 us: no shared fit tells them
+    apart, each key's own correction does."""
+    from bagualu2.cost_model import CostModel
+    from bagualu2.planner import Choice
+
+    cost = CostModel({})
+    cost.observe({"norm:mul:1": (1000, 1e-5, True, (), ()), "moe:index_select:0": (1000, 1e-5, True, (), ())},
+                 {}, forward_seconds=0.01)
+    true = {"norm:mul:1": 1e-4, "moe:index_select:0": 3e-5}
+    for keys in [("norm:mul:1",), ("moe:index_select:0",), tuple(true)] * 3:
+        cost.observe_replays({k: (true[k], 1) for k in keys}, {})
+    for key, seconds in true.items():
+        assert cost.recompute_seconds(key, {}) == pytest.approx(seconds)
+    assert cost.plan_seconds({k: Choice.RECOMPUTE for k in true}, {}) == pytest.approx(1.3e-4)
+    assert cost.replay_ratio("norm:mul:1") > 1.0 > cost.replay_ratio("moe:index_select:0")
 
 
 def test_cost_model_counts_an_unsaved_input_once_per_plan() -> None:
