@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import bagualu2
 from bagualu2.activations import ActivationRuntime, Frame
@@ -437,6 +438,36 @@ def test_a_write_into_bytes_read_in_place_is_refused_for_the_next_reader(engine:
     loss = h.forward(x, Frame(default=Choice.OFFLOAD))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         torch.autograd.grad(loss, model.lin.weight)
+
+
+class MaskedAttention(torch.nn.Module):
+    """Attention with a mask built in the forward: sdpa takes it as a keyword-only argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        causal = torch.ones(8, 8, dtype=torch.bool, device=x.device).tril()
+        mask = torch.zeros(8, 8, device=x.device).masked_fill(~causal, float("-inf"))
+        self.mask = StorageWeakRef(mask.untyped_storage())
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum()
+
+
+@pytest.mark.parametrize("choice", list(Choice))
+def test_a_keyword_tensor_argument_is_recorded_like_a_positional_one(engine: CopyEngine, choice: Choice) -> None:
+    """A released mask leaves the device (the recipe holds no tensor of it) and is rebuilt
+    for the replay; the gradients stay exact."""
+    torch.manual_seed(0)
+    model = MaskedAttention()
+    x = torch.randn(2, 8, 16)
+    h = Harness(model, engine)
+    reference = loss_and_grads(model, h.forward(x, None))
+    loss = h.forward(x, Frame(default=choice))
+    gc.collect()
+    assert model.mask.expired() == (choice != Choice.KEEP)
+    assert_bitwise(reference, loss_and_grads(model, loss))
 
 
 # -- invariant 3: nothing lost, nothing leaked ------------------------------------------------

@@ -317,7 +317,9 @@ class TracingMode(TorchDispatchMode):
                 return Leaf(x, self._pin_leaf(x))
             return Ref(SELF if node is mutated else node, len(node.mutations), view_meta(x))
         if isinstance(x, (list, tuple)):
-            return type(x)(self._encode(v, mutated) for v in x)
+            return type(x)([self._encode(v, mutated) for v in x])
+        if isinstance(x, dict):  # keyword arguments (an attention mask is keyword-only)
+            return {k: self._encode(v, mutated) for k, v in x.items()}
         return x
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
@@ -529,7 +531,9 @@ class Replayer:
                 )
             return x.tensor
         if isinstance(x, (list, tuple)):
-            return type(x)(self._decode(v, self_storage) for v in x)
+            return type(x)([self._decode(v, self_storage) for v in x])
+        if isinstance(x, dict):
+            return {k: self._decode(v, self_storage) for k, v in x.items()}
         return x
 
     def _run(self, step: Step, self_storage: Optional[torch.UntypedStorage]) -> Any:
