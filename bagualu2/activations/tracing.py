@@ -39,8 +39,8 @@ import bisect
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -126,17 +126,20 @@ class Leaf:
         self.pin = pin
 
 
-@dataclass
 class Step:
     """One op of a recipe: ``func(*args, **kwargs)``, replayed with ``rng_state`` restored."""
 
-    func: Any
-    args: tuple
-    kwargs: dict
-    rng_state: Optional[Tuple[torch.device, torch.Tensor]]
-    out_index: int = 0
-    seconds: float = 0.0  # measured forward time of the op (profiling frames only)
-    siblings: List[Any] = field(default_factory=list)  # weak refs to every output node of the call
+    __slots__ = ("func", "args", "kwargs", "rng_state", "out_index", "seconds", "siblings")
+
+    def __init__(self, func: Any, args: tuple, kwargs: dict, rng_state: Optional[Tuple[torch.device, torch.Tensor]],
+                 out_index: int = 0, seconds: float = 0.0, siblings: Sequence[Any] = ()) -> None:
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.rng_state = rng_state
+        self.out_index = out_index
+        self.seconds = seconds  # measured forward time of the op (profiling frames only)
+        self.siblings = siblings  # weak refs to every output node of a call with several
 
     @property
     def name(self) -> str:
@@ -238,10 +241,11 @@ class _OpInfo:
     """Per-OpOverload facts computed once: printable name, written args, random, and why it
     cannot be replayed ("" when it can)."""
 
-    __slots__ = ("name", "written", "random", "why_not", "replayable")
-    _cache: Dict[Any, "_OpInfo"] = {}
+    __slots__ = ("func", "name", "written", "random", "why_not", "replayable")
+    _cache: Dict[int, "_OpInfo"] = {}
 
     def __init__(self, func: Any) -> None:
+        self.func = func
         self.name = str(func)
         schema = func._schema
         self.written = tuple(
@@ -258,9 +262,11 @@ class _OpInfo:
 
     @classmethod
     def of(cls, func: Any) -> "_OpInfo":
-        info = cls._cache.get(func)
+        # Keyed by id: an OpOverload hashes in Python, and lives as long as its op (the info
+        # holds it, so the id is never reused).
+        info = cls._cache.get(id(func))
         if info is None:
-            info = cls._cache[func] = _OpInfo(func)
+            info = cls._cache[id(func)] = _OpInfo(func)
         return info
 
 
@@ -347,6 +353,7 @@ class TracingMode(TorchDispatchMode):
             return  # views alias a storage that has a node already, or a leaf
         outs = out if isinstance(out, (tuple, list)) else (out,)
         encoded: Optional[Tuple[tuple, dict]] = None
+        several = len(outs) > 1
         siblings: List[Any] = []
         for index, o in enumerate(outs):
             if not isinstance(o, torch.Tensor) or not is_plain(o):
@@ -360,13 +367,14 @@ class TracingMode(TorchDispatchMode):
                 n = counts.get(info.name, 0)
                 counts[info.name] = n + 1
                 key = f"{path}:{info.name}:{n}"
-            step = Step(func, encoded[0], encoded[1], rng, index, seconds, siblings)
+            step = Step(func, encoded[0], encoded[1], rng, index, seconds, siblings if several else ())
             node = StorageNode(
                 key if index == 0 else f"{key}.{index}", len(self.nodes), storage, step, info.replayable,
                 info.why_not, self.cache,
             )
             self.nodes[storage._cdata] = node
-            siblings.append(weakref.ref(node))
+            if several:
+                siblings.append(weakref.ref(node))
 
     def _record_mutation(self, func: Any, info: _OpInfo, args: tuple, kwargs: dict, rng: Any,
                          seconds: float) -> None:
