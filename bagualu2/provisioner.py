@@ -101,8 +101,6 @@ def _resolve_budget(budget: Union[str, int, float, None], device: torch.device, 
         if device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
         else:
-            import os
-
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return int(total * budget)
     if isinstance(budget, int):
@@ -110,6 +108,14 @@ def _resolve_budget(budget: Union[str, int, float, None], device: torch.device, 
             raise ValueError(f"budget={budget} bytes must be positive")
         return budget
     raise TypeError(f"budget must be 'auto', an int of bytes or a float fraction, got {type(budget).__name__}")
+
+
+def _input_bytes(args: tuple, kwargs: dict) -> int:
+    """Bytes of the distinct storages of a forward's tensor arguments."""
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor) and is_plain(t)}
+    return sum(storages.values())
 
 
 class Provisioner:
@@ -171,6 +177,14 @@ class Provisioner:
         model.forward = torch.compiler.disable(self._provisioned_forward)  # type: ignore[method-assign]
         self._phase = "none"
         self._stacked = 0
+        # Outside a pipeline schedule, forwards that ran back to back without a backward between
+        # them (gradient accumulation: forward, forward, backward, backward): this one's place in
+        # such a run, the lengths of the last runs, and the backward count when the last forward
+        # began. A burst of forwards without backward (an evaluation run with grad on) is
+        # forgotten after _RECENT runs.
+        self._run_position = 0
+        self._runs: Deque[int] = collections.deque(maxlen=_RECENT)
+        self._backwards_seen = -1
         self._frames = 0
         self._step = 0
         self._frame_counts: Dict[int, List[int]] = {}
@@ -181,7 +195,10 @@ class Provisioner:
         self._floor = 0  # bytes one micro-batch holds that no plan releases (anchors, small, fixed)
         self._hard_floor = 0  # bytes of the last routing that not even the runtime could release
         self._outside_held = 0  # most bytes from outside the forward a micro-batch held (inputs)
-        self._leaf_bytes: Optional[int] = None  # most bytes recipes pinned as they were (FrameStats)
+        # Most bytes a traced forward held that no plan releases (recipe pins, saved inputs from
+        # outside), in all and per byte of the forward's tensor arguments.
+        self._pinned_bytes: Optional[int] = None
+        self._pinned_per_input = 0.0
         self._worst_bytes: Optional[int] = None  # saved bytes of the worst possible routing
         self._recent_bytes: Deque[int] = collections.deque(maxlen=_RECENT)  # of recent routings
         self._latencies_us: List[float] = []
@@ -336,6 +353,7 @@ class Provisioner:
             "resident_bytes": self.runtime.ledger.resident,
             "violations": sum(r.violations for r in mbs),
             "fallbacks": sum(r.fallbacks for r in mbs),
+            "room_made_bytes": sum(r.room_made_bytes for r in mbs),
             "oom_recoveries": self._oom_recoveries,
             "saved_bytes_by_choice": mix,
             "decisions": len(self._latencies_us),
@@ -428,6 +446,14 @@ class Provisioner:
         seconds, copies, nbytes = self.runtime.take_copy_times()
         if copies and self.engine is not None:  # ... and to offload and reload
             self.cost.observe_copies(seconds, copies, nbytes)
+        backwards = self.runtime.backward_passes
+        if backwards == self._backwards_seen:
+            self._run_position += 1
+        else:
+            if self._backwards_seen >= 0:
+                self._runs.append(self._run_position + 1)
+            self._run_position = 0
+        self._backwards_seen = backwards
         frame = self._new_frame(conservative)
         self._frame_counts = {}
         self._frame_predicted = 0
@@ -452,7 +478,9 @@ class Provisioner:
         seconds = time.perf_counter() - start
         self._frames += 1
         if frame.traced:
-            self._leaf_bytes = max(self._leaf_bytes or 0, frame.stats.leaf_bytes)
+            pinned = frame.stats.leaf_bytes + frame.stats.outside_bytes
+            self._pinned_bytes = max(self._pinned_bytes or 0, pinned)
+            self._pinned_per_input = max(self._pinned_per_input, pinned / max(1, _input_bytes(args, kwargs)))
             self._outside_held = max(self._outside_held, frame.stats.outside_bytes)
         if frame.profile:
             self.cost.observe(frame.saved_profile, self._frame_counts, seconds, frame.unsaved_seconds)
@@ -472,6 +500,7 @@ class Provisioner:
             imbalance=imbalance, bytes_by_choice=dict(frame.stats.bytes_by_choice),
             violations=frame.stats.violations, fallbacks=len(frame.stats.fallbacks),
             forward_seconds=seconds, oom_recovered=conservative, traced=frame.traced,
+            room_made_bytes=frame.stats.room_made_bytes,
         ))
         return out
 
@@ -488,18 +517,26 @@ class Provisioner:
             raise InfeasibleBudgetError(self.budget, resident + floor, f"micro-batch {self._frames}")
 
     def _pin_headroom(self, args: tuple, kwargs: dict) -> int:
-        """Bytes that recipes may pin and nothing can release (inputs from outside the forward,
-        storages written in place beyond replay): as many as they did in traced micro-batches
-        so far, or, before any, the forward's own tensor arguments or the margin, the larger."""
-        if self._leaf_bytes is not None:
-            return self._leaf_bytes
-        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-                    for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                    if isinstance(t, torch.Tensor) and is_plain(t)}
-        return max(sum(storages.values()), int((self.budget or 0) * self.margin))
+        """Bytes the forward will hold that nothing can release (what recipes pin: inputs from
+        outside the forward, storages written in place beyond replay; inputs saved as they
+        are): as many as traced micro-batches held so far, and more when this forward's tensor
+        arguments are larger (a longer sequence), in proportion; before any, the forward's
+        tensor arguments or the margin, the larger."""
+        inputs = _input_bytes(args, kwargs)
+        if self._pinned_bytes is not None:
+            return max(self._pinned_bytes, int(math.ceil(self._pinned_per_input * inputs)))
+        return max(inputs, int((self.budget or 0) * self.margin))
 
     def _reserve(self) -> int:
-        return self._stacked * self._floor
+        """Room for the micro-batches that will stack on this one before its backward: what
+        each of them holds that no plan releases. In a pipeline schedule the schedule tells how
+        many (``set_pipeline_phase``); outside one, as many as followed this place in the
+        longest of the last runs of back-to-back forwards (gradient accumulation)."""
+        if self._phase != "none":
+            stacked = self._stacked
+        else:
+            stacked = max(0, max(self._runs, default=0) - 1 - self._run_position)
+        return stacked * (self._floor + (self._pinned_bytes or 0))
 
     def _exceeded(self, resident: int, budget: int, key: str) -> None:
         raise BudgetExceededError(resident, budget, key)

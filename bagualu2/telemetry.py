@@ -45,6 +45,7 @@ class MicroBatch:
     forward_seconds: float
     oom_recovered: bool = False
     traced: bool = True        # False: calm, not traced (nothing planned; only offload could release)
+    room_made_bytes: int = 0   # kept activations offloaded to make room for what nothing releases
     kind: str = "micro_batch"
 
 

@@ -773,6 +773,51 @@ def test_untraced_forward_over_budget_offloads_exactly_within_the_budget(engine:
     assert h.runtime.ledger.resident == 0 and engine.arena.stats()["in_use"] == 0
 
 
+class TwoLinears(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(64, 64)
+        self.b = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x).relu()).sin().sum()
+
+
+@pytest.mark.parametrize("with_engine", [True, False])
+def test_what_nothing_can_release_makes_room_by_offloading_an_earlier_micro_batch_s_keeps(with_engine: bool) -> None:
+    """Two micro-batches in flight (gradient accumulation): the first kept everything, and the
+    second's input, saved as it is (nothing can release it), does not fit. The first's kept
+    storages are offloaded to make room: no violation, the high-water mark within the budget,
+    the gradients exact. Without a copy engine the same input is a violation."""
+    torch.manual_seed(0)
+    model = TwoLinears()
+    xs = [torch.randn(256, 64) for _ in range(2)]
+    plain = copy.deepcopy(model)
+    sum(plain(x) for x in xs).backward()
+    engine = CopyEngine(HostArena(16 << 20)) if with_engine else None
+    h = Harness(model, engine)
+    h.runtime.budget_bytes = 1 << 30
+    first = Frame(default=Choice.KEEP)
+    with h.runtime.frame(first):
+        loss = model(xs[0])
+    held = h.runtime.ledger.resident
+    budget = held + xs[1].untyped_storage().nbytes() // 2
+    h.runtime.budget_bytes = budget
+    h.runtime.ledger.reset_peak()
+    second = Frame(default=Choice.OFFLOAD)
+    with h.runtime.frame(second):
+        loss = loss + model(xs[1])
+    if not with_engine:
+        assert second.stats.violations > 0
+        return
+    assert second.stats.violations == 0 and h.runtime.ledger.peak <= budget
+    assert any("make room" in f for f in second.stats.fallbacks)
+    loss.backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters()))
+    del loss
+    assert h.runtime.ledger.resident == 0 and engine.arena.stats()["in_use"] == 0
+
+
 def test_untraced_offload_stores_a_storage_once_and_refuses_in_place_changes(engine: CopyEngine) -> None:
     class Saves(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -131,6 +131,7 @@ class FrameStats:
     violations: int = 0
     leaf_bytes: int = 0         # storages recipes pin as they are (inputs, storages written in place)
     outside_bytes: int = 0      # storages from outside the forward it holds, saved or pinned
+    room_made_bytes: int = 0    # kept storages (of it or earlier frames) offloaded to make room
     peak_resident: int = 0      # ledger high-water mark while this frame's forward ran
     start_resident: int = 0
 
@@ -355,12 +356,17 @@ def _modified_error(what: str, saved: int, now: int) -> RuntimeError:
 
 
 class _Kept:
-    __slots__ = ("tensor", "pin", "version")
+    """A saved tensor held as it is; ``moved`` once offloaded later to make room (``_make_room``)."""
 
-    def __init__(self, tensor: torch.Tensor, pin: Optional[_Pin]) -> None:
-        self.tensor = tensor
+    __slots__ = ("tensor", "pin", "version", "node", "state", "moved", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, pin: Optional[_Pin], node: Optional[StorageNode] = None) -> None:
+        self.tensor: Optional[torch.Tensor] = tensor
         self.pin = pin
         self.version = tensor._version
+        self.node = node  # the traced storage it holds, and that storage's state at the save
+        self.state = node.state if node is not None else 0
+        self.moved: Optional[_Offloaded] = None
 
 
 class _Offloaded:
@@ -440,6 +446,12 @@ class ActivationRuntime:
         # key -> [seconds, micro-batches, id of the last one's recompute cache] of backward rebuilds
         self._replays: Dict[str, List[Any]] = {}
         self._copies: List[Any] = [0.0, 0, 0]  # caller seconds, offloads, bytes (take_copy_times)
+        self.backward_passes = 0  # backward passes that unpacked anything packed here
+        self._last_task = -1
+        # Storages kept under a budget, by storage (cdata -> (frame index, its _Kept saves)):
+        # what _make_room may offload when something nothing else can release needs room.
+        self._kept: Dict[int, Tuple[int, List["weakref.ref[_Kept]"]]] = {}
+        self._kept_limit = 1024  # registry size at which entries of dead saves are dropped
 
     # -- frames -----------------------------------------------------------------------------
     @property
@@ -635,15 +647,16 @@ class ActivationRuntime:
         frame.stats.leaf_bytes += storage.nbytes()
         if storage._cdata not in self.mode.nodes:
             frame.stats.outside_bytes += storage.nbytes()
-        pin = _Pin(self.ledger, storage)
         budget = self.budget_bytes
-        if budget is not None and self.ledger.resident > budget:
+        if budget is not None and self.ledger.resident + storage.nbytes() > budget:
             self.settle(wait=True)
-            if self.ledger.resident > budget:  # nothing can release it: the budget is crossed
+            if not self._make_room(frame, storage.nbytes()):  # nothing can release it: the budget is crossed
+                pin = _Pin(self.ledger, storage)
                 frame.stats.violations += 1
                 if self.on_exceed is not None:
                     self.on_exceed(self.ledger.resident, budget, f"a tensor of shape {tuple(t.shape)} a recipe holds")
-        return pin
+                return pin
+        return _Pin(self.ledger, storage)
 
     # -- pack -------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:
@@ -676,12 +689,13 @@ class ActivationRuntime:
             return self._pack_untraced(frame, t, storage)
         node = self.mode.nodes.get(storage._cdata)
         if node is None:
-            # From outside the traced forward: no recipe, and not this frame's to release.
+            # From outside the traced forward: no recipe, and not this frame's to release. It is
+            # what pin_headroom leaves room for, so only the budget itself bounds it.
             if not self.ledger.holds(storage):
                 stats.outside_bytes += storage.nbytes()
-            if self._over_budget(storage):
+            if self._over_budget(storage, reserved=False):
                 self.settle(wait=True)
-                if self._over_budget(storage):
+                if self._over_budget(storage, reserved=False):
                     return self._violate(frame, t, f"a saved input of shape {tuple(t.shape)}")
             return self._keep(frame, t, "leaf")
         nbytes = node.nbytes
@@ -768,12 +782,17 @@ class ActivationRuntime:
             node = src_node
         return False, None
 
-    def _over_budget(self, storage: torch.UntypedStorage) -> bool:
+    def _over_budget(self, storage: torch.UntypedStorage, reserved: bool = True) -> bool:
+        """Whether holding ``storage`` crosses the budget, less ``pin_headroom`` (unless it is
+        one of the storages the headroom is ``reserved`` for)."""
         budget = self.budget_bytes
         return (budget is not None and not self.ledger.holds(storage)
-                and self.ledger.resident + storage.nbytes() > budget - self.pin_headroom)
+                and self.ledger.resident + storage.nbytes() > budget - (self.pin_headroom if reserved else 0))
 
     def _violate(self, frame: Frame, t: torch.Tensor, key: str) -> Any:
+        """Keep ``t`` although that crosses the budget, unless kept storages can make room."""
+        if self._make_room(frame, t.untyped_storage().nbytes()):
+            return self._keep(frame, t, key)
         frame.stats.violations += 1
         packed = self._keep(frame, t, key)
         if self.on_exceed is not None:
@@ -788,11 +807,69 @@ class ActivationRuntime:
             frame.stats.bytes_by_choice["keep"] += storage.nbytes()
         if t.grad_fn is not None:
             t = t.detach()  # an op's saved output: holding its grad_fn would be a reference cycle
-        kept = _Kept(t, _Pin(self.ledger, storage))
         node = self.mode.nodes.get(storage._cdata)
+        kept = _Kept(t, _Pin(self.ledger, storage), node)
         if node is not None:
             node.kept[node.state] = (weakref.ref(t), t._version)
+        if self.budget_bytes is not None and self.enforce_budget and self.engine is not None:
+            entry = self._kept.get(storage._cdata)
+            if entry is None:
+                if len(self._kept) >= self._kept_limit:
+                    self._live_kept()
+                    self._kept_limit = max(1024, 2 * len(self._kept))
+                entry = self._kept[storage._cdata] = (frame.index, [])
+            entry[1].append(weakref.ref(kept))
         return kept
+
+    def _live_kept(self) -> Dict[int, Tuple[int, List[_Kept]]]:
+        """The registry's storages with kept saves still alive and not moved (dropping the rest)."""
+        out = {}
+        for cdata, (index, refs) in list(self._kept.items()):
+            saves = [k for k in (ref() for ref in refs) if k is not None and k.moved is None and k.pin is not None]
+            if saves and cdata in self.ledger._held:
+                out[cdata] = (index, saves)
+            else:
+                del self._kept[cdata]
+        return out
+
+    def _make_room(self, frame: Frame, need: int) -> bool:
+        """Offload kept storages until ``need`` more bytes fit the budget: the last resort when
+        something no plan releases (an input from outside the forward, what a recipe pins)
+        would cross it, typically because more micro-batches are in flight than their plans
+        foresaw. Storages of earlier micro-batches go first (their forwards no longer use
+        them), larger first; a storage goes only when kept saves are all that hold it, unchanged
+        since. True when ``need`` fits."""
+        budget = self.budget_bytes
+        if budget is None or not self.enforce_budget or self.engine is None:
+            return False
+        self.settle(wait=True)
+        candidates = []
+        for cdata, (index, saves) in self._live_kept().items():
+            held = self.ledger._held[cdata]
+            if held[0] == len(saves) and all(k.tensor._version == k.version for k in saves):
+                candidates.append((index, -held[1], cdata, saves))
+        candidates.sort(key=lambda c: (c[0], c[1]))
+        for _, _, cdata, saves in candidates:
+            if self.ledger.resident + need <= budget:
+                break
+            store = self._start_offload(frame, saves[0].tensor.untyped_storage(), "kept")
+            if store is None:
+                break  # the arena is full
+            store.settle(wait=True)  # at the budget: the copy cannot run beside the source
+            for k in saves:
+                t = k.tensor
+                if k.node is None:  # an in-place change is seen while another tensor of it lives
+                    k.moved = _Offloaded(store, view_meta(t), None, k.version, t)
+                else:  # ... or through the traced storage; its recipes find it offloaded
+                    k.moved = _Offloaded(store, view_meta(t), k.node, k.state)
+                    k.node.kept.pop(k.state, None)
+                    k.node.offloaded.setdefault(k.state, store)
+                k.tensor = None
+                k.pin.drop()
+            del self._kept[cdata]
+            frame.stats.room_made_bytes += store.nbytes
+            frame.stats.fallbacks.append(f"kept {store.nbytes} bytes offloaded to make room")
+        return self.ledger.resident + need <= budget
 
     def _offload(self, frame: Frame, node: StorageNode, storage: torch.UntypedStorage, state: int,
                  meta: ViewMeta) -> Optional[_Offloaded]:
@@ -834,9 +911,15 @@ class ActivationRuntime:
 
     # -- unpack -----------------------------------------------------------------------------
     def _unpack(self, packed: Any) -> torch.Tensor:
+        task = torch._C._current_graph_task_id()
+        if task != self._last_task:
+            self._last_task = task
+            self.backward_passes += 1
         if isinstance(packed, torch.Tensor):
             return packed
         if isinstance(packed, _Kept):
+            if packed.moved is not None:
+                return self._unpack(packed.moved)
             if packed.tensor._version != packed.version:
                 raise _modified_error(f"a tensor of shape {tuple(packed.tensor.shape)}", packed.version,
                                       packed.tensor._version)
