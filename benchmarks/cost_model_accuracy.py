@@ -151,7 +151,7 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--micro-batches", type=int, default=40)
-    parser.add_argument("--repeats", type=int, default=100, help="interleaved rounds for the time accuracy")
+    parser.add_argument("--repeats", type=int, default=300, help="interleaved rounds for the time accuracy")
     parser.add_argument("--learn-steps", type=int, default=8,
                         help="adaptive steps at each budget from which the cost model learns before planning")
     parser.add_argument("--out", default="cost_model_accuracy.json")
