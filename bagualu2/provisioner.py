@@ -201,7 +201,6 @@ class Provisioner:
         self._pinned_per_input = 0.0
         self._worst_bytes: Optional[int] = None  # saved bytes of the worst possible routing
         self._recent_bytes: Deque[int] = collections.deque(maxlen=_RECENT)  # of recent routings
-        self._latencies_us: List[float] = []
         self.overlap: Any = None  # an OverlapDriver on a pipeline rank (pipeline.enable_bagualu2)
         self._static: Optional[Dict[str, Choice]] = None
         if isinstance(policy, Plan):
@@ -334,33 +333,30 @@ class Provisioner:
         self._step += 1
 
     def report(self) -> Dict[str, Any]:
-        """A summary: micro-batches, peak vs budget, violations, plan mix, decision latency, cache."""
-        mbs = self.telemetry.micro_batches
-        mix = {"keep": 0, "offload": 0, "recompute": 0}
-        for r in mbs:
-            for k, v in r.bytes_by_choice.items():
-                mix[k] += v
-        lat = sorted(self._latencies_us)
+        """A summary: micro-batches, peak vs budget, violations, plan mix, decision latency, cache.
+        Counts and sums cover the whole run; the latency median, the decisions in memory."""
+        totals = self.telemetry.totals
+        lat = sorted(d.latency_us for d in self.telemetry.decisions)
         cache = self.cache.stats()
         arena = self.engine.arena.stats() if self.engine is not None else {}
         return {
             "policy": self.policy if isinstance(self.policy, str) else "static",
             "steps": self._step,
-            "micro_batches": len(mbs),
-            "traced_micro_batches": sum(r.traced for r in mbs),
+            "micro_batches": totals.micro_batches,
+            "traced_micro_batches": totals.traced,
             "budget_bytes": self.budget,
-            "peak_bytes": max((r.peak_bytes for r in mbs), default=0),
+            "peak_bytes": totals.peak_bytes,
             "resident_bytes": self.runtime.ledger.resident,
-            "violations": sum(r.violations for r in mbs),
-            "fallbacks": sum(r.fallbacks for r in mbs),
-            "room_made_bytes": sum(r.room_made_bytes for r in mbs),
+            "violations": totals.violations,
+            "fallbacks": totals.fallbacks,
+            "room_made_bytes": totals.room_made_bytes,
             "oom_recoveries": self._oom_recoveries,
-            "saved_bytes_by_choice": mix,
-            "decisions": len(self._latencies_us),
+            "saved_bytes_by_choice": dict(totals.bytes_by_choice),
+            "decisions": totals.decisions,
             "decision_latency_us": {
-                "mean": statistics.fmean(lat) if lat else 0.0,
+                "mean": totals.latency_us_sum / totals.decisions if totals.decisions else 0.0,
                 "p50": lat[len(lat) // 2] if lat else 0.0,
-                "max": lat[-1] if lat else 0.0,
+                "max": totals.latency_us_max,
             },
             "plan_cache": cache,
             "arena_in_use_bytes": arena.get("in_use", 0),
@@ -572,7 +568,6 @@ class Provisioner:
         start = time.perf_counter()
         decision = self._decide(frame, layer, values)
         decision.latency_us = (time.perf_counter() - start) * 1e6
-        self._latencies_us.append(decision.latency_us)
         self.telemetry.add(decision)
 
     def _decide(self, frame: Frame, layer: int, values: List[int]) -> Decision:

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Union
 
-__all__ = ["Decision", "MicroBatch", "Telemetry"]
+__all__ = ["Decision", "MicroBatch", "Telemetry", "Totals"]
 
 
 @dataclass
@@ -50,21 +50,61 @@ class MicroBatch:
 
 
 @dataclass
+class Totals:
+    """Sums over every micro-batch and decision recorded, the ones no longer in memory included."""
+
+    micro_batches: int = 0
+    traced: int = 0
+    peak_bytes: int = 0
+    violations: int = 0
+    fallbacks: int = 0
+    room_made_bytes: int = 0
+    bytes_by_choice: Dict[str, int] = field(default_factory=lambda: {"keep": 0, "offload": 0, "recompute": 0})
+    decisions: int = 0
+    latency_us_sum: float = 0.0
+    latency_us_max: float = 0.0
+
+
+@dataclass
 class Telemetry:
-    """Records kept in memory and, with ``path``, appended to a JSON lines file."""
+    """Records kept in memory (the last ``keep`` of each kind, so a long run does not grow
+    without bound; ``totals`` sums all of them) and, with ``path``, appended to a JSON lines
+    file (all of them)."""
 
     path: Optional[Path] = None
+    keep: int = 100_000
     decisions: List[Decision] = field(default_factory=list)
     micro_batches: List[MicroBatch] = field(default_factory=list)
+    totals: Totals = field(default_factory=Totals)
 
     def __post_init__(self) -> None:
+        if self.keep < 1:
+            raise ValueError(f"keep={self.keep} must be >= 1")
         if self.path is not None:
             self.path = Path(self.path)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text("")
 
     def add(self, record: Union[Decision, MicroBatch]) -> None:
-        (self.decisions if isinstance(record, Decision) else self.micro_batches).append(record)
+        t = self.totals
+        if isinstance(record, Decision):
+            records: List = self.decisions
+            t.decisions += 1
+            t.latency_us_sum += record.latency_us
+            t.latency_us_max = max(t.latency_us_max, record.latency_us)
+        else:
+            records = self.micro_batches
+            t.micro_batches += 1
+            t.traced += record.traced
+            t.peak_bytes = max(t.peak_bytes, record.peak_bytes)
+            t.violations += record.violations
+            t.fallbacks += record.fallbacks
+            t.room_made_bytes += record.room_made_bytes
+            for k, v in record.bytes_by_choice.items():
+                t.bytes_by_choice[k] = t.bytes_by_choice.get(k, 0) + v
+        records.append(record)
+        if len(records) >= 2 * self.keep:  # amortized: drop the oldest half at once
+            del records[: len(records) - self.keep]
         if self.path is not None:
             with self.path.open("a") as f:
                 f.write(json.dumps(asdict(record)) + "\n")

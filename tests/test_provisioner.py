@@ -342,6 +342,26 @@ def test_report_telemetry_and_plot(tmp_path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_telemetry_keeps_a_bounded_window_in_memory_and_totals_of_the_whole_run(tmp_path) -> None:
+    from bagualu2.telemetry import Decision, MicroBatch, Telemetry
+
+    tel = Telemetry(tmp_path / "t.jsonl", keep=5)
+    for i in range(23):
+        tel.add(MicroBatch(step=i, micro_batch=i, peak_bytes=100 + i, predicted_peak_bytes=0, budget_bytes=None,
+                           imbalance=1.0, bytes_by_choice={"keep": 1, "offload": 2, "recompute": 3},
+                           violations=i % 2, fallbacks=1, forward_seconds=0.0, traced=i < 4, room_made_bytes=7))
+        tel.add(Decision(step=i, micro_batch=i, layer=0, imbalance=1.0, resident_bytes=0, predicted_bytes=0,
+                         planned_bytes=0, budget_bytes=None, mix={}, latency_us=float(i), cache_hit=False))
+    assert 5 <= len(tel.micro_batches) < 10 and tel.micro_batches[-1].step == 22
+    assert 5 <= len(tel.decisions) < 10
+    t = tel.totals
+    assert (t.micro_batches, t.traced, t.peak_bytes, t.violations, t.fallbacks, t.room_made_bytes) == (
+        23, 4, 122, 11, 23, 161)
+    assert t.bytes_by_choice == {"keep": 23, "offload": 46, "recompute": 69}
+    assert (t.decisions, t.latency_us_sum, t.latency_us_max) == (23, sum(range(23)), 22.0)
+    assert len((tmp_path / "t.jsonl").read_text().splitlines()) == 46  # the file has every record
+
+
 def test_ample_budget_skips_tracing_and_stays_exact() -> None:
     """Invariant 5: with a budget no routing can exceed, the plan is all-keep and untraced."""
     model = make_model(ep_size=4)
