@@ -316,7 +316,8 @@ class CostModel:
                         ops += 1
                         seconds += unsaved.seconds(self._tokens(unsaved, counts))
             out.append((entry, members, ops, seconds))
-        # A recomputed key read only by keys already rebuilt elsewhere is met on its own.
+        # Keys that read each other (an in-place write reading a later storage) have no key
+        # that enters their rebuild first: each is counted as met on its own.
         for key in known:
             if key not in claimed:
                 claimed.add(key)
