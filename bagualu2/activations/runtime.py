@@ -821,6 +821,23 @@ class ActivationRuntime:
             entry[1].append(weakref.ref(kept))
         return kept
 
+    def _movable(self) -> List[Tuple[int, int, int, List[_Kept]]]:
+        """Kept storages ``_make_room`` may offload, in the order it would: (frame index,
+        -bytes, cdata, the kept saves), those of earlier frames first, larger first."""
+        if self.budget_bytes is None or not self.enforce_budget or self.engine is None:
+            return []
+        out = []
+        for cdata, (index, saves) in self._live_kept().items():
+            held = self.ledger._held[cdata]
+            if held[0] == len(saves) and all(k.tensor._version == k.version for k in saves):
+                out.append((index, -held[1], cdata, saves))
+        out.sort(key=lambda c: (c[0], c[1]))
+        return out
+
+    def movable_bytes(self) -> int:
+        """Resident bytes that kept storages offloaded to make room would free."""
+        return -sum(c[1] for c in self._movable())
+
     def _live_kept(self) -> Dict[int, Tuple[int, List[_Kept]]]:
         """The registry's storages with kept saves still alive and not moved (dropping the rest)."""
         out = {}
@@ -843,13 +860,7 @@ class ActivationRuntime:
         if budget is None or not self.enforce_budget or self.engine is None:
             return False
         self.settle(wait=True)
-        candidates = []
-        for cdata, (index, saves) in self._live_kept().items():
-            held = self.ledger._held[cdata]
-            if held[0] == len(saves) and all(k.tensor._version == k.version for k in saves):
-                candidates.append((index, -held[1], cdata, saves))
-        candidates.sort(key=lambda c: (c[0], c[1]))
-        for _, _, cdata, saves in candidates:
+        for _, _, cdata, saves in self._movable():
             if self.ledger.resident + need <= budget:
                 break
             store = self._start_offload(frame, saves[0].tensor.untyped_storage(), "kept")
