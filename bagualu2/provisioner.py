@@ -421,6 +421,7 @@ class Provisioner:
         # provision, and such a forward must not count as one the cost model learned from.
         if is_recomputing() or not self.enabled or not torch.is_grad_enabled():
             return self._forward(*args, **kwargs)
+        self._count_stacking()
         self._check_feasible()
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
@@ -442,14 +443,6 @@ class Provisioner:
         seconds, copies, nbytes = self.runtime.take_copy_times()
         if copies and self.engine is not None:  # ... and to offload and reload
             self.cost.observe_copies(seconds, copies, nbytes)
-        backwards = self.runtime.backward_passes
-        if backwards == self._backwards_seen:
-            self._run_position += 1
-        else:
-            if self._backwards_seen >= 0:
-                self._runs.append(self._run_position + 1)
-            self._run_position = 0
-        self._backwards_seen = backwards
         frame = self._new_frame(conservative)
         self._frame_counts = {}
         self._frame_predicted = 0
@@ -499,6 +492,17 @@ class Provisioner:
             room_made_bytes=frame.stats.room_made_bytes,
         ))
         return out
+
+    def _count_stacking(self) -> None:
+        """Place this forward in its run of forwards without a backward between them."""
+        backwards = self.runtime.backward_passes
+        if backwards == self._backwards_seen:
+            self._run_position += 1
+        else:
+            if self._backwards_seen >= 0:
+                self._runs.append(self._run_position + 1)
+            self._run_position = 0
+        self._backwards_seen = backwards
 
     def _check_feasible(self) -> None:
         """Refuse a micro-batch no plan can fit, before it allocates anything."""
