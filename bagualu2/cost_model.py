@@ -433,7 +433,18 @@ class CostModel:
         included), plus their profiled time times the learned ``replay_factor``. The planner adds these up; a plan that recomputes several keys with
         a common unsaved input pays for that input once, and ``replay_frame_s`` once
         (``plan_seconds``)."""
-        return self._rebuild_seconds((key,), counts)
+        op = self.ops.get(key)
+        if op is None:
+            return 0.0
+        # rebuilds((key,), counts) for one key, without the walk (it is called per candidate)
+        ops = 1
+        seconds = op.seconds(self._tokens(op, counts))
+        for name in dict.fromkeys(op.unsaved_inputs):
+            unsaved = self.unsaved.get(name)
+            if unsaved is not None:
+                ops += 1
+                seconds += unsaved.seconds(self._tokens(unsaved, counts))
+        return self.replay_ratio(key) * self._fitted(ops, seconds)
 
     def offload_seconds(self, nbytes: int) -> float:
         """Predicted cost of offloading ``nbytes`` (one copy)."""
