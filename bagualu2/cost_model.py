@@ -9,8 +9,9 @@ assigned a *driver*:
 
 * an expert op (its module path lies under ``<moe layer>.experts.<e>``) is driven by the tokens
   routed to expert ``e`` of that layer;
-* any other op is constant per micro-batch (attention, norms, routing and permutation of a fixed
-  number of token slots).
+* any other op (attention, norms, routing and permutation of the token slots) is driven by the
+  micro-batch's size: the tokens routed by its first MoE layer (top-k times its tokens), which
+  changes only when the sequence length or batch size does.
 
 Bytes are fitted as ``a + b * tokens`` by least squares over the profiled samples
 (proportional, ``a = 0``, while all samples share one token count; the largest sample for
@@ -471,8 +472,14 @@ class CostModel:
         return seconds + max(0.0, out - offload_window) + max(0.0, back - reload_window)
 
     @staticmethod
-    def _tokens(op: OpCost, counts: Mapping[int, Sequence[int]]) -> float:
+    def _tokens(op: OpCost, counts: Mapping[int, Optional[Sequence[int]]]) -> float:
+        """What drives ``op``: its expert's routed tokens, or for any other op the micro-batch's
+        size (the routed tokens of the first MoE layer in ``counts`` that routed any: top-k times
+        its tokens; counts list the layers in forward order)."""
         if op.layer is None:
+            for routed in counts.values():
+                if routed:
+                    return float(sum(routed))
             return 0.0
         layer_counts = counts.get(op.layer)
         if layer_counts is None or op.expert is None or op.expert >= len(layer_counts):

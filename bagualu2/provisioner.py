@@ -409,7 +409,8 @@ class Provisioner:
         return self.engine is not None and bool(self._recent_bytes) and max(self._recent_bytes) <= room
 
     def _worst_case_bytes(self) -> int:
-        """Saved bytes of a micro-batch whose every local expert gets every token it can."""
+        """Saved bytes of a micro-batch of this one's size whose every local expert gets every
+        token it can."""
         worst: Dict[int, List[int]] = {}
         for spec in self.gates:
             seen = self._frame_counts.get(spec.layer)
@@ -417,7 +418,9 @@ class Provisioner:
                 return 1 << 62  # a gate that did not fire: no bound
             tokens = sum(seen) // (spec.top_k or 1)
             worst[spec.layer] = [tokens] * len(seen)
-        return self.cost.predict_total(self.cost.order, worst)
+        experts = [k for k in self.cost.order if self.cost.ops[k].layer is not None]
+        others = [k for k in self.cost.order if self.cost.ops[k].layer is None]
+        return self.cost.predict_total(experts, worst) + self.cost.predict_total(others, self._frame_counts)
 
     def _provisioned_forward(self, *args: Any, **kwargs: Any) -> Any:
         # Without grad (evaluation, inference mode) autograd saves nothing: there is nothing to

@@ -508,19 +508,42 @@ def test_cost_model_floor_is_what_no_plan_can_release() -> None:
     saved = {"small:op:0": (100, 1e-3, True, ()), "anchor:op:0": (4000, 1e-3, True, ()),
              "rng:op:0": (2000, 1e-3, False, ()), "experts.0:mm:0": (800, 1e-3, True, ()),
              "empty:op:0": (0, 1e-3, True, ())}
-    cost.observe(saved, {0: [8]}, forward_seconds=0.01)
+    cost.observe(saved, {0: [8, 24]}, forward_seconds=0.01)
     keys = list(saved)
+    routed = {0: [16, 16]}  # expert 0 gets twice the tokens; the micro-batch is as large
     for can_offload, floor in ((True, 100 + 4000), (False, 100 + 4000 + 2000)):
-        cands, cand_floor = cost.candidates(keys, {0: [16]}, 500, can_offload, fixed=["anchor:op:0"])
+        cands, cand_floor = cost.candidates(keys, routed, 500, can_offload, fixed=["anchor:op:0"])
         assert cand_floor == floor
         released = {c.key: c.nbytes for c in cands}
         assert released == ({"rng:op:0": 2000, "experts.0:mm:0": 1600} if can_offload else {"experts.0:mm:0": 1600})
         # Without anchors: what no plan releases (small ones too), and what nothing can release
         # (the runtime releases small ones when the budget demands it; without a copy engine,
         # what cannot be recomputed stays).
-        soft, hard = cost.floors(keys, {0: [16]}, 500, can_offload)
-        assert soft == cost.candidates(keys, {0: [16]}, 500, can_offload)[1] == floor - 4000
+        soft, hard = cost.floors(keys, routed, 500, can_offload)
+        assert soft == cost.candidates(keys, routed, 500, can_offload)[1] == floor - 4000
         assert hard == (0 if can_offload else 2000)
+
+
+def test_high_water_prediction_follows_the_sequence_length() -> None:
+    """Attention, norms and routing buffers grow with the micro-batch's tokens: predicted at the
+    first gate from the tokens it routes, the all-keep high-water mark stays within 3% when the
+    sequence length changes from micro-batch to micro-batch (it was off by up to 80% when such
+    ops were taken as constant). Without dropout, sdpa saves no seq x seq probabilities: every
+    saved activation is linear in the tokens."""
+    torch.manual_seed(0)
+    model = MoETransformer(MoEConfig.tiny(dropout=0.0, ep_size=4))
+    prov = bagualu2.enable(model, budget=1 << 40, min_bytes=0)
+    prov.runtime.budget_bytes = None  # nothing is released: the ledger's peak is the truth
+    prov.budget = 1 << 40
+    lengths = [32, 32, 16, 48, 24, 40, 8, 32]
+    for i, length in enumerate(lengths):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(i)
+        model(torch.randint(0, model.cfg.vocab_size, (2, length))).backward()
+    checked = [mb for mb in prov.telemetry.micro_batches if mb.predicted_peak_bytes]
+    assert len(checked) >= 5
+    for mb in checked:
+        assert abs(mb.predicted_peak_bytes - mb.peak_bytes) <= 0.03 * mb.peak_bytes, mb
 
 
 def test_cost_model_learns_recompute_cost_from_measured_replays() -> None:
@@ -637,13 +660,13 @@ def test_cost_model_timings_drop_the_cold_first_micro_batch_and_outliers() -> No
 
     cost = CostModel({0: "experts."})
     cost.observe({"attn:op:0": (100, 50e-3, True, ()), "experts.0:mm:0": (400, 40e-3, True, ())},
-                 {0: [4]}, forward_seconds=1.0)  # cold: first touches, allocator growth
+                 {0: [4, 8]}, forward_seconds=1.0)  # cold: first touches, allocator growth
     for seconds, tokens in ((1e-3, 4), (9e-3, 8), (1e-3, 2), (1e-3, 6)):  # one preempted run
         cost.observe({"attn:op:0": (100, seconds, True, ()), "experts.0:mm:0": (100 * tokens, tokens * 1e-3, True, ())},
-                     {0: [tokens]}, forward_seconds=0.1)
-    assert cost.recompute_seconds("attn:op:0", {}) == pytest.approx(1e-3)
-    assert cost.recompute_seconds("experts.0:mm:0", {0: [10]}) == pytest.approx(10e-3)
-    assert cost.predict_bytes("experts.0:mm:0", {0: [10]}) == 1000
+                     {0: [tokens, 12 - tokens]}, forward_seconds=0.1)  # micro-batches of one size
+    assert cost.recompute_seconds("attn:op:0", {0: [10, 2]}) == pytest.approx(1e-3)
+    assert cost.recompute_seconds("experts.0:mm:0", {0: [10, 2]}) == pytest.approx(10e-3)
+    assert cost.predict_bytes("experts.0:mm:0", {0: [10, 2]}) == 1000
 
 
 def test_cost_model_learns_what_offloads_cost() -> None:
