@@ -47,7 +47,11 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from bagualu2.planner import Candidate, Choice
 
-__all__ = ["CostModel", "OpCost"]
+__all__ = ["CostModel", "OpCost", "SIZE"]
+
+# A key of a counts mapping (MoE layer -> tokens per expert) holding the routing whose total
+# sizes the micro-batch, when the layers' own entries are rounded up (planning).
+SIZE = -1
 
 
 @dataclass
@@ -474,12 +478,12 @@ class CostModel:
     @staticmethod
     def _tokens(op: OpCost, counts: Mapping[int, Optional[Sequence[int]]]) -> float:
         """What drives ``op``: its expert's routed tokens, or for any other op the micro-batch's
-        size (the routed tokens of the first MoE layer in ``counts`` that routed any: top-k times
-        its tokens; counts list the layers in forward order)."""
+        size (the tokens routed by ``counts[SIZE]``, else by the first MoE layer in ``counts``
+        that routed any: top-k times its tokens; counts list the layers in forward order)."""
         if op.layer is None:
             for routed in counts.values():
                 if routed:
-                    return float(sum(routed))
+                    return float(sum(counts.get(SIZE) or routed))
             return 0.0
         layer_counts = counts.get(op.layer)
         if layer_counts is None or op.expert is None or op.expert >= len(layer_counts):

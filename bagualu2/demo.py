@@ -132,14 +132,15 @@ def run(args: argparse.Namespace) -> int:
           f"{len(spikes)} routing spikes ({args.imbalance}x on a local expert, EP {args.ep_size}), "
           f"activation budget {budget / 2**20:.2f} MiB")
 
-    # Policies take turns micro-batch by micro-batch, so machine noise falls on all alike.
+    # Policies take turns micro-batch by micro-batch, so machine noise falls on all alike, the
+    # order rotating so that none always runs right after the same one.
     order = [p for p in POLICY_ORDER if p in policies]
     trainers = {p: _Trainer(model, _static_plan(model, batches[0], budget) if p == "static" else p, budget)
                 for p in order}
     with tqdm(total=len(order) * len(batches), unit="mb", desc="training", dynamic_ncols=True) as bar:
         for i, batch in enumerate(batches):
             spike = args.imbalance if i in spikes else None
-            for policy in order:
+            for policy in order[i % len(order):] + order[:i % len(order)]:
                 trainers[policy].step(i, batch, spike, spiked_expert)
                 bar.update(1)
     results = {p: _summarize(p, t.prov, t.times, batches, spikes, warmup, budget) for p, t in trainers.items()}

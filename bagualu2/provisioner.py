@@ -46,7 +46,7 @@ import torch
 
 from bagualu2.activations import ActivationRuntime, Frame, is_recomputing
 from bagualu2.activations.tracing import is_plain
-from bagualu2.cost_model import CostModel
+from bagualu2.cost_model import SIZE, CostModel
 from bagualu2.errors import BudgetExceededError, InfeasibleBudgetError
 from bagualu2.moe import GateSpec, describe_unsupported, find_gates
 from bagualu2.planner import Choice, Plan, PlanCache, Planner
@@ -591,6 +591,7 @@ class Provisioner:
         counts = {g.layer: (self._frame_counts.get(g.layer) if g.layer < layer else bucketed)
                   for g in self.gates}
         counts[layer] = bucketed
+        counts[SIZE] = values  # rounding up each expert's load must not grow the micro-batch
         remaining = [k for k in cost.order if k not in frame.keys_seen]
         predicted = cost.predict_total(remaining, counts)  # for planning: loads rounded up
         # In-flight offload sources are released as their copies complete.

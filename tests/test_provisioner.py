@@ -524,6 +524,18 @@ def test_cost_model_floor_is_what_no_plan_can_release() -> None:
         assert hard == (0 if can_offload else 2000)
 
 
+def test_cost_model_sizes_non_expert_operators_by_the_micro_batch_not_by_rounded_loads() -> None:
+    from bagualu2.cost_model import SIZE, CostModel
+
+    cost = CostModel({0: "experts."})
+    cost.observe({"attn:op:0": (1000, 1e-3, True, ()), "experts.0:mm:0": (100, 1e-3, True, ())},
+                 {0: [10, 10]}, forward_seconds=0.01)
+    assert cost.predict_bytes("attn:op:0", {0: [20, 20]}) == 2000  # twice the tokens
+    rounded = {0: [12, 12], SIZE: [10, 10]}  # planning rounds each load up; the size stays
+    assert cost.predict_bytes("attn:op:0", rounded) == 1000
+    assert cost.predict_bytes("experts.0:mm:0", rounded) == 120
+
+
 def test_high_water_prediction_follows_the_sequence_length() -> None:
     """Attention, norms and routing buffers grow with the micro-batch's tokens: predicted at the
     first gate from the tokens it routes, the all-keep high-water mark stays within 3% when the
