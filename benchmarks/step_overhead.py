@@ -12,7 +12,7 @@ Compares, in one run and on the same model and batches:
   as a user calls it on this machine (``pin_memory=False``: on cpu tensors it copies nothing,
   so it is plain PyTorch plus the hooks) and with ``pin_memory=True`` (the setting for GPUs,
   which on cpu copies every saved tensor in the forward and hands the copy back in backward:
-  one copy per save, against the engine's copy out and copy back per storage);
+  one copy per save, against the engine's one copy per storage, read in place in backward);
 * all-recompute (``policy="recompute_all"``) against ``torch.utils.checkpoint`` on every block.
 
 Each variant runs ``--steps`` forward+backward steps after ``--warmup``; variants are
