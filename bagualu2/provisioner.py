@@ -591,7 +591,9 @@ class Provisioner:
         counts = {g.layer: (self._frame_counts.get(g.layer) if g.layer < layer else bucketed)
                   for g in self.gates}
         counts[layer] = bucketed
-        counts[SIZE] = values  # rounding up each expert's load must not grow the micro-batch
+        # Rounding each expert's load up must not grow the micro-batch: its size is what the
+        # first layer that fired routed, as when the cost model learned.
+        counts[SIZE] = next(iter(self._frame_counts.values()), values)
         remaining = [k for k in cost.order if k not in frame.keys_seen]
         predicted = cost.predict_total(remaining, counts)  # for planning: loads rounded up
         # In-flight offload sources are released as their copies complete.
