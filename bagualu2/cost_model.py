@@ -308,27 +308,31 @@ class CostModel:
                 claimed.add(key)
                 members.append(key)
                 stack.extend(k for k in self.ops[key].saved_inputs if k in wanted)
-            ops = 0
-            seconds = 0.0
-            for key in members:
-                op = self.ops[key]
-                ops += 1
-                seconds += op.seconds(self._tokens(op, counts))
-                for name in op.unsaved_inputs:
-                    unsaved = self.unsaved.get(name)
-                    if unsaved is not None and name not in made:
-                        made.add(name)
-                        ops += 1
-                        seconds += unsaved.seconds(self._tokens(unsaved, counts))
-            out.append((entry, members, ops, seconds))
+            out.append((entry, members, *self._replayed(members, counts, made)))
         # Keys that read each other (an in-place write reading a later storage) have no key
         # that enters their rebuild first: each is counted as met on its own.
         for key in known:
             if key not in claimed:
                 claimed.add(key)
-                op = self.ops[key]
-                out.append((key, [key], 1, op.seconds(self._tokens(op, counts))))
+                out.append((key, [key], *self._replayed([key], counts, made)))
         return out
+
+    def _replayed(self, members: Iterable[str], counts: Mapping[int, Sequence[int]], made: set) -> Tuple[int, float]:
+        """Ops and profiled seconds of rebuilding ``members``: their own ops, and each unsaved
+        storage they need that is not in ``made`` (rebuilt earlier; added to it)."""
+        ops = 0
+        seconds = 0.0
+        for key in members:
+            op = self.ops[key]
+            ops += 1
+            seconds += op.seconds(self._tokens(op, counts))
+            for name in op.unsaved_inputs:
+                unsaved = self.unsaved.get(name)
+                if unsaved is not None and name not in made:
+                    made.add(name)
+                    ops += 1
+                    seconds += unsaved.seconds(self._tokens(unsaved, counts))
+        return ops, seconds
 
     def rebuild_profile(self, keys: Iterable[str], counts: Mapping[int, Sequence[int]]) -> Tuple[int, int, float]:
         """What rebuilding ``keys`` together replays: the number of ops, the number of rebuilds
@@ -438,18 +442,10 @@ class CostModel:
         included), plus their profiled time times the learned ``replay_factor``. The planner adds these up; a plan that recomputes several keys with
         a common unsaved input pays for that input once, and ``replay_frame_s`` once
         (``plan_seconds``)."""
-        op = self.ops.get(key)
-        if op is None:
+        if key not in self.ops:
             return 0.0
         # rebuilds((key,), counts) for one key, without the walk (it is called per candidate)
-        ops = 1
-        seconds = op.seconds(self._tokens(op, counts))
-        for name in dict.fromkeys(op.unsaved_inputs):
-            unsaved = self.unsaved.get(name)
-            if unsaved is not None:
-                ops += 1
-                seconds += unsaved.seconds(self._tokens(unsaved, counts))
-        return self.replay_ratio(key) * self._fitted(ops, seconds)
+        return self.replay_ratio(key) * self._fitted(*self._replayed((key,), counts, set()))
 
     def offload_seconds(self, nbytes: int) -> float:
         """Predicted cost of offloading ``nbytes`` (one copy)."""

@@ -455,13 +455,15 @@ class Provisioner:
         _ACTIVE.append(self)
         start = time.perf_counter()
         budget = self.runtime.budget_bytes
-        if budget is not None and self.policy == "adaptive":
+        adaptive = budget is not None and self.policy == "adaptive"
+        inputs = _input_bytes(args, kwargs) if adaptive or frame.traced else 0
+        if adaptive:
             # Leave room for the floor of each micro-batch that stacks on this rank before its
             # next backward (pipeline warm-up), so the last of them still fits, and for what
             # recipes will pin that nothing can release (labels the loss reads at the very end):
             # it is charged when pinned.
             self.runtime.budget_bytes = max(0, budget - self._reserve())
-            self.runtime.pin_headroom = self._pin_headroom(args, kwargs)
+            self.runtime.pin_headroom = self._pin_headroom(inputs)
         try:
             with self.runtime.frame(frame):
                 out = self._forward(*args, **kwargs)
@@ -475,7 +477,7 @@ class Provisioner:
         if frame.traced:
             pinned = frame.stats.leaf_bytes + frame.stats.outside_bytes
             self._pinned_bytes = max(self._pinned_bytes or 0, pinned)
-            self._pinned_per_input = max(self._pinned_per_input, pinned / max(1, _input_bytes(args, kwargs)))
+            self._pinned_per_input = max(self._pinned_per_input, pinned / max(1, inputs))
             self._outside_held = max(self._outside_held, frame.stats.outside_bytes)
         if frame.profile:
             self.cost.observe(frame.saved_profile, self._frame_counts, seconds, frame.unsaved_seconds)
@@ -523,13 +525,12 @@ class Provisioner:
         if resident + floor > self.budget:
             raise InfeasibleBudgetError(self.budget, resident + floor, f"micro-batch {self._frames}")
 
-    def _pin_headroom(self, args: tuple, kwargs: dict) -> int:
+    def _pin_headroom(self, inputs: int) -> int:
         """Bytes the forward will hold that nothing can release (what recipes pin: inputs from
         outside the forward, storages written in place beyond replay; inputs saved as they
         are): as many as traced micro-batches held so far, and more when this forward's tensor
         arguments are larger (a longer sequence), in proportion; before any, the forward's
         tensor arguments or the margin, the larger."""
-        inputs = _input_bytes(args, kwargs)
         if self._pinned_bytes is not None:
             return max(self._pinned_bytes, int(math.ceil(self._pinned_per_input * inputs)))
         return max(inputs, int((self.budget or 0) * self.margin))
