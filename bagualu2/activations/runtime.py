@@ -649,7 +649,6 @@ class ActivationRuntime:
             frame.stats.outside_bytes += storage.nbytes()
         budget = self.budget_bytes
         if budget is not None and self.ledger.resident + storage.nbytes() > budget:
-            self.settle(wait=True)
             if not self._make_room(frame, storage.nbytes()):  # nothing can release it: the budget is crossed
                 pin = _Pin(self.ledger, storage)
                 frame.stats.violations += 1
@@ -855,10 +854,11 @@ class ActivationRuntime:
         would cross it, typically because more micro-batches are in flight than their plans
         foresaw. Storages of earlier micro-batches go first (their forwards no longer use
         them), larger first; a storage goes only when kept saves are all that hold it, unchanged
-        since. True when ``need`` fits."""
+        since (only with a copy engine, and when the budget is enforced). True when ``need``
+        fits, after in-flight offloads have settled."""
         budget = self.budget_bytes
-        if budget is None or not self.enforce_budget or self.engine is None:
-            return False
+        if budget is None:
+            return True
         self.settle(wait=True)
         for _, _, cdata, saves in self._movable():
             if self.ledger.resident + need <= budget:
