@@ -519,9 +519,12 @@ class Provisioner:
         # Loads of the previous micro-batch stand in for this one's, not yet routed. What no
         # release can take back: the storages that can be neither offloaded nor recomputed, and
         # what the forward holds from outside it (its inputs, saved or pinned by recipes).
-        # What earlier micro-batches still keep counts only where nothing can offload it.
-        resident = self.runtime.ledger.resident - self.runtime.movable_bytes()
+        # What earlier micro-batches still keep counts only where nothing can offload it (looked
+        # at only when the micro-batch would not fit otherwise).
+        resident = self.runtime.ledger.resident
         floor = self._hard_floor + self._outside_held
+        if resident + floor > self.budget:
+            resident -= self.runtime.movable_bytes()
         if resident + floor > self.budget:
             raise InfeasibleBudgetError(self.budget, resident + floor, f"micro-batch {self._frames}")
 
