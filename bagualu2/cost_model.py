@@ -117,9 +117,9 @@ class _CostFit:
     each cost the same), fitted to observed totals ``y``.
 
     Least squares on the relative error (an observation of a small total counts as much as one
-    of a large total), over all observations, each weighing ``memory`` times as much at each
-    newer one (costs drift with the machine's load). Every coefficient stays >= 0: among the
-    subsets of features that keep the last one and that the observations can tell apart, the
+    of a large total), over all observations, those of each batch (``add``) weighing
+    ``memory`` times as much as those of the next one (costs drift with the machine's load).
+    Every coefficient stays >= 0: among the subsets of features that keep the last one and that the observations can tell apart, the
     fit with non-negative coefficients and the least residual wins (the smaller subset on a
     tie). Before any observation the prediction is taken as it is (last coefficient 1).
     """
@@ -135,15 +135,23 @@ class _CostFit:
         self._subsets = sorted(
             ([i for i in range(last) if mask >> i & 1] + [last] for mask in range(1 << last)), key=len)
 
-    def add(self, x: Sequence[float], y: float) -> None:
-        if not (y > 0 and x[-1] > 0 and min(x) >= 0):
+    def add(self, rows: Sequence[Tuple[Sequence[float], float]]) -> None:
+        """Observe a batch of (features, total) and refit; rows with a total or a last feature
+        that is not > 0, or a negative feature, are skipped."""
+        rows = [(x, y) for x, y in rows if y > 0 and x[-1] > 0 and min(x) >= 0]
+        if not rows:
             return
-        w = 1.0 / (y * y)
         k = len(self.coef)
         for i in range(k):
-            self._b[i] = self.memory * self._b[i] + w * x[i] * y
+            self._b[i] *= self.memory
             for j in range(k):
-                self._a[i][j] = self.memory * self._a[i][j] + w * x[i] * x[j]
+                self._a[i][j] *= self.memory
+        for x, y in rows:
+            w = 1.0 / (y * y)
+            for i in range(k):
+                self._b[i] += w * x[i] * y
+                for j in range(k):
+                    self._a[i][j] += w * x[i] * x[j]
         best: Optional[Tuple[float, List[float]]] = None
         for subset in self._subsets:
             theta = _solve([[self._a[i][j] for j in subset] for i in subset], [self._b[i] for i in subset])
@@ -191,7 +199,7 @@ class OpCost:
     recomputable: bool = True
     unsaved_inputs: Tuple[str, ...] = ()  # storages nothing saves that rebuilding it rebuilds first
     saved_inputs: Tuple[str, ...] = ()  # saved keys that rebuild reads (rebuilt first when released)
-    # Rebuilds it entered: (measured seconds, all rebuilds of that micro-batch together, ops
+    # Rebuilds it entered: (measured seconds, 1 if the micro-batch's first else 0, ops
     # replayed, their profiled seconds), and the correction they make of the shared fit,
     # cached for one version of that fit.
     replays: List[Tuple[float, float, int, float]] = field(default_factory=list)
@@ -346,13 +354,12 @@ class CostModel:
 
     def replay_ratio(self, key: str) -> float:
         """How much more (or less) than the shared fit the rebuilds ``key`` entered measured:
-        the median ratio over its last 16 (1 until one was measured). The per-micro-batch part
-        is paid by whichever rebuild comes first; each measurement sheds its share of it, in
-        proportion to its seconds."""
+        the median ratio over its last 16 (1 until one was measured), less the per-micro-batch
+        part where the rebuild came first."""
         op = self.ops[key]
         if op.replay_ratio[0] != self._replay_version:
             frame = self.replay_frame_s
-            ratios = [measured * (1.0 - min(1.0, frame / total)) / fitted for measured, total, ops, seconds in op.replays
+            ratios = [max(0.0, measured - first * frame) / fitted for measured, first, ops, seconds in op.replays
                       if (fitted := self._fitted(ops, seconds)) > 0]
             op.replay_ratio = (self._replay_version,
                                min(10.0, max(0.1, statistics.median(ratios))) if ratios else 1.0)
@@ -365,33 +372,34 @@ class CostModel:
     def observe_replays(self, replays: Mapping[str, Tuple[float, int]],
                         counts: Mapping[int, Sequence[int]]) -> None:
         """Learn what recomputing costs in backward: ``replays`` maps a key to (seconds, n):
-        what its rebuilds in ``n`` micro-batches took. A rebuild also pays for the replay's
-        own work and for inputs it must rebuild first, and which key pays for a shared input
-        depends on the plan, so the shared fit is on each observation's totals (what the
-        plan's rebuilds cost together), with four parameters for all ops:
-        ``seconds = replay_frame_s + replayed ops * replay_fixed_s + rebuilds entered *
-        replay_entry_s + replay_factor * the ops' profiled seconds`` per micro-batch that
-        rebuilds anything (``_CostFit``). Each rebuild's key also records what the rebuild
-        measured (its members' seconds together, less a share of the per-micro-batch part), from
-        which ``replay_ratio`` corrects the fit for it."""
+        what its rebuilds in ``n`` micro-batches took (``ActivationRuntime.take_replay_times``).
+
+        Each rebuild the plan enters (``rebuilds``) is one observation: what its members
+        measured per micro-batch, against what it replays. Four parameters for all ops:
+        ``seconds = replay_fixed_s * replayed ops + replay_entry_s + replay_factor * the ops'
+        profiled seconds``, plus ``replay_frame_s`` in the first rebuild of a micro-batch's
+        backward (where the per-micro-batch work lands) (``_CostFit``). Rebuilds differ in
+        size, so the parts are told apart where plan totals alone confuse them (a plan's
+        rebuilds, replayed ops and profiled seconds grow together). A shared unsaved input is
+        charged to the rebuild ``rebuilds`` expects to make it; which one really does depends
+        on the order backward unpacks, and each key's ``replay_ratio`` absorbs what stays
+        systematic."""
         known = {k: v for k, v in replays.items() if k in self.ops and v[1] > 0}
         if not known:
             return
-        frames = sum(f for _, f in known.values()) / len(known)  # micro-batches observed
-        found = self.rebuilds(known, counts)
-        ops = sum(r[2] for r in found)
-        profiled = sum(r[3] for r in found)
-        self._replay_fit.add((frames, ops * frames, len(found) * frames, profiled * frames),
-                             sum(s for s, _ in known.values()))
-        self._replay_version += 1
-        total = sum(s / n for s, n in known.values())
-        for entry, members, n_ops, seconds in found:
+        rows = []
+        for i, (entry, members, n_ops, seconds) in enumerate(self.rebuilds(known, counts)):
             measured = sum(known[k][0] / known[k][1] for k in members)
-            if measured > 0:
-                samples = self.ops[entry].replays
-                samples.append((measured, total, n_ops, seconds))
-                if len(samples) > 16:
-                    del samples[0]
+            if measured <= 0:
+                continue
+            first = 1.0 if i == 0 else 0.0
+            rows.append(((first, float(n_ops), 1.0, seconds), measured))
+            samples = self.ops[entry].replays
+            samples.append((measured, first, n_ops, seconds))
+            if len(samples) > 16:
+                del samples[0]
+        self._replay_fit.add(rows)
+        self._replay_version += 1
 
     @property
     def replay_frame_s(self) -> float:
@@ -424,7 +432,7 @@ class CostModel:
         copy the thread waits for."""
         predicted = (copies * (self.copy_fixed_s[0] + self.copy_fixed_s[1])
                      + nbytes / self.d2h_bandwidth + nbytes / self.h2d_bandwidth)
-        self._copy_fit.add((float(copies), predicted), seconds)
+        self._copy_fit.add([((float(copies), predicted), seconds)])
 
     @property
     def copy_overhead_s(self) -> float:

@@ -587,11 +587,11 @@ def test_cost_model_learns_a_cost_per_micro_batch_that_rebuilds() -> None:
     profiled = {"a:op:0": 1e-3, "b:op:0": 2e-3, "c:op:0": 4e-3}
     cost.observe({k: (1000, v, True, ()) for k, v in profiled.items()}, {}, forward_seconds=0.01)
     # Backward pays 0.2 ms once per micro-batch that rebuilds anything, plus 1.5x the ops' time.
+    # The 0.2 ms lands in the first rebuild backward enters: the latest key's.
     plans = [("a:op:0",), ("a:op:0", "b:op:0"), ("b:op:0", "c:op:0"), ("a:op:0", "b:op:0", "c:op:0")]
     for frames, keys in enumerate(plans, start=1):
-        own = 1.5 * sum(profiled[k] for k in keys)
-        total = frames * (2e-4 + own)  # each key's measurement carries a share of the 0.2 ms
-        cost.observe_replays({k: (total * 1.5 * profiled[k] / own, frames) for k in keys}, {})
+        per_frame = {k: 1.5 * profiled[k] + (2e-4 if k == keys[-1] else 0.0) for k in keys}
+        cost.observe_replays({k: (frames * v, frames) for k, v in per_frame.items()}, {})
     assert (cost.replay_frame_s, cost.replay_fixed_s, cost.replay_factor) == (
         pytest.approx(2e-4), pytest.approx(0.0, abs=1e-12), pytest.approx(1.5))
     plan = {"b:op:0": Choice.RECOMPUTE, "c:op:0": Choice.RECOMPUTE, "a:op:0": Choice.KEEP}
@@ -632,6 +632,22 @@ def test_cost_model_learns_a_cost_per_rebuild_entered_and_none_for_a_key_rebuilt
     assert cost.plan_seconds(both, {}) == pytest.approx(truth(("a:op:0", "b:op:0")))
 
 
+def test_cost_model_tells_a_cost_per_rebuild_from_a_factor_within_one_plan() -> None:
+    """Rebuilds of one plan differ in size, so the same plan observed again and again tells a
+    fixed cost per rebuild (40 us) from a factor on the ops' time (1x) and predicts a key it has
+    never rebuilt; the plan's total alone would put everything in the factor."""
+    from bagualu2.cost_model import CostModel
+
+    cost = CostModel({})
+    profiled = {"a:op:0": 1e-5, "c:op:0": 9e-5, "d:op:0": 3e-5}
+    cost.observe({k: (1000, v, True, (), ()) for k, v in profiled.items()}, {}, forward_seconds=0.01)
+    for _ in range(3):
+        cost.observe_replays({k: (4e-5 + profiled[k], 1) for k in ("a:op:0", "c:op:0")}, {})
+    assert cost.replay_fixed_s + cost.replay_entry_s == pytest.approx(4e-5)
+    assert cost.replay_factor == pytest.approx(1.0)
+    assert cost.recompute_seconds("d:op:0", {}) == pytest.approx(7e-5)
+
+
 def test_cost_model_learns_what_each_key_s_rebuild_costs_beyond_the_shared_fit() -> None:
     """Two keys profiled alike whose rebuilds cost 100 us and 30 us: no shared fit tells them
     apart, each key's own correction does."""
@@ -662,8 +678,9 @@ def test_cost_model_counts_an_unsaved_input_once_per_plan() -> None:
     assert cost.recompute_seconds("k:op:0", {}) == pytest.approx(12e-3)
     both = {"q:op:0": Choice.RECOMPUTE, "k:op:0": Choice.RECOMPUTE, "o:op:0": Choice.KEEP}
     assert cost.plan_seconds(both, {}) == pytest.approx(13e-3)  # proj rebuilt once, for both
-    # Replays are fitted against the same plan-level profile.
-    cost.observe_replays({"q:op:0": (0.5 * 13e-3, 1), "k:op:0": (0.5 * 13e-3, 1)}, {})
+    # Replays are fitted against the same plan-level profile: backward unpacks k first, whose
+    # rebuild makes proj.
+    cost.observe_replays({"q:op:0": (1e-3, 1), "k:op:0": (12e-3, 1)}, {})
     assert cost.replay_factor == pytest.approx(1.0) and cost.replay_fixed_s == 0.0
 
 
@@ -736,8 +753,8 @@ def test_cost_fit_reproduces_exact_costs_and_never_goes_negative(coef, obs, nois
     exact, noisy = _CostFit(3), _CostFit(3)
     for x, e in zip(obs, noise):
         y = sum(c * v for c, v in zip(coef, x))
-        exact.add(x, y)
-        noisy.add(x, y * (1 + e))
+        exact.add([(x, y)])
+        noisy.add([(x, y * (1 + e))])
         assert min(noisy.coef) >= 0 and min(exact.coef) >= 0
     # Whatever split it finds, exact observations are reproduced.
     for x in obs:
