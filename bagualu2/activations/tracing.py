@@ -61,11 +61,24 @@ def is_recomputing() -> bool:
     return getattr(_STATE, "replaying", 0) > 0 or torch._C._current_graph_task_id() != -1
 
 
-class _Replaying:
+class _ReplayScope:
+    """Where recipes replay: ``is_recomputing()`` true, no autograd, and no autocast (the
+    recorded ops already carry the dtypes autocast chose). Entered once per rebuilt chain."""
+
+    __slots__ = ("_grad", "_autocast")
+
     def __enter__(self) -> None:
         _STATE.replaying = getattr(_STATE, "replaying", 0) + 1
+        self._grad = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+        self._autocast = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+        for device in self._autocast:
+            torch.set_autocast_enabled(device, False)
 
     def __exit__(self, *exc: object) -> None:
+        for device in self._autocast:
+            torch.set_autocast_enabled(device, True)
+        torch.set_grad_enabled(self._grad)
         _STATE.replaying -= 1
 
 
@@ -491,7 +504,7 @@ class Replayer:
 
     def _rebuild(self, root: StorageNode, root_state: int) -> None:
         stack: List[Tuple[StorageNode, int, bool]] = [(root, root_state, False)]
-        with _Replaying(), torch.no_grad(), _no_autocast():  # entered once for the whole chain
+        with _ReplayScope():
             while stack:
                 node, state, inputs_ready = stack.pop()
                 if self._at_hand(node, state) is not None:
@@ -558,15 +571,3 @@ class Replayer:
             _set_rng_state(saved)
 
 
-class _no_autocast:
-    """Replay below autocast: the recorded ops already carry the dtypes autocast chose."""
-
-    def __enter__(self) -> None:
-        self._cpu = torch.is_autocast_enabled("cpu")
-        self._cuda = torch.is_autocast_enabled("cuda")
-        torch.set_autocast_enabled("cpu", False)
-        torch.set_autocast_enabled("cuda", False)
-
-    def __exit__(self, *exc: object) -> None:
-        torch.set_autocast_enabled("cpu", self._cpu)
-        torch.set_autocast_enabled("cuda", self._cuda)
