@@ -421,17 +421,20 @@ class CostModel:
         """Learned backward rebuild seconds per second of profiled op time."""
         return self._replay_fit.coef[3]
 
-    def observe_copies(self, seconds: float, copies: int, nbytes: int) -> None:
+    def observe_copies(self, seconds: float, copies: int, nbytes: int, busy_s: float = 0.0) -> None:
         """Learn what offloads cost: ``seconds`` the training thread spent on them (submitting,
-        waiting for copies and for room; measured on this cpu machine, the step time grows by
-        about that much, the copy threads' own time hiding behind waits for them) for
-        ``copies`` offloads (each with its reload) of ``nbytes`` in all:
-        ``seconds = copies * copy_overhead_s + copy_factor * predicted copy time`` (``_CostFit``).
-        A copy's own work on the training thread (its store, the reload's fresh buffer, the
-        hooks) does not scale with its bytes; what its bytes cost depends on how much of the
-        copy the thread waits for."""
+        waiting for copies and for room) for ``copies`` offloads (each with its reload) of
+        ``nbytes`` in all: ``seconds = copies * copy_overhead_s + copy_factor * predicted copy
+        time`` (``_CostFit``). A copy's own work on the training thread (its store, the reload's
+        fresh buffer, the hooks) does not scale with its bytes; what its bytes cost depends on
+        how much of the copy the thread waits for. ``busy_s`` is what the engine's workers spent
+        copying: where copies do not run beside compute (``copies_overlap`` false: the cpu
+        backend's copy threads take cores the compute uses), the step pays it too, and it is
+        added to ``seconds``."""
         predicted = (copies * (self.copy_fixed_s[0] + self.copy_fixed_s[1])
                      + nbytes / self.d2h_bandwidth + nbytes / self.h2d_bandwidth)
+        if not self.copies_overlap:
+            seconds += busy_s
         self._copy_fit.add([((float(copies), predicted), seconds)])
 
     @property

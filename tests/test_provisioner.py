@@ -720,6 +720,13 @@ def test_cost_model_learns_what_offloads_cost() -> None:
     assert cand.offload_s + cand.reload_s == pytest.approx(observed(1, 10**6))
     cost.observe_copies(0.0, copies=3, nbytes=10)  # nothing measured: ignored
     assert cost.copy_factor == pytest.approx(1.5)
+    # Copies beside compute (a GPU's copy engines) hide the workers' time; copy threads that
+    # share the cores with compute (the cpu backend) cost the step that time as well.
+    for overlap in (True, False):
+        cost = CostModel({}, d2h_bandwidth=1e9, h2d_bandwidth=1e9, copies_overlap=overlap)
+        cost.observe({"a:op:0": (10**6, 1e-3, True, ())}, {}, forward_seconds=0.05)
+        cost.observe_copies(1e-3, copies=1, nbytes=10**6, busy_s=2e-3)
+        assert cost.offload_seconds(10**6) + cost.reload_seconds(10**6) == pytest.approx(1e-3 if overlap else 3e-3)
 
 
 def test_runtime_measures_rebuilds_and_copies_and_the_provisioner_feeds_the_cost_model() -> None:
@@ -741,6 +748,8 @@ def test_runtime_measures_rebuilds_and_copies_and_the_provisioner_feeds_the_cost
     step(offloading.model, 0)
     seconds, copies, nbytes = offloading.runtime.take_copy_times()
     assert seconds > 0 and copies > 0 and nbytes >= copies
+    assert offloading._engine_busy_s() > 0  # the workers' copy time, read once
+    assert offloading._engine_busy_s() == 0.0
 
 
 @settings(max_examples=200, deadline=None)
