@@ -116,19 +116,22 @@ class _CostFit:
     an observation (the last feature is a prediction of the cost, the others count items that
     each cost the same), fitted to observed totals ``y``.
 
-    Least squares on the relative error (an observation of a small total counts as much as one
-    of a large total), over all observations, those of each batch (``add``) weighing
-    ``memory`` times as much as those of the next one (costs drift with the machine's load).
-    Every coefficient stays >= 0: among the subsets of features that keep the last one and that the observations can tell apart, the
-    fit with non-negative coefficients and the least residual wins (the smaller subset on a
-    tie). Before any observation the prediction is taken as it is (last coefficient 1).
+    Least squares over all observations, those of each batch (``add``) weighing ``memory``
+    times as much as those of the next one (costs drift with the machine's load): on the
+    relative error (an observation of a small total counts as much as one of a large total),
+    or with ``relative`` false on the absolute error (large observations count most, as they
+    do in the sums predicted from the fit). Every coefficient stays >= 0: among the subsets of
+    features that keep the last one and that the observations can tell apart, the fit with
+    non-negative coefficients and the least residual wins (the smaller subset on a tie).
+    Before any observation the prediction is taken as it is (last coefficient 1).
     """
 
-    __slots__ = ("coef", "memory", "_a", "_b", "_subsets")
+    __slots__ = ("coef", "memory", "relative", "_a", "_b", "_subsets")
 
-    def __init__(self, features: int, memory: float = 0.9) -> None:
+    def __init__(self, features: int, memory: float = 0.9, relative: bool = True) -> None:
         self.coef = [0.0] * (features - 1) + [1.0]
         self.memory = memory
+        self.relative = relative
         self._a = [[0.0] * features for _ in range(features)]  # decayed weighted sums of x x^T
         self._b = [0.0] * features  # ... and of x y
         last = features - 1
@@ -147,7 +150,7 @@ class _CostFit:
             for j in range(k):
                 self._a[i][j] *= self.memory
         for x, y in rows:
-            w = 1.0 / (y * y)
+            w = 1.0 / (y * y) if self.relative else 1.0
             for i in range(k):
                 self._b[i] += w * x[i] * y
                 for j in range(k):
@@ -234,8 +237,10 @@ class CostModel:
         self.copies_overlap = copies_overlap
         self.ops: Dict[str, OpCost] = {}
         self.unsaved: Dict[str, OpCost] = {}  # ops whose outputs nothing saves (rebuilt as inputs)
-        # micro-batches, replayed ops, rebuilds entered, the ops' profiled seconds -> rebuild seconds
-        self._replay_fit = _CostFit(4)
+        # Per rebuild: first of its micro-batch, replayed ops, 1, the ops' profiled seconds ->
+        # its seconds. A plan's recompute cost is a sum over its rebuilds, where the large ones
+        # weigh most; each key's replay_ratio corrects the small ones.
+        self._replay_fit = _CostFit(4, relative=False)
         self._replay_version = 0
         self._copy_fit = _CostFit(2)  # offloads, their predicted copy seconds -> training-thread seconds
         self.order: List[str] = []           # keys in the order a micro-batch first saves them

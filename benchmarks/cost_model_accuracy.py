@@ -5,7 +5,8 @@
    operator still to save). With a budget 30% above the calm peak nothing is released, so the
    ledger's measured high-water mark is the ground truth. Reported: error per micro-batch, mean and max.
 2. Time: for plans that release activations (``plan_for`` at tighter budgets, made once the
-   cost model has learned from adaptive steps at every one of these budgets), the predicted
+   cost model has learned from adaptive steps at every one of these budgets; and two static
+   plans, everything offloaded and everything recomputable recomputed), the predicted
    overhead (``Provisioner.predicted_overhead``) is compared with the measured step-time
    overhead over a (traced) all-keep plan on the same batch: the variants run interleaved, and
    the overhead is the median over ``--repeats`` rounds of the difference within a round. Also
@@ -94,9 +95,18 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
         for i in range(learn_steps):
             run_step(probe, batch, 0.0, 100 + i)
     plans = []
+    labels = []
     for fraction in fractions:
         planner_prov.budget = int(keep_peak * fraction)
         plans.append(planner_prov.plan_for(counts))
+        labels.append(f"{fraction:.0%}")
+    # Two static plans at the ends of the space: every operator offloaded; every recomputable
+    # one recomputed (the rest kept).
+    cost = planner_prov.cost
+    plans.append(bagualu2.Plan({k: bagualu2.Choice.OFFLOAD for k in cost.ops}))
+    plans.append(bagualu2.Plan({k: bagualu2.Choice.RECOMPUTE if op.recomputable else bagualu2.Choice.KEEP
+                                for k, op in cost.ops.items()}))
+    labels += ["offload", "recompute"]
     predictions: List[List[float]] = [[] for _ in plans]
     split: List[List[tuple]] = [[] for _ in plans]  # (rebuild, copy) predicted per round
     variants = []
@@ -136,13 +146,13 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
         prov.disable()
     base = samples[0]
     rows = []
-    for fraction, plan, preds, parts, steps, mech_parts in zip(fractions, plans, predictions, split, samples[1:],
+    for label, plan, preds, parts, steps, mech_parts in zip(labels, plans, predictions, split, samples[1:],
                                                                mechanism[1:]):
         pred = statistics.median(preds)
         diffs = [a - b for a, b in zip(steps, base)]
         q = statistics.quantiles(diffs, n=4)
         mech = [a + b for a, b in mech_parts]
-        rows.append({"budget_fraction": fraction, "mix": {c.name.lower(): n for c, n in plan.mix().items()},
+        rows.append({"plan": label, "mix": {c.name.lower(): n for c, n in plan.mix().items()},
                      "predicted_overhead_s": pred, "planner_exposed_s": plan.exposed_s, "measured_overhead_s": statistics.median(diffs),
                      "measured_rebuild_copy_s": statistics.median(mech),
                      "predicted_rebuild_s": statistics.median(p[0] for p in parts),
@@ -179,19 +189,19 @@ def main() -> None:
           f"spikes {mem['spike_mean_abs_error']:.2%} (published system: 1.56% mean)")
 
     rows = time_accuracy(model, batches[0], [0.8, 0.6, 0.4, 0.25], args.repeats, args.learn_steps)
-    print(f"\n{'budget':>8}{'plan (keep/offload/recompute)':>32}{'predicted ms':>14}{'step delta ms':>15}"
+    print(f"\n{'plan':>10}{'mix (keep/offload/recompute)':>30}{'predicted ms':>14}{'step delta ms':>15}"
           f"{'IQR ms':>16}{'error':>8}{'rebuild+copy ms':>17}{'error':>8}")
     for r in rows:
         mix = r["mix"]
         err = f"{r['error']:>8.0%}" if r["error"] is not None else f"{'-':>8}"
         mech = f"{r['mechanism_error']:>8.0%}" if r["mechanism_error"] is not None else f"{'-':>8}"
-        print(f"{r['budget_fraction']:>8.0%}{mix['keep']:>14}/{mix['offload']}/{mix['recompute']:<12}"
+        print(f"{r['plan']:>10}{mix['keep']:>12}/{mix['offload']}/{mix['recompute']:<12}"
               f"{r['predicted_overhead_s'] * 1e3:>14.1f}{r['measured_overhead_s'] * 1e3:>15.1f}"
               f"{r['measured_iqr_s'][0] * 1e3:>8.1f}..{r['measured_iqr_s'][1] * 1e3:<6.1f}{err}"
               f"{r['measured_rebuild_copy_s'] * 1e3:>17.1f}{mech}")
-    print(f"\n{'budget':>8}{'rebuild ms: predicted':>23}{'measured':>10}{'copy ms: predicted':>20}{'measured':>10}")
+    print(f"\n{'plan':>10}{'rebuild ms: predicted':>21}{'measured':>10}{'copy ms: predicted':>20}{'measured':>10}")
     for r in rows:
-        print(f"{r['budget_fraction']:>8.0%}{r['predicted_rebuild_s'] * 1e3:>23.2f}{r['measured_rebuild_s'] * 1e3:>10.2f}"
+        print(f"{r['plan']:>10}{r['predicted_rebuild_s'] * 1e3:>21.2f}{r['measured_rebuild_s'] * 1e3:>10.2f}"
               f"{r['predicted_copy_s'] * 1e3:>20.2f}{r['measured_copy_s'] * 1e3:>10.2f}")
     print(f"(all-keep step {rows[0]['all_keep_step_s'] * 1e3:.1f} ms, traced; step delta = median over "
           f"{args.repeats} interleaved rounds of the plan's step minus the all-keep plan's; rebuild+copy = "
