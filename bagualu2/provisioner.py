@@ -134,6 +134,9 @@ class Provisioner:
                  engine: Any = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"enable() needs a torch.nn.Module, got {type(model).__name__}")
+        compiled = getattr(model, "_orig_mod", None)
+        if isinstance(compiled, torch.nn.Module) and "forward" in model.__dict__:
+            model = compiled  # torch.compile's wrapper calls it: provision the module it wraps
         if isinstance(policy, str) and policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: use one of {POLICIES} or a fixed Plan / mapping of keys to Choice")
         if on_exceed not in ("record", "raise"):
@@ -653,7 +656,7 @@ def enable(model: torch.nn.Module, budget: Union[str, int, float, None] = "auto"
 
     Args:
         model: the module whose ``forward`` is one micro-batch (a whole model or a pipeline
-            stage). Its MoE gates are found automatically (see ``bagualu2.moe.find_gates``);
+            stage; for a ``torch.compile`` wrapper, the module it wraps). Its MoE gates are found automatically (see ``bagualu2.moe.find_gates``);
             register others with ``Provisioner.register_gate`` or report loads with
             ``bagualu2.on_gating``.
         budget: ``"auto"`` (device memory minus what is resident now minus ``reserve_bytes``;

@@ -154,15 +154,22 @@ def test_forwards_without_grad_are_not_provisioned_and_teach_the_cost_model_noth
     assert prov.report()["saved_bytes_by_choice"]["recompute"] > 0
 
 
-def test_a_compiled_model_is_provisioned_eagerly_and_exactly() -> None:
-    """torch.compile of an enabled model: the provisioned forward runs eagerly (Dynamo would
-    graph-break and recompile at every op of the tracing mode and hooks), still releasing."""
+@pytest.mark.parametrize("order", ["enable, then compile", "compile, then enable"])
+def test_a_compiled_model_is_provisioned_eagerly_and_exactly(order: str) -> None:
+    """torch.compile of an enabled model, or enable() of a compiled one (the module it wraps
+    is provisioned): the provisioned forward runs eagerly (Dynamo would graph-break and
+    recompile at every op of the tracing mode and hooks), still releasing."""
     import torch._dynamo
 
     model = make_model(ep_size=4)
     plain = copy.deepcopy(model)
-    prov = bagualu2.enable(model, budget=None, policy="recompute_all", min_bytes=0)
-    compiled = torch.compile(model, backend="eager")
+    if order == "enable, then compile":
+        prov = bagualu2.enable(model, budget=None, policy="recompute_all", min_bytes=0)
+        compiled = torch.compile(model, backend="eager")
+    else:
+        compiled = torch.compile(model, backend="eager")
+        prov = bagualu2.enable(compiled, budget=None, policy="recompute_all", min_bytes=0)
+        assert prov.model is model
     torch._dynamo.utils.counters.clear()
     for i in range(2):
         ref, got = step(plain, i), step(compiled, i)
