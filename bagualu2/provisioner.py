@@ -35,16 +35,18 @@ forward reruns with a recompute-everything plan; the step goes on.
 from __future__ import annotations
 
 import collections
+import copy
 import math
 import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from bagualu2.activations import ActivationRuntime, Frame, is_recomputing
+from bagualu2.activations.runtime import AttachedHook
 from bagualu2.activations.tracing import is_plain
 from bagualu2.cost_model import SIZE, CostModel
 from bagualu2.errors import BudgetExceededError, InfeasibleBudgetError
@@ -145,7 +147,7 @@ class Provisioner:
             raise ValueError(f"margin={margin} must be in [0, 0.5)")
         if profile_frames < 1:
             raise ValueError(f"profile_frames={profile_frames} must be >= 1")
-        if "forward" in model.__dict__:
+        if "forward" in model.__dict__ and not _plain_forward(model):
             raise RuntimeError(f"{type(model).__name__} already has bagualu2 (or another forward wrapper) enabled; "
                                f"call disable() on the existing Provisioner first")
         self.model = model
@@ -178,12 +180,9 @@ class Provisioner:
                               copies_overlap=self.device.type != "cpu")
         self._hooks: List[Any] = self.runtime.attach(model)
         for spec in self.gates:
-            self._hooks.append(spec.module.register_forward_hook(self._gate_hook(spec)))
+            self._hooks.append(spec.module.register_forward_hook(AttachedHook(self._gate_hook(spec))))
         self._forward = model.forward
-        # Under torch.compile the provisioned forward runs eagerly: the tracing mode, the
-        # saved-tensor hooks and the gating callbacks are Python that Dynamo would otherwise try
-        # to trace, graph-breaking and recompiling at every op.
-        model.forward = torch.compiler.disable(self._provisioned_forward)  # type: ignore[method-assign]
+        model.forward = _ProvisionedForward(self._provisioned_forward, self._forward)  # type: ignore[method-assign]
         self._phase = "none"
         self._stacked = 0
         # Outside a pipeline schedule, forwards that ran back to back without a backward between
@@ -282,7 +281,7 @@ class Provisioner:
         spec = GateSpec(module, name, layer, num_experts, counts_fn, None, name.rpartition(".")[0])
         self.gates.append(spec)
         self.cost.expert_prefixes[layer] = f"{spec.block_name}.experts." if spec.block_name else "experts."
-        self._hooks.append(module.register_forward_hook(self._gate_hook(spec)))
+        self._hooks.append(module.register_forward_hook(AttachedHook(self._gate_hook(spec))))
         return spec
 
     def set_pipeline_phase(self, phase: str, stacked_forwards: int = 0) -> None:
@@ -648,6 +647,45 @@ class Provisioner:
         record.mix = {c.name.lower(): n for c, n in plan.mix().items()}
         record.mix["keep"] += len(remaining) - len(plan.choices)
         return record
+
+
+class _ProvisionedForward:
+    """The provisioned forward bagualu2 puts on a model in place of its own.
+
+    Under torch.compile it runs eagerly: the tracing mode, the saved-tensor hooks and the gating
+    callbacks are Python that Dynamo would otherwise try to trace, graph-breaking and
+    recompiling at every op. A copy of the model (``copy.deepcopy``, or ``torch.save`` of the
+    whole module) gets the model's own forward back: the copy is a plain model, not one that
+    runs through the original (with the original's parameters).
+    """
+
+    __slots__ = ("run", "original")
+
+    def __init__(self, run: Callable[..., Any], original: Callable[..., Any]) -> None:
+        self.run = run
+        self.original = original
+
+    @torch.compiler.disable
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Callable[..., Any]:
+        return copy.deepcopy(self.original, memo)  # a bound method: bound to the copy
+
+    def __reduce__(self) -> Tuple[Any, tuple]:
+        return _same, (self.original,)  # pickled as the bound method it is
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+def _plain_forward(model: torch.nn.Module) -> bool:
+    """Whether the forward in ``model.__dict__`` is the class's own, bound to ``model`` (what a
+    copy of a provisioned model holds)."""
+    forward = model.__dict__.get("forward")
+    return (getattr(forward, "__self__", None) is model
+            and getattr(forward, "__func__", None) is getattr(type(model), "forward", None))
 
 
 def enable(model: torch.nn.Module, budget: Union[str, int, float, None] = "auto",

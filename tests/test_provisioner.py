@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import json
 from typing import Dict, List, Sequence, Tuple
 
@@ -177,6 +178,36 @@ def test_a_compiled_model_is_provisioned_eagerly_and_exactly(order: str) -> None
     assert prov.report()["saved_bytes_by_choice"]["recompute"] > 0
     assert sum(torch._dynamo.utils.counters["frames"].values()) == 0
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copy_of_an_enabled_model_is_a_plain_model_of_its_own(how: str) -> None:
+    """An EMA or teacher copy (``copy.deepcopy``) or a saved whole module: it computes with its
+    own parameters, not through the original's provisioner, and can be enabled itself."""
+    model = make_model(ep_size=4)
+    prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.7), min_bytes=0)
+    step(model, 0)
+    if how == "deepcopy":
+        twin = copy.deepcopy(model)
+    else:
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        twin = torch.load(buf, weights_only=False)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    reference = copy.deepcopy(twin)  # a deep copy of the copy: plain as well
+    seen = prov.report()["micro_batches"]
+    got, want = step(twin, 1), step(reference, 1)
+    assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    assert not torch.equal(got[0], step(model, 1)[0])  # not the original's parameters
+    assert prov.report()["micro_batches"] == seen + 1  # only the original's own step
+    again = bagualu2.enable(twin, budget=None, policy="recompute_all", min_bytes=0)
+    step(twin, 2)
+    assert again.report()["saved_bytes_by_choice"]["recompute"] > 0
+    again.disable()
+    assert "forward" not in twin.__dict__
 
 
 def test_keep_all_with_raise_reports_what_would_have_crashed() -> None:

@@ -51,7 +51,38 @@ from bagualu2.activations.tracing import (
 )
 from bagualu2.planner import Choice
 
-__all__ = ["ActivationRuntime", "Frame", "ResidencyLedger"]
+__all__ = ["ActivationRuntime", "AttachedHook", "Frame", "ResidencyLedger"]
+
+def _unattached(*args: Any, **kwargs: Any) -> None:
+    """What a copy of a module holds in place of an ``AttachedHook``: a hook that does nothing."""
+
+
+def _detached() -> Callable[..., None]:
+    return _unattached
+
+
+class AttachedHook:
+    """A module hook bagualu2 installs on a user's module (through ``register_forward_*``).
+
+    A copy of the module (``copy.deepcopy``: an EMA or teacher model; ``torch.save`` of the
+    whole module) is a plain module: it gets a hook that does nothing in this one's place, so
+    it neither runs through nor reports to the original's runtime, and it pickles.
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Callable[..., None]:
+        return _unattached
+
+    def __reduce__(self) -> Tuple[Callable[[], Callable[..., None]], tuple]:
+        return _detached, ()
+
 
 # Creating ops whose output is only a dtype cast or copy of their one tensor input: when that
 # input is already stored, the output is regenerated from it instead of being stored twice.
@@ -527,8 +558,8 @@ class ActivationRuntime:
                 if self._frame is not None and self._frame.traced and not self.mode.suspended:
                     self.mode.pop_module()
 
-            handles.append(module.register_forward_pre_hook(enter))
-            handles.append(module.register_forward_hook(leave))
+            handles.append(module.register_forward_pre_hook(AttachedHook(enter)))
+            handles.append(module.register_forward_hook(AttachedHook(leave)))
         return handles
 
     def _anchor(self, t: torch.Tensor, outermost: bool) -> None:
