@@ -24,6 +24,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from bagualu2.errors import InfeasibleBudgetError
+
 POLICY_ORDER = ("keep_all", "recompute_all", "static", "adaptive")
 
 
@@ -115,13 +117,23 @@ def run(args: argparse.Namespace) -> int:
         spikes = _spike_schedule(args.micro_batches, args.spike_rate, args.seed, warmup)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    cfg = MoEConfig.small(ep_size=args.ep_size)
-    torch.manual_seed(args.seed)
-    model = MoETransformer(cfg)
-    batch_size, seq_len = args.batch_size, args.seq_len
-    batches = list(synthetic_batches(cfg.vocab_size, batch_size, seq_len, seed=args.seed,
-                                     num_batches=args.micro_batches))
+    if args.budget is not None and args.budget <= 0:
+        raise SystemExit(f"--budget {args.budget} must be a positive number of bytes")
+    # Arguments the model and the data check: their messages, without a traceback.
     spiked_expert = 0  # hosted by this rank
+    try:
+        cfg = MoEConfig.small(ep_size=args.ep_size)
+        if not 1 <= args.seq_len <= cfg.max_seq_len:
+            raise ValueError(f"--seq-len {args.seq_len} must be in [1, {cfg.max_seq_len}] for the demo model")
+        torch.manual_seed(args.seed)
+        model = MoETransformer(cfg)
+        with model.routing_spike(args.imbalance, experts=(spiked_expert,)):
+            pass
+        batch_size, seq_len = args.batch_size, args.seq_len
+        batches = list(synthetic_batches(cfg.vocab_size, batch_size, seq_len, seed=args.seed,
+                                         num_batches=args.micro_batches))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
     budget = args.budget
     if budget is None:
@@ -135,14 +147,17 @@ def run(args: argparse.Namespace) -> int:
     # Policies take turns micro-batch by micro-batch, so machine noise falls on all alike, the
     # order rotating so that none always runs right after the same one.
     order = [p for p in POLICY_ORDER if p in policies]
-    trainers = {p: _Trainer(model, _static_plan(model, batches[0], budget) if p == "static" else p, budget)
-                for p in order}
-    with tqdm(total=len(order) * len(batches), unit="mb", desc="training", dynamic_ncols=True) as bar:
-        for i, batch in enumerate(batches):
-            spike = args.imbalance if i in spikes else None
-            for policy in order[i % len(order):] + order[:i % len(order)]:
-                trainers[policy].step(i, batch, spike, spiked_expert)
-                bar.update(1)
+    try:
+        trainers = {p: _Trainer(model, _static_plan(model, batches[0], budget) if p == "static" else p, budget)
+                    for p in order}
+        with tqdm(total=len(order) * len(batches), unit="mb", desc="training", dynamic_ncols=True) as bar:
+            for i, batch in enumerate(batches):
+                spike = args.imbalance if i in spikes else None
+                for policy in order[i % len(order):] + order[:i % len(order)]:
+                    trainers[policy].step(i, batch, spike, spiked_expert)
+                    bar.update(1)
+    except InfeasibleBudgetError as e:
+        raise SystemExit(f"--budget: {e}") from None
     results = {p: _summarize(p, t.prov, t.times, batches, spikes, warmup, budget) for p, t in trainers.items()}
     reference = trainers["keep_all"].losses if "keep_all" in trainers else None
     for name, r in results.items():

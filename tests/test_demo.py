@@ -32,6 +32,13 @@ def test_demo_trains_every_policy_exactly_and_adaptive_holds_the_budget(tmp_path
     (["--policies", "keep_all,fastest"], "unknown policies"),
     (["--micro-batches", "5"], "too few"),
     (["--spike-rate", "1.5"], "spike-rate"),
+    (["--budget", "-5"], "--budget -5 must be a positive"),
+    (["--imbalance", "0.5"], r"imbalance=0.5 is outside \[1, 4\]"),
+    (["--seq-len", "100000"], r"--seq-len 100000 must be in \[1, 128\]"),
+    (["--ep-size", "3"], "ep_size=3 must be a positive int dividing"),
+    (["--batch-size", "0"], "batch_size >= 1"),
+    (["--budget", "100", "--batch-size", "1", "--seq-len", "16", "--micro-batches", "20"],
+     "--budget: budget 100 bytes cannot be met"),
 ])
 def test_demo_refuses_bad_arguments_by_name(tmp_path, argv, match) -> None:
     with pytest.raises(SystemExit, match=match):
