@@ -57,7 +57,7 @@ def human(n: int) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-size", type=parse_size, default=64 * KiB, help="smallest copy (default 64K)")
     parser.add_argument("--max-size", type=parse_size, default=1 * GiB, help="largest copy (default 1G)")
-    parser.add_argument("--step", type=int, default=4, help="size multiplier between points (default 4)")
+    parser.add_argument("--step", type=int, default=4, help="size multiplier between points, >= 2 (default 4)")
     parser.add_argument("--backend", default="auto", help="auto|cpu|cuda|hip (default auto)")
     parser.add_argument("--min-time", type=float, default=0.2,
                         help="seconds of copying per method and size, at least --min-iters batches per pass")
@@ -85,8 +85,8 @@ def _measure(fns: Sequence[Callable[[], None]], nbytes: int, args) -> list:
     for fn in fns:
         fn()  # warm-up (first touch, lazy init)
     times: list = [[] for _ in fns]
-    share = args.min_time / max(1, args.passes)
-    for _ in range(max(1, args.passes)):
+    share = args.min_time / args.passes
+    for _ in range(args.passes):
         for fn, samples in zip(fns, times):
             start = time.perf_counter()
             count = 0
@@ -207,13 +207,26 @@ def _hip_memcpy(setup: _Setup, direction: str) -> Optional[Callable[[], None]]:
 def run(args: argparse.Namespace) -> int:
     from bagualu2.offload import CopyEngine, HostArena, resolve_backend
 
-    backend = resolve_backend(args.backend)
+    for name, value, least in (("--min-size", args.min_size, 1), ("--step", args.step, 2),
+                               ("--passes", args.passes, 1), ("--min-iters", args.min_iters, 1),
+                               ("--max-iters", args.max_iters, args.min_iters)):
+        if value < least:
+            raise SystemExit(f"{name} {value} must be at least {least}")
+    if args.min_time < 0:
+        raise SystemExit(f"--min-time {args.min_time} must be >= 0")
+    try:
+        backend = resolve_backend(args.backend)
+    except ValueError as e:
+        raise SystemExit(f"--backend: {e}") from None
+    if backend != "cpu" and not torch.cuda.is_available():
+        raise SystemExit(f"--backend {backend} needs a visible GPU and a torch built for it; this torch "
+                         f"({torch.__version__}) sees none: use --backend cpu")
     device = torch.device("cuda", torch.cuda.current_device()) if backend != "cpu" else torch.device("cpu")
     sizes = []
     n = args.min_size
     while n <= args.max_size:
         sizes.append(n)
-        n *= max(2, args.step)
+        n *= args.step
     if not sizes:
         print(f"no sizes between {args.min_size} and {args.max_size}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ tensors are host tensors; on cuda/hip they are device tensors.
 from __future__ import annotations
 
 import gc
+import json
 import threading
 
 import pytest
@@ -320,3 +321,45 @@ def test_handle_reports_metadata(engine, device):
     assert (h.nbytes, h.dtype, tuple(h.shape), h.stride) == (30, torch.int16, (3, 5), (5, 1))
     h.wait()
     assert h.done() and "done" in repr(h)
+
+
+def test_bench_offload_command_measures_every_size_against_the_baselines(tmp_path) -> None:
+    from bagualu2.cli import main
+
+    out = tmp_path / "bench"
+    rc = main(["bench", "offload", "--min-size", "64K", "--max-size", "256K", "--min-time", "0.001",
+               "--min-iters", "1", "--max-iters", "2", "--passes", "1", "--no-plot", "--quiet", "--out", str(out)])
+    assert rc == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert [r["bytes"] for r in result["results"]] == [64 << 10, 256 << 10]
+    for row in result["results"]:
+        for direction in ("d2h", "h2d"):
+            measured = row[direction]
+            assert measured["engine"]["GBps"] > 0 and measured["memcpy"]["GBps"] > 0
+            best = measured["best_baseline"]
+            assert measured["ratio"] == pytest.approx(measured["engine"]["GBps"] / measured[best]["GBps"])
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--min-size", "0"], "--min-size 0 must be at least 1"),  # a size that never grows
+    (["--step", "1"], "--step 1 must be at least 2"),
+    (["--passes", "0"], "--passes 0 must be at least 1"),
+    (["--min-iters", "5", "--max-iters", "2"], "--max-iters 2 must be at least 5"),
+    (["--min-time", "-1"], "--min-time -1.0 must be >= 0"),
+    (["--backend", "tpu"], "--backend: backend 'tpu' is not compiled"),
+])
+def test_bench_offload_command_refuses_bad_arguments_by_name(tmp_path, argv, match) -> None:
+    from bagualu2.cli import main
+
+    with pytest.raises(SystemExit, match=match):
+        main(["bench", "offload", "--out", str(tmp_path / "bench"), "--no-plot", "--quiet", *argv])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a visible GPU")
+def test_bench_offload_command_names_a_gpu_backend_it_cannot_use(tmp_path) -> None:
+    from bagualu2.cli import main
+
+    gpu = next((b for b in _C.backends() if b != "cpu"), "cuda")
+    match = "needs a visible GPU" if gpu in _C.backends() else "is not compiled"
+    with pytest.raises(SystemExit, match=match):
+        main(["bench", "offload", "--backend", gpu, "--out", str(tmp_path / "bench"), "--no-plot", "--quiet"])
