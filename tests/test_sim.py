@@ -341,3 +341,5 @@ def test_cli_reports_bad_values_with_the_fix(capsys) -> None:
     assert main(["--pp", "5", "--steps", "2", "--no-progress"]) == 2
     assert "does not divide" in capsys.readouterr().err
     assert main(["--policies", "keep_all,yolo", "--no-progress"]) == 2
+    assert main(["--trace", "/nonexistent/telemetry.jsonl", "--steps", "2", "--no-progress"]) == 2
+    assert "is not a file; pass the telemetry JSON lines" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, List, Optional, Sequence
@@ -123,6 +124,9 @@ def _run(args: argparse.Namespace) -> int:
     sim = Simulator(model, cluster, layout, checkpoint_interval=args.ckpt_interval,
                     restart_s=args.restart_s, static_imbalance=args.static_imbalance)
     if args.trace:
+        if not os.path.isfile(args.trace):
+            raise ValueError(f"--trace {args.trace!r} is not a file; pass the telemetry JSON lines a "
+                             f"provisioner wrote (enable(..., telemetry_path=...))")
         per_rank = max(1, model.experts // layout.ep)
         trace = read_telemetry(args.trace, ep=layout.ep, experts_per_rank=per_rank).fit(
             args.steps, layout.m, len(sim.moe_units))
