@@ -694,9 +694,9 @@ def enable(model: torch.nn.Module, budget: Union[str, int, float, None] = "auto"
 
     Args:
         model: the module whose ``forward`` is one micro-batch (a whole model or a pipeline
-            stage; for a ``torch.compile`` wrapper, the module it wraps). Its MoE gates are found automatically (see ``bagualu2.moe.find_gates``);
-            register others with ``Provisioner.register_gate`` or report loads with
-            ``bagualu2.on_gating``.
+            stage; for a ``torch.compile`` wrapper, the module it wraps). Its MoE gates are
+            found automatically (see ``bagualu2.moe.find_gates``); register others with
+            ``Provisioner.register_gate`` or report loads with ``bagualu2.on_gating``.
         budget: ``"auto"`` (device memory minus what is resident now minus ``reserve_bytes``;
             no limit on CPU), an int of bytes, or a float fraction of device memory.
         policy: ``"adaptive"`` (decide per micro-batch at gating), or a static baseline through

@@ -53,6 +53,7 @@ from bagualu2.planner import Choice
 
 __all__ = ["ActivationRuntime", "AttachedHook", "Frame", "ResidencyLedger"]
 
+
 def _unattached(*args: Any, **kwargs: Any) -> None:
     """What a copy of a module holds in place of an ``AttachedHook``: a hook that does nothing."""
 
