@@ -117,6 +117,7 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
         variants.append((m, prov))
     samples: List[List[float]] = [[] for _ in variants]
     mechanism: List[List[tuple]] = [[] for _ in variants]  # (rebuild, copy) seconds per step
+
     def busy(prov: "bagualu2.Provisioner") -> float:
         """The copy engine's busy seconds so far (its workers copying)."""
         stats = prov.engine.stats()

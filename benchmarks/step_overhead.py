@@ -92,16 +92,15 @@ def main() -> None:
         finally:
             restore()
 
-    peaks: Dict[str, int] = {}
+    provisioners: Dict[str, bagualu2.Provisioner] = {}
 
     def provisioned(name: str, policy: Union[str, dict], budget: Optional[int] = None) -> Callable[[], None]:
         own = copy.deepcopy(model)  # enabled once, outside the timed steps
-        prov = bagualu2.enable(own, budget=budget, policy=policy)
+        provisioners[name] = bagualu2.enable(own, budget=budget, policy=policy)
 
         def run() -> None:
             own.zero_grad(set_to_none=True)
             own(batch).backward()
-            peaks[name] = prov.report()["peak_bytes"]
         return run
 
     def checkpoint_set() -> Dict[str, bagualu2.Choice]:
@@ -143,6 +142,7 @@ def main() -> None:
                 times[name].append(elapsed)
             print(f"step {i} {name:<28} {elapsed * 1000:8.1f} ms", flush=True)
 
+    peaks = {name: prov.report()["peak_bytes"] for name, prov in provisioners.items()}
     median = {name: statistics.median(v) for name, v in times.items()}
     best = {name: min(v) for name, v in times.items()}
     pairs = [("bagualu2 adaptive, ample", "plain pytorch"), ("bagualu2 keep_all", "plain pytorch"),
