@@ -126,12 +126,13 @@ class _CostFit:
     Before any observation the prediction is taken as it is (last coefficient 1).
     """
 
-    __slots__ = ("coef", "memory", "relative", "_a", "_b", "_subsets")
+    __slots__ = ("coef", "memory", "relative", "observed", "_a", "_b", "_subsets")
 
     def __init__(self, features: int, memory: float = 0.9, relative: bool = True) -> None:
         self.coef = [0.0] * (features - 1) + [1.0]
         self.memory = memory
         self.relative = relative
+        self.observed = False  # whether any observation was kept
         self._a = [[0.0] * features for _ in range(features)]  # decayed weighted sums of x x^T
         self._b = [0.0] * features  # ... and of x y
         last = features - 1
@@ -144,6 +145,7 @@ class _CostFit:
         rows = [(x, y) for x, y in rows if y > 0 and x[-1] > 0 and min(x) >= 0]
         if not rows:
             return
+        self.observed = True
         k = len(self.coef)
         for i in range(k):
             self._b[i] *= self.memory
@@ -243,6 +245,7 @@ class CostModel:
         self._replay_fit = _CostFit(4, relative=False)
         self._replay_version = 0
         self._copy_fit = _CostFit(2)  # offloads, their predicted copy seconds -> training-thread seconds
+        self._busy_fit = _CostFit(1)  # the engine's copy seconds of their bytes -> its workers' busy seconds
         self.order: List[str] = []           # keys in the order a micro-batch first saves them
         self.forward_seconds = 0.0           # measured forward time of one micro-batch
         self.frames = 0
@@ -434,13 +437,16 @@ class CostModel:
         fresh buffer, the hooks) does not scale with its bytes; what its bytes cost depends on
         how much of the copy the thread waits for. ``busy_s`` is what the engine's workers spent
         copying: where copies do not run beside compute (``copies_overlap`` false: the cpu
-        backend's copy threads take cores the compute uses), the step pays it too, and it is
-        added to ``seconds``."""
-        predicted = (copies * (self.copy_fixed_s[0] + self.copy_fixed_s[1])
-                     + nbytes / self.d2h_bandwidth + nbytes / self.h2d_bandwidth)
+        backend's copy threads take cores the compute uses), the step pays it too. It is fitted
+        on its own, to the bytes (``busy_factor`` x their copy time at the engine's bandwidth):
+        the workers' time follows the bytes, the training thread's mostly the number of copies,
+        and one fit of both would confuse the two whenever the plans it learned from offload
+        copies of one size."""
+        transfer = nbytes / self.d2h_bandwidth + nbytes / self.h2d_bandwidth
+        self._copy_fit.add([((float(copies), copies * (self.copy_fixed_s[0] + self.copy_fixed_s[1]) + transfer),
+                             seconds)])
         if not self.copies_overlap:
-            seconds += busy_s
-        self._copy_fit.add([((float(copies), predicted), seconds)])
+            self._busy_fit.add([((transfer,), busy_s)])
 
     @property
     def copy_overhead_s(self) -> float:
@@ -452,12 +458,19 @@ class CostModel:
         """Learned seconds per second of copy time predicted from the engine's bandwidth."""
         return self._copy_fit.coef[1]
 
+    @property
+    def busy_factor(self) -> float:
+        """Learned busy seconds of the engine's workers per second of copy time at its
+        bandwidth; counted in a copy's cost where copies do not run beside compute (0 until
+        measured there)."""
+        return 0.0 if self.copies_overlap or not self._busy_fit.observed else self._busy_fit.coef[0]
+
     def recompute_seconds(self, key: str, counts: Mapping[int, Sequence[int]]) -> float:
         """Predicted backward cost of recomputing ``key`` alone: the learned ``replay_entry_s``
         for entering its rebuild, ``replay_fixed_s`` per op it replays (unsaved inputs
-        included), plus their profiled time times the learned ``replay_factor``. The planner adds these up; a plan that recomputes several keys with
-        a common unsaved input pays for that input once, and ``replay_frame_s`` once
-        (``plan_seconds``)."""
+        included), plus their profiled time times the learned ``replay_factor``. The planner
+        adds these up; a plan that recomputes several keys with a common unsaved input pays for
+        that input once, and ``replay_frame_s`` once (``plan_seconds``)."""
         if key not in self.ops:
             return 0.0
         # rebuilds((key,), counts) for one key, without the walk (it is called per candidate)
@@ -465,11 +478,13 @@ class CostModel:
 
     def offload_seconds(self, nbytes: int) -> float:
         """Predicted cost of offloading ``nbytes`` (one copy)."""
-        return 0.5 * self.copy_overhead_s + self.copy_factor * (self.copy_fixed_s[0] + nbytes / self.d2h_bandwidth)
+        return (0.5 * self.copy_overhead_s + self.copy_factor * (self.copy_fixed_s[0] + nbytes / self.d2h_bandwidth)
+                + self.busy_factor * nbytes / self.d2h_bandwidth)
 
     def reload_seconds(self, nbytes: int) -> float:
         """Predicted cost of reloading ``nbytes`` (one copy)."""
-        return 0.5 * self.copy_overhead_s + self.copy_factor * (self.copy_fixed_s[1] + nbytes / self.h2d_bandwidth)
+        return (0.5 * self.copy_overhead_s + self.copy_factor * (self.copy_fixed_s[1] + nbytes / self.h2d_bandwidth)
+                + self.busy_factor * nbytes / self.h2d_bandwidth)
 
     def plan_seconds(self, choices: Mapping[str, Any], counts: Mapping[int, Sequence[int]],
                      offload_window: float = 0.0, reload_window: float = 0.0) -> float:
