@@ -765,6 +765,15 @@ def test_cost_model_learns_what_offloads_cost() -> None:
         cost.observe({"a:op:0": (10**6, 1e-3, True, ())}, {}, forward_seconds=0.05)
         cost.observe_copies(1e-3, copies=1, nbytes=10**6, busy_s=2e-3)
         assert cost.offload_seconds(10**6) + cost.reload_seconds(10**6) == pytest.approx(1e-3 if overlap else 3e-3)
+        assert cost.busy_factor == (0.0 if overlap else pytest.approx(1.0))  # 2 ms for 2 ms at the bandwidth
+    # The workers' time follows the bytes, not the number of copies: learned from copies of one
+    # size, it is not multiplied with a per-copy cost when the copies are smaller.
+    cost = CostModel({}, d2h_bandwidth=1e9, h2d_bandwidth=1e9, copies_overlap=False)
+    cost.observe({"a:op:0": (10**6, 1e-3, True, ())}, {}, forward_seconds=0.05)
+    cost.observe_copies(4e-4, copies=2, nbytes=2 * 10**6, busy_s=3 * 4e-3)
+    assert cost.busy_factor == pytest.approx(3.0)
+    one_small = cost.offload_seconds(10**3) + cost.reload_seconds(10**3)
+    assert one_small - (cost.copy_overhead_s + cost.copy_factor * 2e-6) == pytest.approx(3 * 2e-6)
 
 
 def test_runtime_measures_rebuilds_and_copies_and_the_provisioner_feeds_the_cost_model() -> None:
