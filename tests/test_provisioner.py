@@ -686,6 +686,26 @@ def test_cost_model_tells_a_cost_per_rebuild_from_a_factor_within_one_plan() -> 
     assert cost.recompute_seconds("d:op:0", {}) == pytest.approx(7e-5)
 
 
+def test_replay_fit_reproduces_the_large_rebuilds_a_plan_s_cost_is_made_of() -> None:
+    """Many one-op rebuilds with noisy timings (cold Python in backward) and one large rebuild
+    per micro-batch: the shared fit is on the absolute error, so it reproduces the large one,
+    which dominates a plan's total; a fit on the relative error lets the small ones decide."""
+    from bagualu2.cost_model import CostModel
+
+    cost = CostModel({})
+
+    def fitted(x):
+        return sum(c * v for c, v in zip(cost._replay_fit.coef, x))
+
+    noise = [0.7, 1.3, 0.9, 1.2, 0.8, 1.1, 1.0, 1.25, 0.75]
+    small = [((0.0, 1.0, 1.0, p), (26e-6 + p) * n * (3.0 if i % 3 == 0 else 1.0))
+             for i, (p, n) in enumerate(zip([5e-6, 7e-6, 9e-6, 6e-6, 8e-6, 10e-6, 5e-6, 7e-6, 9e-6], noise))]
+    large = ((0.0, 8.0, 1.0, 270e-6), 15e-6 + 8 * 11e-6 + 270e-6)
+    for _ in range(5):
+        cost._replay_fit.add(small + [large])
+    assert fitted(large[0]) == pytest.approx(large[1], rel=0.05)
+
+
 def test_cost_model_learns_what_each_key_s_rebuild_costs_beyond_the_shared_fit() -> None:
     """Two keys profiled alike whose rebuilds cost 100 us and 30 us: no shared fit tells them
     apart, each key's own correction does."""
