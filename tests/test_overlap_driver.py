@@ -71,8 +71,10 @@ class Run:
         schedule = self.driver.pair(fa, schedule, bubble_s=self.bubble_s)
         self.engine.start_trace()
         lb, fb = self.forward(b, SEEDS[1])
-        self.driver.forward_end()
+        # Before forward_end: it starts the early recomputes, whose charges the ledger then
+        # grows by while the worker runs.
         self.observed = self.snapshot(fa)
+        self.driver.forward_end()
         self.driver.backward_begin()
         la.backward()
         self.driver.backward_end()
