@@ -660,12 +660,16 @@ class _ProvisionedForward:
     """
 
     __slots__ = ("run", "original")
+    _hidden_from_dynamo = False  # __call__ wrapped by torch.compiler.disable, at the first enable()
 
     def __init__(self, run: Callable[..., Any], original: Callable[..., Any]) -> None:
+        cls = type(self)
+        if not cls._hidden_from_dynamo:  # here, not at import: it imports torch._dynamo (about 1 s)
+            cls.__call__ = torch.compiler.disable(cls.__call__)  # type: ignore[method-assign]
+            cls._hidden_from_dynamo = True
         self.run = run
         self.original = original
 
-    @torch.compiler.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.run(*args, **kwargs)
 

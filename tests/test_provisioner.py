@@ -180,6 +180,17 @@ def test_a_compiled_model_is_provisioned_eagerly_and_exactly(order: str) -> None
     torch._dynamo.reset()
 
 
+def test_importing_bagualu2_leaves_torch_dynamo_unimported() -> None:
+    """``import bagualu2`` stays fast (about 0.05 s): Dynamo (about 1 s to import) is loaded at
+    the first enable(), where the provisioned forward is hidden from it."""
+    import subprocess
+    import sys
+
+    code = "import sys, bagualu2, bagualu2.cli; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
 def test_a_copy_of_an_enabled_model_is_a_plain_model_of_its_own(how: str) -> None:
     """An EMA or teacher copy (``copy.deepcopy``) or a saved whole module: it computes with its
