@@ -869,3 +869,14 @@ def test_nested_frames_are_refused() -> None:
         with pytest.raises(RuntimeError, match="inside another"):
             with rt.frame(Frame()):
                 pass
+
+
+def test_a_traced_storage_is_held_weakly() -> None:
+    rt = ActivationRuntime(None)
+    x = torch.randn(64, 64, requires_grad=True)
+    with rt.frame(Frame()):
+        y = x.exp()
+        node = rt.mode.nodes[y.untyped_storage()._cdata]
+        watch = StorageWeakRef(y.untyped_storage())
+        y = None  # the graph, and with it the saved output, dies
+        assert watch.expired(), f"the trace kept {node} alive"

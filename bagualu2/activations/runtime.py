@@ -85,6 +85,8 @@ class AttachedHook:
         return _detached, ()
 
 
+_free_weak_ref = torch.UntypedStorage._free_weak_ref
+
 # Creating ops whose output is only a dtype cast or copy of their one tensor input: when that
 # input is already stored, the output is regenerated from it instead of being stored twice.
 _CAST_OPS = frozenset({"aten._to_copy.default", "aten.clone.default", "aten._to_dtype.default"})
@@ -99,7 +101,9 @@ class ResidencyLedger:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._held: Dict[int, List[Any]] = {}  # cdata -> [count, nbytes, StorageWeakRef]
+        # cdata -> [count, nbytes, weak handle]; the weak handle keeps the address from being
+        # reused by another storage while it is a key here
+        self._held: Dict[int, List[int]] = {}
         self.resident = 0
         self.peak = 0
 
@@ -109,7 +113,7 @@ class ResidencyLedger:
             entry = self._held.get(cdata)
             if entry is None:
                 nbytes = storage.nbytes()
-                self._held[cdata] = [1, nbytes, StorageWeakRef(storage)]
+                self._held[cdata] = [1, nbytes, storage._weak_ref()]
                 self.resident += nbytes
                 if self.resident > self.peak:
                     self.peak = self.resident
@@ -124,6 +128,7 @@ class ResidencyLedger:
             if entry[0] == 0:
                 del self._held[cdata]
                 self.resident -= entry[1]
+                _free_weak_ref(entry[2])
 
     def holds(self, storage: torch.UntypedStorage) -> bool:
         return storage._cdata in self._held
@@ -614,7 +619,7 @@ class ActivationRuntime:
                     stack.pop()
                     continue
                 if id(node) not in inputs:
-                    inputs[id(node)] = [n for step in [node.creator] + node.mutations for n in step_inputs(step)
+                    inputs[id(node)] = [n for step in (node.creator,) + node.mutations for n in step_inputs(step)
                                         if n is not node and n.key not in saved and n.anchor is None]
                     stack.extend(n for n in inputs[id(node)] if id(n) not in chains)
                     continue
@@ -630,7 +635,7 @@ class ActivationRuntime:
         def reads(root: StorageNode, unsaved_inputs: Tuple[str, ...]) -> Tuple[str, ...]:
             keys: Dict[str, None] = {}
             for node in [root] + [by_key[k] for k in unsaved_inputs]:
-                for step in [node.creator] + node.mutations:
+                for step in (node.creator,) + node.mutations:
                     keys.update((n.key, None) for n in step_inputs(step) if n.key in saved and n is not root)
             return tuple(keys)
 
@@ -667,7 +672,11 @@ class ActivationRuntime:
 
     # -- parameters and leaves --------------------------------------------------------------
     def _is_parameter(self, t: torch.Tensor) -> bool:
-        return isinstance(t, torch.nn.Parameter) or (is_plain(t) and t.untyped_storage()._cdata in self._params)
+        # A plain Tensor is never a Parameter: it skips the Parameter metaclass's isinstance (in
+        # Python, and called for every save).
+        if type(t) is not torch.Tensor and isinstance(t, torch.nn.Parameter):
+            return True
+        return is_plain(t) and t.untyped_storage()._cdata in self._params
 
     def _pin_leaf(self, t: torch.Tensor) -> Optional[_Pin]:
         if not is_plain(t) or self._is_parameter(t):

@@ -23,9 +23,9 @@ Invariants:
   this; it is recorded without its arguments and ends the states that can be replayed
   (``replayable``). A later op reading such a storage, or one no replay can rebuild (made by
   an op that cannot be replayed), holds it as a ``Leaf`` instead.
-* A node holds its storage only weakly (``StorageWeakRef``): tracing never extends the life of
-  an activation. The weak reference also keeps the storage's address from being reused while the
-  node is in the frame's map, so the address is a sound key.
+* A node holds its storage only weakly (a storage weak reference, freed with the node): tracing
+  never extends the life of an activation. The weak reference also keeps the storage's address
+  from being reused while the node is in the frame's map, so the address is a sound key.
 * Replaying a recipe runs the same aten ops on bitwise-identical inputs with the same RNG state,
   so it reproduces the storage bit for bit. Ops that mutate storages outside the traced region
   (running statistics, collectives; also the batch-norm ops whose schemas do not declare their
@@ -39,11 +39,9 @@ import bisect
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["Ref", "Step", "StorageNode", "TracingMode", "is_recomputing", "step_inputs", "step_refs", "ViewMeta"]
@@ -95,7 +93,7 @@ def is_plain(t: torch.Tensor) -> bool:
 
 def view_meta(t: torch.Tensor) -> ViewMeta:
     """Size, stride, storage offset and dtype: what rebuilds ``t`` from its storage."""
-    return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
 
 
 def view_of(storage: torch.UntypedStorage, meta: ViewMeta) -> torch.Tensor:
@@ -105,16 +103,22 @@ def view_of(storage: torch.UntypedStorage, meta: ViewMeta) -> torch.Tensor:
     return out.set_(storage, offset, size, stride)
 
 
+# Argument types recorded as they are: encoding skips them without a call each.
+_SCALARS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
+_NO_KWARGS: Dict[str, Any] = {}  # shared by every op called without keyword arguments; never written
+
 SELF = object()  # marks, inside a mutation step, the storage the step mutates
 
 
-@dataclass(frozen=True)
 class Ref:
     """A tensor argument of a recipe: a view of ``node``'s storage in ``state``."""
 
-    node: Any  # StorageNode or SELF
-    state: int
-    meta: ViewMeta
+    __slots__ = ("node", "state", "meta")
+
+    def __init__(self, node: Any, state: int, meta: ViewMeta) -> None:
+        self.node = node  # StorageNode or SELF
+        self.state = state
+        self.meta = meta
 
 
 class Leaf:
@@ -164,7 +168,7 @@ class StorageNode:
     """A storage created inside a traced forward, and how to rebuild it in any state."""
 
     __slots__ = (
-        "key", "position", "nbytes", "device", "weak", "creator", "mutations", "recomputable",
+        "key", "position", "nbytes", "device", "_weak", "creator", "mutations", "recomputable",
         "replayable", "why_not", "offloaded", "kept", "anchor", "cache", "__weakref__",
     )
 
@@ -174,9 +178,9 @@ class StorageNode:
         self.position = position
         self.nbytes = storage.nbytes()
         self.device = storage.device
-        self.weak = StorageWeakRef(storage)
+        self._weak = storage._weak_ref()  # a plain integer handle: no objects per node for it
         self.creator = creator
-        self.mutations: List[Step] = []
+        self.mutations: Tuple[Step, ...] = ()  # a tuple: most storages are never written in place
         self.recomputable = recomputable  # the creating op can be replayed
         self.replayable = 0  # leading mutations that can be replayed
         self.why_not = why_not
@@ -197,6 +201,9 @@ class StorageNode:
 
     def __repr__(self) -> str:
         return f"StorageNode({self.key!r}, {self.nbytes} B, state={self.state})"
+
+    def __del__(self, free: Callable[[int], None] = torch.UntypedStorage._free_weak_ref) -> None:
+        free(self._weak)  # bound at definition: module globals may be gone at interpreter exit
 
 
 def _rng_state(func: Any, args: tuple, kwargs: dict) -> Tuple[torch.device, torch.Tensor]:
@@ -332,20 +339,24 @@ class TracingMode(TorchDispatchMode):
             if not is_plain(x):
                 return Leaf(x, None)
             node = self.nodes.get(x.untyped_storage()._cdata)
-            if node is None or (node is not mutated and not node.rebuildable(len(node.mutations))):
+            if node is None:
                 return Leaf(x, self._pin_leaf(x))
-            return Ref(SELF if node is mutated else node, len(node.mutations), view_meta(x))
+            state = len(node.mutations)
+            if node is not mutated and not (node.recomputable and state <= node.replayable):
+                return Leaf(x, self._pin_leaf(x))
+            return Ref(SELF if node is mutated else node, state, view_meta(x))
         if isinstance(x, (list, tuple)):
-            return type(x)([self._encode(v, mutated) for v in x])
+            return type(x)([v if type(v) in _SCALARS else self._encode(v, mutated) for v in x])
         if isinstance(x, dict):  # keyword arguments (an attention mask is keyword-only)
-            return {k: self._encode(v, mutated) for k, v in x.items()}
+            return {k: self._encode(v, mutated) for k, v in x.items()} if x else _NO_KWARGS
         return x
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        kwargs = kwargs or {}
+        if not kwargs:
+            kwargs = _NO_KWARGS
         if self.suspended:
             return func(*args, **kwargs)
-        info = _OpInfo.of(func)
+        info = _OpInfo._cache.get(id(func)) or _OpInfo.of(func)
         rng = _rng_state(func, args, kwargs) if info.random else None
         if self.profile:
             start = time.perf_counter()
@@ -369,8 +380,8 @@ class TracingMode(TorchDispatchMode):
         several = len(outs) > 1
         siblings: List[Any] = []
         for index, o in enumerate(outs):
-            if not isinstance(o, torch.Tensor) or not is_plain(o):
-                continue
+            if type(o) not in _PLAIN_TYPES or o.layout != torch.strided or o.is_nested:
+                continue  # not a plain tensor (see is_plain), or not a tensor
             storage = o.untyped_storage()
             if storage._cdata in self.nodes:
                 continue  # an op returning one of its inputs
@@ -418,7 +429,7 @@ class TracingMode(TorchDispatchMode):
                     node.replayable += 1
             if len(node.mutations) >= node.replayable:
                 step = Step(func, (), {}, None, 0, seconds)  # not replayable: keep no references
-            node.mutations.append(step)
+            node.mutations += (step,)
         # Fresh outputs of a mutating op get no node: replaying the op would repeat its write
         # (running statistics, caches), so such outputs are saved as leaves and kept.
 
@@ -515,7 +526,7 @@ class Replayer:
                     self._found[(id(node), state)] = found
                     continue
                 stack.append((node, state, True))
-                for step in [node.creator] + node.mutations[:state]:
+                for step in (node.creator,) + node.mutations[:state]:
                     for ref in step_refs(step):
                         if self._at_hand(ref.node, ref.state) is None:
                             stack.append((ref.node, ref.state, False))
