@@ -563,9 +563,9 @@ class Replayer:
                 )
             return x.tensor
         if isinstance(x, (list, tuple)):
-            return type(x)([self._decode(v, self_storage) for v in x])
+            return type(x)([v if type(v) in _SCALARS else self._decode(v, self_storage) for v in x])
         if isinstance(x, dict):
-            return {k: self._decode(v, self_storage) for k, v in x.items()}
+            return {k: self._decode(v, self_storage) for k, v in x.items()} if x else x
         return x
 
     def _run(self, step: Step, self_storage: Optional[torch.UntypedStorage]) -> Any:
