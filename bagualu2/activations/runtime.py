@@ -85,8 +85,6 @@ class AttachedHook:
         return _detached, ()
 
 
-_free_weak_ref = torch.UntypedStorage._free_weak_ref
-
 # Creating ops whose output is only a dtype cast or copy of their one tensor input: when that
 # input is already stored, the output is regenerated from it instead of being stored twice.
 _CAST_OPS = frozenset({"aten._to_copy.default", "aten.clone.default", "aten._to_dtype.default"})
@@ -104,6 +102,9 @@ class ResidencyLedger:
         # cdata -> [count, nbytes, weak handle]; the weak handle keeps the address from being
         # reused by another storage while it is a key here
         self._held: Dict[int, List[int]] = {}
+        # Held here: releases run from finalizers, also at interpreter exit when module globals
+        # may already be gone.
+        self._free_weak_ref = torch.UntypedStorage._free_weak_ref
         self.resident = 0
         self.peak = 0
 
@@ -128,7 +129,7 @@ class ResidencyLedger:
             if entry[0] == 0:
                 del self._held[cdata]
                 self.resident -= entry[1]
-                _free_weak_ref(entry[2])
+                self._free_weak_ref(entry[2])
 
     def holds(self, storage: torch.UntypedStorage) -> bool:
         return storage._cdata in self._held

@@ -339,12 +339,9 @@ class TracingMode(TorchDispatchMode):
             if not is_plain(x):
                 return Leaf(x, None)
             node = self.nodes.get(x.untyped_storage()._cdata)
-            if node is None:
+            if node is None or (node is not mutated and not node.rebuildable(len(node.mutations))):
                 return Leaf(x, self._pin_leaf(x))
-            state = len(node.mutations)
-            if node is not mutated and not (node.recomputable and state <= node.replayable):
-                return Leaf(x, self._pin_leaf(x))
-            return Ref(SELF if node is mutated else node, state, view_meta(x))
+            return Ref(SELF if node is mutated else node, len(node.mutations), view_meta(x))
         if isinstance(x, (list, tuple)):
             return type(x)([v if type(v) in _SCALARS else self._encode(v, mutated) for v in x])
         if isinstance(x, dict):  # keyword arguments (an attention mask is keyword-only)
@@ -356,7 +353,7 @@ class TracingMode(TorchDispatchMode):
             kwargs = _NO_KWARGS
         if self.suspended:
             return func(*args, **kwargs)
-        info = _OpInfo._cache.get(id(func)) or _OpInfo.of(func)
+        info = _OpInfo.of(func)
         rng = _rng_state(func, args, kwargs) if info.random else None
         if self.profile:
             start = time.perf_counter()
