@@ -174,6 +174,7 @@ class Provisioner:
         # way, so a plan frees what it must, at most a few percent more than an exact one.
         self.planner = Planner(max_cells=2048)
         self.cache = PlanCache()
+        self._load_ids: Dict[Tuple[int, ...], int] = {}  # bucketed loads -> the cache's load key
         self.gates: List[GateSpec] = list(gates) if gates is not None else find_gates(model)
         self.cost = CostModel({g.layer: f"{g.block_name}.experts." if g.block_name else "experts."
                                for g in self.gates}, *self._copy_costs(),
@@ -631,7 +632,7 @@ class Provisioner:
             return record
         quantum = max(1, target // 64)
         must_bucket = int(math.ceil(must_free / quantum))
-        load_bucket = hash(tuple(v // step for v in bucketed)) & 0x7FFFFFFF
+        load_bucket = self._load_key(tuple(v // step for v in bucketed))
         phase = _PHASES[self._phase] * 64 + min(self._stacked, 63)
         plan = self.cache.get(layer, load_bucket, phase, must_bucket)
         record.cache_hit = plan is not None
@@ -647,6 +648,18 @@ class Provisioner:
         record.mix = {c.name.lower(): n for c, n in plan.mix().items()}
         record.mix["keep"] += len(remaining) - len(plan.choices)
         return record
+
+    def _load_key(self, loads: Tuple[int, ...]) -> int:
+        """The plan cache's key for a layer's bucketed loads: one per distinct tuple (a hash
+        could give two loads one key, and one the other's plan). The numbering restarts, with
+        an empty cache, once it would outgrow what the cache can hold many times over."""
+        key = self._load_ids.get(loads)
+        if key is None:
+            if len(self._load_ids) >= 16 * self.cache.capacity:
+                self._load_ids.clear()
+                self.cache.clear()
+            key = self._load_ids[loads] = len(self._load_ids)
+        return key
 
 
 class _ProvisionedForward:

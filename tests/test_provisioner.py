@@ -403,6 +403,35 @@ def test_unknown_moe_layers_via_on_gating_or_register_gate(use_on_gating: bool) 
         prov.register_gate(model.router, num_experts=0, counts_fn=counts_from_indices(4))
 
 
+def test_the_plan_cache_returns_a_plan_only_for_the_loads_it_was_solved_for() -> None:
+    model = make_model(ep_size=4)
+    budget = int(keep_all_peak(model) * 0.6)
+    prov = bagualu2.enable(model, budget=budget, min_bytes=0)
+    # Two loads whose Python hashes agree in the low 31 bits: they must not share a plan.
+    a, b = (13, 4, 11, 4, 19, 18, 7, 12), (17, 7, 12, 15, 13, 11, 5, 18)
+    assert hash(a) & 0x7FFFFFFF == hash(b) & 0x7FFFFFFF
+    assert prov._load_key(a) != prov._load_key(b)
+    assert prov._load_key(a) == prov._load_key(a)
+    # End to end: the same micro-batch again, from the same state and with the cost model
+    # settled, is answered from the cache with the plan solved the time before.
+    for _ in range(prov.profile_frames):
+        step(model, 0)
+    step(model, 1)
+    n = len(prov.telemetry.decisions)
+    step(model, 1)
+    solved = prov.telemetry.decisions[n:]
+    assert solved and any(sum(d.mix.values()) > d.mix.get("keep", 0) for d in solved)
+    step(model, 1)
+    cached = prov.telemetry.decisions[n + len(solved):]
+    assert [d.cache_hit for d in cached] == [True] * len(solved)
+    assert [d.mix for d in cached] == [d.mix for d in solved]
+    # The numbering restarts, with an empty cache, instead of growing without bound.
+    assert len(prov.cache) > 0
+    for i in range(16 * prov.cache.capacity):
+        prov._load_key((i,))
+    assert len(prov._load_ids) <= 16 * prov.cache.capacity and len(prov.cache) == 0
+
+
 def test_report_telemetry_and_plot(tmp_path) -> None:
     model = make_model(ep_size=4)
     budget = int(keep_all_peak(model) * 0.7)
