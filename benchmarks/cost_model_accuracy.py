@@ -11,7 +11,8 @@
    plans, everything offloaded and everything recomputable recomputed), the predicted
    overhead (``Provisioner.predicted_overhead``) is compared with the measured step-time
    overhead over a (traced) all-keep plan on the same batch: the variants run interleaved, and
-   the overhead is the median over ``--repeats`` rounds of the difference within a round. Also
+   the overhead is the median over ``--repeats`` rounds of the difference within a round (with
+   its 95% bootstrap interval: what the machine's noise leaves of the measurement). Also
    shown: the backward rebuild and copy seconds each plan's runtime measured (the overhead's
    mechanism, without the step-to-step noise; on the cpu the copy threads' busy time counts,
    as they take cores from compute).
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import random
 import statistics
 import time
 from typing import Dict, List
@@ -91,6 +93,20 @@ def memory_accuracy(model: MoETransformer, batches: List[torch.Tensor], spikes: 
             "spike_mean_abs_error": statistics.fmean([abs(r["error"]) for r in rows if r["imbalance"] >= 1.5] or [0.0]),
             "known_routing_mean_abs_error": statistics.fmean(abs(r["error_known_routing"]) for r in rows),
             "known_routing_max_abs_error": max(abs(r["error_known_routing"]) for r in rows)}
+
+
+def median_ci(values: List[float], resamples: int = 2000, seed: int = 0) -> List[float]:
+    """95% bootstrap confidence interval of the median of ``values``."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return [medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]]
+
+
+def error_range(predicted: float, interval: List[float]) -> str:
+    """The prediction's relative error against each end of the measurement's interval."""
+    if interval[0] <= 0:
+        return "-"
+    return f"{(predicted - interval[1]) / interval[1]:+.0%}..{(predicted - interval[0]) / interval[0]:+.0%}"
 
 
 def only(plan: "bagualu2.Plan", choice: "bagualu2.Choice") -> Dict[str, "bagualu2.Choice"]:
@@ -190,7 +206,8 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
                      "measured_copy_s": statistics.median(m[1] for m in mech_parts),
                      "mechanism_error": (pred - statistics.median(mech)) / statistics.median(mech)
                      if statistics.median(mech) > 0 else None,
-                     "measured_iqr_s": [q[0], q[2]], "all_keep_step_s": statistics.median(base),
+                     "measured_iqr_s": [q[0], q[2]], "measured_ci95_s": median_ci(diffs),
+                     "all_keep_step_s": statistics.median(base),
                      "error": (pred - statistics.median(diffs)) / statistics.median(diffs)
                      if statistics.median(diffs) > 0 else None})
     return rows
@@ -222,21 +239,23 @@ def main() -> None:
 
     rows = time_accuracy(model, batches[0], [0.8, 0.6, 0.4, 0.25], args.repeats, args.learn_steps)
     print(f"\n{'plan':>10}{'mix (keep/offload/recompute)':>30}{'predicted ms':>14}{'step delta ms':>15}"
-          f"{'IQR ms':>16}{'error':>8}{'rebuild+copy ms':>17}{'error':>8}")
+          f"{'95% CI ms':>16}{'error':>8}{'error over CI':>16}{'rebuild+copy ms':>17}{'error':>8}")
     for r in rows:
         mix = r["mix"]
         err = f"{r['error']:>8.0%}" if r["error"] is not None else f"{'-':>8}"
         mech = f"{r['mechanism_error']:>8.0%}" if r["mechanism_error"] is not None else f"{'-':>8}"
         print(f"{r['plan']:>10}{mix['keep']:>12}/{mix['offload']}/{mix['recompute']:<12}"
               f"{r['predicted_overhead_s'] * 1e3:>14.1f}{r['measured_overhead_s'] * 1e3:>15.1f}"
-              f"{r['measured_iqr_s'][0] * 1e3:>8.1f}..{r['measured_iqr_s'][1] * 1e3:<6.1f}{err}"
+              f"{r['measured_ci95_s'][0] * 1e3:>8.2f}..{r['measured_ci95_s'][1] * 1e3:<6.2f}{err}"
+              f"{error_range(r['predicted_overhead_s'], r['measured_ci95_s']):>16}"
               f"{r['measured_rebuild_copy_s'] * 1e3:>17.1f}{mech}")
     print(f"\n{'plan':>10}{'rebuild ms: predicted':>21}{'measured':>10}{'copy ms: predicted':>20}{'measured':>10}")
     for r in rows:
         print(f"{r['plan']:>10}{r['predicted_rebuild_s'] * 1e3:>21.2f}{r['measured_rebuild_s'] * 1e3:>10.2f}"
               f"{r['predicted_copy_s'] * 1e3:>20.2f}{r['measured_copy_s'] * 1e3:>10.2f}")
     print(f"(all-keep step {rows[0]['all_keep_step_s'] * 1e3:.1f} ms, traced; step delta = median over "
-          f"{args.repeats} interleaved rounds of the plan's step minus the all-keep plan's; rebuild+copy = "
+          f"{args.repeats} interleaved rounds of the plan's step minus the all-keep plan's, with the 95% "
+          f"bootstrap interval of that median and the prediction's error at its ends; rebuild+copy = "
           f"median per step of the seconds the plan's runtime measured rebuilding and copying)")
     with open(args.out, "w") as f:
         json.dump({"memory": mem, "time": rows}, f, indent=2)
