@@ -53,6 +53,10 @@ __all__ = ["CostModel", "OpCost", "SIZE"]
 # sizes the micro-batch, when the layers' own entries are rounded up (planning).
 SIZE = -1
 
+# A replay runs the ops the forward ran: its time per profiled second is taken to be 1, give or
+# take this, until the observed rebuilds tell otherwise (``_CostFit.prior_sd``).
+REPLAY_FACTOR_SD = 0.1
+
 
 @dataclass
 class _Fit:
@@ -124,17 +128,28 @@ class _CostFit:
     features that keep the last one and that the observations can tell apart, the fit with
     non-negative coefficients and the least residual wins (the smaller subset on a tie).
     Before any observation the prediction is taken as it is (last coefficient 1).
+
+    With ``prior_sd``, the last coefficient is taken to be 1 give or take ``prior_sd`` until
+    the observations say otherwise (a Gaussian prior; the fit is its posterior mode): its
+    departure from 1 is penalized by the residual variance of the plain fit over
+    ``prior_sd`` squared. Exact observations are reproduced as without it; noisy ones whose
+    predicted part is small next to the counted parts no longer bend the factor that larger
+    observations will be predicted with.
     """
 
-    __slots__ = ("coef", "memory", "relative", "observed", "_a", "_b", "_subsets")
+    __slots__ = ("coef", "memory", "relative", "prior_sd", "observed", "_a", "_b", "_c", "_n", "_subsets")
 
-    def __init__(self, features: int, memory: float = 0.9, relative: bool = True) -> None:
+    def __init__(self, features: int, memory: float = 0.9, relative: bool = True,
+                 prior_sd: Optional[float] = None) -> None:
         self.coef = [0.0] * (features - 1) + [1.0]
         self.memory = memory
         self.relative = relative
+        self.prior_sd = prior_sd
         self.observed = False  # whether any observation was kept
         self._a = [[0.0] * features for _ in range(features)]  # decayed weighted sums of x x^T
         self._b = [0.0] * features  # ... and of x y
+        self._c = 0.0  # ... of y^2
+        self._n = 0.0  # ... of the number of observations
         last = features - 1
         self._subsets = sorted(
             ([i for i in range(last) if mask >> i & 1] + [last] for mask in range(1 << last)), key=len)
@@ -151,26 +166,48 @@ class _CostFit:
             self._b[i] *= self.memory
             for j in range(k):
                 self._a[i][j] *= self.memory
+        self._c *= self.memory
+        self._n *= self.memory
         for x, y in rows:
             w = 1.0 / (y * y) if self.relative else 1.0
             for i in range(k):
                 self._b[i] += w * x[i] * y
                 for j in range(k):
                     self._a[i][j] += w * x[i] * x[j]
+            self._c += w * y * y
+            self._n += 1.0
+        best = self._best(self._a, self._b)
+        if best is not None and self.prior_sd:
+            # residual sum of squares = c - theta^T b; per degree of freedom, the noise variance
+            fitted = sum(1 for c in best[1] if c > 0)
+            variance = max(0.0, self._c + best[0]) / max(1.0, self._n - fitted)
+            ridge = variance / (self.prior_sd * self.prior_sd)
+            if ridge > 0:
+                a = [row[:] for row in self._a]
+                b = self._b[:]
+                a[k - 1][k - 1] += ridge  # + ridge * (coef[last] - 1)^2 in the objective
+                b[k - 1] += ridge
+                best = self._best(a, b) or best
+        if best is not None:
+            self.coef = best[1]
+
+    def _best(self, a: List[List[float]], b: List[float]) -> Optional[Tuple[float, List[float]]]:
+        """The least-squares fit with non-negative coefficients over the feature subsets, as
+        (its residual up to a constant, the coefficients)."""
+        k = len(b)
         best: Optional[Tuple[float, List[float]]] = None
         for subset in self._subsets:
-            theta = _solve([[self._a[i][j] for j in subset] for i in subset], [self._b[i] for i in subset])
+            theta = _solve([[a[i][j] for j in subset] for i in subset], [b[i] for i in subset])
             if theta is None or min(theta) < 0:
                 continue
             # Residual up to a constant: theta^T A theta - 2 theta^T b = -theta^T b at the optimum.
-            residual = -sum(t * self._b[i] for t, i in zip(theta, subset))
+            residual = -sum(t * b[i] for t, i in zip(theta, subset))
             if best is None or residual < best[0] - 1e-9 * abs(best[0]):
                 coef = [0.0] * k
                 for t, i in zip(theta, subset):
                     coef[i] = t
                 best = (residual, coef)
-        if best is not None:
-            self.coef = best[1]
+        return best
 
 
 def _solve(a: List[List[float]], b: List[float]) -> Optional[List[float]]:
@@ -242,7 +279,7 @@ class CostModel:
         # Per rebuild: first of its micro-batch, replayed ops, 1, the ops' profiled seconds ->
         # its seconds. A plan's recompute cost is a sum over its rebuilds, where the large ones
         # weigh most; each key's replay_ratio corrects the small ones.
-        self._replay_fit = _CostFit(4, relative=False)
+        self._replay_fit = _CostFit(4, relative=False, prior_sd=REPLAY_FACTOR_SD)
         self._replay_version = 0
         self._copy_fit = _CostFit(2)  # offloads, their predicted copy seconds -> training-thread seconds
         self._busy_fit = _CostFit(1)  # the engine's copy seconds of their bytes -> its workers' busy seconds

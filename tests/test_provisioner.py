@@ -746,6 +746,28 @@ def test_replay_fit_reproduces_the_large_rebuilds_a_plan_s_cost_is_made_of() -> 
     assert fitted(large[0]) == pytest.approx(large[1], rel=0.05)
 
 
+def test_replay_fit_learned_from_small_rebuilds_predicts_a_large_one() -> None:
+    """Rebuilds of one or two small ops (5-45 us profiled), whose measured time is mostly the
+    replay's own overhead plus noise, tell little about the factor on the ops' time; fitted
+    freely it came out anywhere from 0.5 to 1.5 and a 500 us op was predicted at 318 to 764 us.
+    With the prior on the factor (1 unless the observations say otherwise), 513 to 566 us."""
+    import random
+
+    from bagualu2.cost_model import CostModel
+
+    rng = random.Random(0)
+    for _ in range(20):
+        cost = CostModel({})
+        for _ in range(12):  # micro-batches
+            rows = []
+            for i in range(rng.randint(1, 3)):
+                ops, profiled, first = rng.randint(1, 2), rng.uniform(5e-6, 45e-6), float(i == 0)
+                measured = 40e-6 * first + 25e-6 + 10e-6 * ops + profiled + rng.gauss(0, 15e-6)
+                rows.append(((first, float(ops), 1.0, profiled), max(1e-6, measured)))
+            cost._replay_fit.add(rows)
+        assert cost._fitted(1, 500e-6) == pytest.approx(25e-6 + 10e-6 + 500e-6, rel=0.1)
+
+
 def test_cost_model_learns_what_each_key_s_rebuild_costs_beyond_the_shared_fit() -> None:
     """Two keys profiled alike whose rebuilds cost 100 us and 30 us: no shared fit tells them
     apart, each key's own correction does."""
@@ -866,12 +888,14 @@ def test_runtime_measures_rebuilds_and_copies_and_the_provisioner_feeds_the_cost
 def test_cost_fit_reproduces_exact_costs_and_never_goes_negative(coef, obs, noise) -> None:
     from bagualu2.cost_model import _CostFit
 
-    exact, noisy = _CostFit(3), _CostFit(3)
+    exact, noisy, anchored = _CostFit(3), _CostFit(3), _CostFit(3, prior_sd=0.1)
     for x, e in zip(obs, noise):
         y = sum(c * v for c, v in zip(coef, x))
         exact.add([(x, y)])
+        anchored.add([(x, y)])
         noisy.add([(x, y * (1 + e))])
-        assert min(noisy.coef) >= 0 and min(exact.coef) >= 0
-    # Whatever split it finds, exact observations are reproduced.
+        assert min(noisy.coef) >= 0 and min(exact.coef) >= 0 and min(anchored.coef) >= 0
+    # Whatever split it finds, exact observations are reproduced, with a prior on the factor too.
     for x in obs:
-        assert sum(c * v for c, v in zip(exact.coef, x)) == pytest.approx(sum(c * v for c, v in zip(coef, x)), rel=1e-4)
+        for fit in (exact, anchored):
+            assert sum(c * v for c, v in zip(fit.coef, x)) == pytest.approx(sum(c * v for c, v in zip(coef, x)), rel=1e-4)
