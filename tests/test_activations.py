@@ -878,5 +878,7 @@ def test_a_traced_storage_is_held_weakly() -> None:
         y = x.exp()
         node = rt.mode.nodes[y.untyped_storage()._cdata]
         watch = StorageWeakRef(y.untyped_storage())
+        with pytest.raises(TypeError, match="cannot be copied"):
+            copy.deepcopy(node)  # a copy would free the node's weak handle twice
         y = None  # the graph, and with it the saved output, dies
         assert watch.expired(), f"the trace kept {node} alive"

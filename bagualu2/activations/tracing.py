@@ -205,6 +205,10 @@ class StorageNode:
     def __del__(self, free: Callable[[int], None] = torch.UntypedStorage._free_weak_ref) -> None:
         free(self._weak)  # bound at definition: module globals may be gone at interpreter exit
 
+    def __reduce__(self) -> Any:
+        # A copy would free the weak handle a second time.
+        raise TypeError(f"{self!r} cannot be copied or pickled: it belongs to one traced forward")
+
 
 def _rng_state(func: Any, args: tuple, kwargs: dict) -> Tuple[torch.device, torch.Tensor]:
     device = kwargs.get("device")
