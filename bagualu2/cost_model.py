@@ -137,7 +137,7 @@ class _CostFit:
     observations will be predicted with.
     """
 
-    __slots__ = ("coef", "memory", "relative", "prior_sd", "observed", "_a", "_b", "_c", "_n", "_subsets")
+    __slots__ = ("coef", "memory", "relative", "prior_sd", "_a", "_b", "_c", "_n", "_subsets")
 
     def __init__(self, features: int, memory: float = 0.9, relative: bool = True,
                  prior_sd: Optional[float] = None) -> None:
@@ -145,7 +145,6 @@ class _CostFit:
         self.memory = memory
         self.relative = relative
         self.prior_sd = prior_sd
-        self.observed = False  # whether any observation was kept
         self._a = [[0.0] * features for _ in range(features)]  # decayed weighted sums of x x^T
         self._b = [0.0] * features  # ... and of x y
         self._c = 0.0  # ... of y^2
@@ -160,7 +159,6 @@ class _CostFit:
         rows = [(x, y) for x, y in rows if y > 0 and x[-1] > 0 and min(x) >= 0]
         if not rows:
             return
-        self.observed = True
         k = len(self.coef)
         for i in range(k):
             self._b[i] *= self.memory
@@ -190,6 +188,11 @@ class _CostFit:
                 best = self._best(a, b) or best
         if best is not None:
             self.coef = best[1]
+
+    @property
+    def observed(self) -> bool:
+        """Whether any observation was kept."""
+        return self._n > 0
 
     def _best(self, a: List[List[float]], b: List[float]) -> Optional[Tuple[float, List[float]]]:
         """The least-squares fit with non-negative coefficients over the feature subsets, as

@@ -381,8 +381,8 @@ class TracingMode(TorchDispatchMode):
         several = len(outs) > 1
         siblings: List[Any] = []
         for index, o in enumerate(outs):
-            if type(o) not in _PLAIN_TYPES or o.layout != torch.strided or o.is_nested:
-                continue  # not a plain tensor (see is_plain), or not a tensor
+            if not is_plain(o):  # also false for what is not a tensor
+                continue
             storage = o.untyped_storage()
             if storage._cdata in self.nodes:
                 continue  # an op returning one of its inputs
