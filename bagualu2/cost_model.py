@@ -58,6 +58,13 @@ SIZE = -1
 REPLAY_FACTOR_SD = 0.1
 
 
+def _call(key: str) -> str:
+    """The op call that makes ``key``'s storage: an op's first output has the call's key
+    (``"<module path>:<op>:<occurrence>"``), output ``i > 0`` has ``"<that key>.<i>"``."""
+    head, _, occurrence = key.rpartition(":")
+    return f"{head}:{occurrence.partition('.')[0]}" if "." in occurrence else key
+
+
 @dataclass
 class _Fit:
     """``a + b * tokens`` from (tokens, value) samples: least squares (exact data such as
@@ -245,10 +252,14 @@ class OpCost:
     unsaved_inputs: Tuple[str, ...] = ()  # storages nothing saves that rebuilding it rebuilds first
     saved_inputs: Tuple[str, ...] = ()  # saved keys that rebuild reads (rebuilt first when released)
     # Rebuilds it entered: (measured seconds, 1 if the micro-batch's first else 0, ops
-    # replayed, their profiled seconds), and the correction they make of the shared fit,
-    # cached for one version of that fit.
+    # replayed, their profiled seconds), and the correction they make of the shared fit per
+    # number of ops replayed, cached for one version of that fit.
     replays: List[Tuple[float, float, int, float]] = field(default_factory=list)
-    replay_ratio: Tuple[int, float] = (-1, 1.0)
+    correction: Tuple[int, Dict[int, float]] = (-1, {})
+    call: str = field(init=False)  # the op call that makes its storage (``_call``)
+
+    def __post_init__(self) -> None:
+        self.call = _call(self.key)
 
 
 class CostModel:
@@ -344,8 +355,9 @@ class CostModel:
         """The rebuilds backward enters to recompute ``keys`` together, latest key first:
         (the key that enters it, the recomputed keys it rebuilds, the ops it replays, their
         profiled seconds). A rebuild replays its key's own op, the recomputed keys that op
-        reads (and so on), and each unsaved storage any of those needs that no earlier rebuild
-        made (a rebuilt storage is cached for the rest of the backward pass)."""
+        reads (and so on), and each unsaved storage any of those needs, unless an earlier rebuild
+        ran its op (a rebuilt storage, and every other output of its op call, is cached for
+        the rest of the backward pass)."""
         known = sorted((k for k in dict.fromkeys(keys) if k in self.ops), key=lambda k: -self.ops[k].position)
         wanted = set(known)
         read = {k for key in known for k in self.ops[key].saved_inputs if k in wanted}
@@ -374,18 +386,22 @@ class CostModel:
         return out
 
     def _replayed(self, members: Iterable[str], counts: Mapping[int, Sequence[int]], made: set) -> Tuple[int, float]:
-        """Ops and profiled seconds of rebuilding ``members``: their own ops, and each unsaved
-        storage they need that is not in ``made`` (rebuilt earlier; added to it)."""
+        """Ops and profiled seconds of rebuilding ``members``: the op call of each, and of each
+        unsaved storage they need, that is not in ``made`` (run earlier; added to it). One call
+        makes all its outputs: a key whose sibling output was rebuilt is found made."""
         ops = 0
         seconds = 0.0
         for key in members:
             op = self.ops[key]
+            if op.call in made:
+                continue
+            made.add(op.call)
             ops += 1
             seconds += op.seconds(self._tokens(op, counts))
             for name in op.unsaved_inputs:
                 unsaved = self.unsaved.get(name)
-                if unsaved is not None and name not in made:
-                    made.add(name)
+                if unsaved is not None and unsaved.call not in made:
+                    made.add(unsaved.call)
                     ops += 1
                     seconds += unsaved.seconds(self._tokens(unsaved, counts))
         return ops, seconds
@@ -400,21 +416,31 @@ class CostModel:
         """The shared fit's seconds of one rebuild of ``ops`` ops profiled at ``seconds``."""
         return self.replay_entry_s + ops * self.replay_fixed_s + seconds * self.replay_factor
 
-    def replay_ratio(self, key: str) -> float:
-        """How much more (or less) than the shared fit the rebuilds ``key`` entered measured:
-        the median ratio over its last 16 (1 until one was measured), less the per-micro-batch
-        part where the rebuild came first."""
+    def _corrections(self, key: str) -> Dict[int, float]:
+        """``replay_ratio`` of ``key`` for each number of ops its measured rebuilds replayed."""
         op = self.ops[key]
-        if op.replay_ratio[0] != self._replay_version:
+        if op.correction[0] != self._replay_version:
             frame = self.replay_frame_s
-            ratios = [max(0.0, measured - first * frame) / fitted for measured, first, ops, seconds in op.replays
-                      if (fitted := self._fitted(ops, seconds)) > 0]
-            op.replay_ratio = (self._replay_version,
-                               min(10.0, max(0.1, statistics.median(ratios))) if ratios else 1.0)
-        return op.replay_ratio[1]
+            ratios: Dict[int, List[float]] = {}
+            for measured, first, ops, seconds in op.replays:
+                fitted = self._fitted(ops, seconds)
+                if fitted > 0:
+                    ratios.setdefault(ops, []).append(max(0.0, measured - first * frame) / fitted)
+            op.correction = (self._replay_version,
+                             {ops: min(10.0, max(0.1, statistics.median(r))) for ops, r in ratios.items()})
+        return op.correction[1]
+
+    def replay_ratio(self, key: str, ops: int = 1) -> float:
+        """How much more (or less) than the shared fit the rebuilds ``key`` entered that
+        replayed ``ops`` ops measured: the median ratio over its last 16 (1 until one was
+        measured), less the per-micro-batch part where the rebuild came first. Rebuilds of
+        other sizes say little of these: which storages a rebuild finds already made depends
+        on the plan (a plan recomputing everything rebuilds dozens of keys inside the one
+        backward meets first), so a key's correction is learned and applied per size."""
+        return self._corrections(key).get(ops, 1.0)
 
     def _rebuild_seconds(self, keys: Iterable[str], counts: Mapping[int, Sequence[int]]) -> float:
-        return sum(self.replay_ratio(entry) * self._fitted(ops, seconds)
+        return sum(self.replay_ratio(entry, ops) * self._fitted(ops, seconds)
                    for entry, _, ops, seconds in self.rebuilds(keys, counts))
 
     def observe_replays(self, replays: Mapping[str, Tuple[float, int]],
@@ -514,7 +540,8 @@ class CostModel:
         if key not in self.ops:
             return 0.0
         # rebuilds((key,), counts) for one key, without the walk (it is called per candidate)
-        return self.replay_ratio(key) * self._fitted(*self._replayed((key,), counts, set()))
+        ops, seconds = self._replayed((key,), counts, set())
+        return self.replay_ratio(key, ops) * self._fitted(ops, seconds)
 
     def offload_seconds(self, nbytes: int) -> float:
         """Predicted cost of offloading ``nbytes`` (one copy)."""

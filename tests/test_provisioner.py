@@ -710,6 +710,21 @@ def test_cost_model_learns_a_cost_per_rebuild_entered_and_none_for_a_key_rebuilt
     assert cost.plan_seconds(both, {}) == pytest.approx(truth(("a:op:0", "b:op:0")))
 
 
+def test_cost_model_runs_an_op_call_once_for_all_its_recomputed_outputs() -> None:
+    """Attention saves its output and its log-sum-exp, two outputs of one call: recomputing
+    both replays the call once (the runtime caches every output of a replayed call)."""
+    from bagualu2.cost_model import CostModel
+
+    cost = CostModel({})
+    cost.observe({"attn:sdpa:0": (1000, 3e-3, True, (), ()), "attn:sdpa:0.1": (100, 3e-3, True, (), ()),
+                  "attn:sdpa:1": (1000, 5e-3, True, (), ()), "o:mm:0": (1000, 1e-3, True, (), ())},
+                 {}, forward_seconds=0.01)
+    assert cost.rebuild_profile(["attn:sdpa:0", "attn:sdpa:0.1"], {}) == (1, 2, pytest.approx(3e-3))
+    # another call of the same op (occurrence 1) is another call
+    assert cost.rebuild_profile(["attn:sdpa:0.1", "attn:sdpa:1", "o:mm:0"], {}) == (3, 3, pytest.approx(9e-3))
+    assert cost.rebuild_profile(["attn:sdpa:0.1"], {}) == (1, 1, pytest.approx(3e-3))
+
+
 def test_cost_model_tells_a_cost_per_rebuild_from_a_factor_within_one_plan() -> None:
     """Rebuilds of one plan differ in size, so the same plan observed again and again tells a
     fixed cost per rebuild (40 us) from a factor on the ops' time (1x) and predicts a key it has
@@ -784,6 +799,32 @@ def test_cost_model_learns_what_each_key_s_rebuild_costs_beyond_the_shared_fit()
         assert cost.recompute_seconds(key, {}) == pytest.approx(seconds)
     assert cost.plan_seconds({k: Choice.RECOMPUTE for k in true}, {}) == pytest.approx(1.3e-4)
     assert cost.replay_ratio("norm:mul:1") > 1.0 > cost.replay_ratio("moe:index_select:0")
+
+
+def test_a_key_s_correction_holds_for_rebuilds_of_the_size_it_was_measured_at() -> None:
+    """The LM head's loss, rebuilt alone, measured 3x what the shared fit predicts (its own
+    small replay's overhead). In a plan that recomputes everything, backward enters one rebuild
+    there that replays the body too: a rebuild of another size, priced by the shared fit, not
+    at 3x."""
+    from bagualu2.cost_model import CostModel
+    from bagualu2.planner import Choice
+
+    cost = CostModel({})
+    body = [f"body:op:{i}" for i in range(20)]
+    saved = {k: (1000, 1e-4, True, (), ()) for k in body}
+    saved["head:loss:0"] = (1000, 1e-4, True, (), tuple(body))
+    cost.observe(saved, {}, forward_seconds=0.01)
+    for keys in [body[:1], body[1:3], body[3:6]] * 3:  # the shared fit: 1x the profiled time
+        cost.observe_replays({k: (1e-4, 1) for k in keys}, {})
+    cost.observe_replays({"head:loss:0": (3e-4, 1)}, {})
+    assert cost.replay_ratio("head:loss:0") > 2.5 and cost.replay_ratio("head:loss:0", ops=21) == 1.0
+    assert cost.recompute_seconds("head:loss:0", {}) == pytest.approx(
+        cost.replay_ratio("head:loss:0") * (cost.replay_entry_s + cost.replay_fixed_s + 1e-4 * cost.replay_factor))
+    everything = {k: Choice.RECOMPUTE for k in saved}
+    assert cost.rebuild_profile(everything, {}) == (21, 1, pytest.approx(2.1e-3))
+    assert cost.plan_seconds(everything, {}) == pytest.approx(
+        cost.replay_frame_s + cost.replay_entry_s + 21 * cost.replay_fixed_s + 2.1e-3 * cost.replay_factor)
+    assert cost.plan_seconds(everything, {}) < 1.5 * 2.1e-3
 
 
 def test_cost_model_counts_an_unsaved_input_once_per_plan() -> None:

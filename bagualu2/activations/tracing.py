@@ -6,8 +6,9 @@ A ``TracingMode`` (a ``TorchDispatchMode``) sees every aten op that runs inside 
 module's forward, below autograd. For each *storage* an op creates it records a ``StorageNode``:
 
 * ``key``: the stable operator key ``"<module path>:<op>:<occurrence>"``, where the occurrence
-  counts ops of that name inside one call of that module. It does not depend on tensor shapes,
-  so it is the same from micro-batch to micro-batch whatever the token counts.
+  counts ops of that name inside one call of that module (``"<key>.<i>"`` for the op's output
+  ``i > 0``). It does not depend on tensor shapes, so it is the same from micro-batch to
+  micro-batch whatever the token counts.
 * a recipe to rebuild the storage: the creating op with its arguments (tensors replaced by
   ``Ref``s to the nodes that own their storages, or held directly when they come from outside
   the traced region), then every in-place op applied to the storage. A storage's *state* is the
