@@ -24,8 +24,8 @@ otherwise). Copy time is bytes over the copy engine's measured bandwidth.
 What the backward pass really pays is learned from the runtime's measurements of whole plans
 (``_CostFit``): rebuilds as a cost per micro-batch that rebuilds anything, a cost per rebuild
 backward enters, a cost per replayed op and a factor on the profiled op time; offloads as a
-cost per offloaded storage (its training-thread work: store, fresh reload buffer, hooks) plus
-a factor on the predicted copy time. A plan's recomputed keys fall into rebuilds: each key
+cost per micro-batch that offloads anything, a cost per offloaded storage (its training-thread
+work: store, fresh reload buffer, hooks) and a factor on the predicted copy time. A plan's recomputed keys fall into rebuilds: each key
 backward meets first (no other recomputed key reads it) enters one, and rebuilds inside it the
 recomputed keys and unsaved storages it reads. On top of the shared fit, each key that enters
 a rebuild learns its own correction (the median ratio of what its rebuilds measured to what
@@ -295,8 +295,11 @@ class CostModel:
         # weigh most; each key's replay_ratio corrects the small ones.
         self._replay_fit = _CostFit(4, relative=False, prior_sd=REPLAY_FACTOR_SD)
         self._replay_version = 0
-        self._copy_fit = _CostFit(2)  # offloads, their predicted copy seconds -> training-thread seconds
-        self._busy_fit = _CostFit(1)  # the engine's copy seconds of their bytes -> its workers' busy seconds
+        # Per micro-batch that offloads: 1, its offloads, their predicted copy seconds ->
+        # training-thread seconds; 1, the engine's copy seconds of their bytes -> its workers'
+        # busy seconds.
+        self._copy_fit = _CostFit(3)
+        self._busy_fit = _CostFit(2)
         self.order: List[str] = []           # keys in the order a micro-batch first saves them
         self.forward_seconds = 0.0           # measured forward time of one micro-batch
         self.frames = 0
@@ -496,40 +499,48 @@ class CostModel:
         return self._replay_fit.coef[3]
 
     def observe_copies(self, seconds: float, copies: int, nbytes: int, busy_s: float = 0.0) -> None:
-        """Learn what offloads cost: ``seconds`` the training thread spent on them (submitting,
-        waiting for copies and for room) for ``copies`` offloads (each with its reload) of
-        ``nbytes`` in all: ``seconds = copies * copy_overhead_s + copy_factor * predicted copy
-        time`` (``_CostFit``). A copy's own work on the training thread (its store, the reload's
-        fresh buffer, the hooks) does not scale with its bytes; what its bytes cost depends on
-        how much of the copy the thread waits for. ``busy_s`` is what the engine's workers spent
-        copying: where copies do not run beside compute (``copies_overlap`` false: the cpu
-        backend's copy threads take cores the compute uses), the step pays it too. It is fitted
-        on its own, to the bytes (``busy_factor`` x their copy time at the engine's bandwidth):
-        the workers' time follows the bytes, the training thread's mostly the number of copies,
-        and one fit of both would confuse the two whenever the plans it learned from offload
-        copies of one size."""
+        """Learn what one micro-batch's offloads cost: ``seconds`` the training thread spent on
+        them (submitting, waiting for copies and for room) for ``copies`` offloads (each with
+        its reload) of ``nbytes`` in all: ``seconds = copy_frame_s + copies * copy_overhead_s +
+        copy_factor * predicted copy time`` (``_CostFit``). A copy's own work on the training
+        thread (its store, the reload's fresh buffer, the hooks) does not scale with its bytes;
+        what its bytes cost depends on how much of the copy the thread waits for; the first
+        reload of a backward waits for a copy nothing hid yet, once per micro-batch (0.35 ms
+        on the 2-core cpu, against 35 us per further copy). ``busy_s`` is what the engine's
+        workers spent copying: where copies do not run beside compute (``copies_overlap``
+        false: the cpu backend's copy threads take cores the compute uses), the step pays it
+        too. It is fitted on its own, to the bytes (a part per micro-batch and ``busy_factor``
+        x their copy time at the engine's bandwidth): the workers' time follows the bytes, the
+        training thread's mostly the number of copies, and one fit of both would confuse the
+        two whenever the plans it learned from offload copies of one size."""
         transfer = nbytes / self.d2h_bandwidth + nbytes / self.h2d_bandwidth
-        self._copy_fit.add([((float(copies), copies * (self.copy_fixed_s[0] + self.copy_fixed_s[1]) + transfer),
+        self._copy_fit.add([((1.0, float(copies), copies * (self.copy_fixed_s[0] + self.copy_fixed_s[1]) + transfer),
                              seconds)])
         if not self.copies_overlap:
-            self._busy_fit.add([((transfer,), busy_s)])
+            self._busy_fit.add([((1.0, transfer), busy_s)])
+
+    @property
+    def copy_frame_s(self) -> float:
+        """Learned seconds per micro-batch that offloads anything: on the training thread, and
+        of the engine's workers where copies do not run beside compute."""
+        return self._copy_fit.coef[0] + (0.0 if self.copies_overlap else self._busy_fit.coef[0])
 
     @property
     def copy_overhead_s(self) -> float:
         """Learned training-thread seconds per offloaded storage (offload and reload together)."""
-        return self._copy_fit.coef[0]
+        return self._copy_fit.coef[1]
 
     @property
     def copy_factor(self) -> float:
         """Learned seconds per second of copy time predicted from the engine's bandwidth."""
-        return self._copy_fit.coef[1]
+        return self._copy_fit.coef[2]
 
     @property
     def busy_factor(self) -> float:
         """Learned busy seconds of the engine's workers per second of copy time at its
         bandwidth; counted in a copy's cost where copies do not run beside compute (0 until
         measured there)."""
-        return 0.0 if self.copies_overlap or not self._busy_fit.observed else self._busy_fit.coef[0]
+        return 0.0 if self.copies_overlap or not self._busy_fit.observed else self._busy_fit.coef[1]
 
     def recompute_seconds(self, key: str, counts: Mapping[int, Sequence[int]]) -> float:
         """Predicted backward cost of recomputing ``key`` alone: the learned ``replay_entry_s``
@@ -556,7 +567,7 @@ class CostModel:
     def plan_seconds(self, choices: Mapping[str, Any], counts: Mapping[int, Sequence[int]],
                      offload_window: float = 0.0, reload_window: float = 0.0) -> float:
         """Predicted step-time overhead of a plan (key -> Choice): its recomputes rebuilt
-        together, plus the copy time the windows do not hide."""
+        together, plus the copy time the windows do not hide (and ``copy_frame_s`` once)."""
         recompute = [k for k, c in choices.items() if c == Choice.RECOMPUTE and k in self.ops]
         offload = [k for k, c in choices.items() if c == Choice.OFFLOAD and k in self.ops]
         seconds = 0.0
@@ -567,6 +578,8 @@ class CostModel:
             nbytes = self.predict_bytes(key, counts)
             out += self.offload_seconds(nbytes)
             back += self.reload_seconds(nbytes)
+        if offload:
+            seconds += self.copy_frame_s
         return seconds + max(0.0, out - offload_window) + max(0.0, back - reload_window)
 
     @staticmethod

@@ -3,12 +3,13 @@
 Contract (docs/CONTRACTS.md, ``bagualu2.planner``):
 
 - ``Planner(quantum_bytes=None).solve(candidates, must_free_bytes, offload_window_s,
-  reload_window_s) -> Plan`` picks one :class:`Choice` per :class:`Candidate` minimizing the
+  reload_window_s, offload_setup_s=0.0) -> Plan`` picks one :class:`Choice` per :class:`Candidate` minimizing the
   exposed time
 
       sum(recompute_s of RECOMPUTE)
       + max(0, sum(offload_s of OFFLOAD) - offload_window_s)
       + max(0, sum(reload_s of OFFLOAD) - reload_window_s)
+      + offload_setup_s if anything is offloaded (default 0)
 
   subject to ``freed_bytes >= must_free_bytes``. The C++ dynamic program (csrc/sched/planner.h)
   rounds item bytes down and the target up, so a feasible plan always frees enough exact bytes;
@@ -22,6 +23,7 @@ Contract (docs/CONTRACTS.md, ``bagualu2.planner``):
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -155,6 +157,7 @@ class Planner:
         must_free_bytes: int,
         offload_window_s: float,
         reload_window_s: float,
+        offload_setup_s: float = 0.0,
     ) -> Plan:
         """Choose KEEP / OFFLOAD / RECOMPUTE per candidate.
 
@@ -163,6 +166,8 @@ class Planner:
             must_free_bytes: bytes the plan must release; ``<= 0`` returns all KEEP at once.
             offload_window_s: forward compute time that hides D2H copies (``>= 0``, may be inf).
             reload_window_s: backward compute time that hides H2D copies (``>= 0``, may be inf).
+            offload_setup_s: exposed seconds a plan pays once if it offloads anything (``>= 0``;
+                a micro-batch's first offload costs more than its own copy).
 
         Returns:
             The plan of least exposed time freeing at least ``must_free_bytes``; see
@@ -171,6 +176,24 @@ class Planner:
         Raises:
             ValueError: negative or non-finite sizes or times, NaN windows, duplicate keys.
         """
+        if not offload_setup_s >= 0.0 or math.isinf(offload_setup_s):
+            raise ValueError(f"offload_setup_s={offload_setup_s} must be a finite number >= 0")
+        plan = self._solve(candidates, must_free_bytes, offload_window_s, reload_window_s)
+        if offload_setup_s == 0.0 or not any(c == Choice.OFFLOAD for c in plan.choices.values()):
+            return plan
+        # The best plan offloads: it pays the setup. Any other plan that offloads costs at least
+        # as much, so the best is it or the best plan that offloads nothing.
+        plan = dataclasses.replace(plan, exposed_s=plan.exposed_s + offload_setup_s,
+                                   bound_s=plan.bound_s + offload_setup_s)
+        if plan.feasible:
+            alt = self._solve([dataclasses.replace(c, can_offload=False) for c in candidates], must_free_bytes,
+                              offload_window_s, reload_window_s)
+            if alt.feasible and alt.exposed_s <= plan.exposed_s:
+                return alt
+        return plan
+
+    def _solve(self, candidates: Sequence[Candidate], must_free_bytes: int, offload_window_s: float,
+               reload_window_s: float) -> Plan:
         must = int(must_free_bytes)
         if must <= 0:
             choices = {c.key: Choice.KEEP for c in candidates}
@@ -212,17 +235,21 @@ class Planner:
         choices: Mapping[str, Choice],
         offload_window_s: float,
         reload_window_s: float,
+        offload_setup_s: float = 0.0,
     ) -> float:
         """Exact exposed time of any assignment (the objective the planner minimizes)."""
         rec = off = rel = 0.0
+        offloads = False
         for c in candidates:
             ch = choices.get(c.key, Choice.KEEP)
             if ch == Choice.RECOMPUTE:
                 rec += c.recompute_s
             elif ch == Choice.OFFLOAD:
+                offloads = True
                 off += c.offload_s
                 rel += c.reload_s
-        return rec + max(0.0, off - offload_window_s) + max(0.0, rel - reload_window_s)
+        return (rec + max(0.0, off - offload_window_s) + max(0.0, rel - reload_window_s)
+                + (offload_setup_s if offloads else 0.0))
 
 
 class PlanCache:

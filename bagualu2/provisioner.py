@@ -640,7 +640,9 @@ class Provisioner:
             anchors = [n.key for n in frame._anchors]
             candidates, _ = cost.candidates(remaining, counts, self.min_bytes, self.engine is not None, anchors)
             offload_window, reload_window = self._windows(len(remaining) / max(1, len(cost.order)))
-            plan = self.planner.solve(candidates, must_bucket * quantum, offload_window, reload_window)
+            # A micro-batch's first offload costs more than its own copy (copy_frame_s).
+            setup = 0.0 if frame.stats.offloaded_storages else cost.copy_frame_s
+            plan = self.planner.solve(candidates, must_bucket * quantum, offload_window, reload_window, setup)
             self.cache.put(layer, load_bucket, phase, must_bucket, plan)
         frame.choices.update(plan.choices)
         record.feasible = plan.feasible

@@ -200,6 +200,37 @@ def test_dp_is_exact_when_no_window_needs_quantizing(inst):
         assert plan.exposed_s == pytest.approx(exp[table["freed"] >= need].min(), abs=1e-9)
 
 
+@SETTINGS
+@given(integer_instances(), st.integers(0, 12))
+def test_a_setup_paid_once_for_any_offload_is_optimal_against_brute_force(inst, setup):
+    """With ``offload_setup_s``, the objective gains the setup for every plan that offloads
+    anything: the planner's plan is still the best of all plans, and its exposed time counts
+    the setup exactly when it offloads."""
+    q, cands, must, wf, wb = inst
+    plan = Planner(q, time_quantum_s=1.0, max_cells=1 << 17).solve(cands, must, wf, wb, float(setup))
+    offloads = any(plan[c.key] == Choice.OFFLOAD for c in cands)
+    assert plan.exposed_s == pytest.approx(exposed_of(plan, cands, wf, wb) + (setup if offloads else 0.0))
+    assert plan.exposed_s == pytest.approx(Planner.exposed_time(cands, plan.choices, wf, wb, float(setup)))
+    if must <= 0:
+        return
+    table = enumerate_plans(cands)
+    exp = exposure(table, wf, wb) + np.where(table["k_offloaded"] > 0, float(setup), 0.0)
+    need = must if plan.feasible else releasable_bytes(cands)
+    assert plan.exposed_s == pytest.approx(exp[table["freed"] >= need].min(), abs=1e-9)
+
+
+def test_a_setup_cost_turns_a_single_cheap_offload_into_a_recompute():
+    cands = [Candidate("a", 100, recompute_s=2.0, offload_s=0.25, reload_s=0.5),
+             Candidate("b", 100, recompute_s=3.0, offload_s=0.5, reload_s=0.5)]
+    assert Planner().solve(cands, 100, 0.0, 0.0)["a"] == Choice.OFFLOAD
+    plan = Planner().solve(cands, 100, 0.0, 0.0, offload_setup_s=1.5)
+    assert plan.choices == {"a": Choice.RECOMPUTE, "b": Choice.KEEP} and plan.exposed_s == 2.0
+    both = Planner().solve(cands, 200, 0.0, 0.0, offload_setup_s=1.5)  # 1.5 + 0.75 + 1 < 2 + 3
+    assert both.choices == {"a": Choice.OFFLOAD, "b": Choice.OFFLOAD} and both.exposed_s == 3.25
+    with pytest.raises(ValueError, match="offload_setup_s=-1"):
+        Planner().solve(cands, 100, 0.0, 0.0, offload_setup_s=-1.0)
+
+
 # ---------------------------------------------------------------- behaviour
 def test_nothing_to_free_returns_all_keep_without_solving():
     cands = [Candidate(f"op{i}", 100, 1.0, 1.0, 1.0) for i in range(64)]

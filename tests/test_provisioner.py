@@ -861,24 +861,33 @@ def test_cost_model_timings_drop_the_cold_first_micro_batch_and_outliers() -> No
 
 def test_cost_model_learns_what_offloads_cost() -> None:
     from bagualu2.cost_model import CostModel
+    from bagualu2.planner import Choice
 
     cost = CostModel({}, d2h_bandwidth=1e9, h2d_bandwidth=1e9, copy_fixed_s=(1e-4, 1e-4))
     cost.observe({"a:op:0": (10**6, 1e-3, True, ())}, {}, forward_seconds=0.05)
     (cand,), _ = cost.candidates(["a:op:0"], {}, min_bytes=0, can_offload=True)
     assert cand.offload_s == pytest.approx(1e-4 + 1e-3)  # nothing measured: the engine's figures
-    # Offloads that really cost 50 us each on the training thread plus 1.5x their copy time.
+    # Offloads that really cost 0.3 ms per micro-batch (the first reload waits for a copy
+    # nothing hid), 50 us each on the training thread, and 1.5x their copy time.
     def observed(copies: int, nbytes: int) -> float:
-        return copies * 5e-5 + 1.5 * (copies * 2e-4 + 2 * nbytes / 1e9)
+        return 3e-4 + copies * 5e-5 + 1.5 * (copies * 2e-4 + 2 * nbytes / 1e9)
 
-    # One observation cannot tell a per-copy cost from a factor: the factor takes it all.
+    # One observation cannot tell the parts apart: the factor takes it all.
     cost.observe_copies(observed(2, 2 * 10**6), copies=2, nbytes=2 * 10**6)
-    assert cost.copy_overhead_s == 0.0
+    assert cost.copy_frame_s == cost.copy_overhead_s == 0.0
     assert cost.copy_factor == pytest.approx(observed(2, 2 * 10**6) / 4.4e-3)
-    # Many small copies separate them (exact data: any weighting recovers them).
+    # Micro-batches with many small copies and with few large ones separate them (exact data:
+    # any weighting recovers them).
     cost.observe_copies(observed(10, 10**5), copies=10, nbytes=10**5)
-    assert cost.copy_overhead_s == pytest.approx(5e-5) and cost.copy_factor == pytest.approx(1.5)
+    cost.observe_copies(observed(1, 4 * 10**6), copies=1, nbytes=4 * 10**6)
+    assert (cost.copy_frame_s, cost.copy_overhead_s, cost.copy_factor) == (
+        pytest.approx(3e-4), pytest.approx(5e-5), pytest.approx(1.5))
     (cand,), _ = cost.candidates(["a:op:0"], {}, min_bytes=0, can_offload=True)
-    assert cand.offload_s + cand.reload_s == pytest.approx(observed(1, 10**6))
+    assert cand.offload_s + cand.reload_s == pytest.approx(observed(1, 10**6) - 3e-4)  # the copy's own part
+    # a plan pays the per-micro-batch part once, whatever it offloads
+    cost.observe({"b:op:0": (10**6, 1e-3, True, ())}, {}, forward_seconds=0.05)
+    plan = {"a:op:0": Choice.OFFLOAD, "b:op:0": Choice.OFFLOAD}
+    assert cost.plan_seconds(plan, {}) == pytest.approx(observed(2, 2 * 10**6))
     cost.observe_copies(0.0, copies=3, nbytes=10)  # nothing measured: ignored
     assert cost.copy_factor == pytest.approx(1.5)
     # Copies beside compute (a GPU's copy engines) hide the workers' time; copy threads that
