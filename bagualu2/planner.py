@@ -3,8 +3,8 @@
 Contract (docs/CONTRACTS.md, ``bagualu2.planner``):
 
 - ``Planner(quantum_bytes=None).solve(candidates, must_free_bytes, offload_window_s,
-  reload_window_s, offload_setup_s=0.0) -> Plan`` picks one :class:`Choice` per :class:`Candidate` minimizing the
-  exposed time
+  reload_window_s, offload_setup_s=0.0) -> Plan`` picks one :class:`Choice` per
+  :class:`Candidate` minimizing the exposed time
 
       sum(recompute_s of RECOMPUTE)
       + max(0, sum(offload_s of OFFLOAD) - offload_window_s)
@@ -23,10 +23,9 @@ Contract (docs/CONTRACTS.md, ``bagualu2.planner``):
 """
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 from bagualu2 import _C
@@ -183,14 +182,13 @@ class Planner:
             return plan
         # The best plan offloads: it pays the setup. Any other plan that offloads costs at least
         # as much, so the best is it or the best plan that offloads nothing.
-        plan = dataclasses.replace(plan, exposed_s=plan.exposed_s + offload_setup_s,
+        plan = replace(plan, exposed_s=plan.exposed_s + offload_setup_s,
                                    bound_s=plan.bound_s + offload_setup_s)
-        if plan.feasible:
-            alt = self._solve([dataclasses.replace(c, can_offload=False) for c in candidates], must_free_bytes,
-                              offload_window_s, reload_window_s)
-            if alt.feasible and alt.exposed_s <= plan.exposed_s:
-                return alt
-        return plan
+        alt = self._solve([replace(c, can_offload=False) for c in candidates], must_free_bytes,
+                          offload_window_s, reload_window_s)
+        # An infeasible plan releases all it can: the alternative must release as much.
+        enough = alt.feasible or (not plan.feasible and alt.freed_bytes >= plan.freed_bytes)
+        return alt if enough and alt.exposed_s <= plan.exposed_s else plan
 
     def _solve(self, candidates: Sequence[Candidate], must_free_bytes: int, offload_window_s: float,
                reload_window_s: float) -> Plan:
