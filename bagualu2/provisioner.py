@@ -321,7 +321,7 @@ class Provisioner:
         total = self.cost.predict_total(self.cost.order, counts)
         offload_window, reload_window = self._windows(1.0)
         return self.planner.solve(candidates, total - int(self.budget * (1.0 - self.margin)),
-                                  offload_window, reload_window)
+                                  offload_window, reload_window, self.cost.copy_frame_s)
 
     def predicted_overhead(self, plan: Plan, counts: Mapping[int, Sequence[int]]) -> float:
         """The cost model's step-time overhead of a whole micro-batch under ``plan`` (seconds):

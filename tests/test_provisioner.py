@@ -908,6 +908,34 @@ def test_cost_model_learns_what_offloads_cost() -> None:
     assert one_small - (cost.copy_overhead_s + cost.copy_factor * 2e-6) == pytest.approx(3 * 2e-6)
 
 
+def test_plans_pay_the_cost_a_micro_batch_s_first_offload_adds_once() -> None:
+    """Copies measured nearly free each, but 1 s per micro-batch that offloads anything: the
+    whole-micro-batch plan and the plans decided at the gates recompute instead."""
+    model = make_model()
+    prov = bagualu2.enable(model, budget=1 << 40, min_bytes=0)
+    for i in range(prov.profile_frames):
+        step(model, i)
+    keep_peak = max(m.peak_bytes for m in prov.telemetry.micro_batches)
+    cost = prov.cost
+    transfer = 1.0 / cost.d2h_bandwidth + 1.0 / cost.h2d_bandwidth
+    for copies, nbytes in [(1, 10**6), (4, 10**5), (9, 3 * 10**6)]:
+        fixed = copies * sum(cost.copy_fixed_s) + nbytes * transfer
+        cost.observe_copies(1.0 + 1e-3 * fixed, copies, nbytes, busy_s=1e-3 * nbytes * transfer)
+    assert cost.copy_frame_s == pytest.approx(1.0, rel=1e-6)
+    prov.budget = prov.runtime.budget_bytes = int(0.6 * keep_peak)
+    counts = prov.mean_counts()
+    plan = prov.plan_for(counts)
+    Choice = bagualu2.Choice
+    assert plan.feasible and plan.mix()[Choice.OFFLOAD] == 0 and plan.mix()[Choice.RECOMPUTE] > 0
+    unpriced = prov.planner.solve(*cost.candidates(cost.order, counts, 0, True)[:1],
+                                  cost.predict_total(cost.order, counts) - int(prov.budget * (1 - prov.margin)),
+                                  0.0, 0.0)
+    assert unpriced.mix()[Choice.OFFLOAD] > 0  # without the setup, copies looked nearly free
+    step(model, 99)
+    decided = [d for d in prov.telemetry.decisions if d.mix.get("offload", 0) + d.mix.get("recompute", 0)]
+    assert decided and all(d.mix.get("offload", 0) == 0 for d in decided)
+
+
 def test_runtime_measures_rebuilds_and_copies_and_the_provisioner_feeds_the_cost_model() -> None:
     model = make_model()
     prov = bagualu2.enable(model, budget=None, policy="recompute_all", min_bytes=0)
