@@ -4,6 +4,7 @@ Every test compares against the same model run by plain PyTorch, bit for bit.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 from typing import Dict, List, Optional, Tuple
@@ -80,6 +81,27 @@ def keys() -> List[str]:
     h.forward(tokens, frame)
     h.close()
     return sorted(frame.keys_seen)
+
+
+@pytest.mark.parametrize("load_cap", [1.2, None])
+def test_operator_keys_are_the_same_from_micro_batch_to_micro_batch(load_cap: Optional[float]) -> None:
+    """Keys name ops by module path, op and occurrence: micro-batches whose routing differs
+    (token counts, the router's load-cap rounds, forced spikes) save under the same keys."""
+    model, _ = make_model(router_load_cap=load_cap)
+    h = Harness(model, None)
+    seen = []
+    for i, spike in enumerate([0.0, 0.0, 2.0, 0.0, 3.0, 0.0]):
+        tokens = torch.randint(0, model.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(i))
+        frame = Frame()
+        with model.routing_spike(spike, experts=(i % 8,)) if spike else contextlib.nullcontext():
+            h.forward(tokens, frame)
+        seen.append((sorted(frame.keys_seen), [layer.moe.router.last_tokens_per_expert.tolist()
+                                               for layer in model.layers]))
+    h.close()
+    assert len({str(routing) for _, routing in seen}) == len(seen)  # the routing really differed
+    # the keys of expert ops depend on which experts got tokens; all other keys are the same
+    shared = [{k for k in keys if ".experts." not in k} for keys, _ in seen]
+    assert all(keys == shared[0] for keys in shared), [sorted(k ^ shared[0]) for k in shared]
 
 
 # -- invariant 1: exactness -------------------------------------------------------------------

@@ -8,7 +8,9 @@ module's forward, below autograd. For each *storage* an op creates it records a 
 * ``key``: the stable operator key ``"<module path>:<op>:<occurrence>"``, where the occurrence
   counts ops of that name inside one call of that module (``"<key>.<i>"`` for the op's output
   ``i > 0``). It does not depend on tensor shapes, so it is the same from micro-batch to
-  micro-batch whatever the token counts.
+  micro-batch whatever the token counts, as long as the ops a module call runs do not depend
+  on the data; a loop that stops early shifts the numbers of the ops after it in the same
+  call, so such a loop belongs in a module of its own (the reference router's selection).
 * a recipe to rebuild the storage: the creating op with its arguments (tensors replaced by
   ``Ref``s to the nodes that own their storages, or held directly when they come from outside
   the traced region), then every in-place op applied to the storage. A storage's *state* is the

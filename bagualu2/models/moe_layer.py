@@ -124,6 +124,31 @@ def _spike_bias(scores: Tensor, top_k: int, spike: RoutingSpike, rounds: int = 4
     return bias
 
 
+class ExpertSelection(nn.Module):
+    """The scores a :class:`TopKRouter` chooses experts by, shaped for balance or a spike.
+
+    A module of its own: how many ops shaping runs depends on the batch (the load-cap rounds
+    stop once no expert is over the cap), and ops inside a module call are numbered per call,
+    so the router's own ops keep the same names from batch to batch.
+    """
+
+    def __init__(self, top_k: int, load_cap: Optional[float]) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.load_cap = load_cap
+
+    def forward(self, scores: Tensor, spike: Optional[RoutingSpike]) -> Tensor:
+        """Selection scores from detached router logits ``scores`` ([T, E])."""
+        if self.load_cap is not None:
+            centered = scores - scores.mean(dim=0)
+            scale = centered.pow(2).mean(dim=0).sqrt().clamp_min(torch.finfo(scores.dtype).tiny)
+            scores = centered / scale
+            scores = scores + _cap_bias(scores, self.top_k, self.load_cap)
+        if spike is not None:
+            scores = scores + _spike_bias(scores, self.top_k, spike)
+        return scores
+
+
 class TopKRouter(nn.Module):
     """Softmax top-k router with renormalized weights and a Switch-style auxiliary loss.
 
@@ -147,8 +172,8 @@ class TopKRouter(nn.Module):
                              f"got {load_cap=}")
         self.num_experts = num_experts
         self.top_k = top_k
-        self.load_cap = load_cap
         self.proj = nn.Linear(hidden_size, num_experts, bias=False)
+        self.selection = ExpertSelection(top_k, load_cap)
         self.spike: Optional[RoutingSpike] = None
         self.last_tokens_per_expert: Optional[Tensor] = None
         """Tokens per expert of the latest forward (int64 [E]), for inspection."""
@@ -157,19 +182,10 @@ class TopKRouter(nn.Module):
         """Route ``x`` ([T, hidden]) to ``top_k`` experts per token."""
         logits = self.proj(x).float()
         probs = logits.softmax(dim=-1)
-        if self.load_cap is None and self.spike is None:
-            top_probs, indices = probs.topk(self.top_k, dim=-1)
-        else:
-            scores = logits.detach()
-            if self.load_cap is not None:
-                centered = scores - scores.mean(dim=0)
-                scale = centered.pow(2).mean(dim=0).sqrt().clamp_min(torch.finfo(scores.dtype).tiny)
-                scores = centered / scale
-                scores = scores + _cap_bias(scores, self.top_k, self.load_cap)
-            if self.spike is not None:
-                scores = scores + _spike_bias(scores, self.top_k, self.spike)
-            indices = scores.topk(self.top_k, dim=-1).indices
-            top_probs = probs.gather(1, indices)
+        # One sequence of ops whatever the batch (balanced, capped or spiked), so each op keeps
+        # its name from micro-batch to micro-batch; softmax keeps the logits' order.
+        indices = self.selection(logits.detach(), self.spike).topk(self.top_k, dim=-1).indices
+        top_probs = probs.gather(1, indices)
         weights = (top_probs / top_probs.sum(dim=-1, keepdim=True)).to(x.dtype)
         with torch.no_grad():
             tokens_per_expert = _count_selected(indices, self.num_experts)
