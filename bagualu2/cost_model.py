@@ -308,6 +308,10 @@ class CostModel:
     def ready(self) -> bool:
         return self.frames > 0
 
+    def expert_of(self, key: str) -> Optional[int]:
+        """The expert whose module runs ``key``'s op, or None when no expert does."""
+        return self._driver(key)[1]
+
     def _driver(self, key: str) -> Tuple[Optional[int], Optional[int]]:
         path = key.split(":", 1)[0]
         for layer, prefix in self.expert_prefixes.items():

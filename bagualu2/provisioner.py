@@ -40,6 +40,7 @@ import math
 import os
 import statistics
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -209,6 +210,10 @@ class Provisioner:
         self._pinned_bytes: Optional[int] = None
         self._pinned_per_input = 0.0
         self._worst_bytes: Optional[int] = None  # saved bytes of the worst possible routing
+        # Keys traced micro-batches saved after profiling that the cost model never saw (no plan
+        # can name them), and whether the user was told.
+        self._unplanned: set = set()
+        self._unplanned_warned = False
         self._recent_bytes: Deque[int] = collections.deque(maxlen=_RECENT)  # of recent routings
         self.overlap: Any = None  # an OverlapDriver on a pipeline rank (pipeline.enable_bagualu2)
         self._static: Optional[Dict[str, Choice]] = None
@@ -370,6 +375,7 @@ class Provisioner:
             "plan_cache": cache,
             "arena_in_use_bytes": arena.get("in_use", 0),
             "gates": [g.name for g in self.gates],
+            "unplanned_keys": len(self._unplanned),
             "overlap": self.overlap.report() if self.overlap is not None else None,
         }
 
@@ -496,6 +502,8 @@ class Provisioner:
             self._outside_held = max(self._outside_held, frame.stats.outside_bytes)
         if frame.profile:
             self.cost.observe(frame.saved_profile, self._frame_counts, seconds, frame.unsaved_seconds)
+        elif frame.traced and self.cost.ready:
+            self._note_unplanned(frame)
         kept = 0
         if self.cost.ready:
             kept, self._hard_floor = self.cost.floors(
@@ -515,6 +523,25 @@ class Provisioner:
             room_made_bytes=frame.stats.room_made_bytes,
         ))
         return out
+
+    def _note_unplanned(self, frame: Frame) -> None:
+        """Record the keys ``frame`` saved that the profiled micro-batches never did. An expert's
+        keys are new when the expert got no tokens while profiling; any other new key means a
+        module ran a different number of ops than when profiled, which renumbers the ops after
+        them in the same call: told once."""
+        new = [k for k in frame.keys_seen if k not in self.cost.ops]
+        if not new or len(self._unplanned) > 4096:
+            return
+        self._unplanned.update(new)
+        odd = next((k for k in new if self.cost.expert_of(k) is None), None)
+        if odd is not None and not self._unplanned_warned:
+            self._unplanned_warned = True
+            warnings.warn(
+                f"bagualu2: micro-batch {frame.index} saved activations under operator keys that the "
+                f"profiled micro-batches never used, e.g. {odd!r}. A key numbers an op within its "
+                f"module call, so a module whose number of ops depends on the data (a loop that stops "
+                f"early) renames the ops after that loop; plans cannot name them, so they are kept. "
+                f"Moving such a loop into a module of its own keeps the names stable.", stacklevel=3)
 
     def _count_stacking(self) -> None:
         """Place this forward in its run of forwards without a backward between them."""
@@ -736,8 +763,6 @@ def enable(model: torch.nn.Module, budget: Union[str, int, float, None] = "auto"
     """
     prov = Provisioner(model, budget, policy, **options)
     if not prov.gates and policy == "adaptive" and options.get("gates") is None:
-        import warnings
-
         warnings.warn(
             "bagualu2.enable: no MoE gate found, so decisions are made only by the budget check at "
             "each save. " + describe_unsupported(model), stacklevel=2,

@@ -5,6 +5,7 @@ import contextlib
 import copy
 import io
 import json
+import warnings
 from typing import Dict, List, Sequence, Tuple
 
 import pytest
@@ -934,6 +935,40 @@ def test_plans_pay_the_cost_a_micro_batch_s_first_offload_adds_once() -> None:
     step(model, 99)
     decided = [d for d in prov.telemetry.decisions if d.mix.get("offload", 0) + d.mix.get("recompute", 0)]
     assert decided and all(d.mix.get("offload", 0) == 0 for d in decided)
+
+
+class DataDependentLoop(torch.nn.Module):
+    """Adds zero a number of times that depends on the data, then squares: the square saves a
+    storage whose key (the last add's occurrence) moves from micro-batch to micro-batch."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(1 + int(x.detach().abs().sum() * 1000) % 3):
+            x = x + 0.0
+        return self.inner(x * x)
+
+
+def test_keys_no_profiled_micro_batch_used_are_reported_and_told_once() -> None:
+    model = make_model()
+    stable = bagualu2.enable(model, budget=None, policy={}, min_bytes=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the reference model keeps its keys, spikes included
+        for i in range(8):
+            step(model, i, spike=2.0 if i % 3 == 2 else 0.0)
+    assert stable.report()["unplanned_keys"] == 0
+    stable.disable()
+
+    model = make_model()
+    model.norm = DataDependentLoop(model.norm)
+    prov = bagualu2.enable(model, budget=None, policy={}, min_bytes=0)
+    with pytest.warns(UserWarning, match=r"'norm:aten\.add\.Tensor:\d'.*loop that stops early") as told:
+        for i in range(12):
+            step(model, i)
+    assert len(told) == 1
+    assert prov.report()["unplanned_keys"] >= 1
 
 
 def test_runtime_measures_rebuilds_and_copies_and_the_provisioner_feeds_the_cost_model() -> None:
