@@ -149,6 +149,7 @@ class Planner:
         self._impl = _C.Planner(
             int(quantum_bytes or 0), float(time_quantum_s or 0.0), int(max_cells or 0)
         )
+        self._max_cells = int(max_cells or 0)
 
     def solve(
         self,
@@ -181,17 +182,23 @@ class Planner:
         if offload_setup_s == 0.0 or not any(c == Choice.OFFLOAD for c in plan.choices.values()):
             return plan
         # The best plan offloads: it pays the setup. Any other plan that offloads costs at least
-        # as much, so the best is it or the best plan that offloads nothing.
+        # as much, so the best is it or the best plan that offloads nothing, which is solved
+        # only when it can free enough (an infeasible plan releases all it can: as much) and
+        # its cost's lower bound does not already exceed the first.
         plan = replace(plan, exposed_s=plan.exposed_s + offload_setup_s,
-                                   bound_s=plan.bound_s + offload_setup_s)
-        alt = self._solve([replace(c, can_offload=False) for c in candidates], must_free_bytes,
-                          offload_window_s, reload_window_s)
-        # An infeasible plan releases all it can: the alternative must release as much.
+                       bound_s=plan.bound_s + offload_setup_s)
+        need = int(must_free_bytes) if plan.feasible else plan.freed_bytes
+        if _recompute_bound(candidates, need) > plan.exposed_s:
+            return plan
+        # At the first plan's byte quantum: with no time axes the DP would spend every state on
+        # finer bytes (about 3x the time), past what the first plan was exact to anyway.
+        coarse = Planner(plan.quantum_bytes, max_cells=self._max_cells or None)
+        alt = coarse._solve(candidates, must_free_bytes, offload_window_s, reload_window_s, offload=False)
         enough = alt.feasible or (not plan.feasible and alt.freed_bytes >= plan.freed_bytes)
         return alt if enough and alt.exposed_s <= plan.exposed_s else plan
 
     def _solve(self, candidates: Sequence[Candidate], must_free_bytes: int, offload_window_s: float,
-               reload_window_s: float) -> Plan:
+               reload_window_s: float, offload: bool = True) -> Plan:
         must = int(must_free_bytes)
         if must <= 0:
             choices = {c.key: Choice.KEEP for c in candidates}
@@ -208,7 +215,7 @@ class Planner:
                 [c.recompute_s for c in candidates],
                 [c.offload_s for c in candidates],
                 [c.reload_s for c in candidates],
-                [c.can_offload for c in candidates],
+                [c.can_offload for c in candidates] if offload else [False] * len(candidates),
                 [c.can_recompute for c in candidates],
                 must,
                 float(offload_window_s),
@@ -248,6 +255,22 @@ class Planner:
                 rel += c.reload_s
         return (rec + max(0.0, off - offload_window_s) + max(0.0, rel - reload_window_s)
                 + (offload_setup_s if offloads else 0.0))
+
+
+def _recompute_bound(candidates: Sequence[Candidate], need: int) -> float:
+    """A lower bound on the exposed time of freeing ``need`` bytes by recomputing alone: the
+    cheapest seconds per byte first, the last one in part (inf when they cannot free it)."""
+    if need <= 0:
+        return 0.0
+    items = sorted((c.recompute_s / c.nbytes, c.nbytes) for c in candidates if c.can_recompute and c.nbytes > 0)
+    bound = 0.0
+    for per_byte, nbytes in items:
+        take = min(nbytes, need)
+        bound += per_byte * take
+        need -= take
+        if need <= 0:
+            return bound
+    return math.inf
 
 
 class PlanCache:

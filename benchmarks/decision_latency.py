@@ -1,7 +1,10 @@
 """Decision latency of the planner (cold), the plan cache (hits) and the overlap scheduler.
 
 Cold decisions: Planner.solve on random MoE-like candidate sets of 8..256 operators, timed
-through the Python facade and through the bare C++ binding (columns prebuilt). Baselines in
+through the Python facade and through the bare C++ binding (columns prebuilt), and with an
+offload setup cost (a plan that offloads anything pays it once): small (10% of the plan's
+exposed time: the recompute-only bound usually rules out a plan without offloads) and large
+(10x: the plan without offloads is solved too, a second DP). Baselines in
 the same run: a pure-Python brute force (only where 3^n is small) and a pure-Python greedy;
 the table gives their time as a ratio to the DP and their exposed time against the DP's.
 Cached decisions: PlanCache.get hits from Python, and the cache's own C++ lookup mean.
@@ -99,7 +102,7 @@ def main() -> None:
     args = ap.parse_args()
     rng = np.random.default_rng(args.seed)
     rows = []
-    print(f"{'ops':>5} {'DP us (median)':>15} {'p90 us':>8} {'C++ us':>8} {'greedy us':>10} "
+    print(f"{'ops':>5} {'DP us (median)':>15} {'p90 us':>8} {'C++ us':>8} {'setup us':>9} {'large setup us':>15} {'greedy us':>10} "
           f"{'greedy/DP':>9} {'greedy gap':>10} {'brute/DP':>9} {'DP gap vs brute':>15}")
     for n in [int(s) for s in args.sizes.split(",")]:
         cands = make_candidates(n, rng)
@@ -113,12 +116,19 @@ def main() -> None:
                 [c.can_offload for c in cands], [c.can_recompute for c in cands])
         raw = timed(lambda: planner._impl.solve_columns(*cols, must, wf, wb), args.reps)
         plan = planner.solve(cands, must, wf, wb)
+        # setups the best plan pays (it offloads): a small one, and a large one for which the
+        # planner also solves the plan without offloads
+        with_setup = timed(lambda: planner.solve(cands, must, wf, wb, 0.1 * plan.exposed_s), args.reps)
+        large_setup = timed(lambda: planner.solve(cands, must, wf, wb, 10 * plan.exposed_s), args.reps)
         g_reps = max(1, min(args.reps, 2000 // n))
         gt = timed(lambda: greedy(cands, must, wf, wb), g_reps)
         g_exp = greedy(cands, must, wf, wb)
         row = dict(ops=n, dp_median_us=statistics.median(dp) * 1e6,
                    dp_p90_us=float(np.percentile(dp, 90)) * 1e6,
                    cpp_median_us=statistics.median(raw) * 1e6,
+                   setup_median_us=statistics.median(with_setup) * 1e6,
+                   large_setup_median_us=statistics.median(large_setup) * 1e6,
+                   setup_plan_offloads=plan.mix()[Choice.OFFLOAD] > 0,
                    greedy_median_us=statistics.median(gt) * 1e6,
                    dp_exposed_s=plan.exposed_s, greedy_exposed_s=g_exp,
                    quantum_bytes=plan.quantum_bytes, feasible=plan.feasible)
@@ -134,7 +144,7 @@ def main() -> None:
             brute = f"{row['brute_over_dp_time']:>9.0f} {row['dp_gap_vs_brute_pct']:>14.2f}%"
         rows.append(row)
         print(f"{n:>5} {row['dp_median_us']:>15.1f} {row['dp_p90_us']:>8.1f} "
-              f"{row['cpp_median_us']:>8.1f} {row['greedy_median_us']:>10.1f} "
+              f"{row['cpp_median_us']:>8.1f} {row['setup_median_us']:>9.1f} {row['large_setup_median_us']:>15.1f} {row['greedy_median_us']:>10.1f} "
               f"{row['greedy_over_dp_time']:>9.1f} {row['greedy_gap_pct']:>9.2f}% {brute}")
 
     # cached decisions: hits on a warm cache keyed like the provisioner keys it
