@@ -191,7 +191,7 @@ class Planner:
         if _recompute_bound(candidates, need) > plan.exposed_s:
             return plan
         # At the first plan's byte quantum: with no time axes the DP would spend every state on
-        # finer bytes (about 3x the time), past what the first plan was exact to anyway.
+        # finer bytes (about twice the time), past what the first plan was exact to anyway.
         coarse = Planner(plan.quantum_bytes, max_cells=self._max_cells or None)
         alt = coarse._solve(candidates, must_free_bytes, offload_window_s, reload_window_s, offload=False)
         enough = alt.feasible or (not plan.feasible and alt.freed_bytes >= plan.freed_bytes)
