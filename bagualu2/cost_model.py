@@ -26,11 +26,12 @@ What the backward pass really pays is learned from the runtime's measurements of
 backward enters, a cost per replayed op and a factor on the profiled op time; offloads as a
 cost per micro-batch that offloads anything, a cost per offloaded storage (its
 training-thread work: store, fresh reload buffer, hooks) and a factor on the predicted copy
-time. A plan's recomputed keys fall into rebuilds: each key backward meets first (no other recomputed key reads it) enters one, and rebuilds inside it the
-recomputed keys and unsaved storages it reads. On top of the shared fit, each key that enters
-a rebuild learns its own correction (the median ratio of what its rebuilds measured to what
-the current fit predicts for them): the same few ops cost very different amounts to replay in
-backward (an RMSNorm's ``* weight`` measured 60-150 us, an index_select pair 25-55 us, on
+time. A plan's recomputed keys fall into rebuilds: each key backward meets first (no other
+recomputed key reads it) enters one, and rebuilds inside it the recomputed keys and unsaved
+storages it reads. On top of the shared fit, each key that enters a rebuild learns its own
+correction for each rebuild size (the median ratio of what its rebuilds of that many op calls
+measured to what the current fit predicts for them): the same few ops cost very different
+amounts to replay in backward (an RMSNorm's ``* weight`` measured 60-150 us, an index_select pair 25-55 us, on
 similar profiled times).
 
 Overlap: offload traffic hides behind the forward compute that follows it, reload traffic

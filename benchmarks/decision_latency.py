@@ -102,7 +102,8 @@ def main() -> None:
     args = ap.parse_args()
     rng = np.random.default_rng(args.seed)
     rows = []
-    print(f"{'ops':>5} {'DP us (median)':>15} {'p90 us':>8} {'C++ us':>8} {'setup us':>9} {'large setup us':>15} {'greedy us':>10} "
+    print(f"{'ops':>5} {'DP us (median)':>15} {'p90 us':>8} {'C++ us':>8} {'setup us':>9} "
+          f"{'large setup us':>15} {'greedy us':>10} "
           f"{'greedy/DP':>9} {'greedy gap':>10} {'brute/DP':>9} {'DP gap vs brute':>15}")
     for n in [int(s) for s in args.sizes.split(",")]:
         cands = make_candidates(n, rng)
@@ -144,7 +145,8 @@ def main() -> None:
             brute = f"{row['brute_over_dp_time']:>9.0f} {row['dp_gap_vs_brute_pct']:>14.2f}%"
         rows.append(row)
         print(f"{n:>5} {row['dp_median_us']:>15.1f} {row['dp_p90_us']:>8.1f} "
-              f"{row['cpp_median_us']:>8.1f} {row['setup_median_us']:>9.1f} {row['large_setup_median_us']:>15.1f} {row['greedy_median_us']:>10.1f} "
+              f"{row['cpp_median_us']:>8.1f} {row['setup_median_us']:>9.1f} "
+              f"{row['large_setup_median_us']:>15.1f} {row['greedy_median_us']:>10.1f} "
               f"{row['greedy_over_dp_time']:>9.1f} {row['greedy_gap_pct']:>9.2f}% {brute}")
 
     # cached decisions: hits on a warm cache keyed like the provisioner keys it
