@@ -46,6 +46,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+from bagualu2.activations.tracing import call_key, module_of
 from bagualu2.planner import Candidate, Choice
 
 __all__ = ["CostModel", "OpCost", "SIZE"]
@@ -57,13 +58,6 @@ SIZE = -1
 # A replay runs the ops the forward ran: its time per profiled second is taken to be 1, give or
 # take this, until the observed rebuilds tell otherwise (``_CostFit.prior_sd``).
 REPLAY_FACTOR_SD = 0.1
-
-
-def _call(key: str) -> str:
-    """The op call that makes ``key``'s storage: an op's first output has the call's key
-    (``"<module path>:<op>:<occurrence>"``), output ``i > 0`` has ``"<that key>.<i>"``."""
-    head, _, occurrence = key.rpartition(":")
-    return f"{head}:{occurrence.partition('.')[0]}" if "." in occurrence else key
 
 
 @dataclass
@@ -257,10 +251,10 @@ class OpCost:
     # number of ops replayed, cached for one version of that fit.
     replays: List[Tuple[float, float, int, float]] = field(default_factory=list)
     correction: Tuple[int, Dict[int, float]] = (-1, {})
-    call: str = field(init=False)  # the op call that makes its storage (``_call``)
+    call: str = field(init=False)  # the op call that makes its storage (``call_key``)
 
     def __post_init__(self) -> None:
-        self.call = _call(self.key)
+        self.call = call_key(self.key)
 
 
 class CostModel:
@@ -314,10 +308,10 @@ class CostModel:
         return self._driver(key)[1]
 
     def _driver(self, key: str) -> Tuple[Optional[int], Optional[int]]:
-        path = key.split(":", 1)[0]
+        path = module_of(key)
         for layer, prefix in self.expert_prefixes.items():
             if path.startswith(prefix):
-                head = path[len(prefix):].split(".", 1)[0].split("#", 1)[0]
+                head = path[len(prefix):].split(".", 1)[0]
                 if head.isdigit():
                     return layer, int(head)
         return None, None

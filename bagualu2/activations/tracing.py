@@ -47,9 +47,23 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Ref", "Step", "StorageNode", "TracingMode", "is_recomputing", "step_inputs", "step_refs", "ViewMeta"]
+__all__ = ["Ref", "Step", "StorageNode", "TracingMode", "call_key", "is_recomputing", "module_of", "step_inputs",
+           "step_refs", "ViewMeta"]
 
 _STATE = threading.local()
+
+
+def call_key(key: str) -> str:
+    """The key of the op call that made ``key``'s storage: the key of the call's first output
+    (``"<module path>:<op>:<occurrence>"``; output ``i > 0`` has ``"<that key>.<i>"``)."""
+    head, _, occurrence = key.rpartition(":")
+    return f"{head}:{occurrence.partition('.')[0]}" if "." in occurrence else key
+
+
+def module_of(key: str) -> str:
+    """The path of the module whose call ran ``key``'s op (the ``#<n>`` that numbers a module's
+    second and later calls in one forward left out)."""
+    return key.partition(":")[0].partition("#")[0]
 
 
 def is_recomputing() -> bool:
