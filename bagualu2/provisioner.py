@@ -660,15 +660,17 @@ class Provisioner:
         quantum = max(1, target // 64)
         must_bucket = int(math.ceil(must_free / quantum))
         load_bucket = self._load_key(tuple(v // step for v in bucketed))
-        phase = _PHASES[self._phase] * 64 + min(self._stacked, 63)
+        # A micro-batch's first offload costs more than its own copy (copy_frame_s): a plan made
+        # before the micro-batch offloaded anything is not the plan for after, nor the reverse.
+        offloading = frame.stats.offloaded_storages > 0
+        phase = (_PHASES[self._phase] * 64 + min(self._stacked, 63)) * 2 + offloading
         plan = self.cache.get(layer, load_bucket, phase, must_bucket)
         record.cache_hit = plan is not None
         if plan is None:
             anchors = [n.key for n in frame._anchors]
             candidates, _ = cost.candidates(remaining, counts, self.min_bytes, self.engine is not None, anchors)
             offload_window, reload_window = self._windows(len(remaining) / max(1, len(cost.order)))
-            # A micro-batch's first offload costs more than its own copy (copy_frame_s).
-            setup = 0.0 if frame.stats.offloaded_storages else cost.copy_frame_s
+            setup = 0.0 if offloading else cost.copy_frame_s
             plan = self.planner.solve(candidates, must_bucket * quantum, offload_window, reload_window, setup)
             self.cache.put(layer, load_bucket, phase, must_bucket, plan)
         frame.choices.update(plan.choices)

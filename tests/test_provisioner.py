@@ -426,6 +426,18 @@ def test_the_plan_cache_returns_a_plan_only_for_the_loads_it_was_solved_for() ->
     cached = prov.telemetry.decisions[n + len(solved):]
     assert [d.cache_hit for d in cached] == [True] * len(solved)
     assert [d.mix for d in cached] == [d.mix for d in solved]
+    # A micro-batch that has offloaded already pays no first-offload cost: a plan solved for it
+    # is not one solved before it offloaded, nor the reverse. At the first gate nothing had
+    # been offloaded so far; now the micro-batch starts as if something had.
+    def offloaded_before(frame) -> None:
+        frame.stats.offloaded_storages = 1
+    prov.runtime.frame_observer = offloaded_before
+    n = len(prov.telemetry.decisions)
+    step(model, 1)
+    step(model, 1)
+    first, again = prov.telemetry.decisions[n:n + len(solved)], prov.telemetry.decisions[n + len(solved):]
+    assert not first[0].cache_hit and [d.cache_hit for d in again] == [True] * len(solved)
+    prov.runtime.frame_observer = None
     # The numbering restarts, with an empty cache, instead of growing without bound.
     assert len(prov.cache) > 0
     for i in range(16 * prov.cache.capacity):
