@@ -11,7 +11,8 @@ after the router has produced its tokens per expert and before any expert runs, 
 2. adds what is already resident (the ledger: this and every other micro-batch in flight),
 3. if that exceeds the budget, asks the C++ ``Planner`` for the cheapest KEEP / OFFLOAD /
    RECOMPUTE choice per remaining operator that frees the excess (through the ``PlanCache``
-   keyed by layer, quantized load, pipeline phase and quantized excess), and
+   keyed by layer, quantized load, pipeline phase with whether the micro-batch has offloaded
+   yet, and quantized excess), and
 4. installs the plan in the frame; the runtime applies it as the experts save activations.
 
 When calm, step 3 is skipped: the plan stays all-keep and the forward is not even traced (nor
