@@ -17,6 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import bagualu2
 from bagualu2.activations import ActivationRuntime, Frame
+from bagualu2.activations.tracing import call_key, module_of
 from bagualu2.models import MoEConfig, MoETransformer
 from bagualu2.offload import CopyEngine, HostArena
 from bagualu2.planner import Choice
@@ -102,6 +103,46 @@ def test_operator_keys_are_the_same_from_micro_batch_to_micro_batch(load_cap: Op
     # the keys of expert ops depend on which experts got tokens; all other keys are the same
     shared = [{k for k in keys if ".experts." not in k} for keys, _ in seen]
     assert all(keys == shared[0] for keys in shared), [sorted(k ^ shared[0]) for k in shared]
+
+
+class _Gated(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.w).sigmoid() * x
+
+
+class _CallsTwice(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Gated()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.inner(x)).sum()
+
+
+def test_operator_key_grammar_names_the_call_and_the_module() -> None:
+    """``call_key`` maps every output of one op call to its first output's key; ``module_of``
+    gives the module path of the call that ran the op, a module's second call included."""
+    model, tokens = make_model()
+    h = Harness(model, None)
+    frame = Frame()
+    h.forward(tokens, frame)
+    h.close()
+    indices = "layers.0.moe.router:aten.topk.default:0.1"  # topk's second output
+    assert indices in frame.keys_seen
+    assert call_key(indices) == call_key("layers.0.moe.router:aten.topk.default:0") == indices[:-2]
+    assert module_of(indices) == "layers.0.moe.router"
+    torch.manual_seed(0)
+    h = Harness(_CallsTwice(), None)
+    frame = Frame()
+    h.forward(torch.randn(4, 8), frame)
+    h.close()
+    sigmoids = sorted(k for k in frame.keys_seen if "sigmoid" in k)
+    assert sigmoids == ["inner#1:aten.sigmoid.default:0", "inner:aten.sigmoid.default:0"]
+    assert {module_of(k) for k in sigmoids} == {"inner"}
 
 
 # -- invariant 1: exactness -------------------------------------------------------------------
