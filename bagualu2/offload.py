@@ -82,9 +82,9 @@ class HostArena:
 
     ``capacity_bytes`` are reserved now. With ``max_capacity`` (bytes, at least
     ``capacity_bytes``) a request that fits no free block reserves one more segment, at least as
-    large as the arena so far, until ``max_capacity`` is reached; segments are kept until the
-    arena dies. ``allocate``/``free`` are the raw block interface (addresses as ints); tensors
-    go through :class:`CopyEngine`.
+    large as the arena so far, until ``max_capacity`` is reached; ``reserve`` grows it ahead of
+    need. Segments are kept until the arena dies. ``allocate``/``free`` are the raw block
+    interface (addresses as ints); tensors go through :class:`CopyEngine`.
     """
 
     __slots__ = ("_impl",)
@@ -126,6 +126,12 @@ class HostArena:
     def allocate(self, nbytes: int) -> Optional[int]:
         """Address of a new block of at least ``nbytes`` bytes, or None when none fits."""
         return self._impl.allocate(nbytes)
+
+    def reserve(self, nbytes: int) -> bool:
+        """Grow the capacity to ``nbytes`` now, with one segment of what is missing (up to
+        ``max_capacity``), so offloads later find the room without reserving it themselves.
+        Returns whether the arena holds at least ``nbytes``."""
+        return self._impl.reserve(_positive_bytes("nbytes", nbytes))
 
     def free(self, ptr: int, after: Sequence[Any] = ()) -> None:
         """Free a block; it is reused only once every fence (or ticket) in ``after`` is ready."""

@@ -212,6 +212,25 @@ def test_growth_adds_a_segment_only_when_no_gap_fits_and_stops_at_max_capacity(b
     assert arena.allocate(1 << 20) is not None, "a freed segment serves again"
 
 
+def test_reserve_adds_one_segment_of_what_is_missing_up_to_max_capacity(backend):
+    arena = HostArena(1 << 20, backend, max_capacity=4 << 20)
+    assert arena.reserve(1 << 20) and arena.reserve(4096) and len(arena.segments) == 1, "large enough already"
+    assert arena.reserve((2 << 20) + 1)  # rounded up to the alignment
+    assert [size for _, size in arena.segments] == [1 << 20, (1 << 20) + 256]
+    a = arena.allocate((1 << 20) + 1)  # served by the reserved segment, no growth
+    assert len(arena.segments) == 2 and arena.segments[1][0] == a
+    assert not arena.reserve(8 << 20), "max_capacity is less than asked"
+    assert [size for _, size in arena.segments] == [1 << 20, (1 << 20) + 256, (2 << 20) - 256]
+    assert arena.capacity == arena.max_capacity == 4 << 20
+    arena.free(a)
+    fixed = HostArena(1 << 20, backend)
+    assert not fixed.reserve(2 << 20) and len(fixed.segments) == 1, "an arena without max_capacity does not grow"
+    with pytest.raises(ValueError, match="nbytes must be positive"):
+        arena.reserve(0)
+    with pytest.raises(TypeError):
+        arena.reserve(1.5)  # type: ignore[arg-type]
+
+
 def _host_refuses_huge_allocations() -> bool:
     """Linux's heuristic overcommit (mode 0) refuses one allocation far beyond RAM + swap."""
     try:
@@ -227,6 +246,7 @@ def test_a_segment_the_host_refuses_is_exhaustion_not_an_error():
     assert arena.allocate(1 << 45) is None  # 32 TiB: the reservation fails
     s = arena.stats()
     assert (s["segments"], s["capacity"], s["num_failed"]) == (1, 1 << 20, 1)
+    assert not arena.reserve(1 << 45) and arena.stats()["segments"] == 1, "a refused reserve changes nothing"
     assert arena.allocate(4 << 20) is not None, "growth still works after a refused reservation"
 
 
@@ -291,7 +311,7 @@ CAPACITY = 64 * 1024
 
 
 class ArenaModel(RuleBasedStateMachine):
-    """Random allocate / free / free-with-fence / complete sequences against a gap model.
+    """Random allocate / reserve / free / free-with-fence / complete sequences against a gap model.
 
     The model keeps, per segment, the occupied intervals (allocated, or pending with an
     unsignalled fence); free space is the set of maximal gaps between them inside each segment.
@@ -360,6 +380,20 @@ class ArenaModel(RuleBasedStateMachine):
         assert p is not None, f"no block for {n} bytes though gap {best} fits"
         assert p == best[0], f"not best fit: got {p}, want {best}"
         self.allocated[p] = size
+
+    @rule(n=st.integers(min_value=1, max_value=8 * CAPACITY))
+    def reserve(self, n: int) -> None:
+        want = round_up(n)
+        total = sum(size for _, size in self.segments)
+        target = min(want, self.max_capacity)
+        held = self.arena.reserve(n)
+        segments = list(self.arena.segments)
+        if total < target:
+            assert segments[:-1] == self.segments and segments[-1][1] == target - total, "reserved segment"
+            self.segments = segments
+        else:
+            assert segments == self.segments, "a segment added though the arena was large enough"
+        assert held == (max(total, target) >= want)
 
     @precondition(lambda self: self.allocated)
     @rule(data=st.data(), with_fence=st.booleans())

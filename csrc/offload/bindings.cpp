@@ -188,6 +188,15 @@ void register_offload(py::module_& m) {
             },
             py::arg("nbytes"), "Address of a new block, or None when no free block fits.")
         .def(
+            "reserve",
+            [](HostArena& a, std::int64_t nbytes) {
+                BAGUALU2_CHECK(nbytes >= 0, "HostArena.reserve: nbytes must be >= 0, got ", nbytes);
+                py::gil_scoped_release unlocked;  // pinning gigabytes takes a while
+                return a.reserve(static_cast<std::size_t>(nbytes));
+            },
+            py::arg("nbytes"),
+            "Grow the capacity to nbytes now (max_capacity at most); whether it holds that much.")
+        .def(
             "free",
             [](HostArena& a, std::uintptr_t ptr, std::vector<FencePtr> after) {
                 a.free(reinterpret_cast<void*>(ptr), std::move(after));

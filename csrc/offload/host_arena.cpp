@@ -164,7 +164,22 @@ bool HostArena::grow(std::size_t size) {
     if (total >= max_capacity_ || size > max_capacity_ - total) {
         return false;
     }
-    const std::size_t seg_size = std::max(size, std::min(total, max_capacity_ - total));
+    return add_segment(std::max(size, std::min(total, max_capacity_ - total)));
+}
+
+bool HostArena::reserve(std::size_t capacity) {
+    BAGUALU2_CHECK(capacity <= kMaxBytes, "HostArena.reserve: ", capacity, " bytes is absurd");
+    const std::size_t want = round_up(capacity, kAlignment);
+    std::lock_guard<std::mutex> serial(grow_mutex_);
+    const std::size_t total = this->capacity();  // only grow() and reserve() change it, serially
+    const std::size_t target = std::min(want, max_capacity_);
+    if (total < target && !add_segment(target - total)) {
+        return false;
+    }
+    return std::max(total, target) >= want;
+}
+
+bool HostArena::add_segment(std::size_t seg_size) {
     // The runtime call, with the bookkeeping lock released (pinning can take milliseconds).
     // A reservation the host refuses is exhaustion like any other: the caller keeps or
     // recomputes instead.

@@ -33,7 +33,10 @@
 //      that request, is at least as large as the arena so far (geometric growth: few
 //      reservations) unless that would pass max_capacity, and the total never passes
 //      max_capacity. A reservation the runtime refuses leaves the arena as it was and the
-//      request fails like any exhaustion (nullptr, num_failed).
+//      request fails like any exhaustion (nullptr, num_failed). reserve(n) is the one other
+//      way to grow: one segment of exactly what the capacity lacks of n (of max_capacity, when
+//      n is beyond it), so an owner that learns how much it will need reserves it at a quiet
+//      moment instead of while copies wait.
 #pragma once
 
 #include <cstddef>
@@ -84,6 +87,13 @@ public:
     /// \param[in] nbytes  requested bytes (> 0).
     /// \return the block's address, or nullptr when no free block is large enough.
     void* allocate(std::size_t nbytes);
+
+    /// Grow the capacity to `capacity` bytes now (to max_capacity when that is less), with one
+    /// segment of what is missing; nothing when the arena is that large already.
+    /// \param[in] capacity  bytes the arena should hold in all.
+    /// \return whether the arena now holds at least `capacity` bytes (false when max_capacity
+    ///         is smaller or the runtime refused the reservation, which leaves it as it was).
+    bool reserve(std::size_t capacity);
 
     /// Return a block. With fences, the block stays pending until all of them are ready.
     /// \param[in] ptr     address returned by allocate and not yet freed; anything else throws.
@@ -141,6 +151,9 @@ private:
     // Reserves a segment that can hold `size` bytes if max_capacity allows; false otherwise.
     // Called without mutex_; serialised by grow_mutex_.
     bool grow(std::size_t size);
+    // Reserves one segment of `seg_size` bytes (the runtime call with mutex_ released); false
+    // when the runtime refuses. Called with grow_mutex_ held, without mutex_.
+    bool add_segment(std::size_t seg_size);
     // Index of the segment holding [addr, addr + nbytes), or -1. Lock held.
     long segment_of_locked(std::uintptr_t addr, std::size_t nbytes) const;
 
