@@ -64,6 +64,12 @@ _ACTIVE: List["Provisioner"] = []  # provisioners whose forward is running, inne
 # Micro-batches whose routing predicts the next one's: after a spike, this many are traced
 # (ready to plan releases) before calm forwards go untraced again.
 _RECENT = 8
+# The host arena at enable, when the user does not size it: room for the copy-cost probes and
+# the first offloads. Once the profiled micro-batches show how large activations get, what
+# offloading may need is reserved in one step, up to _ARENA_AHEAD_BYTES (_reserve_arena); the
+# arena grows by segments beyond that.
+_ARENA_START_BYTES = 64 << 20
+_ARENA_AHEAD_BYTES = 8 << 30
 
 
 def _host_memory_bytes() -> int:
@@ -162,6 +168,7 @@ class Provisioner:
         self.profile_frames = profile_frames
         self.telemetry = Telemetry(Path(telemetry_path) if telemetry_path else None)
         self.engine = engine if engine is not None else self._make_engine(arena_bytes, arena_max_bytes)
+        self._arena_chosen = engine is not None or arena_bytes is not None  # then never reserved for
         self._busy_total = 0.0  # the engine's busy seconds when last read (_engine_busy_s)
         if self.engine is not None:
             self._engine_busy_s()
@@ -230,7 +237,7 @@ class Provisioner:
 
         backend = "cpu" if self.device.type == "cpu" else ("hip" if torch.version.hip else "cuda")
         if arena_bytes is None:
-            arena_bytes = min(max(256 << 20, 2 * (self.budget or 0)), 8 << 30)
+            arena_bytes = _ARENA_START_BYTES
         if arena_max_bytes is None:
             # Grow on demand up to half of this process's share of host memory.
             arena_max_bytes = max(arena_bytes, _host_memory_bytes() // (2 * _local_processes()))
@@ -421,6 +428,23 @@ class Provisioner:
             return True
         return self.engine is not None and bool(self._recent_bytes) and max(self._recent_bytes) <= room
 
+    def _reserve_arena(self) -> None:
+        """Reserve the host arena's room for offloads once the profiled micro-batches tell how
+        large they can get: two micro-batches of the worst routing, less the budget where the
+        planner keeps what fits (nothing when it all fits, or when the policy never offloads).
+        Reserved now, between micro-batches: an offload that had to reserve it would hold the
+        copies up for as long as pinning takes. A user's arena (``arena_bytes``, ``engine``) is
+        left as it is."""
+        if self.engine is None or self._arena_chosen or self._worst_bytes is None:
+            return
+        if self.policy == "adaptive":
+            need = 2 * self._worst_bytes - self.budget if self.budget is not None else 0
+        else:  # a fixed plan (the static policies are not profiled)
+            need = 2 * self._worst_bytes if Choice.OFFLOAD in (self._static or {}).values() else 0
+        need = min(need, _ARENA_AHEAD_BYTES)
+        if need > self.engine.arena.capacity:
+            self.engine.arena.reserve(need)
+
     def _worst_case_bytes(self) -> int:
         """Saved bytes of a micro-batch of this one's size whose every local expert gets every
         token it can."""
@@ -512,6 +536,7 @@ class Provisioner:
         self._floor = max(self._floor, anchored + kept)
         if frame.profile and self.cost.frames >= self.profile_frames:
             self._worst_bytes = self._worst_case_bytes()
+            self._reserve_arena()
         if self.cost.ready and self._frame_counts:
             self._recent_bytes.append(self.cost.predict_total(self.cost.order, self._frame_counts))
         imbalance = max((max(c) * len(c) / max(1, sum(c)) for c in self._frame_counts.values()), default=1.0)
@@ -754,9 +779,11 @@ def enable(model: torch.nn.Module, budget: Union[str, int, float, None] = "auto"
         **options: ``on_exceed`` (``"record"`` or ``"raise"``: raise ``BudgetExceededError``
             when the budget is crossed), ``min_bytes`` (smaller activations are kept, unless
             the budget leaves no room for one),
-            ``arena_bytes`` (pinned host memory reserved up front), ``arena_max_bytes`` (what the
-            arena may grow to when offloads need more; default half of this process's share
-            of host memory), ``reserve_bytes``, ``profile_frames``,
+            ``arena_bytes`` (pinned host memory reserved at enable; by default 64 MiB, and
+            once the profiled micro-batches show how large activations get, what offloading
+            them may need, up to 8 GiB), ``arena_max_bytes`` (what the arena may grow to when
+            offloads need more; default half of this process's share of host memory),
+            ``reserve_bytes``, ``profile_frames``,
             ``margin``, ``telemetry_path`` (JSON lines), ``gates`` (a list of
             ``bagualu2.moe.GateSpec`` instead of discovery; ``[]`` when the model reports its
             routing through ``bagualu2.on_gating``).
