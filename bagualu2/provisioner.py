@@ -430,17 +430,19 @@ class Provisioner:
 
     def _reserve_arena(self) -> None:
         """Reserve the host arena's room for offloads once the profiled micro-batches tell how
-        large they can get: two micro-batches of the worst routing, less the budget where the
-        planner keeps what fits (nothing when it all fits, or when the policy never offloads).
-        Reserved now, between micro-batches: an offload that had to reserve it would hold the
-        copies up for as long as pinning takes. A user's arena (``arena_bytes``, ``engine``) is
-        left as it is."""
+        large they can get: the micro-batches in flight (this one and those stacking on it; two
+        at least) at the worst routing, less the budget where the planner keeps what fits
+        (nothing when it all fits, or when the policy never offloads). Reserved now, between
+        micro-batches: an offload that had to reserve it would hold the copies up for as long
+        as pinning takes. A user's arena (``arena_bytes``, ``engine``) is left as it is."""
         if self.engine is None or self._arena_chosen or self._worst_bytes is None:
             return
+        stacked = self._stacked if self._phase != "none" else max(self._runs, default=0) - 1
+        worst = (1 + max(1, stacked)) * self._worst_bytes
         if self.policy == "adaptive":
-            need = 2 * self._worst_bytes - self.budget if self.budget is not None else 0
+            need = worst - self.budget if self.budget is not None else 0
         else:  # a fixed plan (the static policies are not profiled)
-            need = 2 * self._worst_bytes if Choice.OFFLOAD in (self._static or {}).values() else 0
+            need = worst if Choice.OFFLOAD in (self._static or {}).values() else 0
         need = min(need, _ARENA_AHEAD_BYTES)
         if need > self.engine.arena.capacity:
             self.engine.arena.reserve(need)

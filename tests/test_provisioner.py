@@ -447,17 +447,20 @@ def test_the_plan_cache_returns_a_plan_only_for_the_loads_it_was_solved_for() ->
 
 def test_the_arena_is_reserved_for_offloads_once_profiling_shows_their_size(monkeypatch) -> None:
     """At enable the arena is small (how large activations get is not known yet); after the
-    profiled micro-batches it holds two micro-batches of the worst routing less the budget,
-    when the policy may offload, and is left alone when it never will or the user sized it."""
+    profiled micro-batches it holds the micro-batches in flight (two at least) at the worst
+    routing less the budget, when the policy may offload, and is left alone when it never will
+    or the user sized it."""
     start = 9 << 20  # the copy-cost probes at enable offload 8 MiB
     monkeypatch.setattr(bagualu2.provisioner, "_ARENA_START_BYTES", start)
     model = make_model(ep_size=4)
     tokens = torch.randint(0, model.cfg.vocab_size, (16, 64), generator=torch.Generator().manual_seed(0))
 
-    def run(budget, policy="adaptive", **options) -> "bagualu2.Provisioner":
+    def run(budget, policy="adaptive", stacked=None, **options) -> "bagualu2.Provisioner":
         own = copy.deepcopy(model)
         prov = bagualu2.enable(own, budget=budget, policy=policy, min_bytes=0, **options)
         assert prov.engine.arena.capacity == options.get("arena_bytes", start)
+        if stacked is not None:  # a pipeline rank in warm-up: that many forwards stack on each
+            prov.set_pipeline_phase("warmup", stacked)
         for _ in range(prov.profile_frames):
             own(tokens).backward()
         assert prov._worst_bytes is not None
@@ -469,6 +472,8 @@ def test_the_arena_is_reserved_for_offloads_once_profiling_shows_their_size(monk
     need = 2 * ample._worst_bytes - budget
     assert need > start
     assert run(budget).engine.arena.capacity >= need
+    four = 4 * ample._worst_bytes - budget  # three more micro-batches in flight on a pipeline rank
+    assert run(budget, stacked=3).engine.arena.capacity >= four > need
     assert run(None, policy={}).engine.arena.capacity == start, "a fixed plan without offloads never offloads"
     offloads = {key: bagualu2.Choice.OFFLOAD for key in ample.cost.ops}
     assert run(None, policy=offloads).engine.arena.capacity >= 2 * ample._worst_bytes
