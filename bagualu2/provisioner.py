@@ -168,7 +168,7 @@ class Provisioner:
         self.profile_frames = profile_frames
         self.telemetry = Telemetry(Path(telemetry_path) if telemetry_path else None)
         self.engine = engine if engine is not None else self._make_engine(arena_bytes, arena_max_bytes)
-        self._arena_chosen = engine is not None or arena_bytes is not None  # then never reserved for
+        self._arena_chosen = engine is not None or arena_bytes is not None  # _reserve_arena leaves it
         self._busy_total = 0.0  # the engine's busy seconds when last read (_engine_busy_s)
         if self.engine is not None:
             self._engine_busy_s()
