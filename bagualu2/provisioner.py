@@ -382,6 +382,7 @@ class Provisioner:
             },
             "plan_cache": cache,
             "arena_in_use_bytes": arena.get("in_use", 0),
+            "arena_capacity_bytes": arena.get("capacity", 0),  # host memory reserved for offloads
             "gates": [g.name for g in self.gates],
             "unplanned_keys": len(self._unplanned),
             "overlap": self.overlap.report() if self.overlap is not None else None,

@@ -468,10 +468,12 @@ def test_the_arena_is_reserved_for_offloads_once_profiling_shows_their_size(monk
 
     ample = run(1 << 40)
     assert ample.engine.arena.capacity == start, "nothing to offload: nothing reserved"
+    assert ample.report()["arena_capacity_bytes"] == start
     budget = int(ample.report()["peak_bytes"] * 0.6)
     need = 2 * ample._worst_bytes - budget
     assert need > start
-    assert run(budget).engine.arena.capacity >= need
+    tight = run(budget)
+    assert tight.engine.arena.capacity >= need and tight.report()["arena_capacity_bytes"] == tight.engine.arena.capacity
     four = 4 * ample._worst_bytes - budget  # three more micro-batches in flight on a pipeline rank
     assert run(budget, stacked=3).engine.arena.capacity >= four > need
     assert run(None, policy={}).engine.arena.capacity == start, "a fixed plan without offloads never offloads"
