@@ -424,7 +424,9 @@ class Provisioner:
         last ``_RECENT`` micro-batches does."""
         if self.budget is None:
             return True
-        room = int(self.budget * (1.0 - self.margin)) - self.runtime.ledger.resident - self._reserve()
+        # What the forward saves from outside it (its inputs) is held besides the keys' bytes.
+        room = (int(self.budget * (1.0 - self.margin)) - self.runtime.ledger.resident - self._reserve()
+                - self._outside_held)
         if self._worst_bytes is not None and self._worst_bytes <= room:
             return True
         return self.engine is not None and bool(self._recent_bytes) and max(self._recent_bytes) <= room
@@ -649,7 +651,8 @@ class Provisioner:
         if not frame.traced:
             if not self._frame_predicted:  # the high-water mark, predicted as a traced frame's is
                 exact = {g.layer: self._frame_counts.get(g.layer, values) for g in self.gates}
-                self._frame_predicted = frame.stats.start_resident + self.cost.predict_total(self.cost.order, exact)
+                self._frame_predicted = (frame.stats.start_resident + self._outside_held
+                                         + self.cost.predict_total(self.cost.order, exact))
             return
         start = time.perf_counter()
         decision = self._decide(frame, layer, values)

@@ -484,6 +484,26 @@ def test_the_arena_is_reserved_for_offloads_once_profiling_shows_their_size(monk
     assert run(budget, arena_bytes=start).engine.arena.capacity == start
 
 
+def test_calm_micro_batches_count_the_inputs_they_save() -> None:
+    """A micro-batch holds the inputs it saves besides its operators' activations: an untraced
+    one's predicted high-water mark includes them (exactly, with one MoE layer, whose gate
+    knows all the routing), and one whose activations fit only without them is not calm."""
+    model = make_model(num_layers=1)
+    prov = bagualu2.enable(model, budget=1 << 40, min_bytes=0)
+    for i in range(4):
+        step(model, i)
+    calm = [m for m in prov.telemetry.micro_batches if not m.traced]
+    assert calm and all(m.predicted_peak_bytes == m.peak_bytes for m in calm)
+    inputs = prov._outside_held
+    assert inputs == tokens_for(model, 0).nbytes  # the token ids the embedding saves
+    # Room for the heaviest recent routing's activations, but not with the inputs as well.
+    recent = max(prov._recent_bytes)
+    prov.budget = prov.runtime.budget_bytes = int((recent + inputs // 2) / (1 - prov.margin)) + 1
+    assert prov._worst_bytes > recent + inputs
+    step(model, 4)
+    assert prov.telemetry.micro_batches[-1].traced, "taken for calm: the inputs were not counted"
+
+
 def test_report_telemetry_and_plot(tmp_path) -> None:
     model = make_model(ep_size=4)
     budget = int(keep_all_peak(model) * 0.7)
