@@ -31,8 +31,8 @@ recomputed key reads it) enters one, and rebuilds inside it the recomputed keys 
 storages it reads. On top of the shared fit, each key that enters a rebuild learns its own
 correction for each rebuild size (the median ratio of what its rebuilds of that many op calls
 measured to what the current fit predicts for them): the same few ops cost very different
-amounts to replay in backward (an RMSNorm's ``* weight`` measured 60-150 us, an index_select pair 25-55 us, on
-similar profiled times).
+amounts to replay in backward (an RMSNorm's ``* weight`` measured 60-150 us, an index_select
+pair 25-55 us, on similar profiled times).
 
 Overlap: offload traffic hides behind the forward compute that follows it, reload traffic
 behind backward compute (taken as twice the forward); during pipeline warm-up the forwards of
@@ -508,10 +508,11 @@ class CostModel:
         of 3 to 66 offloads measured 0.35 ms plus 35 us per offload). ``busy_s`` is what the
         engine's workers spent copying: where copies do not run beside compute
         (``copies_overlap`` false: the cpu backend's copy threads take cores the compute
-        uses), the step pays it too. It is fitted on its own, to the bytes (a part per micro-batch and ``busy_factor``
-        x their copy time at the engine's bandwidth): the workers' time follows the bytes, the
-        training thread's mostly the number of copies, and one fit of both would confuse the
-        two whenever the plans it learned from offload copies of one size."""
+        uses), the step pays it too. It is fitted on its own, to the bytes (a part per
+        micro-batch and ``busy_factor`` x their copy time at the engine's bandwidth): the
+        workers' time follows the bytes, the training thread's mostly the number of copies,
+        and one fit of both would confuse the two whenever the plans it learned from offload
+        copies of one size."""
         transfer = nbytes / self.d2h_bandwidth + nbytes / self.h2d_bandwidth
         self._copy_fit.add([((1.0, float(copies), copies * (self.copy_fixed_s[0] + self.copy_fixed_s[1]) + transfer),
                              seconds)])

@@ -560,8 +560,10 @@ class Provisioner:
         keys are new when the expert got no tokens while profiling; any other new key means a
         module ran a different number of ops than when profiled, which renumbers the ops after
         them in the same call: told once."""
+        if len(self._unplanned) > 4096:  # enough to report; no scan per micro-batch beyond it
+            return
         new = [k for k in frame.keys_seen if k not in self.cost.ops]
-        if not new or len(self._unplanned) > 4096:
+        if not new:
             return
         self._unplanned.update(new)
         odd = next((k for k in new if self.cost.expert_of(k) is None), None)
