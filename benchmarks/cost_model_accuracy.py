@@ -13,9 +13,10 @@
    overhead over a (traced) all-keep plan on the same batch: the variants run interleaved, and
    the overhead is the median over ``--repeats`` rounds of the difference within a round (with
    its 95% bootstrap interval: what the machine's noise leaves of the measurement). Also
-   shown: the backward rebuild and copy seconds each plan's runtime measured (the overhead's
-   mechanism, without the step-to-step noise; on the cpu the copy threads' busy time counts,
-   as they take cores from compute).
+   shown: the bytes each plan releases (as the cost model predicts them), and the seconds
+   each plan's runtime measured rebuilding in backward, copying on the training thread, and
+   copying on the copy engine's workers (the overhead's mechanism, without the step-to-step
+   noise; the workers' seconds count on the cpu, as the cost model charges them there).
 
     python benchmarks/cost_model_accuracy.py --micro-batches 40 --out cost_model_accuracy.json
 """
@@ -160,7 +161,7 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
         run_step(m, batch, 0.0, 0)  # warm-up
         variants.append((m, prov))
     samples: List[List[float]] = [[] for _ in variants]
-    mechanism: List[List[tuple]] = [[] for _ in variants]  # (rebuild, copy) seconds per step
+    mechanism: List[List[tuple]] = [[] for _ in variants]  # (rebuild, copy, workers' busy) seconds per step
 
     def busy(prov: "bagualu2.Provisioner") -> float:
         """The copy engine's busy seconds so far (its workers copying)."""
@@ -183,10 +184,8 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
             start = time.perf_counter()
             run_step(m, batch, 0.0, r)
             out.append(time.perf_counter() - start)
-            # On the cpu backend the copy threads take cores from compute: their time counts.
-            workers = busy(prov) - busy_before if prov.device.type == "cpu" else 0.0
             mech.append((sum(s for s, _ in prov.runtime.take_replay_times().values()),
-                         prov.runtime.take_copy_times()[0] + workers))
+                         prov.runtime.take_copy_times()[0], busy(prov) - busy_before))
     for _, prov in variants:
         prov.disable()
     base = samples[0]
@@ -196,14 +195,19 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
         pred = statistics.median(preds)
         diffs = [a - b for a, b in zip(steps, base)]
         q = statistics.quantiles(diffs, n=4)
-        mech = [a + b for a, b in mech_parts]
+        # On the cpu backend the cost model charges the copy threads' busy time too.
+        cpu = variants[0][1].device.type == "cpu"
+        mech = [a + b + (w if cpu else 0.0) for a, b, w in mech_parts]
+        released = sum(cost.predict_bytes(k, counts) for k, c in plan.choices.items() if c != bagualu2.Choice.KEEP)
         rows.append({"plan": label, "mix": {c.name.lower(): n for c, n in plan.mix().items()},
+                     "released_bytes": released,
                      "predicted_overhead_s": pred, "planner_exposed_s": plan.exposed_s, "measured_overhead_s": statistics.median(diffs),
                      "measured_rebuild_copy_s": statistics.median(mech),
                      "predicted_rebuild_s": statistics.median(p[0] for p in parts),
                      "predicted_copy_s": statistics.median(p[1] for p in parts),
                      "measured_rebuild_s": statistics.median(m[0] for m in mech_parts),
                      "measured_copy_s": statistics.median(m[1] for m in mech_parts),
+                     "measured_workers_busy_s": statistics.median(m[2] for m in mech_parts),
                      "mechanism_error": (pred - statistics.median(mech)) / statistics.median(mech)
                      if statistics.median(mech) > 0 else None,
                      "measured_iqr_s": [q[0], q[2]], "measured_ci95_s": median_ci(diffs),
@@ -219,6 +223,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=300, help="interleaved rounds for the time accuracy")
     parser.add_argument("--learn-steps", type=int, default=8,
                         help="adaptive steps at each budget from which the cost model learns before planning")
+    parser.add_argument("--time-config", default="small", choices=["small", "bench"],
+                        help="model of the time accuracy: the memory part's (small: batch 4 x 64, a step of "
+                             "about 25 ms on 2 cpu cores) or step_overhead.py's (bench: batch 8 x 256, about 0.4 s)")
     parser.add_argument("--out", default="cost_model_accuracy.json")
     args = parser.parse_args()
 
@@ -237,28 +244,35 @@ def main() -> None:
           f"spikes {mem['spike_mean_abs_error']:.2%} (published system: 1.56% mean); with every layer's "
           f"routing known: mean {mem['known_routing_mean_abs_error']:.2%}, max {mem['known_routing_max_abs_error']:.2%}")
 
+    if args.time_config == "bench":
+        torch.manual_seed(0)
+        model = MoETransformer(MoEConfig.bench(ep_size=4))
+        batches = list(synthetic_batches(model.cfg.vocab_size, 8, 256, seed=0, num_batches=1))
     rows = time_accuracy(model, batches[0], [0.8, 0.6, 0.4, 0.25], args.repeats, args.learn_steps)
-    print(f"\n{'plan':>10}{'mix (keep/offload/recompute)':>30}{'predicted ms':>14}{'step delta ms':>15}"
+    print(f"\n{'plan':>10}{'mix (keep/offload/recompute)':>30}{'released MiB':>14}{'predicted ms':>14}{'step delta ms':>15}"
           f"{'95% CI ms':>16}{'error':>8}{'error over CI':>16}{'rebuild+copy ms':>17}{'error':>8}")
     for r in rows:
         mix = r["mix"]
         err = f"{r['error']:>8.0%}" if r["error"] is not None else f"{'-':>8}"
         mech = f"{r['mechanism_error']:>8.0%}" if r["mechanism_error"] is not None else f"{'-':>8}"
-        print(f"{r['plan']:>10}{mix['keep']:>12}/{mix['offload']}/{mix['recompute']:<12}"
+        print(f"{r['plan']:>10}{mix['keep']:>12}/{mix['offload']}/{mix['recompute']:<12}{r['released_bytes'] / 2**20:>14.2f}"
               f"{r['predicted_overhead_s'] * 1e3:>14.1f}{r['measured_overhead_s'] * 1e3:>15.1f}"
               f"{r['measured_ci95_s'][0] * 1e3:>8.2f}..{r['measured_ci95_s'][1] * 1e3:<6.2f}{err}"
               f"{error_range(r['predicted_overhead_s'], r['measured_ci95_s']):>16}"
               f"{r['measured_rebuild_copy_s'] * 1e3:>17.1f}{mech}")
-    print(f"\n{'plan':>10}{'rebuild ms: predicted':>21}{'measured':>10}{'copy ms: predicted':>20}{'measured':>10}")
+    print(f"\n{'plan':>10}{'rebuild ms: predicted':>23}{'measured':>10}{'copy ms: predicted':>20}{'measured':>10}"
+          f"{'workers busy ms':>17}")
     for r in rows:
-        print(f"{r['plan']:>10}{r['predicted_rebuild_s'] * 1e3:>21.2f}{r['measured_rebuild_s'] * 1e3:>10.2f}"
-              f"{r['predicted_copy_s'] * 1e3:>20.2f}{r['measured_copy_s'] * 1e3:>10.2f}")
+        print(f"{r['plan']:>10}{r['predicted_rebuild_s'] * 1e3:>23.2f}{r['measured_rebuild_s'] * 1e3:>10.2f}"
+              f"{r['predicted_copy_s'] * 1e3:>20.2f}{r['measured_copy_s'] * 1e3:>10.2f}"
+              f"{r['measured_workers_busy_s'] * 1e3:>17.2f}")
     print(f"(all-keep step {rows[0]['all_keep_step_s'] * 1e3:.1f} ms, traced; step delta = median over "
           f"{args.repeats} interleaved rounds of the plan's step minus the all-keep plan's, with the 95% "
           f"bootstrap interval of that median and the prediction's error at its ends; rebuild+copy = "
-          f"median per step of the seconds the plan's runtime measured rebuilding and copying)")
+          f"median per step of the seconds the plan's runtime measured rebuilding and copying, the "
+          f"copy threads' busy time included on the cpu)")
     with open(args.out, "w") as f:
-        json.dump({"memory": mem, "time": rows}, f, indent=2)
+        json.dump({"memory": mem, "time_config": args.time_config, "time": rows}, f, indent=2)
     print(f"wrote {args.out}")
 
 
