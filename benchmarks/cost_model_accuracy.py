@@ -189,14 +189,13 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     for _, prov in variants:
         prov.disable()
     base = samples[0]
+    cpu = variants[0][1].device.type == "cpu"  # where the cost model charges the copy threads' busy time too
     rows = []
     for label, plan, preds, parts, steps, mech_parts in zip(labels, plans, predictions, split, samples[1:],
                                                                mechanism[1:]):
         pred = statistics.median(preds)
         diffs = [a - b for a, b in zip(steps, base)]
         q = statistics.quantiles(diffs, n=4)
-        # On the cpu backend the cost model charges the copy threads' busy time too.
-        cpu = variants[0][1].device.type == "cpu"
         mech = [a + b + (w if cpu else 0.0) for a, b, w in mech_parts]
         released = sum(cost.predict_bytes(k, counts) for k, c in plan.choices.items() if c != bagualu2.Choice.KEEP)
         rows.append({"plan": label, "mix": {c.name.lower(): n for c, n in plan.mix().items()},
