@@ -56,8 +56,14 @@ __all__ = ["CostModel", "OpCost", "SIZE"]
 SIZE = -1
 
 # A replay runs the ops the forward ran: its time per profiled second is taken to be 1, give or
-# take this, until the observed rebuilds tell otherwise (``_CostFit.prior_sd``).
+# take this, until the observed rebuilds tell otherwise (``_CostFit.prior_sd``) ...
 REPLAY_FACTOR_SD = 0.1
+# ... and never below this (``_CostFit.floor``): a replay runs the same kernels on the same
+# shapes, and what it skips (autograd's recording, the tracing mode) is far less than half. The
+# rebuilds of cheap ops alone leave the factor free to trade against the per-op and per-rebuild
+# parts: on the benchmark model (0.4 s steps) such plans fitted it at 0.09 to 0.4, and a plan
+# recomputing every matmul was then predicted at 18% to 68% of its measured time.
+REPLAY_FACTOR_FLOOR = 0.5
 
 
 @dataclass
@@ -136,17 +142,21 @@ class _CostFit:
     departure from 1 is penalized by the residual variance of the plain fit over
     ``prior_sd`` squared. Exact observations are reproduced as without it; noisy ones whose
     predicted part is small next to the counted parts no longer bend the factor that larger
-    observations will be predicted with.
+    observations will be predicted with. With ``floor``, the last coefficient stays
+    ``>= floor`` (the others ``>= 0``).
     """
 
-    __slots__ = ("coef", "memory", "relative", "prior_sd", "_a", "_b", "_c", "_n", "_subsets")
+    __slots__ = ("coef", "memory", "relative", "prior_sd", "floor", "_a", "_b", "_c", "_n", "_subsets")
 
     def __init__(self, features: int, memory: float = 0.9, relative: bool = True,
-                 prior_sd: Optional[float] = None) -> None:
+                 prior_sd: Optional[float] = None, floor: float = 0.0) -> None:
+        if not 0.0 <= floor <= 1.0:
+            raise ValueError(f"floor={floor} must be in [0, 1] (the last coefficient starts at 1)")
         self.coef = [0.0] * (features - 1) + [1.0]
         self.memory = memory
         self.relative = relative
         self.prior_sd = prior_sd
+        self.floor = floor
         self._a = [[0.0] * features for _ in range(features)]  # decayed weighted sums of x x^T
         self._b = [0.0] * features  # ... and of x y
         self._c = 0.0  # ... of y^2
@@ -176,20 +186,22 @@ class _CostFit:
                     self._a[i][j] += w * x[i] * x[j]
             self._c += w * y * y
             self._n += 1.0
-        best = self._best(self._a, self._b)
+        # The fit is of y - floor * x[last], whose last coefficient is coef[last] - floor >= 0.
+        last, floor = k - 1, self.floor
+        b = [self._b[i] - floor * self._a[i][last] for i in range(k)]
+        c = self._c - 2.0 * floor * self._b[last] + floor * floor * self._a[last][last]
+        best = self._best(self._a, b)
         if best is not None and self.prior_sd:
             # residual sum of squares = c - theta^T b; per degree of freedom, the noise variance
-            fitted = sum(1 for c in best[1] if c > 0)
-            variance = max(0.0, self._c + best[0]) / max(1.0, self._n - fitted)
+            fitted = sum(1 for v in best[1] if v > 0)
+            variance = max(0.0, c + best[0]) / max(1.0, self._n - fitted)
             ridge = variance / (self.prior_sd * self.prior_sd)
             if ridge > 0:
                 a = [row[:] for row in self._a]
-                b = self._b[:]
-                a[k - 1][k - 1] += ridge  # + ridge * (coef[last] - 1)^2 in the objective
-                b[k - 1] += ridge
-                best = self._best(a, b) or best
+                a[last][last] += ridge  # + ridge * (coef[last] - 1)^2 in the objective
+                best = self._best(a, b[:last] + [b[last] + ridge * (1.0 - floor)]) or best
         if best is not None:
-            self.coef = best[1]
+            self.coef = best[1][:last] + [best[1][last] + floor]
 
     @property
     def observed(self) -> bool:
@@ -288,7 +300,7 @@ class CostModel:
         # Per rebuild: first of its micro-batch, replayed ops, 1, the ops' profiled seconds ->
         # its seconds. A plan's recompute cost is a sum over its rebuilds, where the large ones
         # weigh most; each key's replay_ratio corrects the small ones.
-        self._replay_fit = _CostFit(4, relative=False, prior_sd=REPLAY_FACTOR_SD)
+        self._replay_fit = _CostFit(4, relative=False, prior_sd=REPLAY_FACTOR_SD, floor=REPLAY_FACTOR_FLOOR)
         self._replay_version = 0
         # Per micro-batch that offloads: 1, its offloads, their predicted copy seconds ->
         # training-thread seconds; 1, the engine's copy seconds of their bytes -> its workers'

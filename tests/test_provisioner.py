@@ -1073,13 +1073,38 @@ def test_cost_fit_reproduces_exact_costs_and_never_goes_negative(coef, obs, nois
     from bagualu2.cost_model import _CostFit
 
     exact, noisy, anchored = _CostFit(3), _CostFit(3), _CostFit(3, prior_sd=0.1)
+    floored, noisy_floored = _CostFit(3, prior_sd=0.1, floor=0.5), _CostFit(3, floor=0.5)
     for x, e in zip(obs, noise):
         y = sum(c * v for c, v in zip(coef, x))
         exact.add([(x, y)])
         anchored.add([(x, y)])
+        floored.add([(x, y)])
         noisy.add([(x, y * (1 + e))])
+        noisy_floored.add([(x, y * (1 + e))])
         assert min(noisy.coef) >= 0 and min(exact.coef) >= 0 and min(anchored.coef) >= 0
-    # Whatever split it finds, exact observations are reproduced, with a prior on the factor too.
+        for fit in (floored, noisy_floored):  # the factor never below its floor, the rest >= 0
+            assert fit.coef[-1] >= 0.5 and min(fit.coef) >= 0
+    # Whatever split it finds, exact observations are reproduced, with a prior on the factor too,
+    # and with a floor the factor they were made with is above (at the floor itself, as at 0
+    # without one, rounding can leave the exact fit's factor a hair below and out of reach).
     for x in obs:
-        for fit in (exact, anchored):
+        for fit in (exact, anchored) + ((floored,) if coef[-1] >= 0.55 else ()):
             assert sum(c * v for c, v in zip(fit.coef, x)) == pytest.approx(sum(c * v for c, v in zip(coef, x)), rel=1e-4)
+
+
+def test_replay_factor_keeps_its_floor_when_cheap_rebuilds_measure_flat() -> None:
+    """Rebuilds of cheap ops that all measured about 300 us whatever their profiled time (as
+    elementwise ops and gathers did on the benchmark model): fitted freely, the factor on the
+    ops' time goes to 0.1 and a rebuild of every matmul (130 ms profiled) is predicted at a
+    fraction of that; the replay fit's floor keeps it at half at least."""
+    from bagualu2.cost_model import REPLAY_FACTOR_FLOOR, REPLAY_FACTOR_SD, CostModel, _CostFit
+
+    rows = [((0.0, 1.0, 1.0, p), 280e-6 + 0.1 * p) for p in (40e-6, 120e-6, 400e-6, 600e-6)]
+    free = _CostFit(4, relative=False, prior_sd=REPLAY_FACTOR_SD)
+    cost = CostModel({})
+    for _ in range(4):
+        free.add(rows)
+        cost._replay_fit.add(rows)
+    assert free.coef[-1] == pytest.approx(0.1, abs=0.02)  # the case the floor is for
+    assert cost.replay_factor >= REPLAY_FACTOR_FLOOR == 0.5
+    assert cost._fitted(249, 0.13) >= 0.5 * 0.13
