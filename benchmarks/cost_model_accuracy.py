@@ -19,6 +19,7 @@
    noise; the workers' seconds count on the cpu, as the cost model charges them there).
 
     python benchmarks/cost_model_accuracy.py --micro-batches 40 --out cost_model_accuracy.json
+    python benchmarks/cost_model_accuracy.py --time-config bench --repeats 40   # 0.4 s steps
 """
 from __future__ import annotations
 
@@ -223,8 +224,9 @@ def main() -> None:
     parser.add_argument("--learn-steps", type=int, default=8,
                         help="adaptive steps at each budget from which the cost model learns before planning")
     parser.add_argument("--time-config", default="small", choices=["small", "bench"],
-                        help="model of the time accuracy: the memory part's (small: batch 4 x 64, a step of "
-                             "about 25 ms on 2 cpu cores) or step_overhead.py's (bench: batch 8 x 256, about 0.4 s)")
+                        help="model of the time accuracy (both with 4-way expert parallelism): the memory "
+                             "part's (small: batch 4 x 64, a step of about 25 ms on 2 cpu cores) or the benchmark "
+                             "size (bench: batch 8 x 256, about 0.4 s)")
     parser.add_argument("--out", default="cost_model_accuracy.json")
     args = parser.parse_args()
 
