@@ -404,8 +404,16 @@ class Provisioner:
 
     # -- forward ----------------------------------------------------------------------------
     def _new_frame(self, conservative: bool) -> Frame:
-        if conservative or self.policy == "recompute_all":
+        if conservative:
             return Frame(default=Choice.RECOMPUTE, index=self._frames)
+        if self.policy == "recompute_all":
+            frame = Frame(default=Choice.RECOMPUTE, index=self._frames)
+            # What the model saves after its last block (the final norm's input, the logits)
+            # backward reads first: released, it is rebuilt at once, replaying the last block
+            # with it while all else is still resident: more time, and no lower a peak. Kept,
+            # as checkpointing every layer keeps it.
+            frame.after_blocks = Choice.KEEP
+            return frame
         if self.policy == "offload_all":
             return Frame(default=Choice.OFFLOAD, index=self._frames)
         frame = Frame(self._static, index=self._frames)
@@ -782,7 +790,8 @@ def enable(model: torch.nn.Module, budget: Union[str, int, float, None] = "auto"
         budget: ``"auto"`` (device memory minus what is resident now minus ``reserve_bytes``;
             no limit on CPU), an int of bytes, or a float fraction of device memory.
         policy: ``"adaptive"`` (decide per micro-batch at gating), or a static baseline through
-            the same machinery: ``"keep_all"``, ``"recompute_all"``, ``"offload_all"``, or a
+            the same machinery: ``"keep_all"``, ``"recompute_all"`` (all but what the model
+            saves after its last block, which backward reads first), ``"offload_all"``, or a
             fixed mapping of operator keys to ``Choice``.
         **options: ``on_exceed`` (``"record"`` or ``"raise"``: raise ``BudgetExceededError``
             when the budget is crossed), ``min_bytes`` (smaller activations are kept, unless

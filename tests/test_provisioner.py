@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import bagualu2
+from bagualu2.activations.tracing import module_of
 from bagualu2.models import MoEConfig, MoETransformer
 from bagualu2.moe import counts_from_indices
 
@@ -231,8 +232,37 @@ def test_keep_all_with_raise_reports_what_would_have_crashed() -> None:
     assert info.value.budget == budget and info.value.resident > budget
 
 
+def test_recompute_all_keeps_what_the_model_saves_after_its_last_block() -> None:
+    """Backward reads first what the model saves after its last block (the final norm's input,
+    the logits, the loss's log-softmax): released, it would be rebuilt at once, replaying the
+    last block with it while everything else held is still resident. recompute_all keeps it,
+    releases what is saved before and inside the blocks, and backward rebuilds nothing after
+    the blocks."""
+    model = make_model()
+    plain = copy.deepcopy(model)
+    prov = bagualu2.enable(model, budget=None, policy="recompute_all", min_bytes=0)
+    frames: List = []
+    prov.runtime.frame_observer = frames.append
+    ref, got = step(plain, 0), step(model, 0)
+    assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+    (frame,) = frames
+    order = list(frame.keys_seen)  # first-save order
+    after = order[next(i for i, k in enumerate(order) if module_of(k) == "norm"):]
+    assert {module_of(k) for k in after} == {"norm", ""}, after  # lm_head saves what norm made
+    # The last block's output is first saved by the final norm, after the block has ended.
+    kept = ["layers.1:aten.add.Tensor:1"] + after
+    assert [k for k in order if frame.choice(k) == bagualu2.Choice.KEEP] == kept
+    assert any(k.startswith("drop:") for k in order)  # the embedding's dropout mask: released
+    assert all(frame.choice(k) == bagualu2.Choice.RECOMPUTE for k in order if k not in kept)
+    rebuilt = prov.runtime.take_replay_times()
+    assert rebuilt and not set(rebuilt) & set(kept)
+    assert any(k.startswith("layers.1.") for k in rebuilt)
+    assert prov.report()["saved_bytes_by_choice"]["keep"] >= sum(frame.keys_seen[k] for k in kept)
+
+
 @pytest.mark.parametrize("policy", ["recompute_all", "offload_all"])
 def test_static_baselines_are_exact_and_release_everything(policy: str) -> None:
+    """Everything but the head's saves, for recompute_all (the test above)."""
     model = make_model()
     plain = copy.deepcopy(model)
     prov = bagualu2.enable(model, budget=None, policy=policy, min_bytes=0)

@@ -189,6 +189,11 @@ class Frame:
             if not isinstance(choice, Choice):
                 raise TypeError(f"plan entry {key!r}: {choice!r} is not a bagualu2.Choice")
         self.default = default
+        # The choice for operators first saved after an outermost block has run, outside every
+        # block (a transformer's final norm, output layer and loss); None: ``default`` there too.
+        # The runtime enters it in ``choices`` as each such key is saved.
+        self.after_blocks: Optional[Choice] = None
+        self.past_blocks = False  # set by the runtime: an outermost block ended, none has begun
         self.strict = strict  # a key in ``choices`` that names no op of the forward is an error
         # False: no tracing, saved tensors are only counted and kept. For forwards that cannot
         # need a release (an ample budget): they then cost about what the saved-tensor hooks cost.
@@ -541,8 +546,9 @@ class ActivationRuntime:
         tensor input is anchored: held for the frame's recipes so a recompute chain never reaches
         back past the block, as with per-block checkpointing. An anchor whose storage is
         offloaded is dropped when the forward ends. The inputs of outermost blocks (layers, not
-        the experts inside them) also bound the recompute cache (``RecomputeCache``). Returns the
-        hook handles.
+        the experts inside them) also bound the recompute cache (``RecomputeCache``), and their
+        ends tell which saves come after the blocks (``Frame.after_blocks``). Returns the hook
+        handles.
         """
         blocks = {id(child) for m in root.modules() if isinstance(m, torch.nn.ModuleList) for child in m}
         block_paths = [name for name, m in root.named_modules() if id(m) in blocks]
@@ -558,12 +564,16 @@ class ActivationRuntime:
             def enter(mod: torch.nn.Module, args: tuple, _name: str = name, _block: int = block) -> None:
                 if self._frame is not None and self._frame.traced and not self.mode.suspended:
                     self.mode.push_module(_name)
+                    if _block == 2:
+                        self._frame.past_blocks = False
                     if _block and args and isinstance(args[0], torch.Tensor):
                         self._anchor(args[0], outermost=_block == 2)
 
-            def leave(mod: torch.nn.Module, args: tuple, out: Any) -> None:
+            def leave(mod: torch.nn.Module, args: tuple, out: Any, _block: int = block) -> None:
                 if self._frame is not None and self._frame.traced and not self.mode.suspended:
                     self.mode.pop_module()
+                    if _block == 2:
+                        self._frame.past_blocks = True
 
             handles.append(module.register_forward_pre_hook(AttachedHook(enter)))
             handles.append(module.register_forward_hook(AttachedHook(leave)))
@@ -753,6 +763,8 @@ class ActivationRuntime:
         if regenerable:
             stats.regenerated_bytes += nbytes
             return _Recomputed(node, state, meta, source)
+        if frame.past_blocks and frame.after_blocks is not None:
+            frame.choices.setdefault(node.key, frame.after_blocks)
         choice = frame.choice(node.key)
         if choice == Choice.KEEP and self._over_budget(storage):
             self.settle(wait=True)
