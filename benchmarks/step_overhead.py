@@ -14,12 +14,19 @@ Compares, in one run and on the same model and batches:
   which on cpu copies every saved tensor in the forward and hands the copy back in backward:
   one copy per save, against the engine's one copy per storage, read in place in backward);
 * all-recompute (``policy="recompute_all"``) against ``torch.utils.checkpoint`` on every block.
-  All-recompute releases every activation, those outside the blocks too (the final norm's, the
-  log-softmax's), so it holds less than checkpoint and recomputes more in backward; the plan
-  that recomputes what checkpoint recomputes (every operator inside the blocks, the rest kept)
-  is the comparison at equal memory.
+  All-recompute releases every activation but what the model saves after its last block (the
+  final norm's, the log-softmax's), which backward reads first; it also releases what is saved
+  before the first block (the embedding's dropout mask), which checkpoint keeps. Beside it: the
+  plan that recomputes exactly what checkpoint recomputes (every operator inside the blocks, the
+  rest kept), and the plan that recomputes every operator, the head's too.
 
-bagualu2's variants also report their activation high-water mark (``report()["peak_bytes"]``).
+bagualu2's variants also report their activation high-water mark (``report()["peak_bytes"]``,
+held by the runtime during the forward). After the timed rounds every variant runs one more
+step in which the process's resident-memory high-water mark is read (``/proc/self``, with
+glibc told to map every block of 64 KiB or more on its own, so freed tensors leave the resident
+set): the step's peak above what was resident before it, backward's rebuilds and gradients
+included. On this CPU machine host copies are in that figure too (``save_on_cpu``'s), except
+those in bagualu2's host arena, which is reserved before the step.
 
 Each variant runs ``--steps`` forward+backward steps after ``--warmup``; variants are
 interleaved round-robin (the order rotating every round) so machine noise hits all of them
@@ -33,7 +40,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import ctypes
+import gc
 import json
+import re
 import statistics
 import time
 from typing import Callable, Dict, List, Optional, Union
@@ -60,6 +70,31 @@ def checkpointed(model: MoETransformer) -> Callable[[], None]:
             del layer.forward
 
     return restore
+
+
+class StepPeak:
+    """The process's resident-memory high-water mark over a call, above its resident memory
+    before it (Linux). Every malloc block of 64 KiB or more is then mapped on its own and
+    unmapped when freed, so the resident set follows the live tensors."""
+
+    def __init__(self) -> None:
+        self.libc = ctypes.CDLL("libc.so.6")
+        self.libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD (fixed: no dynamic raising)
+        self.libc.mallopt(-1, 1 << 16)  # M_TRIM_THRESHOLD
+
+    @staticmethod
+    def _status(field: str) -> int:
+        with open("/proc/self/status") as f:
+            return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+    def __call__(self, fn: Callable[[], None]) -> int:
+        gc.collect()
+        self.libc.malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the high-water mark starts again from the resident set
+        before = self._status("VmRSS")
+        fn()
+        return self._status("VmHWM") - before
 
 
 def main() -> None:
@@ -103,16 +138,19 @@ def main() -> None:
             own(batch).backward()
         return run
 
-    def checkpoint_set() -> Dict[str, bagualu2.Choice]:
-        """RECOMPUTE for every operator inside the blocks checkpoint wraps, KEEP for the rest
-        (the operator keys are those a profiled forward saves)."""
+    def saved_keys() -> List[str]:
+        """The operator keys a profiled forward saves."""
         probe = copy.deepcopy(model)
         prov = bagualu2.enable(probe, budget=1 << 40)
         for _ in range(prov.profile_frames):
             probe(batch).backward()
         prov.disable()
-        return {key: bagualu2.Choice.RECOMPUTE if key.startswith("layers.") else bagualu2.Choice.KEEP
-                for key in prov.cost.ops}
+        return list(prov.cost.ops)
+
+    keys = saved_keys()
+    RECOMPUTE, KEEP = bagualu2.Choice.RECOMPUTE, bagualu2.Choice.KEEP
+    # checkpoint's set: every operator inside the blocks checkpoint wraps
+    checkpoint_set = {key: RECOMPUTE if key.startswith("layers.") else KEEP for key in keys}
 
     variants: Dict[str, Callable[[], None]] = {
         "plain pytorch": plain,
@@ -124,7 +162,8 @@ def main() -> None:
         "bagualu2 offload_all": provisioned("bagualu2 offload_all", "offload_all"),
         "torch checkpoint": torch_checkpoint,
         "bagualu2 recompute_all": provisioned("bagualu2 recompute_all", "recompute_all"),
-        "bagualu2 checkpoint's set": provisioned("bagualu2 checkpoint's set", checkpoint_set()),
+        "bagualu2 checkpoint's set": provisioned("bagualu2 checkpoint's set", checkpoint_set),
+        "bagualu2 every op recomputed": provisioned("bagualu2 every op recomputed", dict.fromkeys(keys, RECOMPUTE)),
     }
     times: Dict[str, List[float]] = {name: [] for name in variants}
     names = list(variants)
@@ -143,28 +182,36 @@ def main() -> None:
             print(f"step {i} {name:<28} {elapsed * 1000:8.1f} ms", flush=True)
 
     peaks = {name: prov.report()["peak_bytes"] for name, prov in provisioners.items()}
+    step_peak = StepPeak()
+    step_peaks = {}
+    for name, fn in variants.items():
+        model.zero_grad(set_to_none=True)
+        step_peaks[name] = step_peak(fn)
+
     median = {name: statistics.median(v) for name, v in times.items()}
     best = {name: min(v) for name, v in times.items()}
     pairs = [("bagualu2 adaptive, ample", "plain pytorch"), ("bagualu2 keep_all", "plain pytorch"),
              ("bagualu2 all-keep, traced", "plain pytorch"),
              ("bagualu2 offload_all", "torch save_on_cpu"), ("bagualu2 offload_all", "torch save_on_cpu, pinned"),
-             ("bagualu2 recompute_all", "torch checkpoint"), ("bagualu2 checkpoint's set", "torch checkpoint")]
+             ("bagualu2 recompute_all", "torch checkpoint"), ("bagualu2 checkpoint's set", "torch checkpoint"),
+             ("bagualu2 every op recomputed", "torch checkpoint")]
     pairs = [(ours, baseline) for ours, baseline in pairs if baseline in variants]
     # Paired: the ratio within each round (the two ran seconds apart), then the median.
     paired = {(ours, baseline): statistics.median(a / b for a, b in zip(times[ours], times[baseline]))
               for ours, baseline in pairs}
     print()
-    print(f"{'variant':<28}{'median ms':>11}{'best ms':>10}{'paired ratio':>14}{'median ratio':>14}{'best ratio':>12}"
-          f"{'peak act. MB':>14}")
+    print(f"{'variant':<30}{'median ms':>11}{'best ms':>10}{'paired ratio':>14}{'median ratio':>14}{'best ratio':>12}"
+          f"{'peak act. MB':>14}{'step peak MB':>14}")
     for ours, baseline in pairs:
-        print(f"{baseline:<28}{median[baseline] * 1000:>11.1f}{best[baseline] * 1000:>10.1f}")
-        print(f"{ours:<28}{median[ours] * 1000:>11.1f}{best[ours] * 1000:>10.1f}"
+        print(f"{baseline:<30}{median[baseline] * 1000:>11.1f}{best[baseline] * 1000:>10.1f}{'':>54}"
+              f"{step_peaks[baseline] / 2**20:>14.1f}")
+        print(f"{ours:<30}{median[ours] * 1000:>11.1f}{best[ours] * 1000:>10.1f}"
               f"{paired[(ours, baseline)]:>13.3f}x{median[ours] / median[baseline]:>13.3f}x"
-              f"{best[ours] / best[baseline]:>11.3f}x{peaks[ours] / 2**20:>14.1f}")
+              f"{best[ours] / best[baseline]:>11.3f}x{peaks[ours] / 2**20:>14.1f}{step_peaks[ours] / 2**20:>14.1f}")
     result = {
         "config": args.config, "batch": args.batch, "seq": args.seq, "steps": args.steps,
         "threads": torch.get_num_threads(), "median_s": median, "best_s": best, "all_s": times,
-        "peak_activation_bytes": peaks,
+        "peak_activation_bytes": peaks, "step_peak_bytes": step_peaks,
         "ratios": {f"{ours} / {baseline}": median[ours] / median[baseline] for ours, baseline in pairs},
         "paired_ratios": {f"{ours} / {baseline}": r for (ours, baseline), r in paired.items()},
     }
