@@ -17,16 +17,17 @@ Compares, in one run and on the same model and batches:
   All-recompute releases every activation but what the model saves after its last block (the
   final norm's, the log-softmax's), which backward reads first; it also releases what is saved
   before the first block (the embedding's dropout mask), which checkpoint keeps. Beside it: the
-  plan that recomputes exactly what checkpoint recomputes (every operator inside the blocks, the
-  rest kept), and the plan that recomputes every operator, the head's too.
+  plan that recomputes exactly what checkpoint recomputes (every operator inside the blocks but
+  their outputs, the rest kept), and the plan that recomputes every operator, the head's too.
 
 bagualu2's variants also report their activation high-water mark (``report()["peak_bytes"]``,
-held by the runtime during the forward). After the timed rounds every variant runs one more
-step in which the process's resident-memory high-water mark is read (``/proc/self``, with
-glibc told to map every block of 64 KiB or more on its own, so freed tensors leave the resident
-set): the step's peak above what was resident before it, backward's rebuilds and gradients
-included. On this CPU machine host copies are in that figure too (``save_on_cpu``'s), except
-those in bagualu2's host arena, which is reserved before the step.
+held by the runtime during the forward). After the timed rounds every variant runs
+``--peak-repeats`` more steps in which the process's resident-memory high-water mark is read
+(``/proc/self``, with glibc told to map every block of 64 KiB or more on its own, so freed
+tensors leave the resident set): the median of the steps' peaks above what was resident before
+each, backward's rebuilds and gradients included (one variant's steps differ by up to about
+20 MB on the bench size). On this CPU machine host copies are in that figure too
+(``save_on_cpu``'s), except those in bagualu2's host arena, which is reserved before the step.
 
 Each variant runs ``--steps`` forward+backward steps after ``--warmup``; variants are
 interleaved round-robin (the order rotating every round) so machine noise hits all of them
@@ -46,12 +47,13 @@ import json
 import re
 import statistics
 import time
-from typing import Callable, Dict, List, Optional, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.utils.checkpoint
 
 import bagualu2
+from bagualu2.activations import Frame
 from bagualu2.models import MoEConfig, MoETransformer, synthetic_batches
 
 
@@ -104,6 +106,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--peak-repeats", type=int, default=3,
+                        help="steps per variant whose memory high-water mark is read (the median is shown)")
     parser.add_argument("--out", default="step_overhead.json")
     args = parser.parse_args()
 
@@ -138,19 +142,23 @@ def main() -> None:
             own(batch).backward()
         return run
 
-    def saved_keys() -> List[str]:
-        """The operator keys a profiled forward saves."""
+    def saved_keys() -> Tuple[List[str], List[str]]:
+        """The operator keys a forward saves, and those it saves after its last block (which
+        recompute_all keeps; the last block's output is one of them)."""
         probe = copy.deepcopy(model)
-        prov = bagualu2.enable(probe, budget=1 << 40)
-        for _ in range(prov.profile_frames):
-            probe(batch).backward()
+        prov = bagualu2.enable(probe, budget=None, policy="recompute_all")
+        frames: List[Frame] = []
+        prov.runtime.frame_observer = frames.append
+        probe(batch).backward()
         prov.disable()
-        return list(prov.cost.ops)
+        (frame,) = frames
+        return list(frame.keys_seen), [k for k in frame.keys_seen if frame.choice(k) == bagualu2.Choice.KEEP]
 
-    keys = saved_keys()
+    keys, after_blocks = saved_keys()
     RECOMPUTE, KEEP = bagualu2.Choice.RECOMPUTE, bagualu2.Choice.KEEP
-    # checkpoint's set: every operator inside the blocks checkpoint wraps
-    checkpoint_set = {key: RECOMPUTE if key.startswith("layers.") else KEEP for key in keys}
+    # checkpoint's set: every operator inside the blocks checkpoint wraps, but their outputs
+    checkpoint_set = {key: RECOMPUTE if key.startswith("layers.") and key not in after_blocks else KEEP
+                      for key in keys}
 
     variants: Dict[str, Callable[[], None]] = {
         "plain pytorch": plain,
@@ -183,10 +191,12 @@ def main() -> None:
 
     peaks = {name: prov.report()["peak_bytes"] for name, prov in provisioners.items()}
     step_peak = StepPeak()
-    step_peaks = {}
-    for name, fn in variants.items():
-        model.zero_grad(set_to_none=True)
-        step_peaks[name] = step_peak(fn)
+    measured: Dict[str, List[int]] = {name: [] for name in variants}
+    for _ in range(args.peak_repeats):
+        for name, fn in variants.items():
+            model.zero_grad(set_to_none=True)
+            measured[name].append(step_peak(fn))
+    step_peaks = {name: statistics.median(v) for name, v in measured.items()}
 
     median = {name: statistics.median(v) for name, v in times.items()}
     best = {name: min(v) for name, v in times.items()}
