@@ -4,6 +4,7 @@ Every test compares against the same model run by plain PyTorch, bit for bit.
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import copy
 import gc
@@ -17,6 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import bagualu2
 from bagualu2.activations import ActivationRuntime, Frame
+from bagualu2.activations import tracing
 from bagualu2.activations.tracing import call_key, module_of
 from bagualu2.models import MoEConfig, MoETransformer
 from bagualu2.offload import CopyEngine, HostArena
@@ -372,6 +374,43 @@ def test_profile_names_the_saved_storages_a_rebuild_reads(engine: CopyEngine) ->
     profile = frame.saved_profile  # keys of the root module: ":<op>:<occurrence>"
     assert profile[":aten.mul.Tensor:1"][4] == (":aten.mul.Tensor:0",)  # (x * r) * weight reads x * r
     assert profile[":aten.mul.Tensor:0"][4] == (":aten.rsqrt.default:0",)  # x is the forward's input
+
+
+def test_rebuilt_storage_leaves_the_recompute_cache_after_its_last_released_view(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Backward drops a rebuilt storage once every saved view of it that was released has been
+    unpacked in the pass, not when it leaves the block: the cache then holds less than a whole
+    block's rebuilt storages, and still rebuilds each storage once per pass (retain_graph)."""
+    model, tokens = make_model()
+    h = Harness(model, None)
+    reference = h.forward(tokens, None)
+    reference.backward(retain_graph=True)
+    reference.backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    puts: Dict[Tuple[int, int], int] = {}
+    live = {"bytes": 0, "high": 0}
+    block_bytes: Dict[int, int] = {}
+    put = tracing.RecomputeCache.put
+
+    def observed_put(cache: tracing.RecomputeCache, position: int, state: int, storage: torch.UntypedStorage) -> None:
+        put(cache, position, state, storage)
+        puts[(position, state)] = puts.get((position, state), 0) + 1
+        block = bisect.bisect_right(cache.anchors, position)
+        block_bytes[block] = block_bytes.get(block, 0) + storage.nbytes()
+        held = sum(s.nbytes() for s in cache._entries.values())
+        live["high"] = max(live["high"], held)
+
+    monkeypatch.setattr(tracing.RecomputeCache, "put", observed_put)
+    loss = h.forward(tokens, Frame(default=Choice.RECOMPUTE))
+    loss.backward(retain_graph=True)
+    assert puts and set(puts.values()) == {1}, "each storage is rebuilt once in a pass"
+    whole_block = max(block_bytes.values())
+    loss.backward()
+    assert torch.equal(loss, reference)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected))
+    assert set(puts.values()) == {2}, "and once again in the second pass"
+    assert live["high"] < 0.8 * whole_block, (live["high"], whole_block)
 
 
 def test_replay_times_count_micro_batches_not_unpacks(engine: CopyEngine) -> None:

@@ -47,7 +47,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from bagualu2.activations.tracing import (
-    Replayer, StorageNode, TracingMode, ViewMeta, is_plain, step_inputs, view_meta, view_of,
+    Replayer, StorageNode, TracingMode, ViewMeta, is_plain, step_inputs, step_refs, view_meta, view_of,
 )
 from bagualu2.planner import Choice
 
@@ -762,6 +762,7 @@ class ActivationRuntime:
         regenerable, source = self._regeneration_source(node, state)
         if regenerable:
             stats.regenerated_bytes += nbytes
+            self._add_reader(node, state)
             return _Recomputed(node, state, meta, source)
         if frame.past_blocks and frame.after_blocks is not None:
             frame.choices.setdefault(node.key, frame.after_blocks)
@@ -816,7 +817,24 @@ class ActivationRuntime:
         frame.stats.bytes_by_choice["recompute"] += node.nbytes
         if self.frame_observer is not None:
             frame._recomputes.append((node.key, weakref.ref(node), state))
+        self._add_reader(node, state)
         return _Recomputed(node, state, meta)
+
+    def _add_reader(self, node: StorageNode, state: int) -> None:
+        """Count a released saved view as a reader of its storage in the recompute cache; the
+        first time, also the storage's rebuild as a reader of each storage its recipe reads,
+        and so on through the inputs that nothing holds now (rebuilt with it)."""
+        node.cache.add_reader(node.position, state)
+        stack = [(node, state)]
+        while stack:
+            n, s = stack.pop()
+            if not n.cache.release(n.position, s):
+                continue  # counted already
+            for step in (n.creator,) + n.mutations[:s]:
+                for ref in step_refs(step):
+                    ref.node.cache.add_reader(ref.node.position, ref.state)
+                    if self._available(ref.node, ref.state) is None:
+                        stack.append((ref.node, ref.state))
 
     def _regeneration_source(self, node: StorageNode, state: int) -> Tuple[bool, Optional[_OffloadStore]]:
         """Whether the storage is a cast/copy (or chain of them) of a stored activation with
@@ -1029,6 +1047,7 @@ class ActivationRuntime:
             out = view_of(Replayer(available).storage(node, packed.state), packed.meta)
             if not taken:
                 source.take(self.ledger, need=False)
+        node.cache.served(node.position, packed.state)
         entry = self._replays.get(node.key)
         if entry is None:
             entry = self._replays[node.key] = [0.0, 0, None]

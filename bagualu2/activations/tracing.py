@@ -42,7 +42,7 @@ import bisect
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -459,24 +459,62 @@ class RecomputeCache:
     Backward consumes a frame's blocks in reverse order, and a storage is only an input of
     storages created after it. So when backward asks for a storage in the block that starts at
     anchor ``a``, cached storages of later blocks will not be needed again and are evicted: the
-    cache holds about one block's recomputed activations, as per-block checkpointing does.
-    Evicting too early costs a second replay, never a wrong value. The cache is cleared when
-    the backward pass that uses it ends (each backward unpack calls ``bind_to_backward``), so
-    entries rebuilt ahead of that pass, by an early recompute, are cleared with it.
+    cache holds at most about one block's recomputed activations. Within the block, a storage
+    is dropped as soon as its readers in the running pass are done (``served``), as checkpoint
+    drops a recomputed tensor at its unpack. Its readers (``add_reader``) are the saved views of
+    it that the runtime released and the rebuilds whose recipes read it (of released storages
+    and of the storages rebuilding those rebuilds first); a reader that was not counted (a
+    storage saved later, a second access) replays it again. Evicting too early costs a second
+    replay, never a wrong value; counting a reader that never comes keeps the storage until
+    the block is left. The cache is cleared when the backward pass that uses
+    it ends (each backward unpack calls ``bind_to_backward``), so entries rebuilt ahead of that
+    pass, by an early recompute, are cleared with it.
     """
 
-    __slots__ = ("_entries", "_task", "anchors")
+    __slots__ = ("_entries", "_task", "anchors", "_readers", "_served", "_released")
 
     def __init__(self) -> None:
         self._entries: Dict[Tuple[int, int], torch.UntypedStorage] = {}
         self._task = -1
         self.anchors: List[int] = []  # positions of block inputs, ascending
+        # by (position, state): readers in each backward pass, readers done in the running one,
+        # and the storages whose rebuilds are counted as readers (``release``)
+        self._readers: Dict[Tuple[int, int], int] = {}
+        self._served: Dict[Tuple[int, int], int] = {}
+        self._released: Set[Tuple[int, int]] = set()
 
     def get(self, position: int, state: int) -> Optional[torch.UntypedStorage]:
         return self._entries.get((position, state))
 
     def put(self, position: int, state: int, storage: torch.UntypedStorage) -> None:
         self._entries[(position, state)] = storage
+
+    def add_reader(self, position: int, state: int) -> None:
+        """One more reader of the storage in each backward pass."""
+        key = (position, state)
+        self._readers[key] = self._readers.get(key, 0) + 1
+
+    def release(self, position: int, state: int) -> bool:
+        """Mark the storage as one backward will rebuild (released by a pack, or an input such
+        a rebuild rebuilds first); whether it was not yet (its rebuild is then to be counted as
+        a reader of its recipe's inputs)."""
+        key = (position, state)
+        if key in self._released:
+            return False
+        self._released.add(key)
+        return True
+
+    def released(self, position: int, state: int) -> bool:
+        return (position, state) in self._released
+
+    def served(self, position: int, state: int) -> None:
+        """A reader of the storage is done; once all of them are in this backward pass, the
+        storage is dropped."""
+        key = (position, state)
+        n = self._served.get(key, 0) + 1
+        self._served[key] = n
+        if n >= self._readers.get(key, 0):
+            self._entries.pop(key, None)
 
     def evict_after(self, position: int) -> None:
         """Drop storages of the blocks that start after ``position``'s block."""
@@ -492,6 +530,7 @@ class RecomputeCache:
         task = torch._C._current_graph_task_id()
         if task != -1 and task != self._task:
             self._task = task
+            self._served = {}
             entries = self._entries
             torch.autograd.Variable._execution_engine.queue_callback(entries.clear)
 
@@ -542,6 +581,10 @@ class Replayer:
                     found = self._recompute(node, state)
                     node.cache.put(node.position, state, found)
                     self._found[(id(node), state)] = found
+                    if node.cache.released(node.position, state):  # its inputs counted this rebuild
+                        for step in (node.creator,) + node.mutations[:state]:
+                            for ref in step_refs(step):
+                                ref.node.cache.served(ref.node.position, ref.state)
                     continue
                 stack.append((node, state, True))
                 for step in (node.creator,) + node.mutations[:state]:
