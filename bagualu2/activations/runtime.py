@@ -47,7 +47,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from bagualu2.activations.tracing import (
-    Replayer, StorageNode, TracingMode, ViewMeta, is_plain, step_inputs, step_refs, view_meta, view_of,
+    Replayer, StorageNode, TracingMode, ViewMeta, is_plain, recipe_refs, step_inputs, view_meta, view_of,
 )
 from bagualu2.planner import Choice
 
@@ -830,11 +830,10 @@ class ActivationRuntime:
             n, s = stack.pop()
             if not n.cache.release(n.position, s):
                 continue  # counted already
-            for step in (n.creator,) + n.mutations[:s]:
-                for ref in step_refs(step):
-                    ref.node.cache.add_reader(ref.node.position, ref.state)
-                    if self._available(ref.node, ref.state) is None:
-                        stack.append((ref.node, ref.state))
+            for ref in recipe_refs(n, s):
+                ref.node.cache.add_reader(ref.node.position, ref.state)
+                if self._available(ref.node, ref.state) is None:
+                    stack.append((ref.node, ref.state))
 
     def _regeneration_source(self, node: StorageNode, state: int) -> Tuple[bool, Optional[_OffloadStore]]:
         """Whether the storage is a cast/copy (or chain of them) of a stored activation with

@@ -260,6 +260,12 @@ def step_refs(step: Step) -> Iterator[Ref]:
             stack.extend(x)
 
 
+def recipe_refs(node: "StorageNode", state: int) -> Iterator[Ref]:
+    """The references to traced storages that rebuilding ``node`` in ``state`` reads."""
+    for step in (node.creator,) + node.mutations[:state]:
+        yield from step_refs(step)
+
+
 def step_inputs(step: Step) -> Iterator["StorageNode"]:
     """The traced storages ``step`` reads (not the one it mutates)."""
     return (ref.node for ref in step_refs(step))
@@ -466,9 +472,9 @@ class RecomputeCache:
     and of the storages rebuilding those rebuilds first); a reader that was not counted (a
     storage saved later, a second access) replays it again. Evicting too early costs a second
     replay, never a wrong value; counting a reader that never comes keeps the storage until
-    the block is left. The cache is cleared when the backward pass that uses
-    it ends (each backward unpack calls ``bind_to_backward``), so entries rebuilt ahead of that
-    pass, by an early recompute, are cleared with it.
+    the block is left. The cache is cleared when the backward pass that uses it ends (each
+    backward unpack calls ``bind_to_backward``), so entries rebuilt ahead of that pass, by an
+    early recompute, are cleared with it.
     """
 
     __slots__ = ("_entries", "_task", "anchors", "_readers", "_served", "_released")
@@ -582,15 +588,13 @@ class Replayer:
                     node.cache.put(node.position, state, found)
                     self._found[(id(node), state)] = found
                     if node.cache.released(node.position, state):  # its inputs counted this rebuild
-                        for step in (node.creator,) + node.mutations[:state]:
-                            for ref in step_refs(step):
-                                ref.node.cache.served(ref.node.position, ref.state)
+                        for ref in recipe_refs(node, state):
+                            ref.node.cache.served(ref.node.position, ref.state)
                     continue
                 stack.append((node, state, True))
-                for step in (node.creator,) + node.mutations[:state]:
-                    for ref in step_refs(step):
-                        if self._at_hand(ref.node, ref.state) is None:
-                            stack.append((ref.node, ref.state, False))
+                for ref in recipe_refs(node, state):
+                    if self._at_hand(ref.node, ref.state) is None:
+                        stack.append((ref.node, ref.state, False))
 
     def _recompute(self, node: StorageNode, state: int) -> torch.UntypedStorage:
         if not node.rebuildable(state):
