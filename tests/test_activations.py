@@ -389,7 +389,7 @@ def test_rebuilt_storage_leaves_the_recompute_cache_after_its_last_released_view
     expected = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     puts: Dict[Tuple[int, int], int] = {}
-    live = {"bytes": 0, "high": 0}
+    live = {"high": 0}
     block_bytes: Dict[int, int] = {}
     put = tracing.RecomputeCache.put
 
