@@ -413,6 +413,10 @@ class Provisioner:
             # with it while all else is still resident: more time, and no lower a peak. Kept,
             # as checkpointing every layer keeps it.
             frame.after_blocks = Choice.KEEP
+            # The blocks recompute all they save: rerun whole in backward, they need no tracing
+            # (whose dispatch costs a tenth of a cpu forward). The overlap scheduler moves
+            # per-operator recomputes into pipeline bubbles: with it, they stay traced.
+            frame.rerun_blocks = self.overlap is None
             return frame
         if self.policy == "offload_all":
             return Frame(default=Choice.OFFLOAD, index=self._frames)

@@ -14,11 +14,13 @@ Compares, in one run and on the same model and batches:
   which on cpu copies every saved tensor in the forward and hands the copy back in backward:
   one copy per save, against the engine's one copy per storage, read in place in backward);
 * all-recompute (``policy="recompute_all"``) against ``torch.utils.checkpoint`` on every block.
-  All-recompute releases every activation but what the model saves after its last block (the
-  final norm's, the log-softmax's), which backward reads first; it also releases what is saved
-  before the first block (the embedding's dropout mask), which checkpoint keeps. Beside it: the
-  plan that recomputes exactly what checkpoint recomputes (every operator inside the blocks but
-  their outputs, the rest kept), and the plan that recomputes every operator, the head's too.
+  All-recompute reruns every block whole in backward, as checkpoint does (the blocks run
+  untraced), and keeps what the model saves after its last block (the final norm's, the
+  log-softmax's), which backward reads first; it also releases what is saved before the first
+  block (the embedding's dropout mask), which checkpoint keeps. Beside it, recomputed op by op
+  from traced recipes (fixed plans): the plan that recomputes exactly what checkpoint
+  recomputes (every operator inside the blocks but their outputs, the rest kept), and the plan
+  that recomputes every operator, the head's too.
 
 bagualu2's variants also report their activation high-water mark (``report()["peak_bytes"]``,
 held by the runtime during the forward). After the timed rounds every variant runs
@@ -143,16 +145,22 @@ def main() -> None:
         return run
 
     def saved_keys() -> Tuple[List[str], List[str]]:
-        """The operator keys a forward saves, and those it saves after its last block (which
-        recompute_all keeps; the last block's output is one of them)."""
+        """The operator keys a forward saves, and those it first saves after its last block
+        (which recompute_all keeps; the last block's output is one of them)."""
         probe = copy.deepcopy(model)
-        prov = bagualu2.enable(probe, budget=None, policy="recompute_all")
+        prov = bagualu2.enable(probe, budget=None, policy={})  # a fixed plan: traced
         frames: List[Frame] = []
-        prov.runtime.frame_observer = frames.append
+        after: List[str] = []
+
+        def observe(frame: Frame) -> None:
+            frames.append(frame)
+            frame.on_saved = lambda key: after.append(key) if frame.past_blocks else None
+
+        prov.runtime.frame_observer = observe
         probe(batch).backward()
         prov.disable()
         (frame,) = frames
-        return list(frame.keys_seen), [k for k in frame.keys_seen if frame.choice(k) == bagualu2.Choice.KEEP]
+        return list(frame.keys_seen), after
 
     keys, after_blocks = saved_keys()
     RECOMPUTE, KEEP = bagualu2.Choice.RECOMPUTE, bagualu2.Choice.KEEP

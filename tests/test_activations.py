@@ -799,25 +799,27 @@ def test_a_long_chain_without_blocks_is_rebuilt_without_deep_recursion(engine: C
     assert h.runtime.ledger.resident == 0
 
 
+class Stack(torch.nn.Module):
+    """``blocks`` (a ModuleList) applied in turn, then a scalar loss."""
+
+    def __init__(self, *blocks: torch.nn.Module) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
 @pytest.mark.parametrize("choice", [Choice.RECOMPUTE, Choice.OFFLOAD])
 def test_batch_norm_running_statistics_are_updated_once(engine: CopyEngine, choice: Choice) -> None:
     """``aten.native_batch_norm`` updates running_mean / running_var in place without its schema
     saying so: its outputs are never replayed (a replay would update the statistics again), and a
     recipe that reads one holds it instead."""
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = torch.nn.ModuleList(
-                torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.2),
-                                    torch.nn.GELU()) for _ in range(3))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for block in self.blocks:
-                x = block(x)
-            return x.pow(2).mean()
-
     torch.manual_seed(0)
-    model = Net()
+    model = Stack(*(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.2),
+                                        torch.nn.GELU()) for _ in range(3)))
     plain = copy.deepcopy(model)
     h = Harness(model, engine)
     for i in range(3):
@@ -984,3 +986,145 @@ def test_a_traced_storage_is_held_weakly() -> None:
             copy.deepcopy(node)  # a copy would free the node's weak handle twice
         y = None  # the graph, and with it the saved output, dies
         assert watch.expired(), f"the trace kept {node} alive"
+
+
+# -- whole-block rerun (Frame.rerun_blocks) ------------------------------------------------------
+def rerun_frame() -> Frame:
+    frame = Frame(default=Choice.RECOMPUTE)
+    frame.rerun_blocks = True
+    return frame
+
+
+def count_block_calls(model: MoETransformer) -> List[int]:
+    """Calls of each outermost block's forward (pre-hooks: a rerun stops after its last save)."""
+    calls = [0] * len(model.layers)
+    for i, layer in enumerate(model.layers):
+        layer.register_forward_pre_hook(lambda mod, args, i=i: calls.__setitem__(i, calls[i] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rerun_blocks_are_exact_untraced_and_rerun_once_per_backward_pass(dtype: torch.dtype) -> None:
+    """Dropout on: the rerun restores the forward's RNG state. The blocks' ops are not traced
+    (no keys under ``layers.``); what is saved outside them is, and keeps its choices."""
+    model, tokens = make_model(dtype)
+    h = Harness(model, None)
+    reference = loss_and_grads(model, h.forward(tokens, None))
+    calls = count_block_calls(model)
+    frame = rerun_frame()
+    loss = h.forward(tokens, frame)
+    assert calls == [1, 1] and frame.stats.rerun_blocks == 2
+    assert frame.keys_seen and not [k for k in frame.keys_seen if k.startswith("layers.")]
+    assert frame.stats.bytes_by_choice["recompute"] > 0
+    for n in (1, 2):  # retain_graph: the second pass reruns each block again
+        model.zero_grad(set_to_none=True)
+        loss.backward(retain_graph=n == 1)
+        assert_bitwise(reference, (loss.detach(), [p.grad for p in model.parameters()]))
+        assert calls == [1 + n, 1 + n]
+    del loss
+    assert h.runtime.ledger.resident == 0
+
+
+def test_rerun_blocks_hold_only_the_blocks_inputs() -> None:
+    """The ledger's high-water mark: what the frame keeps outside the blocks plus each block's
+    held input, far below keeping everything; a graph dropped unpacked frees it all."""
+    model, tokens = make_model()
+    h = Harness(model, None)
+    keep = Frame(default=Choice.KEEP)
+    h.forward(tokens, keep)
+    frame = rerun_frame()
+    frame.after_blocks = Choice.KEEP
+    loss = h.forward(tokens, frame)
+    held = h.runtime.ledger.resident
+    outside = frame.stats.bytes_by_choice["keep"]
+    block_input_bytes = len(model.layers) * tokens.numel() * model.cfg.hidden_size * 4
+    assert held <= outside + block_input_bytes + frame.stats.leaf_bytes
+    assert frame.stats.peak_resident < keep.stats.peak_resident / 3
+    del loss
+    assert h.runtime.ledger.resident == 0
+
+
+def test_rerun_blocks_with_other_frames_in_flight(engine: CopyEngine) -> None:
+    """Forward, forward, forward, backward, backward, backward; rerun frames beside traced ones."""
+    model, tokens = make_model()
+    batches = [tokens.roll(i, dims=1) for i in range(3)]
+    h = Harness(model, engine)
+    model.zero_grad(set_to_none=True)
+    for loss in reversed([h.forward(b, None) for b in batches]):
+        loss.backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    frames = [rerun_frame(), Frame(default=Choice.OFFLOAD), rerun_frame()]
+    losses = [h.forward(b, f) for b, f in zip(batches, frames)]
+    for loss in reversed(losses):
+        loss.backward()
+    assert all(torch.equal(x, y) for x, y in zip(reference, [p.grad for p in model.parameters()]))
+    del losses, loss
+    assert h.runtime.ledger.resident == 0 and engine.arena.stats()["in_use"] == 0
+
+
+def test_a_block_that_runs_differently_when_rerun_is_an_error() -> None:
+    """A routing override left before backward: the rerun routes otherwise, saves tensors of
+    other sizes, and the unpack says which block and what to do instead of returning them."""
+    model, tokens = make_model()
+    h = Harness(model, None)
+    with model.routing_spike(2.0, experts=(0,)):
+        loss = h.forward(tokens, rerun_frame())
+    with pytest.raises(RuntimeError, match=r"block layers\.1 saved .* when rerun in backward"):
+        loss.backward()
+
+
+def test_a_block_input_modified_in_place_is_refused() -> None:
+    model, tokens = make_model()
+    h = Harness(model, None)
+    inputs: List[torch.Tensor] = []
+    model.layers[1].register_forward_pre_hook(lambda mod, args: inputs.append(args[0]))
+    loss = h.forward(tokens, rerun_frame())
+    with torch.no_grad():
+        inputs[0].mul_(2)
+    with pytest.raises(RuntimeError, match=r"input 0 of block layers\.1 .* modified|modified by an inplace"):
+        loss.backward()
+
+
+def test_a_block_holding_running_statistics_is_traced_not_rerun() -> None:
+    """A rerun would update batch norm's running statistics twice: such blocks are recomputed
+    op by op instead, and the statistics match plain PyTorch's."""
+    torch.manual_seed(0)
+    model = Stack(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.GELU()),
+                  torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.2), torch.nn.GELU()))
+    plain = copy.deepcopy(model)
+    h = Harness(model, None)
+    x = torch.randn(8, 16)
+    torch.manual_seed(SEED)
+    ref = loss_and_grads(plain, plain(x))
+    frame = rerun_frame()
+    got = loss_and_grads(model, h.forward(x, frame))
+    assert_bitwise(ref, got)
+    assert all(torch.equal(a, b) for a, b in zip(plain.buffers(), model.buffers()))
+    assert frame.stats.rerun_blocks == 1 and any(k.startswith("blocks.0.") for k in frame.keys_seen)
+
+
+def test_gate_callbacks_see_the_rerun_as_a_recompute() -> None:
+    model, tokens = make_model()
+    h = Harness(model, None)
+    seen: List[bool] = []
+    model.layers[0].moe.router.register_forward_hook(lambda *a: seen.append(tracing.is_recomputing()))
+    loss_and_grads(model, h.forward(tokens, rerun_frame()))
+    assert seen == [False, True]
+
+
+def test_an_exception_inside_a_rerun_block_leaves_the_runtime_usable() -> None:
+    model, tokens = make_model()
+    h = Harness(model, None)
+    reference = loss_and_grads(model, h.forward(tokens, None))
+
+    def fail(mod: torch.nn.Module, args: tuple) -> None:
+        raise ValueError("injected")
+
+    handle = model.layers[1].moe.register_forward_pre_hook(fail)
+    with pytest.raises(ValueError, match="injected"):
+        h.forward(tokens, rerun_frame())
+    handle.remove()
+    assert torch.utils._python_dispatch._get_current_dispatch_mode() is None
+    assert_bitwise(reference, loss_and_grads(model, h.forward(tokens, rerun_frame())))
+    assert h.runtime.ledger.resident == 0

@@ -69,7 +69,9 @@ def _model_and_batch(schedule: str, world_size: int, n_microbatches: int):
 
 
 def _spike_on(pipe: pp.Pipeline, model: MoETransformer, seen: list) -> None:
-    """Force a routing spike into the forward of micro-batch SPIKE[1] on stage SPIKE[0].
+    """Force a routing spike into micro-batch SPIKE[1] on stage SPIKE[0]: its forward, and its
+    backward actions, where recompute_all reruns the blocks (and with them the router) as
+    checkpoint would; the spike belongs to the micro-batch, as its tokens do.
 
     ``seen`` receives the load imbalance of each router of that stage for that forward.
     """
@@ -78,15 +80,16 @@ def _spike_on(pipe: pp.Pipeline, model: MoETransformer, seen: list) -> None:
     active = []
 
     def on_event(event, state):
-        if state.action != "F" or (state.stage_index, state.microbatch) != SPIKE:
+        if state.action not in ("F", "B", "I", "W") or (state.stage_index, state.microbatch) != SPIKE:
             return
         if event == "action_begin":
             active.append(model.routing_spike(imbalance=2.6, experts=(0,)))
             active[-1].__enter__()
         elif event == "action_end":
             active.pop().__exit__(None, None, None)
-            module = next(m for m in pipe.modules if m.stage_index == SPIKE[0])
-            seen.extend(load_imbalance(layer.moe.router.last_tokens_per_expert) for layer in module.layers)
+            if state.action == "F":
+                module = next(m for m in pipe.modules if m.stage_index == SPIKE[0])
+                seen.extend(load_imbalance(layer.moe.router.last_tokens_per_expert) for layer in module.layers)
 
     pipe.tracker.subscribe(on_event)
 

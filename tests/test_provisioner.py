@@ -232,12 +232,13 @@ def test_keep_all_with_raise_reports_what_would_have_crashed() -> None:
     assert info.value.budget == budget and info.value.resident > budget
 
 
-def test_recompute_all_keeps_what_the_model_saves_after_its_last_block() -> None:
-    """Backward reads first what the model saves after its last block (the final norm's input,
-    the logits, the loss's log-softmax): released, it would be rebuilt at once, replaying the
-    last block with it while everything else held is still resident. recompute_all keeps it,
-    releases what is saved before and inside the blocks, and backward rebuilds nothing after
-    the blocks."""
+def test_recompute_all_reruns_its_blocks_and_keeps_what_the_model_saves_after_them() -> None:
+    """recompute_all reruns each block whole in backward, as checkpointing every layer does:
+    the blocks run untraced. Backward reads first what the model saves after its last block
+    (the final norm's input, the logits, the loss's log-softmax): released, it would be
+    rebuilt at once, rerunning the last block with it while everything else held is still
+    resident. recompute_all keeps it, releases what is saved before the blocks (the embedding's
+    dropout mask), and backward rebuilds nothing after the blocks."""
     model = make_model()
     plain = copy.deepcopy(model)
     prov = bagualu2.enable(model, budget=None, policy="recompute_all", min_bytes=0)
@@ -246,18 +247,18 @@ def test_recompute_all_keeps_what_the_model_saves_after_its_last_block() -> None
     ref, got = step(plain, 0), step(model, 0)
     assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
     (frame,) = frames
+    assert frame.stats.rerun_blocks == model.cfg.num_layers
     order = list(frame.keys_seen)  # first-save order
+    assert not [k for k in order if k.startswith("layers.")]
     after = order[next(i for i, k in enumerate(order) if module_of(k) == "norm"):]
     assert {module_of(k) for k in after} == {"norm", ""}, after  # lm_head saves what norm made
-    # The last block's output is first saved by the final norm, after the block has ended.
-    kept = ["layers.1:aten.add.Tensor:1"] + after
-    assert [k for k in order if frame.choice(k) == bagualu2.Choice.KEEP] == kept
-    assert any(k.startswith("drop:") for k in order)  # the embedding's dropout mask: released
-    assert all(frame.choice(k) == bagualu2.Choice.RECOMPUTE for k in order if k not in kept)
+    assert [k for k in order if frame.choice(k) == bagualu2.Choice.KEEP] == after
+    before = [k for k in order if k not in after]
+    assert any(k.startswith("drop:") for k in before)
+    assert all(frame.choice(k) == bagualu2.Choice.RECOMPUTE for k in before)
     rebuilt = prov.runtime.take_replay_times()
-    assert rebuilt and not set(rebuilt) & set(kept)
-    assert any(k.startswith("layers.1.") for k in rebuilt)
-    assert prov.report()["saved_bytes_by_choice"]["keep"] >= sum(frame.keys_seen[k] for k in kept)
+    assert rebuilt and set(rebuilt) <= set(before)
+    assert prov.report()["saved_bytes_by_choice"]["keep"] >= sum(frame.keys_seen[k] for k in after)
 
 
 @pytest.mark.parametrize("policy", ["recompute_all", "offload_all"])
@@ -270,7 +271,7 @@ def test_static_baselines_are_exact_and_release_everything(policy: str) -> None:
     assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
     mix = prov.report()["saved_bytes_by_choice"]
     released = "recompute" if policy == "recompute_all" else "offload"
-    assert mix[released] > 10 * mix["keep"]
+    assert mix[released] > 5 * mix["keep"]  # the tiny model's head (its logits) is large
 
 
 def test_fixed_plan_policy() -> None:

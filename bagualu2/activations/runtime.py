@@ -12,7 +12,9 @@ from the frame's plan:
   every saved view of it refers to that one copy. Backward reloads it, prefetching the next
   offloaded storages of the frame (in reverse pack order) so the copy overlaps compute.
 * RECOMPUTE: nothing is held but the node; unpack replays the recipe (``Replayer``), rebuilding
-  inputs that were dropped or offloaded first, in dependency order.
+  inputs that were dropped or offloaded first, in dependency order. A frame that recomputes
+  whole blocks (``Frame.rerun_blocks``) runs them untraced instead and reruns each in backward
+  (``BlockRerun``).
 
 Invariants:
 
@@ -46,6 +48,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from bagualu2.activations.rerun import BlockRerun, RerunSaved
 from bagualu2.activations.tracing import (
     Replayer, StorageNode, TracingMode, ViewMeta, is_plain, recipe_refs, step_inputs, view_meta, view_of,
 )
@@ -171,6 +174,7 @@ class FrameStats:
     outside_bytes: int = 0      # storages from outside the forward it holds, saved or pinned
     room_made_bytes: int = 0    # kept storages (of it or earlier frames) offloaded to make room
     peak_resident: int = 0      # ledger high-water mark while this frame's forward ran
+    rerun_blocks: int = 0       # block calls run untraced, to be rerun whole in backward
     start_resident: int = 0
 
 
@@ -194,6 +198,13 @@ class Frame:
         # The runtime enters it in ``choices`` as each such key is saved.
         self.after_blocks: Optional[Choice] = None
         self.past_blocks = False  # set by the runtime: an outermost block ended, none has begun
+        # True: every outermost block recomputes all it saves, by rerunning the block in
+        # backward (``BlockRerun``, as torch.utils.checkpoint does); the blocks run untraced, so
+        # ``choices`` and ``keys_seen`` hold only the operators outside them. Blocks holding
+        # running statistics (batch norm), which a rerun would update twice, are traced and
+        # recomputed op by op (``default``) instead.
+        self.rerun_blocks = False
+        self._rerun: Optional[BlockRerun] = None  # the block running untraced now
         self.strict = strict  # a key in ``choices`` that names no op of the forward is an error
         # False: no tracing, saved tensors are only counted and kept. For forwards that cannot
         # need a release (an ample budget): they then cost about what the saved-tensor hooks cost.
@@ -523,7 +534,11 @@ class ActivationRuntime:
         tracing = self.mode if frame.traced else contextlib.nullcontext()
         try:
             with tracing, torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                yield frame
+                try:
+                    yield frame
+                finally:
+                    if frame._rerun is not None:  # the block raised: its forward hook did not run
+                        self._close_rerun(frame)
             if frame.strict:
                 self._check_keys(frame)
         finally:
@@ -547,8 +562,8 @@ class ActivationRuntime:
         back past the block, as with per-block checkpointing. An anchor whose storage is
         offloaded is dropped when the forward ends. The inputs of outermost blocks (layers, not
         the experts inside them) also bound the recompute cache (``RecomputeCache``), and their
-        ends tell which saves come after the blocks (``Frame.after_blocks``). Returns the hook
-        handles.
+        ends tell which saves come after the blocks (``Frame.after_blocks``); in a frame with
+        ``rerun_blocks`` they run untraced, to be rerun in backward. Returns the hook handles.
         """
         blocks = {id(child) for m in root.modules() if isinstance(m, torch.nn.ModuleList) for child in m}
         block_paths = [name for name, m in root.named_modules() if id(m) in blocks]
@@ -560,24 +575,54 @@ class ActivationRuntime:
             if id(module) in blocks:
                 nested = any(name.startswith(p + ".") for p in block_paths)
                 block = 1 if nested else 2
+            rerunnable = block == 2 and not any(
+                isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats for m in module.modules())
 
-            def enter(mod: torch.nn.Module, args: tuple, _name: str = name, _block: int = block) -> None:
-                if self._frame is not None and self._frame.traced and not self.mode.suspended:
-                    self.mode.push_module(_name)
-                    if _block == 2:
-                        self._frame.past_blocks = False
-                    if _block and args and isinstance(args[0], torch.Tensor):
-                        self._anchor(args[0], outermost=_block == 2)
+            def enter(mod: torch.nn.Module, args: tuple, kwargs: Dict[str, Any], _name: str = name,
+                      _block: int = block, _rerunnable: bool = rerunnable) -> None:
+                frame = self._frame
+                if frame is None or not frame.traced or self.mode.suspended or frame._rerun is not None:
+                    return
+                if _block == 2:
+                    frame.past_blocks = False
+                    if _rerunnable and frame.rerun_blocks and self._open_rerun(frame, mod, _name, args, kwargs):
+                        return
+                self.mode.push_module(_name)
+                if _block and args and isinstance(args[0], torch.Tensor):
+                    self._anchor(args[0], outermost=_block == 2)
 
             def leave(mod: torch.nn.Module, args: tuple, out: Any, _block: int = block) -> None:
-                if self._frame is not None and self._frame.traced and not self.mode.suspended:
-                    self.mode.pop_module()
-                    if _block == 2:
-                        self._frame.past_blocks = True
+                frame = self._frame
+                if frame is None or not frame.traced or self.mode.suspended:
+                    return
+                if frame._rerun is not None:
+                    if frame._rerun.module is mod:
+                        self._close_rerun(frame)
+                        frame.past_blocks = True
+                    return
+                self.mode.pop_module()
+                if _block == 2:
+                    frame.past_blocks = True
 
-            handles.append(module.register_forward_pre_hook(AttachedHook(enter)))
+            handles.append(module.register_forward_pre_hook(AttachedHook(enter), with_kwargs=True))
             handles.append(module.register_forward_hook(AttachedHook(leave)))
         return handles
+
+    def _open_rerun(self, frame: Frame, module: torch.nn.Module, name: str, args: tuple,
+                    kwargs: Dict[str, Any]) -> bool:
+        """Run this block call untraced, to be rerun whole in backward; False (trace it) when
+        another dispatch mode was entered inside the frame's: that one must see the ops."""
+        if torch.utils._python_dispatch._get_current_dispatch_mode() is not self.mode:
+            return False
+        self.mode.__exit__(None, None, None)  # off torch's dispatch stack: the block's ops skip Python
+        frame._rerun = BlockRerun(module, name, args, kwargs, self._pin_leaf)
+        frame.stats.rerun_blocks += 1
+        return True
+
+    def _close_rerun(self, frame: Frame) -> None:
+        record, frame._rerun = frame._rerun, None
+        frame.stats.bytes_by_choice["recompute"] += sum(record.storages.values())
+        self.mode.__enter__()
 
     def _anchor(self, t: torch.Tensor, outermost: bool) -> None:
         node = self.mode.nodes.get(t.untyped_storage()._cdata)
@@ -714,6 +759,9 @@ class ActivationRuntime:
         frame = self._frame
         if frame is None:
             return t
+        if frame._rerun is not None:
+            frame.stats.packed += 1
+            return frame._rerun.save(t, counted=is_plain(t) and not self._is_parameter(t))
         if self._is_parameter(t):
             return _Kept(t if t.grad_fn is None else t.detach(), None)
         self.mode.suspended += 1  # the runtime's own ops are not part of the model
@@ -999,6 +1047,9 @@ class ActivationRuntime:
             self.backward_passes += 1
         if isinstance(packed, torch.Tensor):
             return packed
+        if isinstance(packed, RerunSaved):
+            with self.untraced():  # a frame's module hooks skip the rerun's module calls
+                return packed.record.take(packed.index)
         if isinstance(packed, _Kept):
             if packed.moved is not None:
                 return self._unpack(packed.moved)

@@ -145,8 +145,9 @@ class MoETransformer(nn.Module):
         ``imbalance`` x the mean per-expert load, to within one token; an expert can take
         each token at most once, so ``imbalance`` is at most ``num_experts / top_k``. Only
         ``layers`` (default: all) are affected. A batch already more imbalanced than asked
-        is left as it is. Run backward inside the block when a module-level checkpoint
-        re-executes the router, so the recomputation routes the same way.
+        is left as it is. Run backward inside the block when the router is rerun in
+        backward (``torch.utils.checkpoint``, ``policy="recompute_all"``), so the rerun routes
+        the same way.
         """
         cfg = self.cfg
         limit = cfg.num_experts / cfg.top_k

@@ -1,0 +1,188 @@
+"""Whole-block rerun: how a block whose every saved activation is recomputed gets them back.
+
+Design note
+-----------
+Replaying recipes op by op (``tracing.Replayer``) needs the forward traced, and the tracing
+mode's own price (torch's Python dispatch for every aten op, before any recording) is about a
+tenth of a cpu forward. When the plan recomputes everything a block saves (a frame with
+``Frame.rerun_blocks``: ``policy="recompute_all"``), nothing of that block needs a recipe: the
+runtime runs the block untraced and packs every tensor it saves as an index into one
+``BlockRerun``. The first unpack of the block in a backward pass reruns the block's module on
+its held inputs, with grad on and the forward's RNG and autocast states, capturing what the
+rerun saves; each unpack takes its tensor from that capture. This is what
+``torch.utils.checkpoint`` does, inside the runtime's frames and ledger.
+
+Invariants:
+
+* Exactness: the rerun reads the inputs the forward read (held; an in-place change since is
+  an error, as autograd's own check makes it), starts from the forward's RNG states and runs
+  under its autocast state, so it saves bitwise the same tensors. Each captured tensor must
+  have the size, strides and dtype of the one packed at its index, and the rerun must save as
+  many, or the unpack fails naming the block and the first tensor that differs (a module whose
+  state changed between forward and backward). The rerun stops right after the last save.
+* Nothing lost: the inputs are held, and charged to the ledger (``pin``), while a packed
+  object of the block lives; a backward pass that unpacks reruns the block once for itself, so
+  several passes (``retain_graph``) work, and a graph dropped without backward frees it all.
+* A captured tensor is handed out once and then dropped: backward holds one block's rebuilt
+  saves at a time beside what autograd itself holds.
+* While the rerun runs, ``is_recomputing()`` is true: gate callbacks skip it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from bagualu2.activations import tracing
+
+__all__ = ["BlockRerun", "RerunSaved"]
+
+_Meta = Tuple[torch.Size, Tuple[int, ...], torch.dtype]
+
+
+class _RerunDone(Exception):
+    """Raised by the capture hook after the last save: the rest of the block is not rerun."""
+
+
+class BlockRerun:
+    """One outermost block call of a frame run untraced: its inputs, RNG and autocast states,
+    and what it saved (the metadata only; the tensors come back from the rerun).
+
+    Args:
+        module: the block.
+        name: its module path, for messages.
+        args, kwargs: the call's arguments; tensors among them (at any depth) are held detached.
+        pin: called with each held input tensor; returns the object that charges it to the
+            ledger for as long as this record lives (None: not charged).
+    """
+
+    __slots__ = ("module", "name", "_flat", "_spec", "_grad", "_versions", "_rng", "_device", "_device_rng",
+                 "_autocast", "pins", "metas", "storages", "_task", "_captured", "__weakref__")
+
+    def __init__(self, module: torch.nn.Module, name: str, args: tuple, kwargs: Dict[str, Any],
+                 pin: Callable[[torch.Tensor], Any]) -> None:
+        self.module = module
+        self.name = name
+        flat, self._spec = tree_flatten((args, kwargs))
+        self._flat: List[Any] = []
+        self._grad: List[bool] = []
+        self._versions: List[int] = []
+        self.pins: List[Any] = []
+        self._device: Optional[torch.device] = None
+        for x in flat:
+            if isinstance(x, torch.Tensor):
+                self._grad.append(x.requires_grad)
+                self._versions.append(x._version)
+                x = x.detach()  # a view sharing x's version counter, without its graph
+                pinned = pin(x)
+                if pinned is not None:
+                    self.pins.append(pinned)
+                if self._device is None and x.device.type == "cuda":
+                    self._device = x.device
+            self._flat.append(x)
+        self._rng = torch.get_rng_state()
+        self._device_rng = torch.cuda.get_rng_state(self._device) if self._device is not None else None
+        self._autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                          for d in ("cpu",) + (("cuda",) if self._device is not None else ())]
+        self.metas: List[Optional[_Meta]] = []
+        self.storages: Dict[int, int] = {}  # address -> bytes of the storages the block saved
+        self._task = -2  # the backward pass ``_captured`` was rerun for
+        self._captured: Dict[int, torch.Tensor] = {}
+
+    def save(self, t: torch.Tensor, counted: bool) -> "RerunSaved":
+        """Pack one tensor the block saves (``counted``: a plain activation, whose storage
+        ``storages`` sums; parameters and tensors without one are rerun too, uncounted)."""
+        if counted:
+            self.metas.append((t.shape, t.stride(), t.dtype))
+            storage = t.untyped_storage()
+            self.storages.setdefault(storage._cdata, storage.nbytes())
+        else:
+            self.metas.append(None)
+        return RerunSaved(self, len(self.metas) - 1)
+
+    def take(self, index: int) -> torch.Tensor:
+        """The saved tensor ``index``, rerunning the block first when this backward pass has
+        not (or has handed that tensor out already)."""
+        task = torch._C._current_graph_task_id()
+        if task != self._task or index not in self._captured:
+            self._captured = self._rerun()
+            self._task = task
+        return self._captured.pop(index)
+
+    def _rerun(self) -> Dict[int, torch.Tensor]:
+        for i, (x, version) in enumerate(zip((x for x in self._flat if isinstance(x, torch.Tensor)), self._versions)):
+            if x._version != version:
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: input {i} of block {self.name} (shape {tuple(x.shape)}) was saved at version "
+                    f"{version} and is now at version {x._version}")
+        grads = iter(self._grad)
+        flat = [x.detach().requires_grad_(next(grads)) if isinstance(x, torch.Tensor) else x for x in self._flat]
+        args, kwargs = tree_unflatten(flat, self._spec)
+        captured: Dict[int, torch.Tensor] = {}
+        last = len(self.metas) - 1
+
+        def capture(t: torch.Tensor) -> None:
+            index = len(captured)
+            if index > last:
+                raise _RerunDone
+            captured[index] = t.detach()
+            if index == last:
+                raise _RerunDone
+
+        def unreachable(_: Any) -> torch.Tensor:
+            raise AssertionError("the rerun's own graph is never run backward")
+
+        devices = [self._device] if self._device is not None else []
+        tracing._STATE.replaying = getattr(tracing._STATE, "replaying", 0) + 1
+        try:
+            with torch.random.fork_rng(devices=devices, device_type="cuda"):
+                torch.set_rng_state(self._rng)
+                if self._device_rng is not None:
+                    torch.cuda.set_rng_state(self._device_rng, self._device)
+                with contextlib.ExitStack() as scope:
+                    scope.enter_context(torch.enable_grad())
+                    for device_type, enabled, dtype in self._autocast:
+                        scope.enter_context(torch.autocast(device_type, enabled=enabled, dtype=dtype))
+                    scope.enter_context(torch.autograd.graph.saved_tensors_hooks(capture, unreachable))
+                    try:
+                        self.module(*args, **kwargs)
+                    except _RerunDone:
+                        pass
+        finally:
+            tracing._STATE.replaying -= 1
+        self._check(captured)
+        return captured
+
+    def _check(self, captured: Dict[int, torch.Tensor]) -> None:
+        if len(captured) != len(self.metas):
+            raise RuntimeError(
+                f"bagualu2: block {self.name} saved {len(self.metas)} tensors for backward in its forward but "
+                f"{len(captured)} when rerun in backward: its forward must run the same way twice (a module "
+                f"attribute or routing override changed between forward and backward?); run backward "
+                f"before changing it, or use a per-operator plan, which replays recorded ops")
+        for index, meta in enumerate(self.metas):
+            if meta is None:
+                continue
+            size, stride, dtype = meta
+            t = captured[index]
+            if t.shape != size or t.stride() != stride or t.dtype != dtype:
+                raise RuntimeError(
+                    f"bagualu2: block {self.name} saved tensor {index} as {tuple(size)} {dtype} (strides "
+                    f"{stride}) in its forward but as {tuple(t.shape)} {t.dtype} (strides {t.stride()}) when "
+                    f"rerun in backward: its forward must run the same way twice (a module attribute or "
+                    f"routing override changed between forward and backward?); run backward before changing "
+                    f"it, or use a per-operator plan, which replays recorded ops")
+
+
+class RerunSaved:
+    """What the pack hook returns for a tensor a rerun block saved: the record and an index."""
+
+    __slots__ = ("record", "index")
+
+    def __init__(self, record: BlockRerun, index: int) -> None:
+        self.record = record
+        self.index = index
