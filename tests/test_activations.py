@@ -398,7 +398,7 @@ def test_rebuilt_storage_leaves_the_recompute_cache_after_its_last_released_view
         puts[(position, state)] = puts.get((position, state), 0) + 1
         block = bisect.bisect_right(cache.anchors, position)
         block_bytes[block] = block_bytes.get(block, 0) + storage.nbytes()
-        held = sum(s.nbytes() for s in cache._entries.values())
+        held = sum(s.nbytes() for s, _ in cache._entries.values())
         live["high"] = max(live["high"], held)
 
     monkeypatch.setattr(tracing.RecomputeCache, "put", observed_put)
@@ -411,6 +411,23 @@ def test_rebuilt_storage_leaves_the_recompute_cache_after_its_last_released_view
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected))
     assert set(puts.values()) == {2}, "and once again in the second pass"
     assert live["high"] < 0.8 * whole_block, (live["high"], whole_block)
+
+
+@pytest.mark.parametrize("rerun", [False, True], ids=["replayed", "rerun"])
+def test_backward_rebuilds_are_charged_to_the_ledger_while_held(rerun: bool) -> None:
+    """Storages backward rebuilds and holds for more readers are resident activations: the
+    recompute cache's (op by op) and a rerun block's captured saves (until handed out). The
+    first rebuild comes while the forward's holdings still are: the ledger rises above them."""
+    model, tokens = make_model()
+    h = Harness(model, None)
+    loss = h.forward(tokens, rerun_frame() if rerun else Frame(default=Choice.RECOMPUTE))
+    after_forward = h.runtime.ledger.resident
+    h.runtime.ledger.reset_peak()
+    rebuilt = 2 * tokens.numel() * model.cfg.hidden_size * 4  # more than two hidden states
+    loss.backward()
+    assert h.runtime.ledger.peak > after_forward + rebuilt, (h.runtime.ledger.peak, after_forward)
+    del loss
+    assert h.runtime.ledger.resident == 0
 
 
 def test_replay_times_count_micro_batches_not_unpacks(engine: CopyEngine) -> None:

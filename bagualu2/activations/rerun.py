@@ -24,7 +24,8 @@ Invariants:
   object of the block lives; a backward pass that unpacks reruns the block once for itself, so
   several passes (``retain_graph``) work, and a graph dropped without backward frees it all.
 * A captured tensor is handed out once and then dropped: backward holds one block's rebuilt
-  saves at a time beside what autograd itself holds.
+  saves at a time beside what autograd itself holds. Each captured storage is charged to the
+  ledger until the last captured tensor of it is handed out.
 * While the rerun runs, ``is_recomputing()`` is true: gate callbacks skip it.
 """
 
@@ -57,13 +58,16 @@ class BlockRerun:
         args, kwargs: the call's arguments; tensors among them (at any depth) are held detached.
         pin: called with each held input tensor; returns the object that charges it to the
             ledger for as long as this record lives (None: not charged).
+        charge: called with each storage a rerun captured; returns the object that charges it
+            to the ledger until the last captured tensor of it is taken.
     """
 
     __slots__ = ("module", "name", "_flat", "_spec", "_grad", "_versions", "_rng", "_device", "_device_rng",
-                 "_autocast", "pins", "metas", "storages", "_task", "_captured", "__weakref__")
+                 "_autocast", "pins", "metas", "storages", "_task", "_captured", "_charge", "_charges",
+                 "__weakref__")
 
     def __init__(self, module: torch.nn.Module, name: str, args: tuple, kwargs: Dict[str, Any],
-                 pin: Callable[[torch.Tensor], Any]) -> None:
+                 pin: Callable[[torch.Tensor], Any], charge: Callable[[torch.UntypedStorage], Any]) -> None:
         self.module = module
         self.name = name
         flat, self._spec = tree_flatten((args, kwargs))
@@ -91,6 +95,8 @@ class BlockRerun:
         self.storages: Dict[int, int] = {}  # address -> bytes of the storages the block saved
         self._task = -2  # the backward pass ``_captured`` was rerun for
         self._captured: Dict[int, torch.Tensor] = {}
+        self._charge = charge
+        self._charges: Dict[int, List[Any]] = {}  # address -> [captured tensors of it not taken, charge]
 
     def save(self, t: torch.Tensor, counted: bool) -> "RerunSaved":
         """Pack one tensor the block saves (``counted``: a plain activation, whose storage
@@ -108,9 +114,23 @@ class BlockRerun:
         not (or has handed that tensor out already)."""
         task = torch._C._current_graph_task_id()
         if task != self._task or index not in self._captured:
+            self._captured, self._charges = {}, {}  # what an earlier pass left untaken
             self._captured = self._rerun()
             self._task = task
-        return self._captured.pop(index)
+            for i, t in self._captured.items():
+                if self.metas[i] is not None:  # an activation, not a parameter
+                    entry = self._charges.setdefault(t.untyped_storage()._cdata, [0, None])
+                    entry[0] += 1
+                    if entry[1] is None:
+                        entry[1] = self._charge(t.untyped_storage())
+        out = self._captured.pop(index)
+        if self.metas[index] is not None:
+            cdata = out.untyped_storage()._cdata
+            entry = self._charges[cdata]
+            entry[0] -= 1
+            if entry[0] == 0:
+                del self._charges[cdata]
+        return out
 
     def _rerun(self) -> Dict[int, torch.Tensor]:
         for i, (x, version) in enumerate(zip((x for x in self._flat if isinstance(x, torch.Tensor)), self._versions)):

@@ -24,7 +24,8 @@ Invariants:
   when the graph dies (after backward, or when the graph is discarded without one), so a packed
   activation may be unpacked any number of times (``retain_graph``) or never.
 * Exact accounting: ``ResidencyLedger`` counts the device bytes of every storage the runtime
-  holds (kept tensors, offload sources still in flight, leaves pinned by recipes), once per
+  holds (kept tensors, offload sources still in flight, leaves pinned by recipes; in backward,
+  reloaded copies and rebuilt storages while it holds them for more readers), once per
   storage, whichever frames hold it. Parameters and buffers are not activations and are not
   counted.
 * Budget: with ``enforce_budget`` set, a storage that would push the ledger over the budget is
@@ -489,7 +490,7 @@ class ActivationRuntime:
         self.prefetch_bytes = prefetch_bytes
         self.reload_in_place = reload_in_place
         self.ledger = ResidencyLedger()
-        self.mode = TracingMode(self._pin_leaf)
+        self.mode = TracingMode(self._pin_leaf, self._charge)
         self._params: Set[int] = set()
         self._frame: Optional[Frame] = None
         self._inflight: Deque["weakref.ref[_OffloadStore]"] = collections.deque()
@@ -615,7 +616,7 @@ class ActivationRuntime:
         if torch.utils._python_dispatch._get_current_dispatch_mode() is not self.mode:
             return False
         self.mode.__exit__(None, None, None)  # off torch's dispatch stack: the block's ops skip Python
-        frame._rerun = BlockRerun(module, name, args, kwargs, self._pin_leaf)
+        frame._rerun = BlockRerun(module, name, args, kwargs, self._pin_leaf, self._charge)
         frame.stats.rerun_blocks += 1
         return True
 
@@ -733,6 +734,10 @@ class ActivationRuntime:
         if type(t) is not torch.Tensor and isinstance(t, torch.nn.Parameter):
             return True
         return is_plain(t) and t.untyped_storage()._cdata in self._params
+
+    def _charge(self, storage: torch.UntypedStorage) -> _Pin:
+        """Count a storage the runtime holds in backward (rebuilt, cached) for the pin's life."""
+        return _Pin(self.ledger, storage)
 
     def _pin_leaf(self, t: torch.Tensor) -> Optional[_Pin]:
         if not is_plain(t) or self._is_parameter(t):

@@ -323,8 +323,9 @@ class TracingMode(TorchDispatchMode):
     ``nodes`` maps a storage address to its node for the current frame. The module path of the
     innermost module call is maintained by module hooks through ``push_module`` / ``pop_module``.
     ``pin_leaf(t)`` is called for every tensor from outside the region that a recipe holds and
-    returns an object that counts it for as long as the recipe lives. With ``profile`` set, each
-    op is timed.
+    returns an object that counts it for as long as the recipe lives; ``charge(storage)`` counts a
+    storage rebuilt in backward while the frame's ``RecomputeCache`` holds it. With ``profile``
+    set, each op is timed.
     """
 
     @classmethod
@@ -333,10 +334,12 @@ class TracingMode(TorchDispatchMode):
         # per op than the recording itself; the traced forward runs eagerly, not compiled.
         return False
 
-    def __init__(self, pin_leaf: Callable[[torch.Tensor], Any]) -> None:
+    def __init__(self, pin_leaf: Callable[[torch.Tensor], Any],
+                 charge: Optional[Callable[[torch.UntypedStorage], Any]] = None) -> None:
         super().__init__()
         self.nodes: Dict[int, StorageNode] = {}
-        self.cache = RecomputeCache()
+        self._charge = charge
+        self.cache = RecomputeCache(charge)
         self.profile = False
         self.suspended = 0
         self._pin_leaf = pin_leaf
@@ -347,7 +350,7 @@ class TracingMode(TorchDispatchMode):
     def reset(self) -> None:
         """Start a new frame: forget the previous frame's nodes and module calls."""
         self.nodes = {}
-        self.cache = RecomputeCache()
+        self.cache = RecomputeCache(self._charge)
         self._calls = [("", {})]
         self._call_counts = {}
 
@@ -474,13 +477,16 @@ class RecomputeCache:
     replay, never a wrong value; counting a reader that never comes keeps the storage until
     the block is left. The cache is cleared when the backward pass that uses it ends (each
     backward unpack calls ``bind_to_backward``), so entries rebuilt ahead of that pass, by an
-    early recompute, are cleared with it.
+    early recompute, are cleared with it. ``charge(storage)`` returns what counts a cached
+    storage as resident (``ActivationRuntime``'s ledger) for as long as it is cached.
     """
 
-    __slots__ = ("_entries", "_task", "anchors", "_readers", "_served", "_released")
+    __slots__ = ("_entries", "_task", "anchors", "_readers", "_served", "_released", "_charge")
 
-    def __init__(self) -> None:
-        self._entries: Dict[Tuple[int, int], torch.UntypedStorage] = {}
+    def __init__(self, charge: Optional[Callable[[torch.UntypedStorage], Any]] = None) -> None:
+        self._charge = charge
+        # (position, state) -> (the rebuilt storage, its charge)
+        self._entries: Dict[Tuple[int, int], Tuple[torch.UntypedStorage, Any]] = {}
         self._task = -1
         self.anchors: List[int] = []  # positions of block inputs, ascending
         # by (position, state): readers in each backward pass, readers done in the running one,
@@ -490,10 +496,11 @@ class RecomputeCache:
         self._released: Set[Tuple[int, int]] = set()
 
     def get(self, position: int, state: int) -> Optional[torch.UntypedStorage]:
-        return self._entries.get((position, state))
+        entry = self._entries.get((position, state))
+        return entry[0] if entry is not None else None
 
     def put(self, position: int, state: int, storage: torch.UntypedStorage) -> None:
-        self._entries[(position, state)] = storage
+        self._entries[(position, state)] = (storage, self._charge(storage) if self._charge is not None else None)
 
     def add_reader(self, position: int, state: int) -> None:
         """One more reader of the storage in each backward pass."""
