@@ -430,6 +430,29 @@ def test_backward_rebuilds_are_charged_to_the_ledger_while_held(rerun: bool) -> 
     assert h.runtime.ledger.resident == 0
 
 
+@pytest.mark.parametrize("choice", [Choice.OFFLOAD, Choice.RECOMPUTE])
+def test_backward_holds_nothing_over_the_budget(engine: CopyEngine, choice: Choice) -> None:
+    """With the budget at what the forward left resident, backward holds no reloaded copy or
+    rebuilt storage for later readers and prefetches nothing: each reader reloads or rebuilds
+    its own, exactly, and the ledger never rises above the budget."""
+    model, tokens = make_model()
+    h = Harness(model, engine)  # reloads copy back, as on a device
+    reference = loss_and_grads(model, h.forward(tokens, None))
+    frame = Frame(default=choice)
+    loss = h.forward(tokens, frame)
+    h.runtime.settle(wait=True)
+    h.runtime.budget_bytes = h.runtime.ledger.resident
+    h.runtime.ledger.reset_peak()
+    assert_bitwise(reference, loss_and_grads(model, loss))
+    assert h.runtime.ledger.peak <= h.runtime.budget_bytes
+    h.runtime.budget_bytes = None  # the same backward, unbounded, holds and prefetches above it
+    loss = h.forward(tokens, Frame(default=choice))
+    h.runtime.settle(wait=True)
+    resident = h.runtime.ledger.resident
+    assert_bitwise(reference, loss_and_grads(model, loss))
+    assert h.runtime.ledger.peak > resident
+
+
 def test_replay_times_count_micro_batches_not_unpacks(engine: CopyEngine) -> None:
     model, x, h = views_casts_shared(engine)
     losses = [h.forward(x, Frame(default=Choice.RECOMPUTE)) for _ in range(2)]

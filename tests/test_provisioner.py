@@ -79,6 +79,7 @@ def test_budget_never_exceeded_on_random_spike_traces(trace: Sequence[float], fr
     prov = bagualu2.enable(model, budget=budget, min_bytes=0)
     for i, spike in enumerate(trace):
         step(model, i, spike)
+        assert prov.runtime.ledger.peak <= budget, "through backward too"  # reset as each forward starts
     for mb in prov.telemetry.micro_batches:
         assert mb.peak_bytes <= budget, mb
         assert mb.violations == 0
@@ -112,6 +113,7 @@ def test_budget_never_exceeded_with_micro_batches_in_flight(steps: Sequence[Sequ
     for i, spikes in enumerate(steps):
         ref, got = accumulate(plain, i, spikes), accumulate(model, i, spikes)
         assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+        assert prov.runtime.ledger.peak <= budget, "the last forward and the backward"
     for mb in prov.telemetry.micro_batches:
         assert mb.peak_bytes <= budget and mb.violations == 0, mb
     assert prov.report()["resident_bytes"] == 0

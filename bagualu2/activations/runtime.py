@@ -31,7 +31,11 @@ Invariants:
 * Budget: with ``enforce_budget`` set, a storage that would push the ledger over the budget is
   offloaded or recomputed instead of kept (waiting for in-flight offloads first); what cannot be
   released is a violation, reported through ``on_exceed``. An untraced frame (one whose plan was
-  not expected to release anything) has no recipes, so there such a storage is offloaded.
+  not expected to release anything) has no recipes, so there such a storage is offloaded. In
+  backward, a copy or rebuilt storage that more readers need is held for them only within the
+  budget (else each reader reloads or rebuilds its own), and prefetches stop at it: what
+  backward holds stays within the budget beside what the forward left (a rerun block's
+  captured saves excepted: one rerun makes them all).
 * Fallbacks never lose data: an offload the arena cannot take becomes a recompute (or a keep),
   a recompute that cannot be replayed becomes an offload (or a keep), and each is recorded.
 """
@@ -315,11 +319,13 @@ class _OffloadStore:
         self.frame._prefetch_pending += self.nbytes
         return True
 
-    def take(self, ledger: ResidencyLedger, need: bool = True) -> Optional[torch.UntypedStorage]:
+    def take(self, ledger: ResidencyLedger, need: bool = True,
+             room: Optional[Callable[[torch.UntypedStorage], bool]] = None) -> Optional[torch.UntypedStorage]:
         """One reader's use in the running backward pass: the device copy, held (and charged
-        to ``ledger``) while more of the ``refs`` readers are due. A reader that found what
-        it needed elsewhere passes ``need=False``: it is counted, nothing is reloaded, and None
-        is returned."""
+        to ``ledger``) while more of the ``refs`` readers are due, unless ``room`` says holding
+        it would cross the budget (each reader then gets a copy of its own). A reader that
+        found what it needed elsewhere passes ``need=False``: it is counted, nothing is
+        reloaded, and None is returned."""
         task = torch._C._current_graph_task_id()
         if task != self.task:
             self.task, self.unpacked = task, 0
@@ -331,16 +337,17 @@ class _OffloadStore:
         storage = self.storage()
         if self.unpacked >= self.refs:
             self._release_hold()
-        elif self.held is None:
+        elif self.held is None and (room is None or room(storage)):
             self.held = self.alias if self.in_place else (
                 torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage))
             self.held_version = self.held._version
             self.held_pin = _Pin(ledger, storage)
         return storage
 
-    def unpack(self, meta: ViewMeta, ledger: ResidencyLedger) -> torch.Tensor:
+    def unpack(self, meta: ViewMeta, ledger: ResidencyLedger,
+               room: Optional[Callable[[torch.UntypedStorage], bool]] = None) -> torch.Tensor:
         """A tensor with ``meta``'s geometry over this storage's device copy."""
-        storage = self.take(ledger)
+        storage = self.take(ledger, room=room)
         held = self.alias if self.in_place else self.held
         if held is None or not held.numel():  # the pass's last (or only) reader of a copy
             return view_of(storage, meta)
@@ -616,7 +623,7 @@ class ActivationRuntime:
         if torch.utils._python_dispatch._get_current_dispatch_mode() is not self.mode:
             return False
         self.mode.__exit__(None, None, None)  # off torch's dispatch stack: the block's ops skip Python
-        frame._rerun = BlockRerun(module, name, args, kwargs, self._pin_leaf, self._charge)
+        frame._rerun = BlockRerun(module, name, args, kwargs, self._pin_leaf, lambda s: _Pin(self.ledger, s))
         frame.stats.rerun_blocks += 1
         return True
 
@@ -735,9 +742,14 @@ class ActivationRuntime:
             return True
         return is_plain(t) and t.untyped_storage()._cdata in self._params
 
-    def _charge(self, storage: torch.UntypedStorage) -> _Pin:
-        """Count a storage the runtime holds in backward (rebuilt, cached) for the pin's life."""
-        return _Pin(self.ledger, storage)
+    def _room(self, storage: torch.UntypedStorage) -> bool:
+        """Whether backward may hold ``storage`` for more readers within the budget."""
+        return not self._over_budget(storage, reserved=False)
+
+    def _charge(self, storage: torch.UntypedStorage) -> Optional[_Pin]:
+        """Count a storage backward rebuilt and would hold for more readers (the recompute
+        cache's), for the pin's life; None, and it is not held, where that crosses the budget."""
+        return _Pin(self.ledger, storage) if self._room(storage) else None
 
     def _pin_leaf(self, t: torch.Tensor) -> Optional[_Pin]:
         if not is_plain(t) or self._is_parameter(t):
@@ -1075,7 +1087,7 @@ class ActivationRuntime:
             start = time.perf_counter()
             if not store.frame.scheduled and not store.in_place:
                 self._prefetch_before(store.frame, store)
-            out = store.unpack(packed.meta, self.ledger)
+            out = store.unpack(packed.meta, self.ledger, self._room)
             self._copies[0] += time.perf_counter() - start
             return out
         node = packed.node
@@ -1096,7 +1108,7 @@ class ActivationRuntime:
                 if n.offloaded.get(s) is not source:
                     return self._available(n, s)
                 if not taken:
-                    taken.append(source.take(self.ledger))
+                    taken.append(source.take(self.ledger, room=self._room))
                 return taken[0]
 
             out = view_of(Replayer(available).storage(node, packed.state), packed.meta)
@@ -1173,7 +1185,8 @@ class ActivationRuntime:
         while cursor >= 0:
             other = frame._offloads[cursor]()
             if other is not None:
-                if frame._prefetch_pending + other.nbytes > self.prefetch_bytes:
+                if frame._prefetch_pending + other.nbytes > self.prefetch_bytes or (
+                        self.budget_bytes is not None and self.ledger.resident + other.nbytes > self.budget_bytes):
                     break
                 other.prefetch(self.ledger)
             cursor -= 1

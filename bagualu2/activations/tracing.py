@@ -478,7 +478,8 @@ class RecomputeCache:
     the block is left. The cache is cleared when the backward pass that uses it ends (each
     backward unpack calls ``bind_to_backward``), so entries rebuilt ahead of that pass, by an
     early recompute, are cleared with it. ``charge(storage)`` returns what counts a cached
-    storage as resident (``ActivationRuntime``'s ledger) for as long as it is cached.
+    storage as resident (``ActivationRuntime``'s ledger) for as long as it is cached, or None
+    where holding it would cross the budget: it is then not cached.
     """
 
     __slots__ = ("_entries", "_task", "anchors", "_readers", "_served", "_released", "_charge")
@@ -500,7 +501,12 @@ class RecomputeCache:
         return entry[0] if entry is not None else None
 
     def put(self, position: int, state: int, storage: torch.UntypedStorage) -> None:
-        self._entries[(position, state)] = (storage, self._charge(storage) if self._charge is not None else None)
+        if self._charge is None:
+            self._entries[(position, state)] = (storage, None)
+            return
+        charge = self._charge(storage)
+        if charge is not None:  # else no room: a later reader rebuilds it again
+            self._entries[(position, state)] = (storage, charge)
 
     def add_reader(self, position: int, state: int) -> None:
         """One more reader of the storage in each backward pass."""
