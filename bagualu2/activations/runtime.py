@@ -237,6 +237,7 @@ class Frame:
         # Untraced frames, while the forward runs: storages offloaded without a node
         # (address -> the storage's weak ref, its version, the store's weak ref)
         self._untraced_offloads: Dict[int, Tuple[StorageWeakRef, int, "weakref.ref[_OffloadStore]"]] = {}
+        self._released: Set[Tuple[int, int]] = set()  # (id(node), state) of storages released by recompute
 
     def choice(self, key: str) -> Choice:
         return self.choices.get(key, self.default)
@@ -559,6 +560,7 @@ class ActivationRuntime:
                     node.anchor = None
             frame._anchors = []
             frame._untraced_offloads = {}
+            frame._released = set()
             self._frame = None
             self.mode.reset()
 
@@ -879,9 +881,13 @@ class ActivationRuntime:
         return _Offloaded(store, view_meta(t), None, t._version, t)
 
     def _recompute(self, frame: Frame, node: StorageNode, state: int, meta: ViewMeta) -> "_Recomputed":
-        frame.stats.bytes_by_choice["recompute"] += node.nbytes
-        if self.frame_observer is not None:
-            frame._recomputes.append((node.key, weakref.ref(node), state))
+        if (id(node), state) in frame._released:  # another saved view of a released storage
+            frame.stats.shared_bytes += node.nbytes
+        else:
+            frame._released.add((id(node), state))
+            frame.stats.bytes_by_choice["recompute"] += node.nbytes
+            if self.frame_observer is not None:
+                frame._recomputes.append((node.key, weakref.ref(node), state))
         self._add_reader(node, state)
         return _Recomputed(node, state, meta)
 
