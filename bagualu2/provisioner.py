@@ -210,6 +210,7 @@ class Provisioner:
         self._count_frames: Dict[int, int] = {}
         self._frame_predicted = 0
         self._oom_recoveries = 0
+        self._peak_with_backward = 0  # the ledger's high-water mark over the run (_note_peak)
         self._floor = 0  # bytes one micro-batch holds that no plan releases (anchors, small, fixed)
         self._hard_floor = 0  # bytes of the last routing that not even the runtime could release
         self._outside_held = 0  # most bytes from outside the forward a micro-batch held (inputs)
@@ -354,6 +355,12 @@ class Provisioner:
         """Mark the end of a training step (optional; numbers the telemetry records)."""
         self._step += 1
 
+    def _note_peak(self) -> int:
+        """The ledger's high-water mark over the run, backward passes included (the ledger's
+        own restarts as each forward begins, which then reads it first)."""
+        self._peak_with_backward = max(self._peak_with_backward, self.runtime.ledger.peak)
+        return self._peak_with_backward
+
     def report(self) -> Dict[str, Any]:
         """A summary: micro-batches, peak vs budget, violations, plan mix, decision latency, cache.
         Counts and sums cover the whole run; the latency median, the decisions in memory."""
@@ -368,6 +375,7 @@ class Provisioner:
             "traced_micro_batches": totals.traced,
             "budget_bytes": self.budget,
             "peak_bytes": totals.peak_bytes,
+            "peak_bytes_with_backward": self._note_peak(),
             "resident_bytes": self.runtime.ledger.resident,
             "violations": totals.violations,
             "fallbacks": totals.fallbacks,
@@ -504,6 +512,7 @@ class Provisioner:
         return busy
 
     def _run_frame(self, args: tuple, kwargs: dict, conservative: bool) -> Any:
+        self._note_peak()
         replays = self.runtime.take_replay_times()
         if replays:  # what the backward passes since the last frame paid to recompute
             self.cost.observe_replays(replays, self.mean_counts())

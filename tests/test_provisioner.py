@@ -83,6 +83,7 @@ def test_budget_never_exceeded_on_random_spike_traces(trace: Sequence[float], fr
     for mb in prov.telemetry.micro_batches:
         assert mb.peak_bytes <= budget, mb
         assert mb.violations == 0
+    assert prov.report()["peak_bytes"] <= prov.report()["peak_bytes_with_backward"] <= budget
     assert prov.report()["resident_bytes"] == 0
 
 
@@ -261,6 +262,8 @@ def test_recompute_all_reruns_its_blocks_and_keeps_what_the_model_saves_after_th
     rebuilt = prov.runtime.take_replay_times()
     assert rebuilt and set(rebuilt) <= set(before)
     assert prov.report()["saved_bytes_by_choice"]["keep"] >= sum(frame.keys_seen[k] for k in after)
+    report = prov.report()  # backward holds a block's rerun saves beside the blocks' inputs
+    assert report["peak_bytes_with_backward"] > 2 * report["peak_bytes"]
 
 
 @pytest.mark.parametrize("policy", ["recompute_all", "offload_all"])
