@@ -92,7 +92,7 @@ class BlockRerun:
         self._autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
                           for d in ("cpu",) + (("cuda",) if self._device is not None else ())]
         self.metas: List[Optional[_Meta]] = []
-        self.storages: Dict[int, int] = {}  # address -> bytes of the storages the block saved
+        self.storages: Dict[int, int] = {}  # address -> bytes of the storages the block saved (while it runs)
         self._task = -2  # the backward pass ``_captured`` was rerun for
         self._captured: Dict[int, torch.Tensor] = {}
         self._charge = charge

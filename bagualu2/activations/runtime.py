@@ -632,6 +632,7 @@ class ActivationRuntime:
     def _close_rerun(self, frame: Frame) -> None:
         record, frame._rerun = frame._rerun, None
         frame.stats.bytes_by_choice["recompute"] += sum(record.storages.values())
+        record.storages.clear()  # counted: the graph need not hold the addresses
         self.mode.__enter__()
 
     def _anchor(self, t: torch.Tensor, outermost: bool) -> None:
