@@ -15,7 +15,8 @@ rerun saves; each unpack takes its tensor from that capture. This is what
 Invariants:
 
 * Exactness: the rerun reads the inputs the forward read (held; an in-place change since is
-  an error, as autograd's own check makes it), starts from the forward's RNG states and runs
+  an error, as autograd's own check makes it; a block called with any other object, such as a
+  KV cache the forward appends to, is not rerun but traced), starts from the forward's RNG states and runs
   under its autocast state, so it saves bitwise the same tensors. Each captured tensor must
   have the size, strides and dtype of the one packed at its index, and the rerun must save as
   many, or the unpack fails naming the block and the first tensor that differs (a module whose
@@ -39,7 +40,22 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from bagualu2.activations import tracing
 
-__all__ = ["BlockRerun", "RerunSaved"]
+__all__ = ["BlockRerun", "RerunSaved", "restorable"]
+
+# Argument types a rerun passes again as they were: values, not objects a forward may change.
+_VALUES = frozenset({type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.layout,
+                     torch.memory_format})
+
+
+def restorable(args: tuple, kwargs: Dict[str, Any]) -> Optional[Tuple[List[Any], Any]]:
+    """The call's arguments flattened (leaves, spec) when a rerun can pass them again as they
+    were: tensors (held, version-checked) and plain values, in tuples, lists and dicts; None
+    when some argument is another object (a KV cache the forward appends to, a module) that
+    the forward may have changed."""
+    flat, spec = tree_flatten((args, kwargs))
+    if all(isinstance(x, torch.Tensor) or type(x) in _VALUES for x in flat):
+        return flat, spec
+    return None
 
 _Meta = Tuple[torch.Size, Tuple[int, ...], torch.dtype]
 
@@ -55,7 +71,8 @@ class BlockRerun:
     Args:
         module: the block.
         name: its module path, for messages.
-        args, kwargs: the call's arguments; tensors among them (at any depth) are held detached.
+        flat, spec: the call's arguments, flattened (``restorable``); the tensors among them are
+            held detached.
         pin: called with each held input tensor; returns the object that charges it to the
             ledger for as long as this record lives (None: not charged).
         charge: called with each storage a rerun captured; returns the object that charges it
@@ -66,11 +83,11 @@ class BlockRerun:
                  "_autocast", "pins", "metas", "storages", "_task", "_captured", "_charge", "_charges",
                  "__weakref__")
 
-    def __init__(self, module: torch.nn.Module, name: str, args: tuple, kwargs: Dict[str, Any],
+    def __init__(self, module: torch.nn.Module, name: str, flat: List[Any], spec: Any,
                  pin: Callable[[torch.Tensor], Any], charge: Callable[[torch.UntypedStorage], Any]) -> None:
         self.module = module
         self.name = name
-        flat, self._spec = tree_flatten((args, kwargs))
+        self._spec = spec
         self._flat: List[Any] = []
         self._grad: List[bool] = []
         self._versions: List[int] = []

@@ -53,7 +53,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from bagualu2.activations.rerun import BlockRerun, RerunSaved
+from bagualu2.activations.rerun import BlockRerun, RerunSaved, restorable
 from bagualu2.activations.tracing import (
     Replayer, StorageNode, TracingMode, ViewMeta, is_plain, recipe_refs, step_inputs, view_meta, view_of,
 )
@@ -207,7 +207,8 @@ class Frame:
         # backward (``BlockRerun``, as torch.utils.checkpoint does); the blocks run untraced, so
         # ``choices`` and ``keys_seen`` hold only the operators outside them. Blocks holding
         # running statistics (batch norm), which a rerun would update twice, are traced and
-        # recomputed op by op (``default``) instead.
+        # recomputed op by op (``default``) instead, and so are block calls with an argument
+        # that is neither a tensor nor a plain value (a KV cache the forward appends to).
         self.rerun_blocks = False
         self._rerun: Optional[BlockRerun] = None  # the block running untraced now
         self.strict = strict  # a key in ``choices`` that names no op of the forward is an error
@@ -621,11 +622,15 @@ class ActivationRuntime:
     def _open_rerun(self, frame: Frame, module: torch.nn.Module, name: str, args: tuple,
                     kwargs: Dict[str, Any]) -> bool:
         """Run this block call untraced, to be rerun whole in backward; False (trace it) when
-        another dispatch mode was entered inside the frame's: that one must see the ops."""
+        another dispatch mode was entered inside the frame's (that one must see the ops), or
+        when an argument is an object the forward may change (``restorable``)."""
         if torch.utils._python_dispatch._get_current_dispatch_mode() is not self.mode:
             return False
+        flattened = restorable(args, kwargs)
+        if flattened is None:
+            return False
         self.mode.__exit__(None, None, None)  # off torch's dispatch stack: the block's ops skip Python
-        frame._rerun = BlockRerun(module, name, args, kwargs, self._pin_leaf, lambda s: _Pin(self.ledger, s))
+        frame._rerun = BlockRerun(module, name, *flattened, self._pin_leaf, lambda s: _Pin(self.ledger, s))
         frame.stats.rerun_blocks += 1
         return True
 
