@@ -2,6 +2,7 @@
 reports are exactly the token slots the experts then receive."""
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import pytest
@@ -314,7 +315,9 @@ def test_hf_models_rerun_their_decoder_layers_exactly_under_recompute_all(family
         for m in (plain, model):
             m.zero_grad(set_to_none=True)
             torch.manual_seed(i)
-            loss = m(tokens, attention_mask=mask if i else None, labels=tokens).loss
+            with pytest.warns(UserWarning, match="use_cache") if use_cache and m is model and not i \
+                    else contextlib.nullcontext():
+                loss = m(tokens, attention_mask=mask if i else None, labels=tokens).loss
             loss.backward()
             losses.append(loss.detach())
             grads.append([p.grad for p in m.parameters()])
@@ -322,6 +325,7 @@ def test_hf_models_rerun_their_decoder_layers_exactly_under_recompute_all(family
         assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(*grads))
     reruns = 0 if use_cache else model.config.num_hidden_layers
     assert [f.stats.rerun_blocks for f in frames] == [reruns, reruns]
+    assert all(("DynamicCache" in " ".join(f.stats.fallbacks)) == use_cache for f in frames)
     assert prov.report()["saved_bytes_by_choice"]["recompute"] > 0
     assert prov.runtime.ledger.resident == 0
 

@@ -36,26 +36,22 @@ import contextlib
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_unflatten
 
 from bagualu2.activations import tracing
 
-__all__ = ["BlockRerun", "RerunSaved", "restorable"]
+__all__ = ["BlockRerun", "RerunSaved", "unrestorable"]
 
 # Argument types a rerun passes again as they were: values, not objects a forward may change.
 _VALUES = frozenset({type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.layout,
                      torch.memory_format})
 
 
-def restorable(args: tuple, kwargs: Dict[str, Any]) -> Optional[Tuple[List[Any], Any]]:
-    """The call's arguments flattened (leaves, spec) when a rerun can pass them again as they
-    were: tensors (held, version-checked) and plain values, in tuples, lists and dicts; None
-    when some argument is another object (a KV cache the forward appends to, a module) that
-    the forward may have changed."""
-    flat, spec = tree_flatten((args, kwargs))
-    if all(isinstance(x, torch.Tensor) or type(x) in _VALUES for x in flat):
-        return flat, spec
-    return None
+def unrestorable(flat: List[Any]) -> Optional[Any]:
+    """The first of a call's flattened arguments that a rerun cannot pass again as it was, or
+    None. Tensors (held, version-checked) and plain values are restorable; any other object (a
+    KV cache the forward appends to, a module) the forward may have changed."""
+    return next((x for x in flat if not isinstance(x, torch.Tensor) and type(x) not in _VALUES), None)
 
 _Meta = Tuple[torch.Size, Tuple[int, ...], torch.dtype]
 
@@ -71,8 +67,8 @@ class BlockRerun:
     Args:
         module: the block.
         name: its module path, for messages.
-        flat, spec: the call's arguments, flattened (``restorable``); the tensors among them are
-            held detached.
+        flat, spec: the call's arguments, flattened (``torch.utils._pytree.tree_flatten``; see
+            ``unrestorable``); the tensors among them are held detached.
         pin: called with each held input tensor; returns the object that charges it to the
             ledger for as long as this record lives (None: not charged).
         charge: called with each storage a rerun captured; returns the object that charges it

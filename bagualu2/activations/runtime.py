@@ -46,6 +46,7 @@ import collections
 import contextlib
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Set, Tuple
@@ -53,7 +54,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from bagualu2.activations.rerun import BlockRerun, RerunSaved, restorable
+from bagualu2.activations.rerun import BlockRerun, RerunSaved, unrestorable
 from bagualu2.activations.tracing import (
     Replayer, StorageNode, TracingMode, ViewMeta, is_plain, recipe_refs, step_inputs, view_meta, view_of,
 )
@@ -516,6 +517,7 @@ class ActivationRuntime:
         # what _make_room may offload when something nothing else can release needs room.
         self._kept: Dict[int, Tuple[int, List["weakref.ref[_Kept]"]]] = {}
         self._kept_limit = 1024  # registry size at which entries of dead saves are dropped
+        self._told_unrestorable = False  # a block call that could not be rerun was warned of
 
     # -- frames -----------------------------------------------------------------------------
     @property
@@ -623,14 +625,22 @@ class ActivationRuntime:
                     kwargs: Dict[str, Any]) -> bool:
         """Run this block call untraced, to be rerun whole in backward; False (trace it) when
         another dispatch mode was entered inside the frame's (that one must see the ops), or
-        when an argument is an object the forward may change (``restorable``)."""
+        when an argument is an object the forward may change (``unrestorable``; told once)."""
         if torch.utils._python_dispatch._get_current_dispatch_mode() is not self.mode:
             return False
-        flattened = restorable(args, kwargs)
-        if flattened is None:
+        flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+        other = unrestorable(flat)
+        if other is not None:
+            why = (f"{name} is called with a {type(other).__name__}, which its forward may change: traced "
+                   f"and recomputed op by op, not rerun")
+            frame.stats.fallbacks.append(why)
+            if not self._told_unrestorable:
+                self._told_unrestorable = True
+                warnings.warn(f"bagualu2: {why} (slower; a Hugging Face model passes its KV cache: set "
+                              f"model.config.use_cache = False for training)", stacklevel=2)
             return False
         self.mode.__exit__(None, None, None)  # off torch's dispatch stack: the block's ops skip Python
-        frame._rerun = BlockRerun(module, name, *flattened, self._pin_leaf, lambda s: _Pin(self.ledger, s))
+        frame._rerun = BlockRerun(module, name, flat, spec, self._pin_leaf, lambda s: _Pin(self.ledger, s))
         frame.stats.rerun_blocks += 1
         return True
 
