@@ -53,6 +53,7 @@ def unrestorable(flat: List[Any]) -> Optional[Any]:
     KV cache the forward appends to, a module) the forward may have changed."""
     return next((x for x in flat if not isinstance(x, torch.Tensor) and type(x) not in _VALUES), None)
 
+
 _Meta = Tuple[torch.Size, Tuple[int, ...], torch.dtype]
 
 
@@ -76,7 +77,7 @@ class BlockRerun:
     """
 
     __slots__ = ("module", "name", "_flat", "_spec", "_grad", "_versions", "_rng", "_device", "_device_rng",
-                 "_autocast", "pins", "metas", "storages", "_task", "_captured", "_charge", "_charges",
+                 "_autocast", "_pins", "_metas", "storages", "_task", "_captured", "_charge", "_charges",
                  "__weakref__")
 
     def __init__(self, module: torch.nn.Module, name: str, flat: List[Any], spec: Any,
@@ -87,7 +88,7 @@ class BlockRerun:
         self._flat: List[Any] = []
         self._grad: List[bool] = []
         self._versions: List[int] = []
-        self.pins: List[Any] = []
+        self._pins: List[Any] = []
         self._device: Optional[torch.device] = None
         for x in flat:
             if isinstance(x, torch.Tensor):
@@ -96,7 +97,7 @@ class BlockRerun:
                 x = x.detach()  # a view sharing x's version counter, without its graph
                 pinned = pin(x)
                 if pinned is not None:
-                    self.pins.append(pinned)
+                    self._pins.append(pinned)
                 if self._device is None and x.device.type == "cuda":
                     self._device = x.device
             self._flat.append(x)
@@ -104,7 +105,7 @@ class BlockRerun:
         self._device_rng = torch.cuda.get_rng_state(self._device) if self._device is not None else None
         self._autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
                           for d in ("cpu",) + (("cuda",) if self._device is not None else ())]
-        self.metas: List[Optional[_Meta]] = []
+        self._metas: List[Optional[_Meta]] = []
         self.storages: Dict[int, int] = {}  # address -> bytes of the storages the block saved (while it runs)
         self._task = -2  # the backward pass ``_captured`` was rerun for
         self._captured: Dict[int, torch.Tensor] = {}
@@ -115,29 +116,31 @@ class BlockRerun:
         """Pack one tensor the block saves (``counted``: a plain activation, whose storage
         ``storages`` sums; parameters and tensors without one are rerun too, uncounted)."""
         if counted:
-            self.metas.append((t.shape, t.stride(), t.dtype))
+            self._metas.append((t.shape, t.stride(), t.dtype))
             storage = t.untyped_storage()
             self.storages.setdefault(storage._cdata, storage.nbytes())
         else:
-            self.metas.append(None)
-        return RerunSaved(self, len(self.metas) - 1)
+            self._metas.append(None)
+        return RerunSaved(self, len(self._metas) - 1)
 
-    def take(self, index: int) -> torch.Tensor:
-        """The saved tensor ``index``, rerunning the block first when this backward pass has
-        not (or has handed that tensor out already)."""
+    def take(self, index: int, scope: Callable[[], Any]) -> torch.Tensor:
+        """The saved tensor ``index``, rerunning the block first (inside ``scope()``, a context
+        manager) when this backward pass has not, or has handed that tensor out already."""
         task = torch._C._current_graph_task_id()
         if task != self._task or index not in self._captured:
             self._captured, self._charges = {}, {}  # what an earlier pass left untaken
-            self._captured = self._rerun()
+            with scope():
+                self._captured = self._rerun()
             self._task = task
             for i, t in self._captured.items():
-                if self.metas[i] is not None:  # an activation, not a parameter
-                    entry = self._charges.setdefault(t.untyped_storage()._cdata, [0, None])
+                if self._metas[i] is not None:  # an activation, not a parameter
+                    storage = t.untyped_storage()
+                    entry = self._charges.setdefault(storage._cdata, [0, None])
                     entry[0] += 1
                     if entry[1] is None:
-                        entry[1] = self._charge(t.untyped_storage())
+                        entry[1] = self._charge(storage)
         out = self._captured.pop(index)
-        if self.metas[index] is not None:
+        if self._metas[index] is not None:
             cdata = out.untyped_storage()._cdata
             entry = self._charges[cdata]
             entry[0] -= 1
@@ -156,7 +159,7 @@ class BlockRerun:
         flat = [x.detach().requires_grad_(next(grads)) if isinstance(x, torch.Tensor) else x for x in self._flat]
         args, kwargs = tree_unflatten(flat, self._spec)
         captured: Dict[int, torch.Tensor] = {}
-        last = len(self.metas) - 1
+        last = len(self._metas) - 1
 
         def capture(t: torch.Tensor) -> None:
             index = len(captured)
@@ -191,13 +194,13 @@ class BlockRerun:
         return captured
 
     def _check(self, captured: Dict[int, torch.Tensor]) -> None:
-        if len(captured) != len(self.metas):
+        if len(captured) != len(self._metas):
             raise RuntimeError(
-                f"bagualu2: block {self.name} saved {len(self.metas)} tensors for backward in its forward but "
+                f"bagualu2: block {self.name} saved {len(self._metas)} tensors for backward in its forward but "
                 f"{len(captured)} when rerun in backward: its forward must run the same way twice (a module "
                 f"attribute or routing override changed between forward and backward?); run backward "
                 f"before changing it, or use a per-operator plan, which replays recorded ops")
-        for index, meta in enumerate(self.metas):
+        for index, meta in enumerate(self._metas):
             if meta is None:
                 continue
             size, stride, dtype = meta

@@ -53,6 +53,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_flatten
 
 from bagualu2.activations.rerun import BlockRerun, RerunSaved, unrestorable
 from bagualu2.activations.tracing import (
@@ -239,7 +240,7 @@ class Frame:
         # Untraced frames, while the forward runs: storages offloaded without a node
         # (address -> the storage's weak ref, its version, the store's weak ref)
         self._untraced_offloads: Dict[int, Tuple[StorageWeakRef, int, "weakref.ref[_OffloadStore]"]] = {}
-        self._released: Set[Tuple[int, int]] = set()  # (id(node), state) of storages released by recompute
+        self._recomputed: Set[Tuple[int, int]] = set()  # (id(node), state) of storages released by recompute
 
     def choice(self, key: str) -> Choice:
         return self.choices.get(key, self.default)
@@ -563,7 +564,7 @@ class ActivationRuntime:
                     node.anchor = None
             frame._anchors = []
             frame._untraced_offloads = {}
-            frame._released = set()
+            frame._recomputed = set()
             self._frame = None
             self.mode.reset()
 
@@ -628,7 +629,7 @@ class ActivationRuntime:
         when an argument is an object the forward may change (``unrestorable``; told once)."""
         if torch.utils._python_dispatch._get_current_dispatch_mode() is not self.mode:
             return False
-        flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+        flat, spec = tree_flatten((args, kwargs))
         other = unrestorable(flat)
         if other is not None:
             why = (f"{name} is called with a {type(other).__name__}, which its forward may change: traced "
@@ -897,10 +898,10 @@ class ActivationRuntime:
         return _Offloaded(store, view_meta(t), None, t._version, t)
 
     def _recompute(self, frame: Frame, node: StorageNode, state: int, meta: ViewMeta) -> "_Recomputed":
-        if (id(node), state) in frame._released:  # another saved view of a released storage
+        if (id(node), state) in frame._recomputed:  # another saved view of a released storage
             frame.stats.shared_bytes += node.nbytes
         else:
-            frame._released.add((id(node), state))
+            frame._recomputed.add((id(node), state))
             frame.stats.bytes_by_choice["recompute"] += node.nbytes
             if self.frame_observer is not None:
                 frame._recomputes.append((node.key, weakref.ref(node), state))
@@ -1086,9 +1087,8 @@ class ActivationRuntime:
             self.backward_passes += 1
         if isinstance(packed, torch.Tensor):
             return packed
-        if isinstance(packed, RerunSaved):
-            with self.untraced():  # a frame's module hooks skip the rerun's module calls
-                return packed.record.take(packed.index)
+        if isinstance(packed, RerunSaved):  # a frame's module hooks skip the rerun's module calls
+            return packed.record.take(packed.index, self.untraced)
         if isinstance(packed, _Kept):
             if packed.moved is not None:
                 return self._unpack(packed.moved)
