@@ -355,6 +355,27 @@ def test_profile_names_the_unsaved_inputs_a_rebuild_must_rebuild_first(engine: C
     assert replays[mul][1] == 1 and replays[mul][0] > 0
 
 
+def test_op_replay_times_time_each_replayed_op_once_within_its_rebuild(engine: CopyEngine) -> None:
+    torch.manual_seed(0)
+    h = Harness(Transients(), engine)
+    h.runtime.frame_observer = lambda f: None  # frames then list their recomputed nodes
+    frame = Frame(default=Choice.RECOMPUTE)
+    loss = h.forward(torch.randn(64, 16), frame)
+    by_key = {key: node for key, node, _ in frame.recompute_nodes()}
+    mul = next(k for k in by_key if ":aten.mul.Tensor:" in k)
+    add = by_key[mul].creator.args[0].node
+    lin = add.creator.args[0].node
+    h.runtime.take_replay_times()
+    h.runtime.take_op_replay_times()
+    loss.backward()
+    rebuilds = h.runtime.take_replay_times()
+    ops = h.runtime.take_op_replay_times()
+    # mul's rebuild replays lin and add first (saved by nothing), each once, inside the unpack
+    assert {mul, add.key, lin.key} <= set(ops) and all(n == 1 and s > 0 for s, n in ops.values()), ops
+    assert sum(s for s, _ in ops.values()) <= sum(s for s, _ in rebuilds.values())
+    assert h.runtime.take_op_replay_times() == {}  # taken: counting starts again
+
+
 class Norm(torch.nn.Module):
     """RMSNorm as the reference model computes it: ``x * r`` is saved by ``* weight``."""
 

@@ -511,6 +511,7 @@ class ActivationRuntime:
         self.unpack_observer: Optional[Callable[[str], None]] = None
         # key -> [seconds, micro-batches, id of the last one's recompute cache] of backward rebuilds
         self._replays: Dict[str, List[Any]] = {}
+        self._op_replays: Dict[str, List[float]] = {}  # key -> [seconds, replays] of its own op (Replayer)
         self._copies: List[Any] = [0.0, 0, 0]  # caller seconds, offloads, bytes (take_copy_times)
         self.backward_passes = 0  # backward passes that unpacked anything packed here
         self._last_task = -1
@@ -1122,7 +1123,7 @@ class ActivationRuntime:
         node.cache.evict_after(node.position)
         source = packed.source
         if source is None:
-            out = view_of(Replayer(self._available).storage(node, packed.state), packed.meta)
+            out = view_of(Replayer(self._available, self._op_replays).storage(node, packed.state), packed.meta)
         else:  # a cast regenerated from an offloaded storage: one of that store's readers
             taken: List[torch.UntypedStorage] = []
 
@@ -1133,7 +1134,7 @@ class ActivationRuntime:
                     taken.append(source.take(self.ledger, room=self._room))
                 return taken[0]
 
-            out = view_of(Replayer(available).storage(node, packed.state), packed.meta)
+            out = view_of(Replayer(available, self._op_replays).storage(node, packed.state), packed.meta)
             if not taken:
                 source.take(self.ledger, need=False)
         node.cache.served(node.position, packed.state)
@@ -1161,6 +1162,15 @@ class ActivationRuntime:
         that rebuilt it."""
         out = {k: (v[0], v[1]) for k, v in self._replays.items()}
         self._replays.clear()
+        return out
+
+    def take_op_replay_times(self) -> Dict[str, Tuple[float, int]]:
+        """Per operator key (unsaved storages' included), since the last call: seconds backward
+        spent replaying the op call that makes its storage (and the in-place ops on it), its
+        inputs already at hand, and how many times it did: what one replay of that op costs,
+        whatever rebuild it was part of."""
+        out = {k: (v[0], int(v[1])) for k, v in self._op_replays.items()}
+        self._op_replays.clear()
         return out
 
     def recompute_ahead(self, node: StorageNode, state: int) -> _Pin:

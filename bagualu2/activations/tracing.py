@@ -564,11 +564,15 @@ class Replayer:
     copy, or None when it must be recomputed; recomputed storages go to the node's frame cache.
     What must be rebuilt is found by an explicit depth-first walk (inputs before the storages
     that read them), so a chain of dropped storages of any length is rebuilt without deep
-    recursion. A storage ``source`` hands out is asked for once per replayer (one unpack).
+    recursion. A storage ``source`` hands out is asked for once per replayer (one unpack). With
+    ``times``, each storage's own replay (its op call and in-place ops, its inputs at hand, and
+    its share of the walk) is timed into ``times[key]``: [seconds, replays].
     """
 
-    def __init__(self, source: Callable[[StorageNode, int], Optional[torch.UntypedStorage]]) -> None:
+    def __init__(self, source: Callable[[StorageNode, int], Optional[torch.UntypedStorage]],
+                 times: Optional[Dict[str, List[float]]] = None) -> None:
         self._source = source
+        self._times = times
         self._found: Dict[Tuple[int, int], torch.UntypedStorage] = {}  # (id(node), state) -> storage
 
     def storage(self, node: StorageNode, state: int) -> torch.UntypedStorage:
@@ -591,13 +595,17 @@ class Replayer:
 
     def _rebuild(self, root: StorageNode, root_state: int) -> None:
         stack: List[Tuple[StorageNode, int, bool]] = [(root, root_state, False)]
+        begin = time.perf_counter()
+        rebuilt: List[Tuple[str, float]] = []  # (key, seconds of its op calls)
         with _ReplayScope():
             while stack:
                 node, state, inputs_ready = stack.pop()
                 if self._at_hand(node, state) is not None:
                     continue
                 if inputs_ready:
+                    start = time.perf_counter()
                     found = self._recompute(node, state)
+                    rebuilt.append((node.key, time.perf_counter() - start))
                     node.cache.put(node.position, state, found)
                     self._found[(id(node), state)] = found
                     if node.cache.released(node.position, state):  # its inputs counted this rebuild
@@ -608,6 +616,13 @@ class Replayer:
                 for ref in recipe_refs(node, state):
                     if self._at_hand(ref.node, ref.state) is None:
                         stack.append((ref.node, ref.state, False))
+        if self._times is not None and rebuilt:
+            # The walk (lookups, the cache) is shared out evenly over the storages it rebuilt.
+            walk = max(0.0, time.perf_counter() - begin - sum(s for _, s in rebuilt)) / len(rebuilt)
+            for key, seconds in rebuilt:
+                timed = self._times.setdefault(key, [0.0, 0])
+                timed[0] += seconds + walk
+                timed[1] += 1
 
     def _recompute(self, node: StorageNode, state: int) -> torch.UntypedStorage:
         if not node.rebuildable(state):
