@@ -21,9 +21,17 @@ micro-batch's allocations and first touches): the first micro-batch's timings ar
 the second's, and the fit is robust (the median for constant ops, Theil-Sen's median slope
 otherwise). Copy time is bytes over the copy engine's measured bandwidth.
 
-What the backward pass really pays is learned from the runtime's measurements of whole plans
-(``_CostFit``): rebuilds as a cost per micro-batch that rebuilds anything, a cost per rebuild
-backward enters, a cost per replayed op and a factor on the profiled op time; offloads as a
+What one op costs to replay is measured where it runs: backward times each replayed op call
+(its inputs at hand; ``observe_op_replays``), and a rebuild is priced at its ops' replay
+seconds. A profiled forward's op times stand for them only until an op has been replayed (scaled
+by the median ratio of replay to profiled time over the ops replayed so far): on the reference
+model, the profiled times of the ops a recompute-everything plan replays summed to 0.56x to 2.0x
+what backward measured replaying them, from run to run (one forward's timings, on a shared
+2-core machine). The provisioner has the first micro-batches that may need a plan recompute
+everything they can, so that every op plans can release is measured before a plan relies on it.
+What the backward pass pays beyond its ops is learned from the runtime's measurements of whole
+plans (``_CostFit``): rebuilds as a cost per micro-batch that rebuilds anything, a cost per
+rebuild backward enters, a cost per replayed op and a factor on the ops' replay time; offloads as a
 cost per micro-batch that offloads anything, a cost per offloaded storage (its
 training-thread work: store, fresh reload buffer, hooks) and a factor on the predicted copy
 time. A plan's recomputed keys fall into rebuilds: each key backward meets first (no other
@@ -55,14 +63,14 @@ __all__ = ["CostModel", "OpCost", "SIZE"]
 # sizes the micro-batch, when the layers' own entries are rounded up (planning).
 SIZE = -1
 
-# A replay runs the ops the forward ran: its time per profiled second is taken to be 1, give or
-# take this, until the observed rebuilds tell otherwise (``_CostFit.prior_sd``) ...
+# A rebuild runs the ops it replays: its time per second of their replay time is taken to be 1,
+# give or take this, until the observed rebuilds tell otherwise (``_CostFit.prior_sd``) ...
 REPLAY_FACTOR_SD = 0.1
-# ... and never below this (``_CostFit.floor``): a replay runs the same kernels on the same
-# shapes, and what it skips (autograd's recording, the tracing mode) is far less than half. The
-# rebuilds of cheap ops alone leave the factor free to trade against the per-op and per-rebuild
-# parts: on the benchmark model (0.4 s steps) such plans fitted it at 0.09 to 0.4, and a plan
-# recomputing every matmul was then predicted at 18% to 68% of its measured time.
+# ... and never below this (``_CostFit.floor``): a rebuild's time holds its ops' replays, whose
+# times are measurements of the same ops, noisy but not by half. The rebuilds of cheap ops alone
+# leave the factor free to trade against the per-op and per-rebuild parts: on the benchmark
+# model (0.4 s steps) such plans fitted it at 0.09 to 0.4 (against profiled op times), and a
+# plan recomputing every matmul was then predicted at 18% to 68% of its measured time.
 REPLAY_FACTOR_FLOOR = 0.5
 
 
@@ -259,7 +267,7 @@ class OpCost:
     unsaved_inputs: Tuple[str, ...] = ()  # storages nothing saves that rebuilding it rebuilds first
     saved_inputs: Tuple[str, ...] = ()  # saved keys that rebuild reads (rebuilt first when released)
     # Rebuilds it entered: (measured seconds, 1 if the micro-batch's first else 0, ops
-    # replayed, their profiled seconds), and the correction they make of the shared fit per
+    # replayed, their replay seconds), and the correction they make of the shared fit per
     # number of ops replayed, cached for one version of that fit.
     replays: List[Tuple[float, float, int, float]] = field(default_factory=list)
     correction: Tuple[int, Dict[int, float]] = (-1, {})
@@ -297,7 +305,7 @@ class CostModel:
         self.copies_overlap = copies_overlap
         self.ops: Dict[str, OpCost] = {}
         self.unsaved: Dict[str, OpCost] = {}  # ops whose outputs nothing saves (rebuilt as inputs)
-        # Per rebuild: first of its micro-batch, replayed ops, 1, the ops' profiled seconds ->
+        # Per rebuild: first of its micro-batch, replayed ops, 1, the ops' replay seconds ->
         # its seconds. A plan's recompute cost is a sum over its rebuilds, where the large ones
         # weigh most; each key's replay_ratio corrects the small ones.
         self._replay_fit = _CostFit(4, relative=False, prior_sd=REPLAY_FACTOR_SD, floor=REPLAY_FACTOR_FLOOR)
@@ -306,6 +314,11 @@ class CostModel:
         # training-thread seconds; 1, the engine's copy seconds of their bytes -> its workers'
         # busy seconds.
         self._copy_fit = _CostFit(3)
+        # op call -> its replay's seconds in backward, timed by the runtime's replays
+        self._op_replays: Dict[str, _Fit] = {}
+        self._replay_scale = (-1, 1.0)  # (len(_op_replays) it was taken at, the scale)
+        self._warm_calls: set = set()  # calls observed after their first replays
+        self._cold_calls: set = set()  # calls first replayed in the last observe_op_replays
         self._busy_fit = _CostFit(2)
         self.order: List[str] = []           # keys in the order a micro-batch first saves them
         self.forward_seconds = 0.0           # measured forward time of one micro-batch
@@ -368,10 +381,10 @@ class CostModel:
     def rebuilds(self, keys: Iterable[str], counts: Mapping[int, Sequence[int]]) -> List[Tuple[str, List[str], int, float]]:
         """The rebuilds backward enters to recompute ``keys`` together, latest key first:
         (the key that enters it, the recomputed keys it rebuilds, the ops it replays, their
-        profiled seconds). A rebuild replays its key's own op, the recomputed keys that op
-        reads (and so on), and each unsaved storage any of those needs, unless an earlier rebuild
-        ran its op (a rebuilt storage, and every other output of its op call, is cached for
-        the rest of the backward pass)."""
+        replay seconds, ``op_replay_seconds``). A rebuild replays its key's own op, the
+        recomputed keys that op reads (and so on), and each unsaved storage any of those
+        needs, unless an earlier rebuild ran its op (a rebuilt storage, and every other output
+        of its op call, is cached for the rest of the backward pass)."""
         known = sorted((k for k in dict.fromkeys(keys) if k in self.ops), key=lambda k: -self.ops[k].position)
         wanted = set(known)
         read = {k for key in known for k in self.ops[key].saved_inputs if k in wanted}
@@ -400,7 +413,7 @@ class CostModel:
         return out
 
     def _replayed(self, members: Iterable[str], counts: Mapping[int, Sequence[int]], made: set) -> Tuple[int, float]:
-        """Ops and profiled seconds of rebuilding ``members``: the op call of each, and of each
+        """Ops and replay seconds of rebuilding ``members``: the op call of each, and of each
         unsaved storage they need, that is not in ``made`` (run earlier; added to it). One call
         makes all its outputs: a key whose sibling output was rebuilt is found made."""
         ops = 0
@@ -411,23 +424,68 @@ class CostModel:
                 continue
             made.add(op.call)
             ops += 1
-            seconds += op.seconds(self._tokens(op, counts))
+            seconds += self.op_replay_seconds(op, counts)
             for name in op.unsaved_inputs:
                 unsaved = self.unsaved.get(name)
                 if unsaved is not None and unsaved.call not in made:
                     made.add(unsaved.call)
                     ops += 1
-                    seconds += unsaved.seconds(self._tokens(unsaved, counts))
+                    seconds += self.op_replay_seconds(unsaved, counts)
         return ops, seconds
+
+    def observe_op_replays(self, times: Mapping[str, Tuple[float, int]], counts: Mapping[int, Sequence[int]]) -> None:
+        """Learn what replaying each op costs in backward: ``times`` maps a key (of a saved or
+        unsaved storage) to (seconds, n): what its op call's ``n`` replays took, its inputs at
+        hand (``ActivationRuntime.take_op_replay_times``). A call's first replays run cold (the
+        first allocations of their outputs in backward: on the cpu, up to 1.8x the next ones):
+        the next observation replaces them, and the rebuilds they were part of are not learned
+        from (``observe_replays`` after this call)."""
+        self._cold_calls = set()
+        for key, (seconds, n) in times.items():
+            op = self.ops.get(key) or self.unsaved.get(key)
+            if op is None or n <= 0:
+                continue
+            fit = self._op_replays.get(op.call)
+            if fit is None:
+                fit = self._op_replays[op.call] = _Fit(robust=True)
+                self._cold_calls.add(op.call)
+            elif len(fit.samples) == 1 and op.call not in self._warm_calls:
+                fit.clear()  # its first replays ran cold: the next replace them
+            if op.call not in self._cold_calls:
+                self._warm_calls.add(op.call)
+            fit.add(self._tokens(op, counts), seconds / n)
+
+    def op_replay_seconds(self, op: OpCost, counts: Mapping[int, Sequence[int]]) -> float:
+        """Seconds one replay of ``op``'s call costs in backward: as measured in replays
+        (``observe_op_replays``), or until it has been replayed, its profiled forward time
+        scaled as the ops replayed so far measured against theirs (the median ratio)."""
+        tokens = self._tokens(op, counts)
+        fit = self._op_replays.get(op.call)
+        if fit is not None:
+            return fit(tokens)
+        return self._profiled_scale() * op.seconds(tokens)
+
+    def _profiled_scale(self) -> float:
+        if self._replay_scale[0] != len(self._op_replays):
+            ratios = []
+            for op in list(self.ops.values()) + list(self.unsaved.values()):
+                fit = self._op_replays.get(op.call)
+                if fit is not None and fit.samples:
+                    tokens = fit.samples[-1][0]
+                    profiled = op.seconds(tokens)
+                    if profiled > 0:
+                        ratios.append(fit(tokens) / profiled)
+            self._replay_scale = (len(self._op_replays), statistics.median(ratios) if ratios else 1.0)
+        return self._replay_scale[1]
 
     def rebuild_profile(self, keys: Iterable[str], counts: Mapping[int, Sequence[int]]) -> Tuple[int, int, float]:
         """What rebuilding ``keys`` together replays: the number of ops, the number of rebuilds
-        backward enters (``rebuilds``) and the ops' profiled seconds."""
+        backward enters (``rebuilds``) and the ops' replay seconds."""
         found = self.rebuilds(keys, counts)
         return sum(r[2] for r in found), len(found), sum(r[3] for r in found)
 
     def _fitted(self, ops: int, seconds: float) -> float:
-        """The shared fit's seconds of one rebuild of ``ops`` ops profiled at ``seconds``."""
+        """The shared fit's seconds of one rebuild of ``ops`` ops replaying in ``seconds``."""
         return self.replay_entry_s + ops * self.replay_fixed_s + seconds * self.replay_factor
 
     def _corrections(self, key: str) -> Dict[int, float]:
@@ -465,20 +523,21 @@ class CostModel:
         Each rebuild the plan enters (``rebuilds``) is one observation: what its members
         measured per micro-batch, against what it replays. Four parameters for all ops:
         ``seconds = replay_fixed_s * replayed ops + replay_entry_s + replay_factor * the ops'
-        profiled seconds``, plus ``replay_frame_s`` in the first rebuild of a micro-batch's
+        replay seconds``, plus ``replay_frame_s`` in the first rebuild of a micro-batch's
         backward (where the per-micro-batch work lands) (``_CostFit``). Rebuilds differ in
         size, so the parts are told apart where plan totals alone confuse them (a plan's
-        rebuilds, replayed ops and profiled seconds grow together). A shared unsaved input is
+        rebuilds, replayed ops and their seconds grow together). A shared unsaved input is
         charged to the rebuild ``rebuilds`` expects to make it; which one really does depends
         on the order backward unpacks, and each key's ``replay_ratio`` absorbs what stays
         systematic."""
+        cold, self._cold_calls = self._cold_calls, set()
         known = {k: v for k, v in replays.items() if k in self.ops and v[1] > 0}
         if not known:
             return
         rows = []
         for i, (entry, members, n_ops, seconds) in enumerate(self.rebuilds(known, counts)):
             measured = sum(known[k][0] / known[k][1] for k in members)
-            if measured <= 0:
+            if measured <= 0 or (cold and self._replays_any(members, cold)):
                 continue
             first = 1.0 if i == 0 else 0.0
             rows.append(((first, float(n_ops), 1.0, seconds), measured))
@@ -488,6 +547,15 @@ class CostModel:
                 del samples[0]
         self._replay_fit.add(rows)
         self._replay_version += 1
+
+    def _replays_any(self, members: Iterable[str], calls: set) -> bool:
+        """Whether rebuilding ``members`` replays any of ``calls`` (their own or an unsaved
+        input's)."""
+        for key in members:
+            op = self.ops[key]
+            if op.call in calls or any(u in self.unsaved and self.unsaved[u].call in calls for u in op.unsaved_inputs):
+                return True
+        return False
 
     @property
     def replay_frame_s(self) -> float:
@@ -506,7 +574,7 @@ class CostModel:
 
     @property
     def replay_factor(self) -> float:
-        """Learned backward rebuild seconds per second of profiled op time."""
+        """Learned backward rebuild seconds per second of its ops' replay time."""
         return self._replay_fit.coef[3]
 
     def observe_copies(self, seconds: float, copies: int, nbytes: int, busy_s: float = 0.0) -> None:
@@ -557,7 +625,7 @@ class CostModel:
     def recompute_seconds(self, key: str, counts: Mapping[int, Sequence[int]]) -> float:
         """Predicted backward cost of recomputing ``key`` alone: the learned ``replay_entry_s``
         for entering its rebuild, ``replay_fixed_s`` per op it replays (unsaved inputs
-        included), plus their profiled time times the learned ``replay_factor``. The planner
+        included), plus their replay seconds times the learned ``replay_factor``. The planner
         adds these up; a plan that recomputes several keys with a common unsaved input pays for
         that input once, and ``replay_frame_s`` once (``plan_seconds``)."""
         if key not in self.ops:

@@ -24,7 +24,10 @@ and the micro-batches after it are traced, ready to plan.
 The runtime independently holds the ledger under the budget at every save (offloading or
 recomputing a storage that would cross it), so a misprediction costs time, never the budget.
 
-The first ``profile_frames`` micro-batches time every op to build the cost model. Static
+The first ``profile_frames`` micro-batches time every op to build the cost model; the first
+``calibrate_frames`` (2) micro-batches after them that a plan may have to release from (their
+worst routing would not fit) recompute everything they can, so that their backward passes
+measure what replays cost before any plan relies on it (``MicroBatch.calibrating``). Static
 policies (``keep_all``, ``recompute_all``, ``offload_all``, or a fixed ``Plan``) use the same
 machinery with a fixed plan and no enforcement, to show what they would do under the budget.
 
@@ -139,7 +142,7 @@ class Provisioner:
                  on_exceed: str = "record", min_bytes: int = 64 << 10,
                  arena_bytes: Optional[int] = None, arena_max_bytes: Optional[int] = None,
                  reserve_bytes: int = 1 << 30,
-                 profile_frames: int = 2, margin: float = 0.02,
+                 profile_frames: int = 2, calibrate_frames: int = 2, margin: float = 0.02,
                  telemetry_path: Union[str, Path, None] = None, gates: Optional[Sequence[GateSpec]] = None,
                  engine: Any = None) -> None:
         if not isinstance(model, torch.nn.Module):
@@ -155,6 +158,8 @@ class Provisioner:
             raise ValueError(f"margin={margin} must be in [0, 0.5)")
         if profile_frames < 1:
             raise ValueError(f"profile_frames={profile_frames} must be >= 1")
+        if calibrate_frames < 0:
+            raise ValueError(f"calibrate_frames={calibrate_frames} must be >= 0")
         if "forward" in model.__dict__ and not _plain_forward(model):
             raise RuntimeError(f"{type(model).__name__} already has bagualu2 (or another forward wrapper) enabled; "
                                f"call disable() on the existing Provisioner first")
@@ -166,6 +171,7 @@ class Provisioner:
         self.min_bytes = min_bytes
         self.margin = margin
         self.profile_frames = profile_frames
+        self.calibrate_frames = calibrate_frames
         self.telemetry = Telemetry(Path(telemetry_path) if telemetry_path else None)
         self.engine = engine if engine is not None else self._make_engine(arena_bytes, arena_max_bytes)
         self._arena_chosen = engine is not None or arena_bytes is not None  # _reserve_arena leaves it
@@ -226,6 +232,7 @@ class Provisioner:
         self._recent_bytes: Deque[int] = collections.deque(maxlen=_RECENT)  # of recent routings
         self.overlap: Any = None  # an OverlapDriver on a pipeline rank (pipeline.enable_bagualu2)
         self._static: Optional[Dict[str, Choice]] = None
+        self._calibrating: set = set()  # the micro-batches that recomputed all they could
         if isinstance(policy, Plan):
             self._static = dict(policy.choices)
         elif not isinstance(policy, str):
@@ -430,12 +437,29 @@ class Provisioner:
             return Frame(default=Choice.OFFLOAD, index=self._frames)
         frame = Frame(self._static, index=self._frames)
         frame.profile = self.cost.frames < self.profile_frames
+        if not frame.profile and len(self._calibrating) < self.calibrate_frames and self._calibrates():
+            # The first micro-batches after profiling that a plan may have to release from
+            # recompute all they can: their backward passes measure what replaying each op
+            # costs (``CostModel.observe_op_replays``) and what rebuilds cost, before any plan
+            # relies on them (a profiled forward's op times stand for a replay's only in part:
+            # ``CostModel``'s note). The first replays run cold: the second's replace them.
+            # Plans refine both as they rebuild.
+            frame.default = Choice.RECOMPUTE
+            self._calibrating.add(frame.index)
+            return frame
         # Stable phases cost nothing: a forward whose plan is not expected to release anything
         # is not traced (its recipes would never be used): keep_all's, and adaptive's when
         # calm (``_calm``).
         frame.traced = frame.profile or not (
             self.policy == "keep_all" or (self.policy == "adaptive" and self._calm()))
         return frame
+
+    def _calibrates(self) -> bool:
+        """Whether this micro-batch may be one that recomputes all it can (``_new_frame``):
+        only where a plan may have to release, an adaptive policy under a budget that the worst
+        routing of the profiled micro-batches would not fit."""
+        return (self.policy == "adaptive" and self.budget is not None and self._worst_bytes is not None
+                and self._worst_bytes > self.budget)
 
     def _calm(self) -> bool:
         """Whether this micro-batch is not expected to need a release: even the worst routing
@@ -513,9 +537,16 @@ class Provisioner:
 
     def _run_frame(self, args: tuple, kwargs: dict, conservative: bool) -> Any:
         self._note_peak()
+        # What the backward passes since the last forward paid per replayed op and per rebuild,
+        # at the last forward's routing (the one backward ran last, outside a pipeline; rounded
+        # means would move a size-driven op's token count and bend its time's fit).
+        routed = self._frame_counts or self.mean_counts()
+        op_replays = self.runtime.take_op_replay_times()
+        if op_replays:
+            self.cost.observe_op_replays(op_replays, routed)
         replays = self.runtime.take_replay_times()
-        if replays:  # what the backward passes since the last frame paid to recompute
-            self.cost.observe_replays(replays, self.mean_counts())
+        if replays:
+            self.cost.observe_replays(replays, routed)
         seconds, copies, nbytes = self.runtime.take_copy_times()
         if self.engine is not None:  # ... and to offload and reload
             busy = self._engine_busy_s()
@@ -572,6 +603,7 @@ class Provisioner:
             imbalance=imbalance, bytes_by_choice=dict(frame.stats.bytes_by_choice),
             violations=frame.stats.violations, fallbacks=len(frame.stats.fallbacks),
             forward_seconds=seconds, oom_recovered=conservative, traced=frame.traced,
+            calibrating=frame.index in self._calibrating and not conservative,
             room_made_bytes=frame.stats.room_made_bytes,
         ))
         return out
@@ -671,6 +703,8 @@ class Provisioner:
             self._count_frames[layer] = self._count_frames.get(layer, 0) + 1
         if self.policy != "adaptive" or self.budget is None or not self.cost.ready:
             return
+        if frame.index in self._calibrating:
+            return  # it releases all it can already
         if not frame.traced:
             if not self._frame_predicted:  # the high-water mark, predicted as a traced frame's is
                 exact = {g.layer: self._frame_counts.get(g.layer, values) for g in self.gates}
@@ -813,7 +847,10 @@ def enable(model: torch.nn.Module, budget: Union[str, int, float, None] = "auto"
             once the profiled micro-batches show how large activations get, what offloading
             them may need, up to 8 GiB), ``arena_max_bytes`` (what the arena may grow to when
             offloads need more; default half of this process's share of host memory),
-            ``reserve_bytes``, ``profile_frames``,
+            ``reserve_bytes``, ``profile_frames``, ``calibrate_frames`` (adaptive micro-batches
+            that recompute all they can once profiled, to measure what replays cost before a
+            plan relies on it: the first under a budget their worst routing would not fit;
+            default 2, the first of which runs cold),
             ``margin``, ``telemetry_path`` (JSON lines), ``gates`` (a list of
             ``bagualu2.moe.GateSpec`` instead of discovery; ``[]`` when the model reports its
             routing through ``bagualu2.on_gating``).

@@ -46,6 +46,7 @@ class MicroBatch:
     oom_recovered: bool = False
     traced: bool = True        # False: calm, not traced (nothing planned; only offload could release)
     room_made_bytes: int = 0   # kept activations offloaded to make room for what nothing releases
+    calibrating: bool = False  # recomputed all it could, to measure what replays cost (two per run)
     kind: str = "micro_batch"
 
 

@@ -7,8 +7,10 @@
    and the same prediction with the later layers' real routing in place of the first layer's
    (which the first gate cannot know): the error of the bytes model alone.
 2. Time: for plans that release activations (``plan_for`` at tighter budgets, made once the
-   cost model has learned from adaptive steps at every one of these budgets; and two static
-   plans, everything offloaded and everything recomputable recomputed), the predicted
+   cost model has learned from adaptive steps at every one of these budgets; and four static
+   plans: everything offloaded, everything recomputable recomputed (what the provisioner's
+   calibrating micro-batches do), and, never measured as such, only the experts' operators or
+   only the others recomputed), the predicted
    overhead (``Provisioner.predicted_overhead``) is compared with the measured step-time
    overhead over a (traced) all-keep plan on the same batch: the variants run interleaved, and
    the overhead is the median over ``--repeats`` rounds of the difference within a round (with
@@ -152,7 +154,14 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     plans.append(bagualu2.Plan({k: bagualu2.Choice.OFFLOAD for k in cost.ops}))
     plans.append(bagualu2.Plan({k: bagualu2.Choice.RECOMPUTE if op.recomputable else bagualu2.Choice.KEEP
                                 for k, op in cost.ops.items()}))
-    labels += ["offload", "recompute"]
+    # And two whose rebuilds the cost model never measured (its calibrating micro-batches
+    # recompute everything, and the budget plans here little): only the experts' operators
+    # recomputed, and only the others.
+    for experts in (True, False):
+        plans.append(bagualu2.Plan({
+            k: bagualu2.Choice.RECOMPUTE if op.recomputable and (op.layer is not None) == experts else bagualu2.Choice.KEEP
+            for k, op in cost.ops.items()}))
+    labels += ["offload", "recompute", "rc experts", "rc others"]
     predictions: List[List[float]] = [[] for _ in plans]
     split: List[List[tuple]] = [[] for _ in plans]  # (rebuild, copy) predicted per round
     variants = []

@@ -5,6 +5,7 @@ import contextlib
 import copy
 import io
 import json
+import statistics
 import warnings
 from typing import Dict, List, Sequence, Tuple
 
@@ -153,10 +154,11 @@ def test_forwards_without_grad_are_not_provisioned_and_teach_the_cost_model_noth
     with torch.inference_mode():
         model(tokens_for(model, 1))
     assert prov.cost.frames == 0 and not prov.telemetry.micro_batches
-    for i, spike in enumerate([0.0, 0.0, 2.6, 0.0]):
+    for i, spike in enumerate([0.0, 0.0, 0.0, 0.0, 2.6, 0.0]):
         ref, got = step(plain, i, spike), step(model, i, spike)
         assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
-    assert prov.cost.ops and prov.report()["decisions"] >= 2 * 2  # profiled from training forwards
+    # profiled from training forwards (the second decides; then two measure replays)
+    assert prov.cost.ops and prov.report()["decisions"] >= 2 * 2
     assert prov.report()["saved_bytes_by_choice"]["recompute"] > 0
 
 
@@ -324,6 +326,7 @@ def test_a_tight_budget_is_not_refused_while_releasing_small_activations_meets_i
     (dict(policy="fastest"), ValueError, "use one of"),
     (dict(on_exceed="explode"), ValueError, "on_exceed"),
     (dict(profile_frames=0), ValueError, "profile_frames"),
+    (dict(calibrate_frames=-1), ValueError, "calibrate_frames=-1"),
 ])
 def test_bad_arguments_name_the_value(kwargs, error, match) -> None:
     with pytest.raises(error, match=match):
@@ -451,7 +454,7 @@ def test_the_plan_cache_returns_a_plan_only_for_the_loads_it_was_solved_for() ->
     assert prov._load_key(a) == prov._load_key(a)
     # End to end: the same micro-batch again, from the same state and with the cost model
     # settled, is answered from the cache with the plan solved the time before.
-    for _ in range(prov.profile_frames):
+    for _ in range(prov.profile_frames + prov.calibrate_frames):
         step(model, 0)
     step(model, 1)
     n = len(prov.telemetry.decisions)
@@ -581,6 +584,59 @@ def test_telemetry_keeps_a_bounded_window_in_memory_and_totals_of_the_whole_run(
     assert len((tmp_path / "t.jsonl").read_text().splitlines()) == 46  # the file has every record
 
 
+def test_the_first_micro_batches_a_plan_may_release_from_measure_what_replays_cost() -> None:
+    model = make_model(ep_size=4)
+    plain = copy.deepcopy(model)
+    prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.7), min_bytes=0)
+    frames: List[bagualu2.activations.Frame] = []
+    prov.runtime.frame_observer = frames.append
+    taken: List[Dict[str, Tuple[float, int]]] = []
+    take = prov.runtime.take_op_replay_times
+    prov.runtime.take_op_replay_times = lambda: taken.append(take()) or taken[-1]  # type: ignore[method-assign]
+    anchored: set = set()  # block inputs, held for the recipes: no plan releases them
+    model.norm.register_forward_hook(lambda *a: anchored.update(n.key for n in frames[-1]._anchors))
+    for i in range(5):
+        ref, got = step(plain, i), step(model, i)
+        assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+    mbs = prov.telemetry.micro_batches
+    assert [m.calibrating for m in mbs] == [False, False, True, True, False]
+    # They recompute all they can and decide nothing (micro-batch 1 decided at both gates).
+    assert all(f.stats.bytes_by_choice["recompute"] > 0 and f.stats.bytes_by_choice["offload"] == 0
+               for f in frames[2:4])
+    assert {d.micro_batch for d in prov.telemetry.decisions} == {1, 4} and mbs[2].violations == mbs[3].violations == 0
+    # With none asked for, none does: micro-batch 2 decides.
+    other = bagualu2.enable(make_model(ep_size=4), budget=prov.budget, min_bytes=0, calibrate_frames=0)
+    for i in range(3):
+        step(other.model, i)
+    assert not any(m.calibrating for m in other.telemetry.micro_batches)
+    assert {d.micro_batch for d in other.telemetry.decisions} == {1, 2}
+    # Read as micro-batch 4 began: every op the second one's backward replayed (the call of each
+    # recomputable key that is no block input among them), which the cost model now prices as
+    # measured: the median of each call's replays but its first (cold), micro-batch 1's plan's
+    # included.
+    cost = prov.cost
+
+    def op_of(key: str) -> "bagualu2.cost_model.OpCost":
+        return cost.ops.get(key) or cost.unsaved[key]
+
+    taken = [{k: v for k, v in times.items() if k in cost.ops or k in cost.unsaved} for times in taken]
+    calls = {op_of(k).call for k in taken[4]}
+    released = {op.call for k, op in cost.ops.items() if op.recomputable and k not in anchored}
+    assert anchored and released <= calls
+    replays: Dict[str, List[float]] = {}
+    for times in taken:
+        for key, (seconds, n) in times.items():
+            replays.setdefault(op_of(key).call, []).append(seconds / n)
+    counts = prov.mean_counts()
+    for key in taken[4]:
+        op = op_of(key)
+        if op.layer is None:  # driven by the micro-batch's size, the same in every micro-batch here
+            assert len(replays[op.call]) >= 2
+            # (mean_counts rounds each expert's mean: the micro-batch's size within a token)
+            warm = statistics.median(replays[op.call][1:])
+            assert cost.op_replay_seconds(op, counts) == pytest.approx(warm, rel=1e-2)
+
+
 def test_ample_budget_skips_tracing_and_stays_exact() -> None:
     """Invariant 5: with a budget no routing can exceed, the plan is all-keep and untraced."""
     model = make_model(ep_size=4)
@@ -591,9 +647,11 @@ def test_ample_budget_skips_tracing_and_stays_exact() -> None:
         assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
     mbs = prov.telemetry.micro_batches
     assert all(m.violations == 0 for m in mbs)
-    # Frame 0 profiles, frame 1 profiles and decides at both gates; frames 2-4 are untraced.
+    # Frame 0 profiles, frame 1 profiles and decides at both gates; frames 2-4 are untraced, and
+    # none recomputes to measure replays (no plan will need them).
     assert [d.micro_batch for d in prov.telemetry.decisions] == [1] * model.cfg.num_layers
     assert prov.report()["saved_bytes_by_choice"]["offload"] == 0
+    assert prov.report()["saved_bytes_by_choice"]["recompute"] == 0 and not any(m.calibrating for m in mbs)
 
 
 def test_keep_all_traces_only_its_profiling_forwards_and_counts_every_byte() -> None:
@@ -621,22 +679,27 @@ def test_calm_forwards_go_untraced_and_an_unannounced_spike_is_offloaded_under_t
     prov = bagualu2.enable(model, budget=budget, min_bytes=0, margin=0.0)
     frames: List[bagualu2.activations.Frame] = []
     prov.runtime.frame_observer = frames.append
-    trace = [0.0, 0.0, 0.0, 0.0, 2.6, 0.0, 0.0]
+    trace = [0.0, 0.0, 0.0, 0.0, 0.0, 2.6, 0.0, 0.0]
     for i, spike in enumerate(trace):
         ref, got = step(plain, i, spike), step(model, i, spike)
         assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
-    # Two profiling forwards, calm ones untraced, the spike untraced too (unannounced), and
-    # the forwards after it traced, ready to plan.
-    assert [f.traced for f in frames] == [True, True, False, False, False, True, True]
-    assert [m.traced for m in prov.telemetry.micro_batches] == [f.traced for f in frames]
-    assert prov.report()["traced_micro_batches"] == 4
-    spike = frames[4].stats
+    # Two profiling forwards, two recomputing all they can (the worst routing would not fit: the
+    # cost model measures replays), a calm one untraced, the spike untraced too (unannounced),
+    # and the forwards after it traced, ready to plan.
+    assert [f.traced for f in frames] == [True, True, True, True, False, False, True, True]
+    mbs = prov.telemetry.micro_batches
+    assert [m.traced for m in mbs] == [f.traced for f in frames]
+    assert [m.calibrating for m in mbs] == [False, False, True, True, False, False, False, False]
+    assert all(f.stats.bytes_by_choice["recompute"] > 0 and f.stats.bytes_by_choice["offload"] == 0
+               for f in frames[2:4])
+    assert prov.report()["traced_micro_batches"] == 6
+    spike = frames[5].stats
     assert spike.violations == 0 and spike.peak_resident <= budget
     assert spike.bytes_by_choice["offload"] > 0 and any("untraced" in f for f in spike.fallbacks)
-    assert all(f.stats.bytes_by_choice["offload"] == 0 for f in frames[2:4])
+    assert frames[4].stats.bytes_by_choice["offload"] == 0
     assert prov.report()["violations"] == 0 and prov.report()["resident_bytes"] == 0
     # Untraced forwards are predicted too (the high-water mark at the first gate).
-    assert all(m.predicted_peak_bytes > 0 for m in prov.telemetry.micro_batches[1:])
+    assert all(m.predicted_peak_bytes > 0 for m in mbs[1:] if not m.calibrating)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -665,10 +728,10 @@ def test_without_a_copy_engine_only_the_worst_routing_makes_a_forward_calm() -> 
     prov.runtime.engine = None
     frames: List[bagualu2.activations.Frame] = []
     prov.runtime.frame_observer = frames.append
-    for i in range(4):
+    for i in range(6):
         step(model, i)
     assert all(f.traced for f in frames)
-    assert prov.report()["decisions"] >= 2 * 2  # frames 2 and 3 decided at both gates
+    assert prov.report()["decisions"] >= 3 * 2  # frames 1, 4 and 5 decided at both gates (2, 3 measured replays)
 
 
 # -- cost model: what copies and recomputes really cost ------------------------------------------
@@ -763,6 +826,37 @@ def test_cost_model_learns_recompute_cost_from_measured_replays() -> None:
     cost.observe_replays({"unknown:op:0": (1.0, 1)}, {})  # keys the model does not know: ignored
     assert cost.replay_factor == pytest.approx(2.0)
     assert cost.replay_frame_s == 0.0
+
+
+def test_cost_model_prices_an_op_s_replay_as_backward_measured_it() -> None:
+    from bagualu2.cost_model import CostModel
+
+    cost = CostModel({0: "experts."})
+    profiled = {"a:op:0": (1e-3, ()), "b:op:0": (2e-3, ()), "c:op:0": (4e-3, ("u:op:0",)), "experts.0:op:0": (1e-3, ())}
+    cost.observe({k: (1000, s, True, unsaved) for k, (s, unsaved) in profiled.items()}, {0: [10, 10]},
+                 forward_seconds=0.01, unsaved={"u:op:0": 5e-4})
+    assert cost.recompute_seconds("c:op:0", {0: [10, 10]}) == pytest.approx(4.5e-3)  # nothing replayed: profiled
+    # a replayed twice at 3x its profiled time, b once at half of it, the expert's op at two loads
+    # after a first, cold replay (which the next replaces); a key the model does not know is ignored.
+    cost.observe_op_replays({"a:op:0": (2 * 3e-3, 2), "b:op:0": (1e-3, 1), "unknown:op:0": (1.0, 1)}, {0: [10, 10]})
+    cost.observe_op_replays({"experts.0:op:0": (9e-3, 1)}, {0: [10, 10]})
+    cost.observe_op_replays({"experts.0:op:0": (3e-3, 1)}, {0: [10, 10]})
+    cost.observe_op_replays({"experts.0:op:0": (5e-3, 1)}, {0: [20, 0]})
+    counts = {0: [15, 5]}
+    assert cost.op_replay_seconds(cost.ops["a:op:0"], counts) == pytest.approx(3e-3)
+    assert cost.recompute_seconds("a:op:0", counts) == pytest.approx(3e-3)
+    assert cost.recompute_seconds("b:op:0", counts) == pytest.approx(1e-3)
+    assert cost.recompute_seconds("experts.0:op:0", counts) == pytest.approx(4e-3)  # 1e-3 + 2e-4 per token
+    # c and its unsaved input, never replayed: their profiled times at the median ratio measured
+    # against the profiled times of the ops replayed (3, 0.5 and, at its last load, 2.5: 2.5).
+    assert cost.recompute_seconds("c:op:0", counts) == pytest.approx(2.5 * 4.5e-3)
+    # A rebuild that held an op's first replay is not learned from; the next one is.
+    cost.observe_op_replays({"c:op:0": (1e-3, 1), "u:op:0": (1e-3, 1)}, counts)
+    cost.observe_replays({"c:op:0": (1.0, 1)}, counts)
+    assert not cost._replay_fit.observed
+    cost.observe_op_replays({"c:op:0": (1e-3, 1), "u:op:0": (1e-3, 1)}, counts)
+    cost.observe_replays({"c:op:0": (2.2e-3, 1)}, counts)
+    assert cost._replay_fit.observed and cost.recompute_seconds("c:op:0", counts) == pytest.approx(2.2e-3)
 
 
 def test_cost_model_learns_a_cost_per_micro_batch_that_rebuilds() -> None:
@@ -1024,13 +1118,16 @@ def test_plans_pay_the_cost_a_micro_batch_s_first_offload_adds_once() -> None:
     for i in range(prov.profile_frames):
         step(model, i)
     keep_peak = max(m.peak_bytes for m in prov.telemetry.micro_batches)
+    prov.budget = prov.runtime.budget_bytes = int(0.6 * keep_peak)
+    for i in (97, 98):  # recompute all they can: the cost model measures replays
+        step(model, i)
+    assert all(m.calibrating for m in prov.telemetry.micro_batches[-2:])
     cost = prov.cost
     transfer = 1.0 / cost.d2h_bandwidth + 1.0 / cost.h2d_bandwidth
     for copies, nbytes in [(1, 10**6), (4, 10**5), (9, 3 * 10**6)]:
         fixed = copies * sum(cost.copy_fixed_s) + nbytes * transfer
         cost.observe_copies(1.0 + 1e-3 * fixed, copies, nbytes, busy_s=1e-3 * nbytes * transfer)
     assert cost.copy_frame_s == pytest.approx(1.0, rel=1e-6)
-    prov.budget = prov.runtime.budget_bytes = int(0.6 * keep_peak)
     counts = prov.mean_counts()
     plan = prov.plan_for(counts)
     Choice = bagualu2.Choice
