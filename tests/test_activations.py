@@ -8,6 +8,7 @@ import bisect
 import contextlib
 import copy
 import gc
+import time
 from typing import Dict, List, Optional, Tuple
 
 import pytest
@@ -397,6 +398,31 @@ def test_profile_names_the_saved_storages_a_rebuild_reads(engine: CopyEngine) ->
     profile = frame.saved_profile  # keys of the root module: ":<op>:<occurrence>"
     assert profile[":aten.mul.Tensor:1"][4] == (":aten.mul.Tensor:0",)  # (x * r) * weight reads x * r
     assert profile[":aten.mul.Tensor:0"][4] == (":aten.rsqrt.default:0",)  # x is the forward's input
+
+
+def test_a_rebuild_s_reload_of_an_offloaded_input_counts_as_copy_time(engine: CopyEngine) -> None:
+    """``x * r`` recomputed reads ``r`` offloaded: the reload (made slow here) is the copies'
+    time, not the rebuild's nor its op's."""
+    torch.manual_seed(0)
+    h = Harness(Norm(), engine)
+    frame = Frame({":aten.rsqrt.default:0": Choice.OFFLOAD, ":aten.mul.Tensor:0": Choice.RECOMPUTE}, strict=True)
+    loss = h.forward(torch.randn(8, 16, requires_grad=True), frame)
+    assert frame.stats.bytes_by_choice["offload"] > 0 and frame.stats.bytes_by_choice["recompute"] > 0
+    available = h.runtime._available
+    slow = 0.05
+
+    def slow_reload(node: tracing.StorageNode, state: int) -> Optional[torch.UntypedStorage]:
+        if node.offloaded.get(state) is not None:
+            time.sleep(slow)
+        return available(node, state)
+
+    h.runtime._available = slow_reload  # type: ignore[method-assign]
+    h.runtime.take_copy_times()
+    loss.backward()
+    rebuilt = h.runtime.take_replay_times()
+    ops = h.runtime.take_op_replay_times()
+    assert rebuilt[":aten.mul.Tensor:0"][0] < slow and all(s < slow for s, _ in ops.values()), (rebuilt, ops)
+    assert h.runtime.take_copy_times()[0] >= slow
 
 
 def test_rebuilt_storage_leaves_the_recompute_cache_after_its_last_released_view(

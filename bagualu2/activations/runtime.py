@@ -1123,7 +1123,8 @@ class ActivationRuntime:
         node.cache.evict_after(node.position)
         source = packed.source
         if source is None:
-            out = view_of(Replayer(self._available, self._op_replays).storage(node, packed.state), packed.meta)
+            replayer = Replayer(self._available, self._op_replays)
+            out = view_of(replayer.storage(node, packed.state), packed.meta)
         else:  # a cast regenerated from an offloaded storage: one of that store's readers
             taken: List[torch.UntypedStorage] = []
 
@@ -1134,14 +1135,17 @@ class ActivationRuntime:
                     taken.append(source.take(self.ledger, room=self._room))
                 return taken[0]
 
-            out = view_of(Replayer(available, self._op_replays).storage(node, packed.state), packed.meta)
+            replayer = Replayer(available, self._op_replays)
+            out = view_of(replayer.storage(node, packed.state), packed.meta)
             if not taken:
                 source.take(self.ledger, need=False)
         node.cache.served(node.position, packed.state)
         entry = self._replays.get(node.key)
         if entry is None:
             entry = self._replays[node.key] = [0.0, 0, None]
-        entry[0] += time.perf_counter() - start
+        # Reloads of offloaded inputs count as the copies' time, not the rebuild's.
+        entry[0] += time.perf_counter() - start - replayer.source_seconds
+        self._copies[0] += replayer.source_seconds
         if entry[2] != id(node.cache):  # a micro-batch's first rebuild of this key
             entry[1] += 1
             entry[2] = id(node.cache)
@@ -1149,8 +1153,8 @@ class ActivationRuntime:
 
     def take_copy_times(self) -> Tuple[float, int, int]:
         """Seconds the calling thread spent offloading (submitting, waiting for room) and
-        reloading (submitting, waiting, prefetching), with the number and bytes of offloads,
-        since the last call."""
+        reloading (submitting, waiting, prefetching; for a rebuild's offloaded inputs too), with
+        the number and bytes of offloads, since the last call."""
         out = (self._copies[0], self._copies[1], self._copies[2])
         self._copies = [0.0, 0, 0]
         return out
@@ -1158,8 +1162,8 @@ class ActivationRuntime:
     def take_replay_times(self) -> Dict[str, Tuple[float, int]]:
         """Per operator key, since the last call: seconds its backward unpacks spent rebuilding
         (what recomputing really cost: the op, inputs rebuilt first, the replay's own work;
-        several saved views of one storage are rebuilt once) and the number of micro-batches
-        that rebuilt it."""
+        several saved views of one storage are rebuilt once; reloads of offloaded inputs count
+        in ``take_copy_times``) and the number of micro-batches that rebuilt it."""
         out = {k: (v[0], v[1]) for k, v in self._replays.items()}
         self._replays.clear()
         return out

@@ -566,13 +566,15 @@ class Replayer:
     that read them), so a chain of dropped storages of any length is rebuilt without deep
     recursion. A storage ``source`` hands out is asked for once per replayer (one unpack). With
     ``times``, each storage's own replay (its op call and in-place ops, its inputs at hand, and
-    its share of the walk) is timed into ``times[key]``: [seconds, replays].
+    its share of the walk) is timed into ``times[key]``: [seconds, replays]; what ``source``
+    took (reloading an offloaded input) is in ``source_seconds``.
     """
 
     def __init__(self, source: Callable[[StorageNode, int], Optional[torch.UntypedStorage]],
                  times: Optional[Dict[str, List[float]]] = None) -> None:
         self._source = source
         self._times = times
+        self.source_seconds = 0.0  # spent in ``source`` (a reload waits there): not replaying
         self._found: Dict[Tuple[int, int], torch.UntypedStorage] = {}  # (id(node), state) -> storage
 
     def storage(self, node: StorageNode, state: int) -> torch.UntypedStorage:
@@ -586,7 +588,9 @@ class Replayer:
         key = (id(node), state)
         found = self._found.get(key)
         if found is None:
+            start = time.perf_counter()
             found = self._source(node, state)
+            self.source_seconds += time.perf_counter() - start
             if found is None:
                 found = node.cache.get(node.position, state)
             if found is not None:
@@ -595,7 +599,7 @@ class Replayer:
 
     def _rebuild(self, root: StorageNode, root_state: int) -> None:
         stack: List[Tuple[StorageNode, int, bool]] = [(root, root_state, False)]
-        begin = time.perf_counter()
+        begin, fetched = time.perf_counter(), self.source_seconds
         rebuilt: List[Tuple[str, float]] = []  # (key, seconds of its op calls)
         with _ReplayScope():
             while stack:
@@ -617,8 +621,10 @@ class Replayer:
                     if self._at_hand(ref.node, ref.state) is None:
                         stack.append((ref.node, ref.state, False))
         if self._times is not None and rebuilt:
-            # The walk (lookups, the cache) is shared out evenly over the storages it rebuilt.
-            walk = max(0.0, time.perf_counter() - begin - sum(s for _, s in rebuilt)) / len(rebuilt)
+            # The walk (lookups, the cache; not what ``source`` took) is shared out evenly over
+            # the storages it rebuilt.
+            elapsed = time.perf_counter() - begin - (self.source_seconds - fetched)
+            walk = max(0.0, elapsed - sum(s for _, s in rebuilt)) / len(rebuilt)
             for key, seconds in rebuilt:
                 timed = self._times.setdefault(key, [0.0, 0])
                 timed[0] += seconds + walk
