@@ -64,8 +64,11 @@ __all__ = ["CostModel", "OpCost", "SIZE"]
 SIZE = -1
 
 # A rebuild runs the ops it replays: its time per second of their replay time is taken to be 1,
-# give or take this, until the observed rebuilds tell otherwise (``_CostFit.prior_sd``) ...
-REPLAY_FACTOR_SD = 0.1
+# give or take this, until the observed rebuilds tell otherwise (``_CostFit.prior_sd``). Their
+# replay times are backward's own measurements of them, so what they miss is left to the factor
+# only: an op's context (replayed alone, or inside a large rebuild that has just made its
+# inputs), which says nothing of other rebuilds' ops ...
+REPLAY_FACTOR_SD = 0.02
 # ... and never below this (``_CostFit.floor``): a rebuild's time holds its ops' replays, whose
 # times are measurements of the same ops, noisy but not by half. The rebuilds of cheap ops alone
 # leave the factor free to trade against the per-op and per-rebuild parts: on the benchmark

@@ -198,6 +198,10 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
                          prov.runtime.take_copy_times()[0], busy(prov) - busy_before))
     for _, prov in variants:
         prov.disable()
+    learned = {"replay_frame_s": cost.replay_frame_s, "replay_fixed_s": cost.replay_fixed_s,
+               "replay_entry_s": cost.replay_entry_s, "replay_factor": cost.replay_factor,
+               "copy_frame_s": cost.copy_frame_s, "copy_overhead_s": cost.copy_overhead_s,
+               "copy_factor": cost.copy_factor, "busy_factor": cost.busy_factor}
     base = samples[0]
     cpu = variants[0][1].device.type == "cpu"  # where the cost model charges the copy threads' busy time too
     rows = []
@@ -223,7 +227,7 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
                      "all_keep_step_s": statistics.median(base),
                      "error": (pred - statistics.median(diffs)) / statistics.median(diffs)
                      if statistics.median(diffs) > 0 else None})
-    return rows
+    return rows, learned
 
 
 def main() -> None:
@@ -258,7 +262,7 @@ def main() -> None:
         torch.manual_seed(0)
         model = MoETransformer(MoEConfig.bench(ep_size=4))
         batches = list(synthetic_batches(model.cfg.vocab_size, 8, 256, seed=0, num_batches=1))
-    rows = time_accuracy(model, batches[0], [0.8, 0.6, 0.4, 0.25], args.repeats, args.learn_steps)
+    rows, learned = time_accuracy(model, batches[0], [0.8, 0.6, 0.4, 0.25], args.repeats, args.learn_steps)
     print(f"\n{'plan':>10}{'mix (keep/offload/recompute)':>30}{'released MiB':>14}{'predicted ms':>14}{'step delta ms':>15}"
           f"{'95% CI ms':>16}{'error':>8}{'error over CI':>16}{'rebuild+copy ms':>17}{'error':>8}")
     for r in rows:
@@ -281,8 +285,10 @@ def main() -> None:
           f"bootstrap interval of that median and the prediction's error at its ends; rebuild+copy = "
           f"median per step of the seconds the plan's runtime measured rebuilding and copying, the "
           f"copy threads' busy time included on the cpu)")
+    print("cost model at the end: " + ", ".join(
+        f"{k} {v * 1e6:.1f} us" if k.endswith("_s") else f"{k} {v:.3f}" for k, v in learned.items()))
     with open(args.out, "w") as f:
-        json.dump({"memory": mem, "time_config": args.time_config, "time": rows}, f, indent=2)
+        json.dump({"memory": mem, "time_config": args.time_config, "time": rows, "learned": learned}, f, indent=2)
     print(f"wrote {args.out}")
 
 

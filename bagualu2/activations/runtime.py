@@ -1144,8 +1144,8 @@ class ActivationRuntime:
         if entry is None:
             entry = self._replays[node.key] = [0.0, 0, None]
         # Reloads of offloaded inputs count as the copies' time, not the rebuild's.
-        entry[0] += time.perf_counter() - start - replayer.source_seconds
-        self._copies[0] += replayer.source_seconds
+        entry[0] += time.perf_counter() - start - replayer.reload_seconds
+        self._copies[0] += replayer.reload_seconds
         if entry[2] != id(node.cache):  # a micro-batch's first rebuild of this key
             entry[1] += 1
             entry[2] = id(node.cache)

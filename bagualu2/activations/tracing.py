@@ -567,14 +567,14 @@ class Replayer:
     recursion. A storage ``source`` hands out is asked for once per replayer (one unpack). With
     ``times``, each storage's own replay (its op call and in-place ops, its inputs at hand, and
     its share of the walk) is timed into ``times[key]``: [seconds, replays]; what ``source``
-    took (reloading an offloaded input) is in ``source_seconds``.
+    took to hand out offloaded storages (reloads) is in ``reload_seconds``.
     """
 
     def __init__(self, source: Callable[[StorageNode, int], Optional[torch.UntypedStorage]],
                  times: Optional[Dict[str, List[float]]] = None) -> None:
         self._source = source
         self._times = times
-        self.source_seconds = 0.0  # spent in ``source`` (a reload waits there): not replaying
+        self.reload_seconds = 0.0  # spent in ``source`` on offloaded storages: not replaying
         self._found: Dict[Tuple[int, int], torch.UntypedStorage] = {}  # (id(node), state) -> storage
 
     def storage(self, node: StorageNode, state: int) -> torch.UntypedStorage:
@@ -588,9 +588,12 @@ class Replayer:
         key = (id(node), state)
         found = self._found.get(key)
         if found is None:
-            start = time.perf_counter()
-            found = self._source(node, state)
-            self.source_seconds += time.perf_counter() - start
+            if node.offloaded.get(state) is not None:  # a reload (or a wait for one)
+                start = time.perf_counter()
+                found = self._source(node, state)
+                self.reload_seconds += time.perf_counter() - start
+            else:
+                found = self._source(node, state)
             if found is None:
                 found = node.cache.get(node.position, state)
             if found is not None:
@@ -599,7 +602,7 @@ class Replayer:
 
     def _rebuild(self, root: StorageNode, root_state: int) -> None:
         stack: List[Tuple[StorageNode, int, bool]] = [(root, root_state, False)]
-        begin, fetched = time.perf_counter(), self.source_seconds
+        begin, reloaded = time.perf_counter(), self.reload_seconds
         rebuilt: List[Tuple[str, float]] = []  # (key, seconds of its op calls)
         with _ReplayScope():
             while stack:
@@ -621,9 +624,9 @@ class Replayer:
                     if self._at_hand(ref.node, ref.state) is None:
                         stack.append((ref.node, ref.state, False))
         if self._times is not None and rebuilt:
-            # The walk (lookups, the cache; not what ``source`` took) is shared out evenly over
-            # the storages it rebuilt.
-            elapsed = time.perf_counter() - begin - (self.source_seconds - fetched)
+            # The walk (lookups, the cache; not the reloads) is shared out evenly over the
+            # storages it rebuilt.
+            elapsed = time.perf_counter() - begin - (self.reload_seconds - reloaded)
             walk = max(0.0, elapsed - sum(s for _, s in rebuilt)) / len(rebuilt)
             for key, seconds in rebuilt:
                 timed = self._times.setdefault(key, [0.0, 0])
