@@ -320,7 +320,7 @@ class CostModel:
         # op call -> its replay's seconds in backward, timed by the runtime's replays
         self._op_replays: Dict[str, _Fit] = {}
         self._replay_scale = (-1, 1.0)  # (len(_op_replays) it was taken at, the scale)
-        self._warm_calls: set = set()  # calls observed after their first replays
+        self._first_only: set = set()  # calls whose fit holds only their first (cold) replays
         self._cold_calls: set = set()  # calls first replayed in the last observe_op_replays
         self._busy_fit = _CostFit(2)
         self.order: List[str] = []           # keys in the order a micro-batch first saves them
@@ -451,11 +451,11 @@ class CostModel:
             fit = self._op_replays.get(op.call)
             if fit is None:
                 fit = self._op_replays[op.call] = _Fit(robust=True)
+                self._first_only.add(op.call)
                 self._cold_calls.add(op.call)
-            elif len(fit.samples) == 1 and op.call not in self._warm_calls:
+            elif op.call in self._first_only and op.call not in self._cold_calls:
                 fit.clear()  # its first replays ran cold: the next replace them
-            if op.call not in self._cold_calls:
-                self._warm_calls.add(op.call)
+                self._first_only.discard(op.call)
             fit.add(self._tokens(op, counts), seconds / n)
 
     def op_replay_seconds(self, op: OpCost, counts: Mapping[int, Sequence[int]]) -> float:

@@ -944,9 +944,13 @@ class ActivationRuntime:
     def _over_budget(self, storage: torch.UntypedStorage, reserved: bool = True) -> bool:
         """Whether holding ``storage`` crosses the budget, less ``pin_headroom`` (unless it is
         one of the storages the headroom is ``reserved`` for)."""
+        return not self.ledger.holds(storage) and self._crosses(storage.nbytes(), reserved)
+
+    def _crosses(self, nbytes: int, reserved: bool = True) -> bool:
+        """Whether ``nbytes`` more resident crosses the budget (less ``pin_headroom`` unless
+        ``reserved`` is false)."""
         budget = self.budget_bytes
-        return (budget is not None and not self.ledger.holds(storage)
-                and self.ledger.resident + storage.nbytes() > budget - (self.pin_headroom if reserved else 0))
+        return budget is not None and self.ledger.resident + nbytes > budget - (self.pin_headroom if reserved else 0)
 
     def _violate(self, frame: Frame, t: torch.Tensor, key: str) -> Any:
         """Keep ``t`` although that crosses the budget, unless kept storages can make room."""
@@ -1122,23 +1126,20 @@ class ActivationRuntime:
         node.cache.bind_to_backward()
         node.cache.evict_after(node.position)
         source = packed.source
-        if source is None:
-            replayer = Replayer(self._available, self._op_replays)
-            out = view_of(replayer.storage(node, packed.state), packed.meta)
-        else:  # a cast regenerated from an offloaded storage: one of that store's readers
-            taken: List[torch.UntypedStorage] = []
+        taken: List[torch.UntypedStorage] = []
 
-            def available(n: StorageNode, s: int) -> Optional[torch.UntypedStorage]:
-                if n.offloaded.get(s) is not source:
-                    return self._available(n, s)
-                if not taken:
-                    taken.append(source.take(self.ledger, room=self._room))
-                return taken[0]
-
-            replayer = Replayer(available, self._op_replays)
-            out = view_of(replayer.storage(node, packed.state), packed.meta)
+        def available(n: StorageNode, s: int) -> Optional[torch.UntypedStorage]:
+            # a cast regenerated from an offloaded storage is one of that store's readers
+            if source is None or n.offloaded.get(s) is not source:
+                return self._available(n, s)
             if not taken:
-                source.take(self.ledger, need=False)
+                taken.append(source.take(self.ledger, room=self._room))
+            return taken[0]
+
+        replayer = Replayer(available, self._op_replays)
+        out = view_of(replayer.storage(node, packed.state), packed.meta)
+        if source is not None and not taken:
+            source.take(self.ledger, need=False)
         node.cache.served(node.position, packed.state)
         entry = self._replays.get(node.key)
         if entry is None:
@@ -1221,8 +1222,7 @@ class ActivationRuntime:
         while cursor >= 0:
             other = frame._offloads[cursor]()
             if other is not None:
-                if frame._prefetch_pending + other.nbytes > self.prefetch_bytes or (
-                        self.budget_bytes is not None and self.ledger.resident + other.nbytes > self.budget_bytes):
+                if frame._prefetch_pending + other.nbytes > self.prefetch_bytes or self._crosses(other.nbytes, False):
                     break
                 other.prefetch(self.ledger)
             cursor -= 1
