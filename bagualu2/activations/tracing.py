@@ -566,8 +566,9 @@ class Replayer:
     that read them), so a chain of dropped storages of any length is rebuilt without deep
     recursion. A storage ``source`` hands out is asked for once per replayer (one unpack). With
     ``times``, each storage's own replay (its op call and in-place ops, its inputs at hand, and
-    its share of the walk) is timed into ``times[key]``: [seconds, replays]; what ``source``
-    took to hand out offloaded storages (reloads) is in ``reload_seconds``.
+    the walk since the previous op call), but for the first of each rebuild, is timed into
+    ``times[key]``: [seconds, replays]; what ``source`` took to hand out offloaded storages
+    (reloads) is in ``reload_seconds``.
     """
 
     def __init__(self, source: Callable[[StorageNode, int], Optional[torch.UntypedStorage]],
@@ -602,17 +603,28 @@ class Replayer:
 
     def _rebuild(self, root: StorageNode, root_state: int) -> None:
         stack: List[Tuple[StorageNode, int, bool]] = [(root, root_state, False)]
-        begin, reloaded = time.perf_counter(), self.reload_seconds
-        rebuilt: List[Tuple[str, float]] = []  # (key, seconds of its op calls)
+        # Each op call is timed from the previous one's end (its share of the walk: the
+        # lookups and bookkeeping between them, reloads aside) to its own. The rebuild's first
+        # (its inputs made before the rebuild, in cpu caches or not: on the reference model,
+        # alone it measured up to twice what it does inside a chain) is timed only in the
+        # rebuild's total, with entering the rebuild.
+        timed = self._times
+        lead = True
+        mark, reloaded = time.perf_counter(), self.reload_seconds
         with _ReplayScope():
             while stack:
                 node, state, inputs_ready = stack.pop()
                 if self._at_hand(node, state) is not None:
                     continue
                 if inputs_ready:
-                    start = time.perf_counter()
                     found = self._recompute(node, state)
-                    rebuilt.append((node.key, time.perf_counter() - start))
+                    if timed is not None:
+                        now = time.perf_counter()
+                        if not lead:
+                            entry = timed.setdefault(node.key, [0.0, 0])
+                            entry[0] += now - mark - (self.reload_seconds - reloaded)
+                            entry[1] += 1
+                        mark, reloaded, lead = now, self.reload_seconds, False
                     node.cache.put(node.position, state, found)
                     self._found[(id(node), state)] = found
                     if node.cache.released(node.position, state):  # its inputs counted this rebuild
@@ -623,15 +635,6 @@ class Replayer:
                 for ref in recipe_refs(node, state):
                     if self._at_hand(ref.node, ref.state) is None:
                         stack.append((ref.node, ref.state, False))
-        if self._times is not None and rebuilt:
-            # The walk (lookups, the cache; not the reloads) is shared out evenly over the
-            # storages it rebuilt.
-            elapsed = time.perf_counter() - begin - (self.reload_seconds - reloaded)
-            walk = max(0.0, elapsed - sum(s for _, s in rebuilt)) / len(rebuilt)
-            for key, seconds in rebuilt:
-                timed = self._times.setdefault(key, [0.0, 0])
-                timed[0] += seconds + walk
-                timed[1] += 1
 
     def _recompute(self, node: StorageNode, state: int) -> torch.UntypedStorage:
         if not node.rebuildable(state):
