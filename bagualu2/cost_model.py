@@ -140,7 +140,10 @@ class _CostFit:
     each cost the same), fitted to observed totals ``y``.
 
     Least squares over all observations, those of each batch (``add``) weighing ``memory``
-    times as much as those of the next one (costs drift with the machine's load): on the
+    times as much as those of the next one (costs drift with the machine's load), within each
+    bucket the caller sorts them into (a batch forgets only what it observes anew: rebuilds of
+    one op, the most frequent, would otherwise erase the few large ones that tell the per-op
+    part from the per-rebuild part): on the
     relative error (an observation of a small total counts as much as one of a large total),
     or with ``relative`` false on the absolute error (large observations count most, as they
     do in the sums predicted from the fit). Every coefficient stays >= 0: among the subsets of
@@ -157,7 +160,7 @@ class _CostFit:
     ``>= floor`` (the others ``>= 0``).
     """
 
-    __slots__ = ("coef", "memory", "relative", "prior_sd", "floor", "_a", "_b", "_c", "_n", "_subsets")
+    __slots__ = ("coef", "memory", "relative", "prior_sd", "floor", "_buckets", "_subsets")
 
     def __init__(self, features: int, memory: float = 0.9, relative: bool = True,
                  prior_sd: Optional[float] = None, floor: float = 0.0) -> None:
@@ -168,47 +171,59 @@ class _CostFit:
         self.relative = relative
         self.prior_sd = prior_sd
         self.floor = floor
-        self._a = [[0.0] * features for _ in range(features)]  # decayed weighted sums of x x^T
-        self._b = [0.0] * features  # ... and of x y
-        self._c = 0.0  # ... of y^2
-        self._n = 0.0  # ... of the number of observations
+        # bucket -> decayed weighted sums of x x^T, of x y, of y^2 and of the observations
+        self._buckets: Dict[Any, Tuple[List[List[float]], List[float], List[float]]] = {}
         last = features - 1
         self._subsets = sorted(
             ([i for i in range(last) if mask >> i & 1] + [last] for mask in range(1 << last)), key=len)
 
-    def add(self, rows: Sequence[Tuple[Sequence[float], float]]) -> None:
-        """Observe a batch of (features, total) and refit; rows with a total or a last feature
-        that is not > 0, or a negative feature, are skipped."""
-        rows = [(x, y) for x, y in rows if y > 0 and x[-1] > 0 and min(x) >= 0]
-        if not rows:
-            return
+    def add(self, rows: Sequence[Tuple[Sequence[float], float]], buckets: Optional[Sequence[Any]] = None) -> None:
+        """Observe a batch of (features, total), each row in the bucket at its index in
+        ``buckets`` (all in one when None), and refit; rows with a total or a last feature that
+        is not > 0, or a negative feature, are skipped."""
         k = len(self.coef)
-        for i in range(k):
-            self._b[i] *= self.memory
-            for j in range(k):
-                self._a[i][j] *= self.memory
-        self._c *= self.memory
-        self._n *= self.memory
-        for x, y in rows:
+        decayed: set = set()
+        for row, bucket in zip(rows, buckets if buckets is not None else [None] * len(rows)):
+            x, y = row
+            if not (y > 0 and x[-1] > 0 and min(x) >= 0):
+                continue
+            stats = self._buckets.get(bucket)
+            if stats is None:
+                stats = self._buckets[bucket] = ([[0.0] * k for _ in range(k)], [0.0] * k, [0.0, 0.0])
+            a, b, cn = stats
+            if bucket not in decayed:
+                decayed.add(bucket)
+                for i in range(k):
+                    b[i] *= self.memory
+                    for j in range(k):
+                        a[i][j] *= self.memory
+                cn[0] *= self.memory
+                cn[1] *= self.memory
             w = 1.0 / (y * y) if self.relative else 1.0
             for i in range(k):
-                self._b[i] += w * x[i] * y
+                b[i] += w * x[i] * y
                 for j in range(k):
-                    self._a[i][j] += w * x[i] * x[j]
-            self._c += w * y * y
-            self._n += 1.0
+                    a[i][j] += w * x[i] * x[j]
+            cn[0] += w * y * y
+            cn[1] += 1.0
+        if not decayed:
+            return
+        sum_a = [[sum(st[0][i][j] for st in self._buckets.values()) for j in range(k)] for i in range(k)]
+        sum_b = [sum(st[1][i] for st in self._buckets.values()) for i in range(k)]
+        sum_c = sum(st[2][0] for st in self._buckets.values())
+        observations = sum(st[2][1] for st in self._buckets.values())
         # The fit is of y - floor * x[last], whose last coefficient is coef[last] - floor >= 0.
         last, floor = k - 1, self.floor
-        b = [self._b[i] - floor * self._a[i][last] for i in range(k)]
-        c = self._c - 2.0 * floor * self._b[last] + floor * floor * self._a[last][last]
-        best = self._best(self._a, b)
+        b = [sum_b[i] - floor * sum_a[i][last] for i in range(k)]
+        c = sum_c - 2.0 * floor * sum_b[last] + floor * floor * sum_a[last][last]
+        best = self._best(sum_a, b)
         if best is not None and self.prior_sd:
             # residual sum of squares = c - theta^T b; per degree of freedom, the noise variance
             fitted = sum(1 for v in best[1] if v > 0)
-            variance = max(0.0, c + best[0]) / max(1.0, self._n - fitted)
+            variance = max(0.0, c + best[0]) / max(1.0, observations - fitted)
             ridge = variance / (self.prior_sd * self.prior_sd)
             if ridge > 0:
-                a = [row[:] for row in self._a]
+                a = [row[:] for row in sum_a]
                 a[last][last] += ridge  # + ridge * (coef[last] - 1)^2 in the objective
                 best = self._best(a, b[:last] + [b[last] + ridge * (1.0 - floor)]) or best
         if best is not None:
@@ -217,7 +232,7 @@ class _CostFit:
     @property
     def observed(self) -> bool:
         """Whether any observation was kept."""
-        return self._n > 0
+        return bool(self._buckets)
 
     def _best(self, a: List[List[float]], b: List[float]) -> Optional[Tuple[float, List[float]]]:
         """The least-squares fit with non-negative coefficients over the feature subsets, as
@@ -524,7 +539,8 @@ class CostModel:
         what its rebuilds in ``n`` micro-batches took (``ActivationRuntime.take_replay_times``).
 
         Each rebuild the plan enters (``rebuilds``) is one observation: what its members
-        measured per micro-batch, against what it replays. Four parameters for all ops:
+        measured per micro-batch, against what it replays, among the rebuilds of its size
+        (its ops to a power of two: the fit forgets per size). Four parameters for all ops:
         ``seconds = replay_fixed_s * replayed ops + replay_entry_s + replay_factor * the ops'
         replay seconds``, plus ``replay_frame_s`` in the first rebuild of a micro-batch's
         backward (where the per-micro-batch work lands) (``_CostFit``). Rebuilds differ in
@@ -537,18 +553,19 @@ class CostModel:
         known = {k: v for k, v in replays.items() if k in self.ops and v[1] > 0}
         if not known:
             return
-        rows = []
+        rows, sizes = [], []  # sizes: the rebuilds' size classes (ops, to a power of two)
         for i, (entry, members, n_ops, seconds) in enumerate(self.rebuilds(known, counts)):
             measured = sum(known[k][0] / known[k][1] for k in members)
             if measured <= 0 or (cold and self._replays_any(members, cold)):
                 continue
             first = 1.0 if i == 0 else 0.0
             rows.append(((first, float(n_ops), 1.0, seconds), measured))
+            sizes.append(n_ops.bit_length())
             samples = self.ops[entry].replays
             samples.append((measured, first, n_ops, seconds))
             if len(samples) > 16:
                 del samples[0]
-        self._replay_fit.add(rows)
+        self._replay_fit.add(rows, sizes)
         self._replay_version += 1
 
     def _replays_any(self, members: Iterable[str], calls: set) -> bool:

@@ -25,9 +25,11 @@ The runtime independently holds the ledger under the budget at every save (offlo
 recomputing a storage that would cross it), so a misprediction costs time, never the budget.
 
 The first ``profile_frames`` micro-batches time every op to build the cost model; the first
-``calibrate_frames`` (2) micro-batches after them that a plan may have to release from (their
+``calibrate_frames`` (3) micro-batches after them that a plan may have to release from (their
 worst routing would not fit) recompute everything they can, so that their backward passes
-measure what replays cost before any plan relies on it (``MicroBatch.calibrating``). Static
+measure what replays cost before any plan relies on it (``MicroBatch.calibrating``), and with
+``recalibrate_every`` so does one in that many such micro-batches after them (what plans never
+replay is measured again as the machine's speed changes). Static
 policies (``keep_all``, ``recompute_all``, ``offload_all``, or a fixed ``Plan``) use the same
 machinery with a fixed plan and no enforcement, to show what they would do under the budget.
 
@@ -142,7 +144,7 @@ class Provisioner:
                  on_exceed: str = "record", min_bytes: int = 64 << 10,
                  arena_bytes: Optional[int] = None, arena_max_bytes: Optional[int] = None,
                  reserve_bytes: int = 1 << 30,
-                 profile_frames: int = 2, calibrate_frames: int = 2, margin: float = 0.02,
+                 profile_frames: int = 2, calibrate_frames: int = 3, recalibrate_every: int = 0, margin: float = 0.02,
                  telemetry_path: Union[str, Path, None] = None, gates: Optional[Sequence[GateSpec]] = None,
                  engine: Any = None) -> None:
         if not isinstance(model, torch.nn.Module):
@@ -160,6 +162,8 @@ class Provisioner:
             raise ValueError(f"profile_frames={profile_frames} must be >= 1")
         if calibrate_frames < 0:
             raise ValueError(f"calibrate_frames={calibrate_frames} must be >= 0")
+        if recalibrate_every < 0:
+            raise ValueError(f"recalibrate_every={recalibrate_every} must be >= 0 (0: never)")
         if "forward" in model.__dict__ and not _plain_forward(model):
             raise RuntimeError(f"{type(model).__name__} already has bagualu2 (or another forward wrapper) enabled; "
                                f"call disable() on the existing Provisioner first")
@@ -172,6 +176,7 @@ class Provisioner:
         self.margin = margin
         self.profile_frames = profile_frames
         self.calibrate_frames = calibrate_frames
+        self.recalibrate_every = recalibrate_every
         self.telemetry = Telemetry(Path(telemetry_path) if telemetry_path else None)
         self.engine = engine if engine is not None else self._make_engine(arena_bytes, arena_max_bytes)
         self._arena_chosen = engine is not None or arena_bytes is not None  # _reserve_arena leaves it
@@ -232,7 +237,9 @@ class Provisioner:
         self._recent_bytes: Deque[int] = collections.deque(maxlen=_RECENT)  # of recent routings
         self.overlap: Any = None  # an OverlapDriver on a pipeline rank (pipeline.enable_bagualu2)
         self._static: Optional[Dict[str, Choice]] = None
-        self._calibrating: set = set()  # the micro-batches that recomputed all they could
+        self._calibrating: set = set()  # the micro-batches in flight that recompute all they can
+        self._calibrations = 0  # micro-batches that did so
+        self._since_calibration = 0  # micro-batches that may have to release since the last one
         if isinstance(policy, Plan):
             self._static = dict(policy.choices)
         elif not isinstance(policy, str):
@@ -437,16 +444,21 @@ class Provisioner:
             return Frame(default=Choice.OFFLOAD, index=self._frames)
         frame = Frame(self._static, index=self._frames)
         frame.profile = self.cost.frames < self.profile_frames
-        if not frame.profile and len(self._calibrating) < self.calibrate_frames and self._calibrates():
-            # The first micro-batches after profiling that a plan may have to release from
-            # recompute all they can: their backward passes measure what replaying each op
-            # costs (``CostModel.observe_op_replays``) and what rebuilds cost, before any plan
-            # relies on them (a profiled forward's op times stand for a replay's only in part:
-            # ``CostModel``'s note). The first replays run cold: the second's replace them.
-            # Plans refine both as they rebuild.
-            frame.default = Choice.RECOMPUTE
-            self._calibrating.add(frame.index)
-            return frame
+        if not frame.profile and self._calibrates():
+            if self._calibrations < self.calibrate_frames or 0 < self.recalibrate_every <= self._since_calibration:
+                # The first micro-batches after profiling that a plan may have to release from
+                # (and one every ``recalibrate_every`` after them) recompute all they can: their
+                # backward passes measure what replaying each op costs
+                # (``CostModel.observe_op_replays``) and what rebuilds cost, before any plan
+                # relies on them (a profiled forward's op times stand for a replay's only in
+                # part: ``CostModel``'s note). The first replays run cold: the next replace
+                # them. Plans refine both as they rebuild.
+                frame.default = Choice.RECOMPUTE
+                self._calibrating.add(frame.index)
+                self._calibrations += 1
+                self._since_calibration = 0
+                return frame
+            self._since_calibration += 1
         # Stable phases cost nothing: a forward whose plan is not expected to release anything
         # is not traced (its recipes would never be used): keep_all's, and adaptive's when
         # calm (``_calm``).
@@ -545,7 +557,12 @@ class Provisioner:
         if op_replays:
             self.cost.observe_op_replays(op_replays, routed)
         replays = self.runtime.take_replay_times()
-        if replays:
+        # A backward that could not keep what it rebuilt under the budget rebuilt it again
+        # (an op call replayed more often than the micro-batches that rebuilt its storage): its
+        # rebuilds are not the ones the cost model prices (each op once), and teach nothing of
+        # them. Recomputing all, under a quarter of the all-keep peak, replayed every op 9
+        # times over and took 10x as long on the reference model.
+        if replays and not any(op_replays[k][1] > n for k, (_, n) in replays.items() if k in op_replays):
             self.cost.observe_replays(replays, routed)
         seconds, copies, nbytes = self.runtime.take_copy_times()
         if self.engine is not None:  # ... and to offload and reload
@@ -603,9 +620,10 @@ class Provisioner:
             imbalance=imbalance, bytes_by_choice=dict(frame.stats.bytes_by_choice),
             violations=frame.stats.violations, fallbacks=len(frame.stats.fallbacks),
             forward_seconds=seconds, oom_recovered=conservative, traced=frame.traced,
-            calibrating=frame.index in self._calibrating and not conservative,
+            calibrating=not conservative and frame.index in self._calibrating,
             room_made_bytes=frame.stats.room_made_bytes,
         ))
+        self._calibrating.discard(frame.index)
         return out
 
     def _note_unplanned(self, frame: Frame) -> None:
@@ -850,7 +868,8 @@ def enable(model: torch.nn.Module, budget: Union[str, int, float, None] = "auto"
             ``reserve_bytes``, ``profile_frames``, ``calibrate_frames`` (adaptive micro-batches
             that recompute all they can once profiled, to measure what replays cost before a
             plan relies on it: the first under a budget their worst routing would not fit;
-            default 2, the first of which runs cold),
+            default 3, the first of which runs cold), ``recalibrate_every`` (one more such
+            micro-batch after every that many that may have to release; default 0, never),
             ``margin``, ``telemetry_path`` (JSON lines), ``gates`` (a list of
             ``bagualu2.moe.GateSpec`` instead of discovery; ``[]`` when the model reports its
             routing through ``bagualu2.on_gating``).

@@ -327,6 +327,7 @@ def test_a_tight_budget_is_not_refused_while_releasing_small_activations_meets_i
     (dict(on_exceed="explode"), ValueError, "on_exceed"),
     (dict(profile_frames=0), ValueError, "profile_frames"),
     (dict(calibrate_frames=-1), ValueError, "calibrate_frames=-1"),
+    (dict(recalibrate_every=-5), ValueError, "recalibrate_every=-5"),
 ])
 def test_bad_arguments_name_the_value(kwargs, error, match) -> None:
     with pytest.raises(error, match=match):
@@ -587,7 +588,7 @@ def test_telemetry_keeps_a_bounded_window_in_memory_and_totals_of_the_whole_run(
 def test_the_first_micro_batches_a_plan_may_release_from_measure_what_replays_cost() -> None:
     model = make_model(ep_size=4)
     plain = copy.deepcopy(model)
-    prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.7), min_bytes=0)
+    prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.7), min_bytes=0, recalibrate_every=2)
     frames: List[bagualu2.activations.Frame] = []
     prov.runtime.frame_observer = frames.append
     taken: List[Dict[str, Tuple[float, int]]] = []
@@ -595,46 +596,89 @@ def test_the_first_micro_batches_a_plan_may_release_from_measure_what_replays_co
     prov.runtime.take_op_replay_times = lambda: taken.append(take()) or taken[-1]  # type: ignore[method-assign]
     anchored: set = set()  # block inputs, held for the recipes: no plan releases them
     model.norm.register_forward_hook(lambda *a: anchored.update(n.key for n in frames[-1]._anchors))
-    for i in range(5):
+    for i in range(9):
         ref, got = step(plain, i), step(model, i)
         assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
     mbs = prov.telemetry.micro_batches
-    assert [m.calibrating for m in mbs] == [False, False, True, True, False]
+    # three after profiling, and one after every two that decided
+    assert [m.calibrating for m in mbs] == [False, False, True, True, True, False, False, True, False]
     # They recompute all they can and decide nothing (micro-batch 1 decided at both gates).
+    calibrating = [f for f, m in zip(frames, mbs) if m.calibrating]
     assert all(f.stats.bytes_by_choice["recompute"] > 0 and f.stats.bytes_by_choice["offload"] == 0
-               for f in frames[2:4])
-    assert {d.micro_batch for d in prov.telemetry.decisions} == {1, 4} and mbs[2].violations == mbs[3].violations == 0
+               and f.stats.violations == 0 for f in calibrating)
+    assert {d.micro_batch for d in prov.telemetry.decisions} == {1, 5, 6, 8}
     # With none asked for, none does: micro-batch 2 decides.
     other = bagualu2.enable(make_model(ep_size=4), budget=prov.budget, min_bytes=0, calibrate_frames=0)
     for i in range(3):
         step(other.model, i)
     assert not any(m.calibrating for m in other.telemetry.micro_batches)
     assert {d.micro_batch for d in other.telemetry.decisions} == {1, 2}
-    # Read as micro-batch 4 began: every op the second one's backward replayed (the call of each
-    # recomputable key that is no block input among them), which the cost model now prices as
-    # measured: the median of each call's replays but its first (cold), micro-batch 1's plan's
-    # included.
+    # Read as micro-batch 5 began: every op the third one's backward replayed (the call of each
+    # recomputable key that is no block input among them, but for each rebuild's first, timed
+    # with entering it), which the cost model now prices as measured: the median of each call's
+    # replays but its first (cold), the plans' included.
     cost = prov.cost
 
     def op_of(key: str) -> "bagualu2.cost_model.OpCost":
         return cost.ops.get(key) or cost.unsaved[key]
 
     taken = [{k: v for k, v in times.items() if k in cost.ops or k in cost.unsaved} for times in taken]
-    calls = {op_of(k).call for k in taken[4]}
-    released = {op.call for k, op in cost.ops.items() if op.recomputable and k not in anchored}
-    assert anchored and released <= calls
+    calls = {op_of(k).call for k in taken[5]}
+    releasable = [k for k, op in cost.ops.items() if op.recomputable and k not in anchored]
+    released = {cost.ops[k].call for k in releasable}
+    counts = prov.mean_counts()
+    assert anchored and len(released - calls) <= len(cost.rebuilds(releasable, counts)) < len(released) // 4
     replays: Dict[str, List[float]] = {}
     for times in taken:
         for key, (seconds, n) in times.items():
             replays.setdefault(op_of(key).call, []).append(seconds / n)
-    counts = prov.mean_counts()
-    for key in taken[4]:
+    untimed = released - set(replays)  # always a rebuild's first
+    assert untimed
+    for op in cost.ops.values():  # priced at its profiled time, scaled as the replayed ones measured
+        if op.call in untimed:
+            scaled = cost._profiled_scale() * op.seconds(cost._tokens(op, counts))
+            assert cost.op_replay_seconds(op, counts) == pytest.approx(scaled)
+    for key in taken[5]:
         op = op_of(key)
         if op.layer is None:  # driven by the micro-batch's size, the same in every micro-batch here
             assert len(replays[op.call]) >= 2
             # (mean_counts rounds each expert's mean: the micro-batch's size within a token)
             warm = statistics.median(replays[op.call][1:])
             assert cost.op_replay_seconds(op, counts) == pytest.approx(warm, rel=1e-2)
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.8])
+def test_a_backward_that_rebuilt_again_to_stay_under_the_budget_teaches_the_ops_not_the_rebuilds(fraction) -> None:
+    """Recomputing all it can under 30% of the all-keep peak, backward cannot keep what a rebuild
+    made until it is read, and replays the same ops dozens of times over: what each op costs is
+    learned, the rebuilds (which the cost model prices at one replay per op) are not. Under 80%
+    each op replays once per micro-batch and both are learned."""
+    model = make_model(ep_size=4)
+    prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * fraction), min_bytes=0, calibrate_frames=2)
+    replayed: List[float] = []  # per backward: the most replays of one op call per micro-batch
+    take_ops, take_rebuilds = prov.runtime.take_op_replay_times, prov.runtime.take_replay_times
+    last: Dict[str, Tuple[float, int]] = {}
+
+    def ops() -> Dict[str, Tuple[float, int]]:
+        last.clear()
+        last.update(take_ops())
+        return dict(last)
+
+    def rebuilds() -> Dict[str, Tuple[float, int]]:
+        times = take_rebuilds()
+        replayed.append(max([last[k][1] / n for k, (_, n) in times.items() if k in last] or [0.0]))
+        return times
+
+    prov.runtime.take_op_replay_times = ops  # type: ignore[method-assign]
+    prov.runtime.take_replay_times = rebuilds  # type: ignore[method-assign]
+    for i in range(prov.profile_frames + prov.calibrate_frames + 1):
+        step(model, i)
+    assert [m.calibrating for m in prov.telemetry.micro_batches] == [False, False, True, True, False]
+    assert prov.cost._op_replays  # the second (warm) calibrating backward's, observed as the next began
+    if fraction < 0.5:
+        assert replayed[-1] > 10 and not prov.cost._replay_fit.observed
+    else:
+        assert replayed[-1] == 1 and prov.cost._replay_fit.observed
 
 
 def test_ample_budget_skips_tracing_and_stays_exact() -> None:
@@ -679,24 +723,24 @@ def test_calm_forwards_go_untraced_and_an_unannounced_spike_is_offloaded_under_t
     prov = bagualu2.enable(model, budget=budget, min_bytes=0, margin=0.0)
     frames: List[bagualu2.activations.Frame] = []
     prov.runtime.frame_observer = frames.append
-    trace = [0.0, 0.0, 0.0, 0.0, 0.0, 2.6, 0.0, 0.0]
+    trace = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.6, 0.0, 0.0]
     for i, spike in enumerate(trace):
         ref, got = step(plain, i, spike), step(model, i, spike)
         assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
-    # Two profiling forwards, two recomputing all they can (the worst routing would not fit: the
-    # cost model measures replays), a calm one untraced, the spike untraced too (unannounced),
-    # and the forwards after it traced, ready to plan.
-    assert [f.traced for f in frames] == [True, True, True, True, False, False, True, True]
+    # Two profiling forwards, three recomputing all they can (the worst routing would not fit:
+    # the cost model measures replays), a calm one untraced, the spike untraced too
+    # (unannounced), and the forwards after it traced, ready to plan.
+    assert [f.traced for f in frames] == [True] * 5 + [False, False, True, True]
     mbs = prov.telemetry.micro_batches
     assert [m.traced for m in mbs] == [f.traced for f in frames]
-    assert [m.calibrating for m in mbs] == [False, False, True, True, False, False, False, False]
+    assert [m.calibrating for m in mbs] == [False, False, True, True, True, False, False, False, False]
     assert all(f.stats.bytes_by_choice["recompute"] > 0 and f.stats.bytes_by_choice["offload"] == 0
-               for f in frames[2:4])
-    assert prov.report()["traced_micro_batches"] == 6
-    spike = frames[5].stats
+               for f in frames[2:5])
+    assert prov.report()["traced_micro_batches"] == 7
+    spike = frames[6].stats
     assert spike.violations == 0 and spike.peak_resident <= budget
     assert spike.bytes_by_choice["offload"] > 0 and any("untraced" in f for f in spike.fallbacks)
-    assert frames[4].stats.bytes_by_choice["offload"] == 0
+    assert frames[5].stats.bytes_by_choice["offload"] == 0
     assert prov.report()["violations"] == 0 and prov.report()["resident_bytes"] == 0
     # Untraced forwards are predicted too (the high-water mark at the first gate).
     assert all(m.predicted_peak_bytes > 0 for m in mbs[1:] if not m.calibrating)
@@ -728,10 +772,10 @@ def test_without_a_copy_engine_only_the_worst_routing_makes_a_forward_calm() -> 
     prov.runtime.engine = None
     frames: List[bagualu2.activations.Frame] = []
     prov.runtime.frame_observer = frames.append
-    for i in range(6):
+    for i in range(7):
         step(model, i)
     assert all(f.traced for f in frames)
-    assert prov.report()["decisions"] >= 3 * 2  # frames 1, 4 and 5 decided at both gates (2, 3 measured replays)
+    assert prov.report()["decisions"] >= 3 * 2  # frames 1, 5 and 6 decided at both gates (2-4 measured replays)
 
 
 # -- cost model: what copies and recomputes really cost ------------------------------------------
@@ -1119,9 +1163,9 @@ def test_plans_pay_the_cost_a_micro_batch_s_first_offload_adds_once() -> None:
         step(model, i)
     keep_peak = max(m.peak_bytes for m in prov.telemetry.micro_batches)
     prov.budget = prov.runtime.budget_bytes = int(0.6 * keep_peak)
-    for i in (97, 98):  # recompute all they can: the cost model measures replays
-        step(model, i)
-    assert all(m.calibrating for m in prov.telemetry.micro_batches[-2:])
+    for i in range(prov.calibrate_frames):  # recompute all they can: the cost model measures replays
+        step(model, 96 + i)
+    assert all(m.calibrating for m in prov.telemetry.micro_batches[-3:])
     cost = prov.cost
     transfer = 1.0 / cost.d2h_bandwidth + 1.0 / cost.h2d_bandwidth
     for copies, nbytes in [(1, 10**6), (4, 10**5), (9, 3 * 10**6)]:
@@ -1205,11 +1249,12 @@ def test_runtime_measures_rebuilds_and_copies_and_the_provisioner_feeds_the_cost
 def test_cost_fit_reproduces_exact_costs_and_never_goes_negative(coef, obs, noise) -> None:
     from bagualu2.cost_model import _CostFit
 
-    exact, noisy, anchored = _CostFit(3), _CostFit(3), _CostFit(3, prior_sd=0.1)
+    exact, noisy, anchored, bucketed = _CostFit(3), _CostFit(3), _CostFit(3, prior_sd=0.1), _CostFit(3)
     floored, noisy_floored = _CostFit(3, prior_sd=0.1, floor=0.5), _CostFit(3, floor=0.5)
     for x, e in zip(obs, noise):
         y = sum(c * v for c, v in zip(coef, x))
         exact.add([(x, y)])
+        bucketed.add([(x, y)], [x[0]])
         anchored.add([(x, y)])
         floored.add([(x, y)])
         noisy.add([(x, y * (1 + e))])
@@ -1221,8 +1266,33 @@ def test_cost_fit_reproduces_exact_costs_and_never_goes_negative(coef, obs, nois
     # and with a floor the factor they were made with is above (at the floor itself, as at 0
     # without one, rounding can leave the exact fit's factor a hair below and out of reach).
     for x in obs:
-        for fit in (exact, anchored) + ((floored,) if coef[-1] >= 0.55 else ()):
+        for fit in (exact, anchored, bucketed) + ((floored,) if coef[-1] >= 0.55 else ()):
             assert sum(c * v for c, v in zip(fit.coef, x)) == pytest.approx(sum(c * v for c, v in zip(coef, x)), rel=1e-4)
+
+
+def test_cost_fit_forgets_only_the_buckets_a_batch_observes() -> None:
+    """Rebuilds of one op cost 20 us + 150 us each, and one of 128 ops 20 us per op + 150 us:
+    observed once, then 300 batches of one-op rebuilds alone (as budget plans replay) that
+    cannot tell the per-op part from the per-rebuild part. In one bucket the large rebuild is
+    forgotten (and predicted at 3.4x its cost); in buckets by size it stays known."""
+    from bagualu2.cost_model import _CostFit
+
+    def cost(ops: int, seconds: float) -> float:
+        return 20e-6 * ops + 150e-6 + seconds
+
+    large, small = (128.0, 1.0, 5e-3), (1.0, 1.0, 40e-6)
+    shared, bucketed = _CostFit(3, relative=False), _CostFit(3, relative=False)
+    for fit, buckets in ((shared, None), (bucketed, [8, 1])):
+        fit.add([(large, cost(128, 5e-3)), (small, cost(1, 40e-6))], buckets)
+        for i in range(300):
+            noisy = cost(1, 40e-6) * (1.2 if i % 2 else 0.8)  # one-op rebuilds alone, noisy
+            fit.add([((1.0, 1.0, 40e-6), noisy)], buckets and [1])
+
+    def predict(fit: _CostFit) -> float:
+        return sum(c * v for c, v in zip(fit.coef, large))
+
+    assert predict(bucketed) == pytest.approx(cost(128, 5e-3), rel=0.05)
+    assert abs(predict(shared) / cost(128, 5e-3) - 1) > 1.0
 
 
 def test_replay_factor_keeps_its_floor_when_cheap_rebuilds_measure_flat() -> None:
