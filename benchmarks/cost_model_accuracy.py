@@ -10,7 +10,7 @@
    cost model has learned from adaptive steps at every one of these budgets; and four static
    plans: everything offloaded, everything recomputable recomputed (what the provisioner's
    calibrating micro-batches do), and, never measured as such, only the experts' operators or
-   only the others recomputed), the predicted
+   only the others recomputed; and all-keep again, A/A, the measurement's own error), the predicted
    overhead (``Provisioner.predicted_overhead``) is compared with the measured step-time
    overhead over a (traced) all-keep plan on the same batch: the variants run interleaved, and
    the overhead is the median over ``--repeats`` rounds of the difference within a round (with
@@ -108,7 +108,7 @@ def median_ci(values: List[float], resamples: int = 2000, seed: int = 0) -> List
 
 def error_range(predicted: float, interval: List[float]) -> str:
     """The prediction's relative error against each end of the measurement's interval."""
-    if interval[0] <= 0:
+    if interval[0] <= 0 or predicted <= 0:
         return "-"
     return f"{(predicted - interval[1]) / interval[1]:+.0%}..{(predicted - interval[0]) / interval[0]:+.0%}"
 
@@ -119,7 +119,7 @@ def only(plan: "bagualu2.Plan", choice: "bagualu2.Choice") -> Dict[str, "bagualu
 
 
 def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[float], repeats: int,
-                  learn_steps: int) -> List[Dict]:
+                  learn_steps: int, recalibrate_every: int) -> List[Dict]:
     """Each plan against an all-keep plan on the same batch, the variants interleaved round-robin
     (one step of each per round, so machine drift hits them alike); the measured overhead is
     the median over rounds of (plan step - all-keep step) in the same round. The all-keep plan
@@ -127,10 +127,14 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     cost is measured against keeping in the same traced forward. The cost model keeps learning
     as in training, from one adaptive step per round (budgets in turn), and the prediction is
     the median over rounds of its prediction in that round: this machine's speed drifts by
-    tens of percent over minutes, so a model learned minutes before the measurement would be
-    judged against a different machine."""
+    tens of percent within seconds (the median all-keep step over 1.3 s windows ranged from 22
+    to 39 ms in three minutes), so a model learned minutes before the measurement would be
+    judged against a different machine. For the same reason the planner's provisioner
+    recalibrates (recomputes all it can) once every ``recalibrate_every`` adaptive steps: what
+    its budget plans never replay is measured over the same minutes as the plans. A second
+    all-keep variant (A/A) shows what the method measures where there is nothing to measure."""
     probe = copy.deepcopy(model)
-    planner_prov = bagualu2.enable(probe, budget=1 << 40, min_bytes=0)
+    planner_prov = bagualu2.enable(probe, budget=1 << 40, min_bytes=0, recalibrate_every=recalibrate_every)
     for i in range(planner_prov.profile_frames):
         run_step(probe, batch, 0.0, i)
     keep_peak = max(m.peak_bytes for m in planner_prov.telemetry.micro_batches)
@@ -161,7 +165,10 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
         plans.append(bagualu2.Plan({
             k: bagualu2.Choice.RECOMPUTE if op.recomputable and (op.layer is not None) == experts else bagualu2.Choice.KEEP
             for k, op in cost.ops.items()}))
-    labels += ["offload", "recompute", "rc experts", "rc others"]
+    # And all-keep again: its "overhead" over the first all-keep variant is the measurement's
+    # own error (two copies of the model, interleaved).
+    plans.append(bagualu2.Plan({}))
+    labels += ["offload", "recompute", "rc experts", "rc others", "A/A"]
     predictions: List[List[float]] = [[] for _ in plans]
     split: List[List[tuple]] = [[] for _ in plans]  # (rebuild, copy) predicted per round
     variants = []
@@ -226,7 +233,7 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
                      "measured_iqr_s": [q[0], q[2]], "measured_ci95_s": median_ci(diffs),
                      "all_keep_step_s": statistics.median(base),
                      "error": (pred - statistics.median(diffs)) / statistics.median(diffs)
-                     if statistics.median(diffs) > 0 else None})
+                     if statistics.median(diffs) > 0 and plan.choices else None})
     return rows, learned
 
 
@@ -240,6 +247,8 @@ def main() -> None:
                         help="model of the time accuracy (both with 4-way expert parallelism): the memory "
                              "part's (small: batch 4 x 64, a step of about 25 ms on 2 cpu cores) or the benchmark "
                              "size (bench: batch 8 x 256, about 0.4 s)")
+    parser.add_argument("--recalibrate-every", type=int, default=8,
+                        help="the planner's provisioner recomputes all it can once every this many adaptive steps")
     parser.add_argument("--out", default="cost_model_accuracy.json")
     args = parser.parse_args()
 
@@ -262,7 +271,8 @@ def main() -> None:
         torch.manual_seed(0)
         model = MoETransformer(MoEConfig.bench(ep_size=4))
         batches = list(synthetic_batches(model.cfg.vocab_size, 8, 256, seed=0, num_batches=1))
-    rows, learned = time_accuracy(model, batches[0], [0.8, 0.6, 0.4, 0.25], args.repeats, args.learn_steps)
+    rows, learned = time_accuracy(model, batches[0], [0.8, 0.6, 0.4, 0.25], args.repeats, args.learn_steps,
+                                   args.recalibrate_every)
     print(f"\n{'plan':>10}{'mix (keep/offload/recompute)':>30}{'released MiB':>14}{'predicted ms':>14}{'step delta ms':>15}"
           f"{'95% CI ms':>16}{'error':>8}{'error over CI':>16}{'rebuild+copy ms':>17}{'error':>8}")
     for r in rows:
