@@ -1172,8 +1172,9 @@ class ActivationRuntime:
     def take_op_replay_times(self) -> Dict[str, Tuple[float, int]]:
         """Per operator key (unsaved storages' included), since the last call: seconds backward
         spent replaying the op call that makes its storage (and the in-place ops on it), its
-        inputs already at hand, and how many times it did: what one replay of that op costs,
-        whatever rebuild it was part of."""
+        inputs already at hand, with the walk since the previous call, and how many times it
+        did; a rebuild's first call is not counted here (``Replayer``): what one replay of that
+        op inside a chain costs, whatever rebuild it was part of."""
         out = {k: (v[0], int(v[1])) for k, v in self._op_replays.items()}
         self._op_replays.clear()
         return out
