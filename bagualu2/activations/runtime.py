@@ -511,7 +511,7 @@ class ActivationRuntime:
         self.unpack_observer: Optional[Callable[[str], None]] = None
         # key -> [seconds, micro-batches, id of the last one's recompute cache] of backward rebuilds
         self._replays: Dict[str, List[Any]] = {}
-        self._op_replays: Dict[str, List[float]] = {}  # key -> [seconds, replays] of its own op (Replayer)
+        self._op_replays: Dict[str, List[float]] = {}  # key -> [seconds, timed, replays] of its op (Replayer)
         self._copies: List[Any] = [0.0, 0, 0]  # caller seconds, offloads, bytes (take_copy_times)
         self.backward_passes = 0  # backward passes that unpacked anything packed here
         self._last_task = -1
@@ -1169,13 +1169,15 @@ class ActivationRuntime:
         self._replays.clear()
         return out
 
-    def take_op_replay_times(self) -> Dict[str, Tuple[float, int]]:
+    def take_op_replay_times(self) -> Dict[str, Tuple[float, int, int]]:
         """Per operator key (unsaved storages' included), since the last call: seconds backward
-        spent replaying the op call that makes its storage (and the in-place ops on it), its
-        inputs already at hand, with the walk since the previous call, and how many times it
-        did; a rebuild's first call is not counted here (``Replayer``): what one replay of that
-        op inside a chain costs, whatever rebuild it was part of."""
-        out = {k: (v[0], int(v[1])) for k, v in self._op_replays.items()}
+        spent replaying the op call that makes its storage (and the in-place ops on it) inside
+        a chain, its inputs already at hand, with the walk since the previous call, how many
+        such replays it timed (a rebuild's first call is timed only in the rebuild's total:
+        ``Replayer``), and how many replays it made in all: what one replay of that op inside a
+        chain costs, whatever rebuild it was part of, and whether backward rebuilt a storage
+        more often than once per micro-batch."""
+        out = {k: (v[0], int(v[1]), int(v[2])) for k, v in self._op_replays.items()}
         self._op_replays.clear()
         return out
 

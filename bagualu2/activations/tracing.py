@@ -567,8 +567,8 @@ class Replayer:
     recursion. A storage ``source`` hands out is asked for once per replayer (one unpack). With
     ``times``, each storage's own replay (its op call and in-place ops, its inputs at hand, and
     the walk since the previous op call), but for the first of each rebuild, is timed into
-    ``times[key]``: [seconds, replays]; what ``source`` took to hand out offloaded storages
-    (reloads) is in ``reload_seconds``.
+    ``times[key]``: [seconds, timed replays, replays]; what ``source`` took to hand out
+    offloaded storages (reloads) is in ``reload_seconds``.
     """
 
     def __init__(self, source: Callable[[StorageNode, int], Optional[torch.UntypedStorage]],
@@ -620,10 +620,11 @@ class Replayer:
                     found = self._recompute(node, state)
                     if timed is not None:
                         now = time.perf_counter()
+                        entry = timed.setdefault(node.key, [0.0, 0, 0])
                         if not lead:
-                            entry = timed.setdefault(node.key, [0.0, 0])
                             entry[0] += now - mark - (self.reload_seconds - reloaded)
                             entry[1] += 1
+                        entry[2] += 1
                         mark, reloaded, lead = now, self.reload_seconds, False
                     node.cache.put(node.position, state, found)
                     self._found[(id(node), state)] = found
