@@ -25,30 +25,34 @@ What one op costs to replay is measured where it runs: backward times each repla
 inside a chain (from the previous call's end: its inputs at hand, its share of the walk;
 ``observe_op_replays``), and a rebuild is priced at its ops' replay seconds. A rebuild's first
 call, whose inputs were made before the rebuild, is timed only in the rebuild's total (alone it
-measured up to twice its time in a chain, on the reference model): what it costs beyond its
-time in a chain is part of entering a rebuild. A profiled forward's op times stand for them only until an op has been replayed (scaled
-by the median ratio of replay to profiled time over the ops replayed so far): on the reference
-model, the profiled times of the ops a recompute-everything plan replays summed to 0.56x to 2.0x
-what backward measured replaying them, from run to run (one forward's timings, on a shared
-2-core machine). The provisioner has the first micro-batches that may need a plan recompute
-everything they can, so that every op plans can release is measured before a plan relies on it
-(and, with ``recalibrate_every``, one in that many after them).
+measured up to twice its time in a chain, on the reference model): what it costs beyond its time
+in a chain is part of entering a rebuild. A profiled forward's op times stand for them only
+until an op has been replayed (scaled by the median ratio of replay to profiled time over the
+ops replayed so far): on the reference model, the profiled times of the ops a
+recompute-everything plan replays summed to 0.56x to 2.0x what backward measured replaying them,
+from run to run (one forward's timings, on a shared 2-core machine). The provisioner has the
+first micro-batches that may need a plan recompute everything they can, so that every op plans
+can release is measured before a plan relies on it (and, with ``recalibrate_every``, one in that
+many after them).
+
 What the backward pass pays beyond its ops is learned from the runtime's measurements of whole
 plans (``_CostFit``): rebuilds as a cost per micro-batch that rebuilds anything, a cost per
-rebuild backward enters, a cost per replayed op and a factor on the ops' replay time; offloads as a
-cost per micro-batch that offloads anything, a cost per offloaded storage (its
+rebuild backward enters, a cost per replayed op and a factor on the ops' replay time; offloads
+as a cost per micro-batch that offloads anything, a cost per offloaded storage (its
 training-thread work: store, fresh reload buffer, hooks) and a factor on the predicted copy
 time. The rebuild fit forgets per rebuild size (ops to a power of two): a batch of observations
 decays only the earlier ones of its sizes, so that the one-op rebuilds budget plans make every
-micro-batch do not erase the few large ones that tell the per-op part from the per-rebuild
-part. A backward that rebuilt a storage again (it could not keep it under the budget until
-read) is not learned from: the model prices one replay per op. A plan's recomputed keys fall into rebuilds: each key backward meets first (no other
-recomputed key reads it) enters one, and rebuilds inside it the recomputed keys and unsaved
-storages it reads. On top of the shared fit, each key that enters a rebuild learns its own
-correction for each rebuild size (the median ratio of what its rebuilds of that many op calls
-measured to what the current fit predicts for them): the same few ops cost very different
-amounts to replay in backward (an RMSNorm's ``* weight`` measured 60-150 us, an index_select
-pair 25-55 us, on similar profiled times).
+micro-batch do not erase the few large ones that tell the per-op part from the per-rebuild part.
+A backward that rebuilt a storage again (it could not keep it under the budget until read) is
+not learned from: the model prices one replay per op.
+
+A plan's recomputed keys fall into rebuilds: each key backward meets first (no other recomputed
+key reads it) enters one, and rebuilds inside it the recomputed keys and unsaved storages it
+reads. On top of the shared fit, each key that enters a rebuild learns its own correction for
+each rebuild size (the median ratio of what its rebuilds of that many op calls measured to what
+the current fit predicts for them): the same few ops cost very different amounts to replay in
+backward (an RMSNorm's ``* weight`` measured 60-150 us, an index_select pair 25-55 us, on
+similar profiled times).
 
 Overlap: offload traffic hides behind the forward compute that follows it, reload traffic
 behind backward compute (taken as twice the forward); during pipeline warm-up the forwards of
