@@ -120,8 +120,9 @@ def only(plan: "bagualu2.Plan", choice: "bagualu2.Choice") -> Dict[str, "bagualu
 
 def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[float], repeats: int,
                   learn_steps: int, recalibrate_every: int) -> List[Dict]:
-    """Each plan against an all-keep plan on the same batch, the variants interleaved round-robin
-    (one step of each per round, so machine drift hits them alike); the measured overhead is
+    """Each plan against an all-keep plan on the same batch, the variants interleaved (one step
+    of each per round, in an order drawn anew each round, so that machine drift and what the
+    step before leaves in caches hit them alike); the measured overhead is
     the median over rounds of (plan step - all-keep step) in the same round. The all-keep plan
     is traced like the plans (``policy={}``, where ``keep_all`` would skip tracing): a plan's
     cost is measured against keeping in the same traced forward. The cost model keeps learning
@@ -188,6 +189,7 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     for _, prov in variants:
         prov.runtime.take_replay_times()
         prov.runtime.take_copy_times()
+    order = random.Random(0)
     for r in range(repeats):
         planner_prov.budget = int(keep_peak * fractions[r % len(fractions)])
         planner_prov.runtime.budget_bytes = planner_prov.budget
@@ -196,7 +198,8 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
             out.append(planner_prov.predicted_overhead(plan, counts))
             parts.append(tuple(planner_prov.cost.plan_seconds(only(plan, choice), counts)
                                for choice in (bagualu2.Choice.RECOMPUTE, bagualu2.Choice.OFFLOAD)))
-        for (m, prov), out, mech in zip(variants, samples, mechanism):
+        for i in order.sample(range(len(variants)), len(variants)):  # each round in its own order
+            (m, prov), out, mech = variants[i], samples[i], mechanism[i]
             busy_before = busy(prov)
             start = time.perf_counter()
             run_step(m, batch, 0.0, r)
