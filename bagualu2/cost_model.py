@@ -77,9 +77,9 @@ SIZE = -1
 
 # A rebuild runs the ops it replays: its time per second of their replay time is taken to be 1,
 # give or take this, until the observed rebuilds tell otherwise (``_CostFit.prior_sd``). Their
-# replay times are backward's own measurements of them, so what they miss is left to the factor
-# only: an op's context (replayed alone, or inside a large rebuild that has just made its
-# inputs), which says nothing of other rebuilds' ops ...
+# replay times are backward's own measurements of them (in a chain: what a rebuild's first op
+# costs beyond that is the per-rebuild part's), so the factor has little left to explain and
+# what it learns from one plan's rebuilds says nothing of another's ops ...
 REPLAY_FACTOR_SD = 0.02
 # ... and never below this (``_CostFit.floor``): a rebuild's time holds its ops' replays, whose
 # times are measurements of the same ops, noisy but not by half. The rebuilds of cheap ops alone
@@ -349,6 +349,7 @@ class CostModel:
         self._replay_scale = (-1, 1.0)  # (len(_op_replays) it was taken at, the scale)
         self._first_only: set = set()  # calls whose fit holds only their first (cold) replays
         self._cold_calls: set = set()  # calls first replayed in the last observe_op_replays
+        self._most_replays = 0  # ... and the most replays of one call there
         self._busy_fit = _CostFit(2)
         self.order: List[str] = []           # keys in the order a micro-batch first saves them
         self.forward_seconds = 0.0           # measured forward time of one micro-batch
@@ -463,15 +464,19 @@ class CostModel:
                     seconds += self.op_replay_seconds(unsaved, counts)
         return ops, seconds
 
-    def observe_op_replays(self, times: Mapping[str, Tuple[float, int]], counts: Mapping[int, Sequence[int]]) -> None:
+    def observe_op_replays(self, times: Mapping[str, Tuple[float, int, int]],
+                           counts: Mapping[int, Sequence[int]]) -> None:
         """Learn what replaying each op costs in backward: ``times`` maps a key (of a saved or
-        unsaved storage) to (seconds, n): what its op call's ``n`` replays inside a chain took
-        (``ActivationRuntime.take_op_replay_times``). A call's first replays run cold (the
-        first allocations of their outputs in backward: on the cpu, up to 1.8x the next ones):
-        the next observation replaces them, and the rebuilds they were part of are not learned
-        from (``observe_replays`` after this call)."""
+        unsaved storage) to (seconds, n, replays): what its op call's ``n`` replays inside a
+        chain took, of ``replays`` in all (``ActivationRuntime.take_op_replay_times``). A
+        call's first replays run cold (the first allocations of their outputs in backward: on
+        the cpu, up to 1.8x the next ones): the next observation replaces them, and the
+        rebuilds they were part of are not learned from (``observe_replays`` after this call);
+        nor are any rebuilds of a backward that replayed a call more often than once per
+        micro-batch."""
         self._cold_calls = set()
-        for key, (seconds, n) in times.items():
+        self._most_replays = max((r for *_, r in times.values()), default=0)
+        for key, (seconds, n, _) in times.items():
             op = self.ops.get(key) or self.unsaved.get(key)
             if op is None or n <= 0:
                 continue
@@ -562,8 +567,14 @@ class CostModel:
         on the order backward unpacks, and each key's ``replay_ratio`` absorbs what stays
         systematic."""
         cold, self._cold_calls = self._cold_calls, set()
+        most, self._most_replays = self._most_replays, 0
         known = {k: v for k, v in replays.items() if k in self.ops and v[1] > 0}
-        if not known:
+        # A backward that could not keep what it rebuilt under the budget rebuilt it again (a
+        # call replayed more often than there were micro-batches): its rebuilds are not the
+        # ones priced here (each op once), and teach nothing of them. Recomputing all, under a
+        # quarter of the all-keep peak, replayed every op 9 times over and took 10x as long on
+        # the reference model.
+        if not known or most > max(n for _, n in known.values()):
             return
         rows, sizes = [], []  # sizes: the rebuilds' size classes (ops, to a power of two)
         for i, (entry, members, n_ops, seconds) in enumerate(self.rebuilds(known, counts)):

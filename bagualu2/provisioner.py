@@ -555,16 +555,10 @@ class Provisioner:
         # means would move a size-driven op's token count and bend its time's fit).
         routed = self._frame_counts or self.mean_counts()
         op_replays = self.runtime.take_op_replay_times()
-        timed = {k: (seconds, n) for k, (seconds, n, _) in op_replays.items() if n}
-        if timed:
-            self.cost.observe_op_replays(timed, routed)
+        if op_replays:
+            self.cost.observe_op_replays(op_replays, routed)
         replays = self.runtime.take_replay_times()
-        # A backward that could not keep what it rebuilt under the budget rebuilt it again
-        # (an op call replayed more often than there were micro-batches): its rebuilds are not
-        # the ones the cost model prices (each op once), and teach nothing of them.
-        # Recomputing all, under a quarter of the all-keep peak, replayed every op 9 times over
-        # and took 10x as long on the reference model.
-        if replays and max((r for _, _, r in op_replays.values()), default=0) <= max(n for _, n in replays.values()):
+        if replays:
             self.cost.observe_replays(replays, routed)
         seconds, copies, nbytes = self.runtime.take_copy_times()
         if self.engine is not None:  # ... and to offload and reload

@@ -620,7 +620,9 @@ class Replayer:
                     found = self._recompute(node, state)
                     if timed is not None:
                         now = time.perf_counter()
-                        entry = timed.setdefault(node.key, [0.0, 0, 0])
+                        entry = timed.get(node.key)
+                        if entry is None:
+                            entry = timed[node.key] = [0.0, 0, 0]
                         if not lead:
                             entry[0] += now - mark - (self.reload_seconds - reloaded)
                             entry[1] += 1
