@@ -1304,6 +1304,23 @@ def test_cost_fit_forgets_only_the_buckets_a_batch_observes() -> None:
     assert abs(predict(shared) / cost(128, 5e-3) - 1) > 1.0
 
 
+@pytest.mark.parametrize("spread", [0.2, 0.3])
+def test_relative_cost_fit_is_not_biased_low_by_noise(spread: float) -> None:
+    """Copy times of 1 ms + 2 ms per predicted ms, each observed low, on the mark and high by
+    ``spread`` in turn (mean on the mark), none forgotten. Weighed by the observed totals, the
+    fit would come out 5% (20% spread) to 12% (30%) low, as low totals weigh most; weighed by
+    the totals it expected, it stays on the mark."""
+    from bagualu2.cost_model import _CostFit
+
+    fit = _CostFit(2, memory=1.0)
+    for i in range(300):
+        predicted = (0.5e-3, 1e-3, 2e-3)[i % 3]
+        noise = (1 - spread, 1.0, 1 + spread)[i // 3 % 3]
+        fit.add([((1.0, predicted), (1e-3 + 2 * predicted) * noise)])
+    for predicted in (0.5e-3, 1e-3, 2e-3):
+        assert sum(c * v for c, v in zip(fit.coef, (1.0, predicted))) == pytest.approx(1e-3 + 2 * predicted, rel=0.02)
+
+
 def test_replay_factor_keeps_its_floor_when_cheap_rebuilds_measure_flat() -> None:
     """Rebuilds of cheap ops that all measured about 300 us whatever their profiled time (as
     elementwise ops and gathers did on the benchmark model): fitted freely, the factor on the
