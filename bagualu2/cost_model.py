@@ -36,15 +36,18 @@ can release is measured before a plan relies on it (and, with ``recalibrate_ever
 many after them).
 
 What the backward pass pays beyond its ops is learned from the runtime's measurements of whole
-plans (``_CostFit``): rebuilds as a cost per micro-batch that rebuilds anything, a cost per
-rebuild backward enters, a cost per replayed op and a factor on the ops' replay time; offloads
+plans (``_CostFit``): rebuilds as a cost per micro-batch that rebuilds anything (near 0 until
+rebuilds tell it apart from the others: ``REPLAY_FRAME_SD``), a cost per rebuild backward
+enters, a cost per replayed op and a factor on the ops' replay time; offloads
 as a cost per micro-batch that offloads anything, a cost per offloaded storage (its
 training-thread work: store, fresh reload buffer, hooks) and a factor on the predicted copy
 time. The rebuild fit forgets per rebuild size (ops to a power of two): a batch of observations
 decays only the earlier ones of its sizes, so that the one-op rebuilds budget plans make every
 micro-batch do not erase the few large ones that tell the per-op part from the per-rebuild part.
-A backward that rebuilt a storage again (it could not keep it under the budget until read) is
-not learned from: the model prices one replay per op.
+A rebuild that replayed an op call again (backward could not keep what it made under the
+budget until read) is not learned from: the model prices one replay per op. One that took more
+than ``OUTLIER_RATIO`` times the median of the same key's last rebuilds of its size counts as
+that much (a preempted thread).
 
 A plan's recomputed keys fall into rebuilds: each key backward meets first (no other recomputed
 key reads it) enters one, and rebuilds inside it the recomputed keys and unsaved storages it
@@ -87,6 +90,19 @@ REPLAY_FACTOR_SD = 0.02
 # model (0.4 s steps) such plans fitted it at 0.09 to 0.4 (against profiled op times), and a
 # plan recomputing every matmul was then predicted at 18% to 68% of its measured time.
 REPLAY_FACTOR_FLOOR = 0.5
+# The part of a rebuild's time paid once per micro-batch (landing in backward's first rebuild)
+# is taken to be 0 give or take this, until rebuilds tell it apart from the per-op and
+# per-rebuild parts (``_CostFit.zero_sd``). Recomputing everything, the first rebuild replays
+# nearly every op, and only the plans' small first rebuilds tell the parts apart: from
+# calibrations alone, the fit had put 2.6 ms per micro-batch (what the 147 ops cost beyond
+# their replay times) on every plan that rebuilds anything. Where plans told it apart on the
+# reference model it measured 50 to 180 us.
+REPLAY_FRAME_SD = 200e-6
+# A rebuild measured more than this many times the median of the same key's last rebuilds of
+# its size counts as that much (``observe_replays``): a preempted thread, a collection pause. On
+# the reference model, in 200 micro-batches, rebuilds of two ops that measured 0.14 to 0.5 ms
+# measured 4.0 and 9.4 ms once each; the least-squares fit would take each in full.
+OUTLIER_RATIO = 4.0
 
 
 @dataclass
@@ -174,20 +190,26 @@ class _CostFit:
     ``prior_sd`` squared. Exact observations are reproduced as without it; noisy ones whose
     predicted part is small next to the counted parts no longer bend the factor that larger
     observations will be predicted with. With ``floor``, the last coefficient stays
-    ``>= floor`` (the others ``>= 0``).
+    ``>= floor`` (the others ``>= 0``). With ``zero_sd``, each coefficient ``i`` in it is taken
+    to be 0 give or take ``zero_sd[i]`` in the same way: observations that cannot tell that
+    part from the others leave it near 0.
     """
 
-    __slots__ = ("coef", "memory", "relative", "prior_sd", "floor", "_buckets", "_subsets")
+    __slots__ = ("coef", "memory", "relative", "prior_sd", "floor", "zero_sd", "_buckets", "_subsets")
 
     def __init__(self, features: int, memory: float = 0.9, relative: bool = True,
-                 prior_sd: Optional[float] = None, floor: float = 0.0) -> None:
+                 prior_sd: Optional[float] = None, floor: float = 0.0,
+                 zero_sd: Optional[Mapping[int, float]] = None) -> None:
         if not 0.0 <= floor <= 1.0:
             raise ValueError(f"floor={floor} must be in [0, 1] (the last coefficient starts at 1)")
+        if zero_sd and not all(0 <= i < features - 1 and sd > 0 for i, sd in zero_sd.items()):
+            raise ValueError(f"zero_sd={zero_sd} must map coefficients before the last to sds > 0")
         self.coef = [0.0] * (features - 1) + [1.0]
         self.memory = memory
         self.relative = relative
         self.prior_sd = prior_sd
         self.floor = floor
+        self.zero_sd = dict(zero_sd or {})
         # bucket -> decayed weighted sums of x x^T, of x y, of y^2 and of the observations
         self._buckets: Dict[Any, Tuple[List[List[float]], List[float], List[float]]] = {}
         last = features - 1
@@ -238,15 +260,20 @@ class _CostFit:
         b = [sum_b[i] - floor * sum_a[i][last] for i in range(k)]
         c = sum_c - 2.0 * floor * sum_b[last] + floor * floor * sum_a[last][last]
         best = self._best(sum_a, b)
-        if best is not None and self.prior_sd:
+        if best is not None and (self.prior_sd or self.zero_sd):
             # residual sum of squares = c - theta^T b; per degree of freedom, the noise variance
             fitted = sum(1 for v in best[1] if v > 0)
             variance = max(0.0, c + best[0]) / max(1.0, observations - fitted)
-            ridge = variance / (self.prior_sd * self.prior_sd)
-            if ridge > 0:
+            if variance > 0:
                 a = [row[:] for row in sum_a]
-                a[last][last] += ridge  # + ridge * (coef[last] - 1)^2 in the objective
-                best = self._best(a, b[:last] + [b[last] + ridge * (1.0 - floor)]) or best
+                b = b[:]
+                if self.prior_sd:  # + ridge * (coef[last] - 1)^2 in the objective
+                    ridge = variance / (self.prior_sd * self.prior_sd)
+                    a[last][last] += ridge
+                    b[last] += ridge * (1.0 - floor)
+                for i, sd in self.zero_sd.items():  # + ridge * coef[i]^2
+                    a[i][i] += variance / (sd * sd)
+                best = self._best(a, b) or best
         if best is not None:
             self.coef = best[1][:last] + [best[1][last] + floor]
 
@@ -347,7 +374,8 @@ class CostModel:
         # Per rebuild: first of its micro-batch, replayed ops, 1, the ops' replay seconds ->
         # its seconds. A plan's recompute cost is a sum over its rebuilds, where the large ones
         # weigh most; each key's replay_ratio corrects the small ones.
-        self._replay_fit = _CostFit(4, relative=False, prior_sd=REPLAY_FACTOR_SD, floor=REPLAY_FACTOR_FLOOR)
+        self._replay_fit = _CostFit(4, relative=False, prior_sd=REPLAY_FACTOR_SD, floor=REPLAY_FACTOR_FLOOR,
+                                    zero_sd={0: REPLAY_FRAME_SD})
         self._replay_version = 0
         # Per micro-batch that offloads: 1, its offloads, their predicted copy seconds ->
         # training-thread seconds; 1, the engine's copy seconds of their bytes -> its workers'
@@ -358,7 +386,7 @@ class CostModel:
         self._replay_scale = (-1, 1.0)  # (len(_op_replays) it was taken at, the scale)
         self._first_only: set = set()  # calls whose fit holds only their first (cold) replays
         self._cold_calls: set = set()  # calls first replayed in the last observe_op_replays
-        self._most_replays = 0  # ... and the most replays of one call there
+        self._call_replays: Dict[str, int] = {}  # ... and each call's replays there
         self._busy_fit = _CostFit(2)
         self.order: List[str] = []           # keys in the order a micro-batch first saves them
         self.forward_seconds = 0.0           # measured forward time of one micro-batch
@@ -481,13 +509,15 @@ class CostModel:
         call's first replays run cold (the first allocations of their outputs in backward: on
         the cpu, up to 1.8x the next ones): the next observation replaces them, and the
         rebuilds they were part of are not learned from (``observe_replays`` after this call);
-        nor are any rebuilds of a backward that replayed a call more often than once per
-        micro-batch."""
+        nor are those that replayed a call more often than there were micro-batches."""
         self._cold_calls = set()
-        self._most_replays = max((r for *_, r in times.values()), default=0)
-        for key, (seconds, n, _) in times.items():
+        self._call_replays = {}
+        for key, (seconds, n, replays) in times.items():
             op = self.ops.get(key) or self.unsaved.get(key)
-            if op is None or n <= 0:
+            if op is None:
+                continue
+            self._call_replays[op.call] = self._call_replays.get(op.call, 0) + replays
+            if n <= 0:
                 continue
             fit = self._op_replays.get(op.call)
             if fit is None:
@@ -576,24 +606,31 @@ class CostModel:
         on the order backward unpacks, and each key's ``replay_ratio`` absorbs what stays
         systematic."""
         cold, self._cold_calls = self._cold_calls, set()
-        most, self._most_replays = self._most_replays, 0
+        call_replays, self._call_replays = self._call_replays, {}
         known = {k: v for k, v in replays.items() if k in self.ops and v[1] > 0}
-        # A backward that could not keep what it rebuilt under the budget rebuilt it again (a
-        # call replayed more often than there were micro-batches): its rebuilds are not the
-        # ones priced here (each op once), and teach nothing of them. Recomputing all, under a
-        # quarter of the all-keep peak, replayed every op 9 times over and took 10x as long on
-        # the reference model.
-        if not known or most > max(n for _, n in known.values()):
+        if not known:
             return
+        # Where backward could not keep what it rebuilt under the budget, it rebuilt it again
+        # (a call replayed more often than there were micro-batches): the rebuilds that
+        # replayed such a call are not the ones priced here (each op once), and teach nothing
+        # of them. Recomputing all, under a quarter of the all-keep peak, replayed every op 9
+        # times over and took 10x as long on the reference model; under 60%, the plans made
+        # there replayed 14 of their 28 op calls up to 7 times (3 of the 14 storages backward
+        # rebuilt found no room in the budget to be kept for their next reader).
+        micro_batches = max(n for _, n in known.values())
+        skip = cold | {call for call, n in call_replays.items() if n > micro_batches}
         rows, sizes = [], []  # sizes: the rebuilds' size classes (ops, to a power of two)
         for i, (entry, members, n_ops, seconds) in enumerate(self.rebuilds(known, counts)):
             measured = sum(known[k][0] / known[k][1] for k in members)
-            if measured <= 0 or (cold and self._replays_any(members, cold)):
+            if measured <= 0 or (skip and self._replays_any(members, skip)):
                 continue
             first = 1.0 if i == 0 else 0.0
+            samples = self.ops[entry].replays
+            alike = [m for m, f, n, _ in samples if n == n_ops and f == first]
+            if len(alike) >= 3:
+                measured = min(measured, OUTLIER_RATIO * statistics.median(alike))
             rows.append(((first, float(n_ops), 1.0, seconds), measured))
             sizes.append(n_ops.bit_length())
-            samples = self.ops[entry].replays
             samples.append((measured, first, n_ops, seconds))
             if len(samples) > 16:
                 del samples[0]
