@@ -6,15 +6,17 @@
    ledger's measured high-water mark is the ground truth. Reported: error per micro-batch, mean and max;
    and the same prediction with the later layers' real routing in place of the first layer's
    (which the first gate cannot know): the error of the bytes model alone.
-2. Time: for plans that release activations (``plan_for`` at tighter budgets, made once the
-   cost model has learned from adaptive steps at every one of these budgets; and four static
+2. Time: for plans that release activations (``plan_for`` at tighter budgets, each made by a
+   provisioner that has learned from adaptive steps under its budget; and four static
    plans: everything offloaded, everything recomputable recomputed (what the provisioner's
    calibrating micro-batches do), and, never measured as such, only the experts' operators or
-   only the others recomputed; and all-keep again, A/A, the measurement's own error), the predicted
+   only the others recomputed, priced by the loosest budget's provisioner; and all-keep again,
+   A/A, the measurement's own error), the predicted
    overhead (``Provisioner.predicted_overhead``) is compared with the measured step-time
-   overhead over a (traced) all-keep plan on the same batch: the variants run interleaved, and
-   the overhead is the median over ``--repeats`` rounds of the difference within a round (with
-   its 95% bootstrap interval: what the machine's noise leaves of the measurement). Also
+   overhead over a (traced) all-keep plan on the same batch: in each of ``--repeats`` rounds
+   every plan's step runs between two all-keep steps, and the overhead is the median over
+   rounds of the plan's step minus each of its neighbours (with its 95% bootstrap interval:
+   what the machine's noise leaves of the measurement). Also
    shown: the bytes each plan releases (as the cost model predicts them), and the seconds
    each plan's runtime measured rebuilding in backward, copying on the training thread, and
    copying on the copy engine's workers (the overhead's mechanism, without the step-to-step
@@ -99,10 +101,12 @@ def memory_accuracy(model: MoETransformer, batches: List[torch.Tensor], spikes: 
             "known_routing_max_abs_error": max(abs(r["error_known_routing"]) for r in rows)}
 
 
-def median_ci(values: List[float], resamples: int = 2000, seed: int = 0) -> List[float]:
-    """95% bootstrap confidence interval of the median of ``values``."""
+def median_ci(rounds: List[List[float]], resamples: int = 2000, seed: int = 0) -> List[float]:
+    """95% bootstrap confidence interval of the median of the values of all ``rounds``, the
+    rounds resampled (the values of one round are not independent of each other)."""
     rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    medians = sorted(statistics.median([v for r in rng.choices(rounds, k=len(rounds)) for v in r])
+                     for _ in range(resamples))
     return [medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]]
 
 
@@ -120,42 +124,49 @@ def only(plan: "bagualu2.Plan", choice: "bagualu2.Choice") -> Dict[str, "bagualu
 
 def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[float], repeats: int,
                   learn_steps: int, recalibrate_every: int) -> List[Dict]:
-    """Each plan against an all-keep plan on the same batch, the variants interleaved (one step
-    of each per round, in an order drawn anew each round, so that machine drift and what the
-    step before leaves in caches hit them alike); the measured overhead is
-    the median over rounds of (plan step - all-keep step) in the same round. The all-keep plan
+    """Each plan against an all-keep plan on the same batch: each round runs every plan's step
+    between two all-keep steps (the plans in an order drawn anew each round, so that what the
+    step before leaves in caches hits them alike), and the measured overhead is the median over
+    rounds of (plan step - all-keep step) for each of the two. A step is compared with its
+    neighbours because the machine drifts: on the reference model, the difference of two
+    identical steps spread 1.4x to 1.7x as far (median absolute deviation) five steps apart as
+    side by side, and a difference with the mean of both neighbours is skewed (the median of
+    X - (Y + Z) / 2 is not 0 for step times with a long tail). The all-keep plan
     is traced like the plans (``policy={}``, where ``keep_all`` would skip tracing): a plan's
-    cost is measured against keeping in the same traced forward. The cost model keeps learning
-    as in training, from one adaptive step per round (budgets in turn), and the prediction is
+    cost is measured against keeping in the same traced forward. Each budget's cost model keeps
+    learning as in training, from one adaptive step per round, and the prediction is
     the median over rounds of its prediction in that round: this machine's speed drifts by
     tens of percent within seconds (the median all-keep step over 1.3 s windows ranged from 22
     to 39 ms in three minutes), so a model learned minutes before the measurement would be
-    judged against a different machine. For the same reason the planner's provisioner
-    recalibrates (recomputes all it can) once every ``recalibrate_every`` adaptive steps: what
+    judged against a different machine. For the same reason the planners' provisioners
+    recalibrate (recompute all they can) once every ``recalibrate_every`` adaptive steps: what
     its budget plans never replay is measured over the same minutes as the plans. A second
     all-keep variant (A/A) shows what the method measures where there is nothing to measure."""
-    probe = copy.deepcopy(model)
-    planner_prov = bagualu2.enable(probe, budget=1 << 40, min_bytes=0, recalibrate_every=recalibrate_every)
-    for i in range(planner_prov.profile_frames):
-        run_step(probe, batch, 0.0, i)
-    keep_peak = max(m.peak_bytes for m in planner_prov.telemetry.micro_batches)
-    counts = planner_prov.mean_counts()
-    # Adaptive steps under each budget first: the cost model learns from the backward passes
-    # what recomputes and copies really cost, as it does in training through varying loads.
+    # One provisioner per budget, learning under it as in training (where the budget is fixed):
+    # from adaptive steps first, then from one step per round. (A model learned under the
+    # budgets in turn is not one a training run has: each of its calibrations ran under
+    # whichever budget came up, and under the tighter ones backward cannot keep all it
+    # rebuilds until read.)
+    planners = []
     for fraction in fractions:
-        planner_prov.budget = int(keep_peak * fraction)
-        planner_prov.runtime.budget_bytes = planner_prov.budget
+        probe = copy.deepcopy(model)
+        planners.append(bagualu2.enable(probe, budget=1 << 40, min_bytes=0, recalibrate_every=recalibrate_every))
+        for i in range(planners[-1].profile_frames):
+            run_step(probe, batch, 0.0, i)
+    keep_peak = max(m.peak_bytes for m in planners[0].telemetry.micro_batches)
+    counts = planners[0].mean_counts()
+    for fraction, prov in zip(fractions, planners):
+        prov.budget = prov.runtime.budget_bytes = int(keep_peak * fraction)
         for i in range(learn_steps):
-            run_step(probe, batch, 0.0, 100 + i)
-    plans = []
-    labels = []
-    for fraction in fractions:
-        planner_prov.budget = int(keep_peak * fraction)
-        plans.append(planner_prov.plan_for(counts))
-        labels.append(f"{fraction:.0%}")
+            run_step(prov.model, batch, 0.0, 100 + i)
+    plans = [prov.plan_for(counts) for prov in planners]
+    labels = [f"{fraction:.0%}" for fraction in fractions]
+    # The static plans are priced by the provisioner under the loosest budget, whose
+    # calibrations (recomputing all) keep what they rebuild, as the plans do without a budget.
+    predictors = planners + [planners[0]] * 5
     # Two static plans at the ends of the space: every operator offloaded; every recomputable
     # one recomputed (the rest kept).
-    cost = planner_prov.cost
+    cost = planners[0].cost
     plans.append(bagualu2.Plan({k: bagualu2.Choice.OFFLOAD for k in cost.ops}))
     plans.append(bagualu2.Plan({k: bagualu2.Choice.RECOMPUTE if op.recomputable else bagualu2.Choice.KEEP
                                 for k, op in cost.ops.items()}))
@@ -167,7 +178,7 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
             k: bagualu2.Choice.RECOMPUTE if op.recomputable and (op.layer is not None) == experts else bagualu2.Choice.KEEP
             for k, op in cost.ops.items()}))
     # And all-keep again: its "overhead" over the first all-keep variant is the measurement's
-    # own error (two copies of the model, interleaved).
+    # own error (two copies of the model, measured alike).
     plans.append(bagualu2.Plan({}))
     labels += ["offload", "recompute", "rc experts", "rc others", "A/A"]
     predictions: List[List[float]] = [[] for _ in plans]
@@ -178,7 +189,9 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
         prov = bagualu2.enable(m, budget=None, policy=policy, min_bytes=0)
         run_step(m, batch, 0.0, 0)  # warm-up
         variants.append((m, prov))
-    samples: List[List[float]] = [[] for _ in variants]
+    base: List[float] = []  # all-keep step seconds
+    # per plan, per round: its step minus the all-keep step before it, and minus the one after
+    deltas: List[List[List[float]]] = [[] for _ in plans]
     mechanism: List[List[tuple]] = [[] for _ in variants]  # (rebuild, copy, workers' busy) seconds per step
 
     def busy(prov: "bagualu2.Provisioner") -> float:
@@ -191,34 +204,39 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
         prov.runtime.take_copy_times()
     order = random.Random(0)
     for r in range(repeats):
-        planner_prov.budget = int(keep_peak * fractions[r % len(fractions)])
-        planner_prov.runtime.budget_bytes = planner_prov.budget
-        run_step(probe, batch, 0.0, 200 + r)
-        for plan, out, parts in zip(plans, predictions, split):
-            out.append(planner_prov.predicted_overhead(plan, counts))
-            parts.append(tuple(planner_prov.cost.plan_seconds(only(plan, choice), counts)
+        for prov in planners:
+            run_step(prov.model, batch, 0.0, 200 + r)
+        for plan, prov, out, parts in zip(plans, predictors, predictions, split):
+            out.append(prov.predicted_overhead(plan, counts))
+            parts.append(tuple(prov.cost.plan_seconds(only(plan, choice), counts)
                                for choice in (bagualu2.Choice.RECOMPUTE, bagualu2.Choice.OFFLOAD)))
-        for i in order.sample(range(len(variants)), len(variants)):  # each round in its own order
-            (m, prov), out, mech = variants[i], samples[i], mechanism[i]
+        # The plans in an order drawn anew each round, each between two all-keep steps.
+        sequence = [0]
+        for i in order.sample(range(1, len(variants)), len(variants) - 1):
+            sequence += [i, 0]
+        seconds = []
+        for i in sequence:
+            (m, prov), mech = variants[i], mechanism[i]
             busy_before = busy(prov)
             start = time.perf_counter()
             run_step(m, batch, 0.0, r)
-            out.append(time.perf_counter() - start)
+            seconds.append(time.perf_counter() - start)
             mech.append((sum(s for s, _ in prov.runtime.take_replay_times().values()),
                          prov.runtime.take_copy_times()[0], busy(prov) - busy_before))
+        base.extend(seconds[0::2])
+        for j in range(1, len(sequence), 2):
+            deltas[sequence[j] - 1].append([seconds[j] - seconds[j - 1], seconds[j] - seconds[j + 1]])
     for _, prov in variants:
         prov.disable()
-    learned = {"replay_frame_s": cost.replay_frame_s, "replay_fixed_s": cost.replay_fixed_s,
-               "replay_entry_s": cost.replay_entry_s, "replay_factor": cost.replay_factor,
-               "copy_frame_s": cost.copy_frame_s, "copy_overhead_s": cost.copy_overhead_s,
-               "copy_factor": cost.copy_factor, "busy_factor": cost.busy_factor}
-    base = samples[0]
+    learned = {label: {name: getattr(prov.cost, name) for name in (
+        "replay_frame_s", "replay_fixed_s", "replay_entry_s", "replay_factor", "copy_frame_s",
+        "copy_overhead_s", "copy_factor", "busy_factor")} for label, prov in zip(labels, planners)}
     cpu = variants[0][1].device.type == "cpu"  # where the cost model charges the copy threads' busy time too
     rows = []
-    for label, plan, preds, parts, steps, mech_parts in zip(labels, plans, predictions, split, samples[1:],
-                                                               mechanism[1:]):
+    for label, plan, preds, parts, rounds, mech_parts in zip(labels, plans, predictions, split, deltas,
+                                                                mechanism[1:]):
         pred = statistics.median(preds)
-        diffs = [a - b for a, b in zip(steps, base)]
+        diffs = [d for pair in rounds for d in pair]
         q = statistics.quantiles(diffs, n=4)
         mech = [a + b + (w if cpu else 0.0) for a, b, w in mech_parts]
         released = sum(cost.predict_bytes(k, counts) for k, c in plan.choices.items() if c != bagualu2.Choice.KEEP)
@@ -233,7 +251,7 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
                      "measured_workers_busy_s": statistics.median(m[2] for m in mech_parts),
                      "mechanism_error": (pred - statistics.median(mech)) / statistics.median(mech)
                      if statistics.median(mech) > 0 else None,
-                     "measured_iqr_s": [q[0], q[2]], "measured_ci95_s": median_ci(diffs),
+                     "measured_iqr_s": [q[0], q[2]], "measured_ci95_s": median_ci(rounds),
                      "all_keep_step_s": statistics.median(base),
                      "error": (pred - statistics.median(diffs)) / statistics.median(diffs)
                      if statistics.median(diffs) > 0 and plan.choices else None})
@@ -243,7 +261,7 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--micro-batches", type=int, default=40)
-    parser.add_argument("--repeats", type=int, default=300, help="interleaved rounds for the time accuracy")
+    parser.add_argument("--repeats", type=int, default=300, help="rounds of the time accuracy (one step of each plan, between all-keep steps)")
     parser.add_argument("--learn-steps", type=int, default=8,
                         help="adaptive steps at each budget from which the cost model learns before planning")
     parser.add_argument("--time-config", default="small", choices=["small", "bench"],
@@ -251,7 +269,7 @@ def main() -> None:
                              "part's (small: batch 4 x 64, a step of about 25 ms on 2 cpu cores) or the benchmark "
                              "size (bench: batch 8 x 256, about 0.4 s)")
     parser.add_argument("--recalibrate-every", type=int, default=8,
-                        help="the planner's provisioner recomputes all it can once every this many adaptive steps")
+                        help="each budget's provisioner recomputes all it can once every this many adaptive steps")
     parser.add_argument("--out", default="cost_model_accuracy.json")
     args = parser.parse_args()
 
@@ -294,12 +312,13 @@ def main() -> None:
               f"{r['predicted_copy_s'] * 1e3:>20.2f}{r['measured_copy_s'] * 1e3:>10.2f}"
               f"{r['measured_workers_busy_s'] * 1e3:>17.2f}")
     print(f"(all-keep step {rows[0]['all_keep_step_s'] * 1e3:.1f} ms, traced; step delta = median over "
-          f"{args.repeats} interleaved rounds of the plan's step minus the all-keep plan's, with the 95% "
+          f"{args.repeats} rounds of the plan's step minus each all-keep step beside it, with the 95% "
           f"bootstrap interval of that median and the prediction's error at its ends; rebuild+copy = "
           f"median per step of the seconds the plan's runtime measured rebuilding and copying, the "
           f"copy threads' busy time included on the cpu)")
-    print("cost model at the end: " + ", ".join(
-        f"{k} {v * 1e6:.1f} us" if k.endswith("_s") else f"{k} {v:.3f}" for k, v in learned.items()))
+    for budget, fit in learned.items():
+        print(f"cost model at the end, under {budget}: " + ", ".join(
+            f"{k} {v * 1e6:.1f} us" if k.endswith("_s") else f"{k} {v:.3f}" for k, v in fit.items()))
     with open(args.out, "w") as f:
         json.dump({"memory": mem, "time_config": args.time_config, "time": rows, "learned": learned}, f, indent=2)
     print(f"wrote {args.out}")
