@@ -7,7 +7,7 @@ import io
 import json
 import statistics
 import warnings
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import pytest
 import torch
