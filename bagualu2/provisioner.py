@@ -240,6 +240,7 @@ class Provisioner:
         self._static: Optional[Dict[str, Choice]] = None
         self._calibrating: set = set()  # the micro-batches in flight that recompute all they can
         self._calibrations = 0  # micro-batches that did so
+        self._last_plan: Optional[Plan] = None  # what the last micro-batch that planned ran
         self._since_calibration = 0  # micro-batches that may have to release since the last one
         if isinstance(policy, Plan):
             self._static = dict(policy.choices)
@@ -351,6 +352,14 @@ class Provisioner:
         offload_window, reload_window = self._windows(1.0)
         return self.planner.solve(candidates, total - int(self.budget * (1.0 - self.margin)),
                                   offload_window, reload_window, self.cost.copy_frame_s)
+
+    @property
+    def last_plan(self) -> Optional[Plan]:
+        """The plan the last adaptive micro-batch that planned ran with: each operator's choice
+        as its gates left it (an operator not in it was kept), without what the runtime
+        released beyond it to stay under the budget. None before any; profiling, calibrating
+        and untraced (calm) micro-batches do not plan."""
+        return self._last_plan
 
     def predicted_overhead(self, plan: Plan, counts: Mapping[int, Sequence[int]]) -> float:
         """The cost model's step-time overhead of a whole micro-batch under ``plan`` (seconds):
@@ -619,6 +628,8 @@ class Provisioner:
             calibrating=not conservative and frame.index in self._calibrating,
             room_made_bytes=frame.stats.room_made_bytes,
         ))
+        if self.policy == "adaptive" and frame.traced and not frame.profile and frame.index not in self._calibrating:
+            self._last_plan = Plan(dict(frame.choices))
         self._calibrating.discard(frame.index)
         return out
 

@@ -696,6 +696,25 @@ def test_rebuilds_that_replayed_a_call_again_to_stay_under_the_budget_teach_the_
         assert not repeated and clean == set(warm["entered"]) and cost._replay_fit.observed
 
 
+def test_last_plan_is_what_the_last_planning_micro_batch_ran() -> None:
+    """The plan an adaptive micro-batch's gates left, run again as a static plan on the same
+    batch, releases the same bytes by the same choices. Before any micro-batch planned (the
+    profiling and calibrating ones do not), there is none."""
+    model = make_model(ep_size=4)
+    prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.6), min_bytes=0, calibrate_frames=2)
+    for i in range(prov.profile_frames + prov.calibrate_frames):
+        step(model, i)
+        assert prov.last_plan is None
+    step(model, 7)
+    planned = prov.telemetry.micro_batches[-1]
+    plan = prov.last_plan
+    assert plan is not None and planned.room_made_bytes == 0
+    assert any(c != bagualu2.Choice.KEEP for c in plan.choices.values())
+    again = bagualu2.enable(make_model(ep_size=4), budget=None, policy=plan, min_bytes=0)
+    step(again.model, 7)
+    assert again.telemetry.micro_batches[-1].bytes_by_choice == planned.bytes_by_choice
+
+
 def test_ample_budget_skips_tracing_and_stays_exact() -> None:
     """Invariant 5: with a budget no routing can exceed, the plan is all-keep and untraced."""
     model = make_model(ep_size=4)
