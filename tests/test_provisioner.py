@@ -698,8 +698,9 @@ def test_rebuilds_that_replayed_a_call_again_to_stay_under_the_budget_teach_the_
 
 def test_last_plan_is_what_the_last_planning_micro_batch_ran() -> None:
     """The plan an adaptive micro-batch's gates left, run again as a static plan on the same
-    batch, releases the same bytes by the same choices. Before any micro-batch planned (the
-    profiling and calibrating ones do not), there is none."""
+    batch, recomputes the same bytes and offloads what it offloaded but the storages the
+    runtime offloaded beyond the plan to stay under the budget (its fallbacks). Before any
+    micro-batch planned (the profiling and calibrating ones do not), there is none."""
     model = make_model(ep_size=4)
     prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.6), min_bytes=0, calibrate_frames=2)
     for i in range(prov.profile_frames + prov.calibrate_frames):
@@ -712,7 +713,11 @@ def test_last_plan_is_what_the_last_planning_micro_batch_ran() -> None:
     assert any(c != bagualu2.Choice.KEEP for c in plan.choices.values())
     again = bagualu2.enable(make_model(ep_size=4), budget=None, policy=plan, min_bytes=0)
     step(again.model, 7)
-    assert again.telemetry.micro_batches[-1].bytes_by_choice == planned.bytes_by_choice
+    got, ran = again.telemetry.micro_batches[-1].bytes_by_choice, planned.bytes_by_choice
+    assert got["recompute"] == ran["recompute"] and sum(got.values()) == sum(ran.values())
+    assert got["offload"] <= ran["offload"]
+    if planned.fallbacks == 0:
+        assert got == ran
 
 
 def test_ample_budget_skips_tracing_and_stays_exact() -> None:
