@@ -240,7 +240,7 @@ class Provisioner:
         self._static: Optional[Dict[str, Choice]] = None
         self._calibrating: set = set()  # the micro-batches in flight that recompute all they can
         self._calibrations = 0  # micro-batches that did so
-        self._last_plan: Optional[Plan] = None  # what the last micro-batch that planned ran
+        self._last_choices: Optional[Dict[str, Choice]] = None  # what the last one that planned ran
         self._since_calibration = 0  # micro-batches that may have to release since the last one
         if isinstance(policy, Plan):
             self._static = dict(policy.choices)
@@ -359,7 +359,7 @@ class Provisioner:
         as its gates left it (an operator not in it was kept), without what the runtime
         released beyond it to stay under the budget. None before any; profiling, calibrating
         and untraced (calm) micro-batches do not plan."""
-        return self._last_plan
+        return None if self._last_choices is None else Plan(dict(self._last_choices))
 
     def predicted_overhead(self, plan: Plan, counts: Mapping[int, Sequence[int]]) -> float:
         """The cost model's step-time overhead of a whole micro-batch under ``plan`` (seconds):
@@ -629,7 +629,7 @@ class Provisioner:
             room_made_bytes=frame.stats.room_made_bytes,
         ))
         if self.policy == "adaptive" and frame.traced and not frame.profile and frame.index not in self._calibrating:
-            self._last_plan = Plan(dict(frame.choices))
+            self._last_choices = frame.choices  # the frame's, which its forward is done with
         self._calibrating.discard(frame.index)
         return out
 

@@ -157,18 +157,18 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     counts = planners[0].mean_counts()
     for fraction, prov in zip(fractions, planners):
         prov.budget = prov.runtime.budget_bytes = int(keep_peak * fraction)
-        for i in range(learn_steps):
-            run_step(prov.model, batch, 0.0, 100 + i)
-        while prov.telemetry.micro_batches[-1].calibrating:
-            run_step(prov.model, batch, 0.0, 100 + i)
+        seed = 100
+        while seed < 100 + learn_steps or prov.telemetry.micro_batches[-1].calibrating:
+            run_step(prov.model, batch, 0.0, seed)
+            seed += 1
+        if prov.last_plan is None:
+            raise RuntimeError(f"the provisioner under {fraction:.0%} of the all-keep peak never planned: "
+                               f"its micro-batches were all calm; pass a tighter fraction")
     # Each budget's plan is the one its provisioner's gates made last (not ``plan_for``, which
     # plans the whole micro-batch at once and can differ: at 80% it recomputed 9 operators
     # where the gates offloaded 8, a plan the provisioner never ran).
     plans = [prov.last_plan for prov in planners]
     labels = [f"{fraction:.0%}" for fraction in fractions]
-    # The static plans are priced by the provisioner under the loosest budget, whose
-    # calibrations (recomputing all) keep what they rebuild, as the plans do without a budget.
-    predictors = planners + [planners[0]] * 5
     # Two static plans at the ends of the space: every operator offloaded; every recomputable
     # one recomputed (the rest kept).
     cost = planners[0].cost
@@ -186,6 +186,9 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     # own error (two copies of the model, measured alike).
     plans.append(bagualu2.Plan({}))
     labels += ["offload", "recompute", "rc experts", "rc others", "A/A"]
+    # The static plans are priced by the provisioner under the loosest budget, whose
+    # calibrations (recomputing all) keep what they rebuild, as the plans do without a budget.
+    predictors = planners + [planners[0]] * (len(plans) - len(planners))
     predictions: List[List[float]] = [[] for _ in plans]
     split: List[List[tuple]] = [[] for _ in plans]  # (rebuild, copy) predicted per round
     variants = []
