@@ -5,7 +5,9 @@ so a test can hold a producer or consumer "in flight" with a HostFence, determin
 """
 from __future__ import annotations
 
+import os
 import random
+import sys
 import threading
 
 import pytest
@@ -271,6 +273,26 @@ def test_stats_count_bytes_and_copies_per_direction(engine):
     assert s["d2h_GBps"] == pytest.approx(s["d2h_bytes"] / s["d2h_busy_s"] / 1e9)
     engine.reset_stats()
     assert engine.stats()["d2h_bytes"] == 0
+
+
+# -- cpu backend: copy threads ---------------------------------------------------------------
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names and SCHED_IDLE are Linux's")
+def test_cpu_copy_threads_run_at_idle_priority(engine):
+    """The cpu backend's copy threads take only cycles compute leaves (csrc/gpu/cpu_backend.cpp):
+    what copies cost then lands on the thread that waits for them, where it is measured."""
+    src = rand_bytes(3 * MiB)  # above the inline and pooled-copy sizes: the stream and pool threads copy
+    engine.offload(src.data_ptr(), src.numel(), 0).wait()
+    copy_threads = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                if f.read().strip() == "bagualu2-copy":
+                    copy_threads.append(int(task))
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+    assert len(copy_threads) >= 2  # the engine's two streams, and the pool's on more than one core
+    assert {os.sched_getscheduler(tid) for tid in copy_threads} == {os.SCHED_IDLE}
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the calling thread keeps its priority
 
 
 # -- concurrency -------------------------------------------------------------------------------
