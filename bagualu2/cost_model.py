@@ -352,9 +352,10 @@ class CostModel:
         d2h_bandwidth, h2d_bandwidth: copy engine bandwidth in bytes per second.
         copy_fixed_s: (offload, reload) seconds every copy costs besides its bytes (submission,
             the reload's fresh device buffer, the wait).
-        copies_overlap: whether copies run beside compute (a GPU's copy engines). On the cpu
-            backend the copy threads share the cores with compute: copy time is never hidden,
-            and the copy windows are zero.
+        copies_overlap: whether copy time hides behind the compute after it, up to the copy
+            windows (a GPU's copy engines). The cpu backend's copy threads run at the OS's idle
+            priority beside compute: what a copy costs there is what the training thread waits
+            for it, measured as such, and the windows are zero.
     """
 
     def __init__(self, expert_prefixes: Mapping[int, str], d2h_bandwidth: float = 10e9,
@@ -378,8 +379,7 @@ class CostModel:
                                     zero_sd={0: REPLAY_FRAME_SD})
         self._replay_version = 0
         # Per micro-batch that offloads: 1, its offloads, their predicted copy seconds ->
-        # training-thread seconds; 1, the engine's copy seconds of their bytes -> its workers'
-        # busy seconds.
+        # training-thread seconds.
         self._copy_fit = _CostFit(3)
         # op call -> its replay's seconds in backward, timed by the runtime's replays
         self._op_replays: Dict[str, _Fit] = {}
@@ -387,7 +387,6 @@ class CostModel:
         self._first_only: set = set()  # calls whose fit holds only their first (cold) replays
         self._cold_calls: set = set()  # calls first replayed in the last observe_op_replays
         self._call_replays: Dict[str, int] = {}  # ... and each call's replays there
-        self._busy_fit = _CostFit(2)
         self.order: List[str] = []           # keys in the order a micro-batch first saves them
         self.forward_seconds = 0.0           # measured forward time of one micro-batch
         self.frames = 0
@@ -666,33 +665,28 @@ class CostModel:
         """Learned backward rebuild seconds per second of its ops' replay time."""
         return self._replay_fit.coef[3]
 
-    def observe_copies(self, seconds: float, copies: int, nbytes: int, busy_s: float = 0.0) -> None:
+    def observe_copies(self, seconds: float, copies: int, nbytes: int) -> None:
         """Learn what one micro-batch's offloads cost: ``seconds`` the training thread spent on
-        them (submitting, waiting for copies and for room) for ``copies`` offloads (each with
-        its reload) of ``nbytes`` in all: ``seconds = copy_frame_s + copies * copy_overhead_s +
-        copy_factor * predicted copy time`` (``_CostFit``). A copy's own work on the training
-        thread (its store, the reload's fresh buffer, the hooks) does not scale with its bytes;
-        what its bytes cost depends on how much of the copy the thread waits for; and a
-        micro-batch that offloads anything pays a part once (on a 2-core cpu, micro-batches
-        of 3 to 66 offloads measured 0.35 ms plus 35 us per offload). ``busy_s`` is what the
-        engine's workers spent copying: where copies do not run beside compute
-        (``copies_overlap`` false: the cpu backend's copy threads take cores the compute
-        uses), the step pays it too. It is fitted on its own, to the bytes (a part per
-        micro-batch and ``busy_factor`` x their copy time at the engine's bandwidth): the
-        workers' time follows the bytes, the training thread's mostly the number of copies,
-        and one fit of both would confuse the two whenever the plans it learned from offload
-        copies of one size."""
+        them (submitting, settling completed copies, waiting for copies and for room) for
+        ``copies`` offloads (each with its reload) of ``nbytes`` in all: ``seconds =
+        copy_frame_s + copies * copy_overhead_s + copy_factor * predicted copy time``
+        (``_CostFit``). A copy's own work on the training thread (its store, the reload's fresh
+        buffer, the hooks) does not scale with its bytes; what its bytes cost depends on how
+        much of the copy the thread waits for; and a micro-batch that offloads anything pays a
+        part once (on a 2-core cpu, micro-batches of 3 to 66 offloads measured 0.35 ms plus
+        35 us per offload). The copy engine's own busy time is not a cost: a GPU's copy
+        engines run beside compute, and the cpu backend's copy threads at idle priority take
+        only cycles compute leaves, so the step pays a copy where the thread waits for it
+        (on the reference model, offloading everything: a step delta within 3-10% of these
+        seconds)."""
         transfer = nbytes / self.d2h_bandwidth + nbytes / self.h2d_bandwidth
         self._copy_fit.add([((1.0, float(copies), copies * (self.copy_fixed_s[0] + self.copy_fixed_s[1]) + transfer),
                              seconds)])
-        if not self.copies_overlap:
-            self._busy_fit.add([((1.0, transfer), busy_s)])
 
     @property
     def copy_frame_s(self) -> float:
-        """Learned seconds per micro-batch that offloads anything: on the training thread, and
-        of the engine's workers where copies do not run beside compute."""
-        return self._copy_fit.coef[0] + (0.0 if self.copies_overlap else self._busy_fit.coef[0])
+        """Learned training-thread seconds per micro-batch that offloads anything."""
+        return self._copy_fit.coef[0]
 
     @property
     def copy_overhead_s(self) -> float:
@@ -703,13 +697,6 @@ class CostModel:
     def copy_factor(self) -> float:
         """Learned seconds per second of copy time predicted from the engine's bandwidth."""
         return self._copy_fit.coef[2]
-
-    @property
-    def busy_factor(self) -> float:
-        """Learned busy seconds of the engine's workers per second of copy time at its
-        bandwidth; counted in a copy's cost where copies do not run beside compute (0 until
-        measured there)."""
-        return 0.0 if self.copies_overlap or not self._busy_fit.observed else self._busy_fit.coef[1]
 
     def recompute_seconds(self, key: str, counts: Mapping[int, Sequence[int]]) -> float:
         """Predicted backward cost of recomputing ``key`` alone: the learned ``replay_entry_s``
@@ -725,13 +712,11 @@ class CostModel:
 
     def offload_seconds(self, nbytes: int) -> float:
         """Predicted cost of offloading ``nbytes`` (one copy)."""
-        return (0.5 * self.copy_overhead_s + self.copy_factor * (self.copy_fixed_s[0] + nbytes / self.d2h_bandwidth)
-                + self.busy_factor * nbytes / self.d2h_bandwidth)
+        return 0.5 * self.copy_overhead_s + self.copy_factor * (self.copy_fixed_s[0] + nbytes / self.d2h_bandwidth)
 
     def reload_seconds(self, nbytes: int) -> float:
         """Predicted cost of reloading ``nbytes`` (one copy)."""
-        return (0.5 * self.copy_overhead_s + self.copy_factor * (self.copy_fixed_s[1] + nbytes / self.h2d_bandwidth)
-                + self.busy_factor * nbytes / self.h2d_bandwidth)
+        return 0.5 * self.copy_overhead_s + self.copy_factor * (self.copy_fixed_s[1] + nbytes / self.h2d_bandwidth)
 
     def plan_seconds(self, choices: Mapping[str, Any], counts: Mapping[int, Sequence[int]],
                      offload_window: float = 0.0, reload_window: float = 0.0) -> float:

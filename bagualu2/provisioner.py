@@ -181,9 +181,6 @@ class Provisioner:
         self.telemetry = Telemetry(Path(telemetry_path) if telemetry_path else None)
         self.engine = engine if engine is not None else self._make_engine(arena_bytes, arena_max_bytes)
         self._arena_chosen = engine is not None or arena_bytes is not None  # _reserve_arena leaves it
-        self._busy_total = 0.0  # the engine's busy seconds when last read (_engine_busy_s)
-        if self.engine is not None:
-            self._engine_busy_s()
         adaptive = policy == "adaptive"
         self.runtime = ActivationRuntime(
             self.engine, min_bytes=min_bytes, budget_bytes=self.budget, enforce_budget=adaptive,
@@ -550,13 +547,6 @@ class Provisioner:
                 torch.cuda.set_rng_state(cuda_rng, self.device)
             return self._run_frame(args, kwargs, conservative=True)
 
-    def _engine_busy_s(self) -> float:
-        """Seconds the copy engine's workers spent copying since the last call."""
-        stats = self.engine.stats()
-        total = stats["d2h_busy_s"] + stats["h2d_busy_s"]
-        busy, self._busy_total = max(0.0, total - self._busy_total), total
-        return busy
-
     def _run_frame(self, args: tuple, kwargs: dict, conservative: bool) -> Any:
         self._note_peak()
         # What the backward passes since the last forward paid per replayed op and per rebuild,
@@ -570,10 +560,8 @@ class Provisioner:
         if replays:
             self.cost.observe_replays(replays, routed)
         seconds, copies, nbytes = self.runtime.take_copy_times()
-        if self.engine is not None:  # ... and to offload and reload
-            busy = self._engine_busy_s()
-            if copies:
-                self.cost.observe_copies(seconds, copies, nbytes, busy)
+        if copies:  # ... and to offload and reload
+            self.cost.observe_copies(seconds, copies, nbytes)
         frame = self._new_frame(conservative)
         self._frame_counts = {}
         self._frame_predicted = 0

@@ -18,9 +18,8 @@
    rounds of the plan's step minus each of its neighbours (with its 95% bootstrap interval:
    what the machine's noise leaves of the measurement). Also
    shown: the bytes each plan releases (as the cost model predicts them), and the seconds
-   each plan's runtime measured rebuilding in backward, copying on the training thread, and
-   copying on the copy engine's workers (the overhead's mechanism, without the step-to-step
-   noise; the workers' seconds count on the cpu, as the cost model charges them there).
+   each plan's runtime measured rebuilding in backward and copying on the training thread
+   (the overhead's mechanism, without the step-to-step noise).
 
     python benchmarks/cost_model_accuracy.py --micro-batches 40 --out cost_model_accuracy.json
     python benchmarks/cost_model_accuracy.py --time-config bench --repeats 40   # 0.4 s steps
@@ -200,12 +199,7 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     base: List[float] = []  # all-keep step seconds
     # per plan, per round: its step minus the all-keep step before it, and minus the one after
     deltas: List[List[List[float]]] = [[] for _ in plans]
-    mechanism: List[List[tuple]] = [[] for _ in variants]  # (rebuild, copy, workers' busy) seconds per step
-
-    def busy(prov: "bagualu2.Provisioner") -> float:
-        """The copy engine's busy seconds so far (its workers copying)."""
-        stats = prov.engine.stats()
-        return stats["d2h_busy_s"] + stats["h2d_busy_s"]
+    mechanism: List[List[tuple]] = [[] for _ in variants]  # (rebuild, copy) seconds per step
 
     for _, prov in variants:
         prov.runtime.take_replay_times()
@@ -225,12 +219,11 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
         seconds = []
         for i in sequence:
             (m, prov), mech = variants[i], mechanism[i]
-            busy_before = busy(prov)
             start = time.perf_counter()
             run_step(m, batch, 0.0, r)
             seconds.append(time.perf_counter() - start)
             mech.append((sum(s for s, _ in prov.runtime.take_replay_times().values()),
-                         prov.runtime.take_copy_times()[0], busy(prov) - busy_before))
+                         prov.runtime.take_copy_times()[0]))
         base.extend(seconds[0::2])
         for j in range(1, len(sequence), 2):
             deltas[sequence[j] - 1].append([seconds[j] - seconds[j - 1], seconds[j] - seconds[j + 1]])
@@ -238,15 +231,14 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
         prov.disable()
     learned = {label: {name: getattr(prov.cost, name) for name in (
         "replay_frame_s", "replay_fixed_s", "replay_entry_s", "replay_factor", "copy_frame_s",
-        "copy_overhead_s", "copy_factor", "busy_factor")} for label, prov in zip(labels, planners)}
-    cpu = variants[0][1].device.type == "cpu"  # where the cost model charges the copy threads' busy time too
+        "copy_overhead_s", "copy_factor")} for label, prov in zip(labels, planners)}
     rows = []
     for label, plan, preds, parts, rounds, mech_parts in zip(labels, plans, predictions, split, deltas,
                                                                 mechanism[1:]):
         pred = statistics.median(preds)
         diffs = [d for pair in rounds for d in pair]
         q = statistics.quantiles(diffs, n=4)
-        mech = [a + b + (w if cpu else 0.0) for a, b, w in mech_parts]
+        mech = [a + b for a, b in mech_parts]
         released = sum(cost.predict_bytes(k, counts) for k, c in plan.choices.items() if c != bagualu2.Choice.KEEP)
         rows.append({"plan": label, "mix": {c.name.lower(): n for c, n in plan.mix().items()},
                      "released_bytes": released,
@@ -256,7 +248,6 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
                      "predicted_copy_s": statistics.median(p[1] for p in parts),
                      "measured_rebuild_s": statistics.median(m[0] for m in mech_parts),
                      "measured_copy_s": statistics.median(m[1] for m in mech_parts),
-                     "measured_workers_busy_s": statistics.median(m[2] for m in mech_parts),
                      "mechanism_error": (pred - statistics.median(mech)) / statistics.median(mech)
                      if statistics.median(mech) > 0 else None,
                      "measured_iqr_s": [q[0], q[2]], "measured_ci95_s": median_ci(rounds),
@@ -313,17 +304,14 @@ def main() -> None:
               f"{r['measured_ci95_s'][0] * 1e3:>8.2f}..{r['measured_ci95_s'][1] * 1e3:<6.2f}{err}"
               f"{error_range(r['predicted_overhead_s'], r['measured_ci95_s']):>16}"
               f"{r['measured_rebuild_copy_s'] * 1e3:>17.1f}{mech}")
-    print(f"\n{'plan':>10}{'rebuild ms: predicted':>23}{'measured':>10}{'copy ms: predicted':>20}{'measured':>10}"
-          f"{'workers busy ms':>17}")
+    print(f"\n{'plan':>10}{'rebuild ms: predicted':>23}{'measured':>10}{'copy ms: predicted':>20}{'measured':>10}")
     for r in rows:
         print(f"{r['plan']:>10}{r['predicted_rebuild_s'] * 1e3:>23.2f}{r['measured_rebuild_s'] * 1e3:>10.2f}"
-              f"{r['predicted_copy_s'] * 1e3:>20.2f}{r['measured_copy_s'] * 1e3:>10.2f}"
-              f"{r['measured_workers_busy_s'] * 1e3:>17.2f}")
+              f"{r['predicted_copy_s'] * 1e3:>20.2f}{r['measured_copy_s'] * 1e3:>10.2f}")
     print(f"(all-keep step {rows[0]['all_keep_step_s'] * 1e3:.1f} ms, traced; step delta = median over "
           f"{args.repeats} rounds of the plan's step minus each all-keep step beside it, with the 95% "
           f"bootstrap interval of that median and the prediction's error at its ends; rebuild+copy = "
-          f"median per step of the seconds the plan's runtime measured rebuilding and copying, the "
-          f"copy threads' busy time included on the cpu)")
+          f"median per step of the seconds the plan's runtime measured rebuilding and copying)")
     for budget, fit in learned.items():
         print(f"cost model at the end, under {budget}: " + ", ".join(
             f"{k} {v * 1e6:.1f} us" if k.endswith("_s") else f"{k} {v:.3f}" for k, v in fit.items()))
