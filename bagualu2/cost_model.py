@@ -677,8 +677,8 @@ class CostModel:
         35 us per offload). The copy engine's own busy time is not a cost: a GPU's copy
         engines run beside compute, and the cpu backend's copy threads at idle priority take
         only cycles compute leaves, so the step pays a copy where the thread waits for it
-        (on the reference model, offloading everything: a step delta within 3-10% of these
-        seconds)."""
+        (on the reference model's 2-core cpu steps, offloading everything cost the step -3% to +13%
+        more than these seconds: what copying does to the compute's caches and cores)."""
         transfer = nbytes / self.d2h_bandwidth + nbytes / self.h2d_bandwidth
         self._copy_fit.add([((1.0, float(copies), copies * (self.copy_fixed_s[0] + self.copy_fixed_s[1]) + transfer),
                              seconds)])

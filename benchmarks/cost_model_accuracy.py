@@ -13,7 +13,8 @@
    only the others recomputed, priced by the loosest budget's provisioner; and all-keep again,
    A/A, the measurement's own error), the predicted
    overhead (``Provisioner.predicted_overhead``) is compared with the measured step-time
-   overhead over a (traced) all-keep plan on the same batch: in each of ``--repeats`` rounds
+   overhead over a (traced) all-keep plan on the same batch (a budget's plan under that budget,
+   as in training; the static plans without one): in each of ``--repeats`` rounds
    every plan's step runs between two all-keep steps, and the overhead is the median over
    rounds of the plan's step minus each of its neighbours (with its 95% bootstrap interval:
    what the machine's noise leaves of the measurement). Also
@@ -190,10 +191,14 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     predictors = planners + [planners[0]] * (len(plans) - len(planners))
     predictions: List[List[float]] = [[] for _ in plans]
     split: List[List[tuple]] = [[] for _ in plans]  # (rebuild, copy) predicted per round
+    # A budget's plan runs under that budget, as in training: an offload waits for room where
+    # the budget has none while earlier copies run, and the runtime offloads what the plan keeps
+    # where the budget is crossed (counted in the table). The static plans run without one.
+    budgets = [prov.budget for prov in planners] + [None] * (len(plans) - len(planners))
     variants = []
-    for policy in [{}] + plans:
+    for policy, budget in zip([{}] + plans, [None] + budgets):
         m = copy.deepcopy(model)
-        prov = bagualu2.enable(m, budget=None, policy=policy, min_bytes=0)
+        prov = bagualu2.enable(m, budget=budget, policy=policy, min_bytes=0)
         run_step(m, batch, 0.0, 0)  # warm-up
         variants.append((m, prov))
     base: List[float] = []  # all-keep step seconds
@@ -227,14 +232,15 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
         base.extend(seconds[0::2])
         for j in range(1, len(sequence), 2):
             deltas[sequence[j] - 1].append([seconds[j] - seconds[j - 1], seconds[j] - seconds[j + 1]])
+    fallbacks = [prov.report()["fallbacks"] / (repeats + 1) for _, prov in variants[1:]]  # per step
     for _, prov in variants:
         prov.disable()
     learned = {label: {name: getattr(prov.cost, name) for name in (
         "replay_frame_s", "replay_fixed_s", "replay_entry_s", "replay_factor", "copy_frame_s",
         "copy_overhead_s", "copy_factor")} for label, prov in zip(labels, planners)}
     rows = []
-    for label, plan, preds, parts, rounds, mech_parts in zip(labels, plans, predictions, split, deltas,
-                                                                mechanism[1:]):
+    for label, plan, preds, parts, rounds, mech_parts, fell_back in zip(labels, plans, predictions, split, deltas,
+                                                                           mechanism[1:], fallbacks):
         pred = statistics.median(preds)
         diffs = [d for pair in rounds for d in pair]
         q = statistics.quantiles(diffs, n=4)
@@ -248,6 +254,7 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
                      "predicted_copy_s": statistics.median(p[1] for p in parts),
                      "measured_rebuild_s": statistics.median(m[0] for m in mech_parts),
                      "measured_copy_s": statistics.median(m[1] for m in mech_parts),
+                     "fallbacks_per_step": fell_back,
                      "mechanism_error": (pred - statistics.median(mech)) / statistics.median(mech)
                      if statistics.median(mech) > 0 else None,
                      "measured_iqr_s": [q[0], q[2]], "measured_ci95_s": median_ci(rounds),
@@ -304,10 +311,11 @@ def main() -> None:
               f"{r['measured_ci95_s'][0] * 1e3:>8.2f}..{r['measured_ci95_s'][1] * 1e3:<6.2f}{err}"
               f"{error_range(r['predicted_overhead_s'], r['measured_ci95_s']):>16}"
               f"{r['measured_rebuild_copy_s'] * 1e3:>17.1f}{mech}")
-    print(f"\n{'plan':>10}{'rebuild ms: predicted':>23}{'measured':>10}{'copy ms: predicted':>20}{'measured':>10}")
+    print(f"\n{'plan':>10}{'rebuild ms: predicted':>23}{'measured':>10}{'copy ms: predicted':>20}{'measured':>10}"
+          f"{'fallbacks/step':>16}")
     for r in rows:
         print(f"{r['plan']:>10}{r['predicted_rebuild_s'] * 1e3:>23.2f}{r['measured_rebuild_s'] * 1e3:>10.2f}"
-              f"{r['predicted_copy_s'] * 1e3:>20.2f}{r['measured_copy_s'] * 1e3:>10.2f}")
+              f"{r['predicted_copy_s'] * 1e3:>20.2f}{r['measured_copy_s'] * 1e3:>10.2f}{r['fallbacks_per_step']:>16.1f}")
     print(f"(all-keep step {rows[0]['all_keep_step_s'] * 1e3:.1f} ms, traced; step delta = median over "
           f"{args.repeats} rounds of the plan's step minus each all-keep step beside it, with the 95% "
           f"bootstrap interval of that median and the prediction's error at its ends; rebuild+copy = "
