@@ -366,8 +366,8 @@ class Provisioner:
         return self.cost.plan_seconds(plan.choices, counts, offload_window, reload_window)
 
     def _windows(self, remaining_fraction: float) -> tuple:
-        # The CPU backend copies on worker threads that share the cores with compute: nothing
-        # hides behind compute there, so its copies count in full.
+        # The cpu backend's copy threads share the cores with compute (at idle priority): what
+        # a copy costs there is the training thread's measured wait, with nothing left to hide.
         if self.device.type == "cpu":
             return 0.0, 0.0
         return self.cost.windows(remaining_fraction, self._stacked)

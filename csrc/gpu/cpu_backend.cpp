@@ -5,7 +5,9 @@
 // faster than fewer, larger pieces) that a shared pool of copy threads and the stream thread
 // itself execute together; the stream starts its next operation only when every piece is
 // done, so stream order holds. Each record of an event is a fresh completion flag with a
-// timestamp, which is all event_query / event_synchronize / event_elapsed_ms need.
+// timestamp, which is all event_query / event_synchronize / event_elapsed_ms need. Every copy
+// thread runs at the OS's idle priority (start_copy_thread): copies take only the cycles
+// compute leaves.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
