@@ -9,6 +9,7 @@ import contextlib
 import copy
 import gc
 import time
+import weakref
 from typing import Dict, List, Optional, Tuple
 
 import pytest
@@ -505,6 +506,27 @@ def test_backward_holds_nothing_over_the_budget(engine: CopyEngine, choice: Choi
     resident = h.runtime.ledger.resident
     assert_bitwise(reference, loss_and_grads(model, loss))
     assert h.runtime.ledger.peak > resident
+
+
+def test_settling_releases_every_completed_offload(engine: CopyEngine) -> None:
+    """Offloads complete in order, and settling stops at the first still copying: once the
+    engine is idle, one settle releases every device source, past the references of stores
+    that died meanwhile."""
+    model, tokens = make_model()
+    h = Harness(model, engine)
+    loss = h.forward(tokens, Frame(default=Choice.OFFLOAD))
+    engine.synchronize()
+    class Gone:
+        pass
+
+    h.runtime._inflight.appendleft(weakref.ref(Gone()))  # a dead store's reference first in line
+    assert h.runtime._inflight[0]() is None
+    h.runtime.settle()
+    assert not h.runtime._inflight and h.runtime.inflight_bytes == 0
+    held = h.runtime.ledger.resident
+    loss_and_grads(model, loss)
+    assert h.runtime.ledger.resident == 0 and held > 0
+    h.close()
 
 
 def test_replay_times_count_micro_batches_not_unpacks(engine: CopyEngine) -> None:
