@@ -196,7 +196,7 @@ class Provisioner:
         self.gates: List[GateSpec] = list(gates) if gates is not None else find_gates(model)
         self.cost = CostModel({g.layer: f"{g.block_name}.experts." if g.block_name else "experts."
                                for g in self.gates}, *self._copy_costs(),
-                              copies_overlap=self.device.type != "cpu")
+                              copies_overlap=self.device.type != "cpu")  # the cpu's copy threads hide nothing
         self._hooks: List[Any] = self.runtime.attach(model)
         for spec in self.gates:
             self._hooks.append(spec.module.register_forward_hook(AttachedHook(self._gate_hook(spec))))
@@ -346,7 +346,7 @@ class Provisioner:
             return Plan.keep_all(self.cost.order)
         candidates, floor = self.cost.candidates(self.cost.order, counts, self.min_bytes, self.engine is not None)
         total = self.cost.predict_total(self.cost.order, counts)
-        offload_window, reload_window = self._windows(1.0)
+        offload_window, reload_window = self.cost.windows(1.0, self._stacked)
         return self.planner.solve(candidates, total - int(self.budget * (1.0 - self.margin)),
                                   offload_window, reload_window, self.cost.copy_frame_s)
 
@@ -362,15 +362,8 @@ class Provisioner:
         """The cost model's step-time overhead of a whole micro-batch under ``plan`` (seconds):
         like the plan's ``exposed_s``, but a common unsaved input of several recomputed keys is
         counted once, as the runtime rebuilds it once."""
-        offload_window, reload_window = self._windows(1.0)
+        offload_window, reload_window = self.cost.windows(1.0, self._stacked)
         return self.cost.plan_seconds(plan.choices, counts, offload_window, reload_window)
-
-    def _windows(self, remaining_fraction: float) -> tuple:
-        # The cpu backend's copy threads share the cores with compute (at idle priority): what
-        # a copy costs there is the training thread's measured wait, with nothing left to hide.
-        if self.device.type == "cpu":
-            return 0.0, 0.0
-        return self.cost.windows(remaining_fraction, self._stacked)
 
     def step(self) -> None:
         """Mark the end of a training step (optional; numbers the telemetry records)."""
@@ -771,7 +764,8 @@ class Provisioner:
         if plan is None:
             anchors = [n.key for n in frame._anchors]
             candidates, _ = cost.candidates(remaining, counts, self.min_bytes, self.engine is not None, anchors)
-            offload_window, reload_window = self._windows(len(remaining) / max(1, len(cost.order)))
+            remaining_fraction = len(remaining) / max(1, len(cost.order))
+            offload_window, reload_window = cost.windows(remaining_fraction, self._stacked)
             setup = 0.0 if offloading else cost.copy_frame_s
             plan = self.planner.solve(candidates, must_bucket * quantum, offload_window, reload_window, setup)
             self.cache.put(layer, load_bucket, phase, must_bucket, plan)
