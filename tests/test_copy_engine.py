@@ -280,7 +280,7 @@ def test_stats_count_bytes_and_copies_per_direction(engine):
 def test_cpu_copy_threads_run_at_idle_priority(engine):
     """The cpu backend's copy threads take only cycles compute leaves (csrc/gpu/cpu_backend.cpp):
     what copies cost then lands on the thread that waits for them, where it is measured."""
-    src = rand_bytes(3 * MiB)  # above the inline and pooled-copy sizes: the stream and pool threads copy
+    src = rand_bytes(3 * MiB)  # a pooled copy: the pool's threads have started
     engine.offload(src.data_ptr(), src.numel(), 0).wait()
     copy_threads = []
     for task in os.listdir("/proc/self/task"):
@@ -293,6 +293,25 @@ def test_cpu_copy_threads_run_at_idle_priority(engine):
     assert len(copy_threads) >= 2  # the engine's two streams, and the pool's on more than one core
     assert {os.sched_getscheduler(tid) for tid in copy_threads} == {os.SCHED_IDLE}
     assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the calling thread keeps its priority
+
+
+def test_a_copy_to_an_idle_cpu_stream_runs_on_the_calling_thread_and_one_behind_work_queues(engine):
+    """On an idle stream the cpu backend copies before offload() returns (its time lands on the
+    caller, where it is measured); behind work still queued on the stream it waits its turn."""
+    n = 3 * MiB
+    src = rand_bytes(n, seed=3)
+    t = engine.offload(src.data_ptr(), n, 0)
+    assert t.done(), "a copy submitted to an idle stream was left to another thread"
+    assert host_view(t, n) == src.numpy().tobytes()
+    held = _C.Stream("cpu")
+    gate = _C.HostFence()
+    held.wait_fence(gate)
+    stalled = engine.offload(src.data_ptr(), n, held.handle)  # the d2h stream now waits for `held`
+    behind = engine.offload(src.data_ptr(), n, 0)
+    assert not stalled.done() and not behind.done(), "a copy overtook the work queued before it"
+    gate.signal()
+    behind.wait()
+    assert stalled.done() and host_view(behind, n) == src.numpy().tobytes()
 
 
 # -- concurrency -------------------------------------------------------------------------------

@@ -7,7 +7,8 @@
 // `#define cudaX hipX`), with one implementation file per backend:
 //
 //   cpu_backend.cpp   always built. A stream is one worker thread executing its operations in
-//                     FIFO order; large copies are split across a shared pool of copy threads
+//                     FIFO order (on an idle stream, the submitting thread runs them at
+//                     once); large copies are split across a shared pool of copy threads
 //                     (the stream thread joins in) and the stream moves on only when every piece
 //                     is done. Each record of an event is a fresh completion flag with a
 //                     timestamp; a wait captures the record current at the call. Stream handle

@@ -252,11 +252,11 @@ void register_offload(py::module_& m) {
              py::arg("chunk_bytes") = py::none(),
              "chunk_bytes: largest single memcpy enqueued (None: the backend's default)")
         .def("offload", &CopyEngine::offload, py::arg("src"), py::arg("nbytes"),
-             py::arg("producer_stream") = 0,
+             py::arg("producer_stream") = 0, py::call_guard<py::gil_scoped_release>(),
              "Ticket of a copy of [src, src+nbytes) into a new block, or None if the arena is full.")
         .def("reload", &CopyEngine::reload, py::arg("ticket"), py::arg("dst"),
              py::arg("dst_capacity"), py::arg("consumer_stream") = 0,
-             py::arg("consumer_waits") = true)
+             py::arg("consumer_waits") = true, py::call_guard<py::gil_scoped_release>())
         .def("wait_on", &CopyEngine::wait_on, py::arg("ticket"), py::arg("stream"),
              py::call_guard<py::gil_scoped_release>())
         .def("synchronize", &CopyEngine::synchronize, py::call_guard<py::gil_scoped_release>())

@@ -4,7 +4,9 @@
 // -----------
 // The engine owns two streams of one backend, one per direction (D2H "offload", H2D
 // "reload"), so both directions run at once and beside the caller's compute. On cpu the
-// streams are worker threads and large copies are also split across a pool of copy threads.
+// streams are worker threads, a copy submitted to an idle stream runs on the calling thread
+// (gpu/cpu_backend.cpp says why), and large copies are also split across a pool of copy
+// threads.
 // Every copy is cut into chunks of at most `chunk_bytes` (enqueued back to back), so a huge
 // copy does not monopolise the pool and the other direction interleaves with it.
 //
@@ -32,7 +34,8 @@
 //   6. Trace: while tracing, every submitted copy is appended (under the submission lock, so in
 //      the exact order copies enter their streams) with its direction, host block, size and
 //      submission time; the overlap scheduler's tests read it to check issue order.
-// Blocking calls (Ticket::wait, synchronize) are bound with the GIL released.
+// Blocking calls (Ticket::wait, synchronize) and the copies' submission (offload, reload: a
+// copy may run on the calling thread) are bound with the GIL released.
 #pragma once
 
 #include <chrono>
