@@ -33,7 +33,8 @@ recompute-everything plan replays summed to 0.56x to 2.0x what backward measured
 from run to run (one forward's timings, on a shared 2-core machine). The provisioner has the
 first micro-batches that may need a plan recompute everything they can, so that every op plans
 can release is measured before a plan relies on it (and, with ``recalibrate_every``, one in that
-many after them).
+many after them, every other one of which offloads everything instead where there is a copy
+engine: ``observe_copies`` then sees many offloads of every size, not only the plans' few).
 
 What the backward pass pays beyond its ops is learned from the runtime's measurements of whole
 plans (``_CostFit``): rebuilds as a cost per micro-batch that rebuilds anything (near 0 until

@@ -29,7 +29,9 @@ The first ``profile_frames`` micro-batches time every op to build the cost model
 worst routing would not fit) recompute everything they can, so that their backward passes
 measure what replays cost before any plan relies on it (``MicroBatch.calibrating``), and with
 ``recalibrate_every`` so does one in that many such micro-batches after them (what plans never
-replay is measured again as the machine's speed changes). Static
+replay is measured again as the machine's speed changes); with a copy engine, every other one of
+these offloads everything instead, so that the copy costs are learned from many offloads of
+every size and not only from the few that plans make. Static
 policies (``keep_all``, ``recompute_all``, ``offload_all``, or a fixed ``Plan``) use the same
 machinery with a fixed plan and no enforcement, to show what they would do under the budget.
 
@@ -235,7 +237,7 @@ class Provisioner:
         self._recent_bytes: Deque[int] = collections.deque(maxlen=_RECENT)  # of recent routings
         self.overlap: Any = None  # an OverlapDriver on a pipeline rank (pipeline.enable_bagualu2)
         self._static: Optional[Dict[str, Choice]] = None
-        self._calibrating: set = set()  # the micro-batches in flight that recompute all they can
+        self._calibrating: set = set()  # the micro-batches in flight that release all they can
         self._calibrations = 0  # micro-batches that did so
         self._last_choices: Optional[Dict[str, Choice]] = None  # what the last one that planned ran
         self._since_calibration = 0  # micro-batches that may have to release since the last one
@@ -453,7 +455,14 @@ class Provisioner:
                 # relies on them (a profiled forward's op times stand for a replay's only in
                 # part: ``CostModel``'s note). The first replays run cold: the next replace
                 # them. Plans refine both as they rebuild.
-                frame.default = Choice.RECOMPUTE
+                # Every other recalibration with a copy engine offloads everything instead:
+                # the copies' cost (``CostModel.observe_copies``) is then learned from a
+                # micro-batch of many offloads of every size, beside the plans' few, and
+                # priced right for plans that offload more than those did (what a copy costs
+                # apart from its bytes, and per byte, is otherwise one factor).
+                recal = self._calibrations - self.calibrate_frames
+                offloads = self.engine is not None and recal >= 0 and recal % 2 == 0
+                frame.default = Choice.OFFLOAD if offloads else Choice.RECOMPUTE
                 self._calibrating.add(frame.index)
                 self._calibrations += 1
                 self._since_calibration = 0
@@ -858,7 +867,9 @@ def enable(model: torch.nn.Module, budget: Union[str, int, float, None] = "auto"
             that recompute all they can once profiled, to measure what replays cost before a
             plan relies on it: the first under a budget their worst routing would not fit;
             default 3, the first of which runs cold), ``recalibrate_every`` (one more such
-            micro-batch after every that many that may have to release; default 0, never),
+            micro-batch after every that many that may have to release, every other one of
+            them offloading all it can instead when there is a copy engine, to measure what
+            copies cost; default 0, never),
             ``margin``, ``telemetry_path`` (JSON lines), ``gates`` (a list of
             ``bagualu2.moe.GateSpec`` instead of discovery; ``[]`` when the model reports its
             routing through ``bagualu2.on_gating``).

@@ -46,7 +46,7 @@ class MicroBatch:
     oom_recovered: bool = False
     traced: bool = True        # False: calm, not traced (nothing planned; only offload could release)
     room_made_bytes: int = 0   # kept activations offloaded to make room for what nothing releases
-    calibrating: bool = False  # recomputed all it could, to measure what replays cost (two per run)
+    calibrating: bool = False  # released all it could (recomputed, or offloaded), to measure what that costs
     kind: str = "micro_batch"
 
 

@@ -602,10 +602,16 @@ def test_the_first_micro_batches_a_plan_may_release_from_measure_what_replays_co
     mbs = prov.telemetry.micro_batches
     # three after profiling, and one after every two that decided
     assert [m.calibrating for m in mbs] == [False, False, True, True, True, False, False, True, False]
-    # They recompute all they can and decide nothing (micro-batch 1 decided at both gates).
+    # They release all they can and decide nothing (micro-batch 1 decided at both gates): the
+    # first three recompute, and the recalibrations offload and recompute in turn (the copy
+    # engine's costs, too, are learned from a micro-batch that offloads everything).
     calibrating = [f for f, m in zip(frames, mbs) if m.calibrating]
     assert all(f.stats.bytes_by_choice["recompute"] > 0 and f.stats.bytes_by_choice["offload"] == 0
-               and f.stats.violations == 0 for f in calibrating)
+               and f.stats.violations == 0 for f in calibrating[:3])
+    offloading = calibrating[3].stats
+    assert offloading.bytes_by_choice["recompute"] == 0 and offloading.violations == 0
+    assert offloading.offloaded_storages == len(frames[7].keys_seen)  # one storage per op here
+    assert offloading.bytes_by_choice["keep"] < 0.01 * offloading.bytes_by_choice["offload"]
     assert {d.micro_batch for d in prov.telemetry.decisions} == {1, 5, 6, 8}
     # With none asked for, none does: micro-batch 2 decides.
     other = bagualu2.enable(make_model(ep_size=4), budget=prov.budget, min_bytes=0, calibrate_frames=0)
@@ -645,6 +651,38 @@ def test_the_first_micro_batches_a_plan_may_release_from_measure_what_replays_co
             # (mean_counts rounds each expert's mean: the micro-batch's size within a token)
             warm = statistics.median(replays[op.call][1:])
             assert cost.op_replay_seconds(op, counts) == pytest.approx(warm, rel=1e-2)
+
+
+def test_recalibrations_recompute_and_offload_all_they_can_in_turn_and_teach_the_copy_costs() -> None:
+    """With a copy engine, every other recalibration offloads everything: the copy costs are
+    learned from one micro-batch's many offloads of every size, not only from the plans' few."""
+    model = make_model(ep_size=4)
+    plain = copy.deepcopy(model)
+    prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.7), min_bytes=0, calibrate_frames=1,
+                           recalibrate_every=1)
+    frames: List[bagualu2.activations.Frame] = []
+    prov.runtime.frame_observer = frames.append
+    observed: List[Tuple[int, int]] = []
+    observe = prov.cost.observe_copies
+    prov.cost.observe_copies = lambda s, c, n: observed.append((c, n)) or observe(s, c, n)  # type: ignore[method-assign]
+    for i in range(10):
+        ref, got = step(plain, i), step(model, i)
+        assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+    mbs = prov.telemetry.micro_batches
+    assert [m.calibrating for m in mbs] == [False, False] + [True, False] * 4
+    released = [max(("offload", "recompute"), key=f.stats.bytes_by_choice.__getitem__)
+                for f, m in zip(frames, mbs) if m.calibrating]
+    assert released == ["recompute", "offload", "recompute", "offload"]
+    for f, m in zip(frames, mbs):
+        if m.calibrating:
+            assert f.stats.violations == 0
+            assert f.stats.bytes_by_choice["keep"] < 0.01 * sum(f.stats.bytes_by_choice.values())
+    # Each offloading calibration's copies (and reloads) were observed, as the next forward began.
+    offloading = [f.stats for f, m in zip(frames, mbs) if m.calibrating and f.stats.offloaded_storages > 0
+                  and f.stats.bytes_by_choice["recompute"] == 0]
+    assert len(offloading) == 2
+    assert all((s.offloaded_storages, s.bytes_by_choice["offload"]) in observed for s in offloading)
+    assert max(c for c, _ in observed) == max(s.offloaded_storages for s in offloading)
 
 
 @pytest.mark.parametrize("fraction", [0.3, 0.8])
