@@ -360,6 +360,27 @@ class Provisioner:
         and untraced (calm) micro-batches do not plan."""
         return None if self._last_choices is None else Plan(dict(self._last_choices))
 
+    def use_plan(self, plan: Union[Plan, Mapping[str, Choice]]) -> None:
+        """Run the forwards from the next one on with the fixed ``plan`` (a ``Plan`` or a mapping
+        of operator keys to ``Choice``; an operator not in it is kept) instead of the fixed plan
+        this provisioner has: plans compared on one model and one runtime, nothing else changed
+        between them (two copies of a model differ in where their memory lies, and so in speed).
+
+        Raises:
+            ValueError: the provisioner's policy is not a fixed plan (adaptive, or a static
+                policy by name, plans in its own way).
+            TypeError: an entry of ``plan`` is not a ``bagualu2.Choice``.
+        """
+        if self._static is None:
+            raise ValueError(f"use_plan() switches between fixed plans, and this provisioner's policy is "
+                             f"{self.policy!r}: enable it with policy=bagualu2.Plan(...) to compare plans")
+        choices = dict(plan.choices if isinstance(plan, Plan) else plan.items())
+        for key, choice in choices.items():
+            if not isinstance(choice, Choice):
+                raise TypeError(f"plan entry {key!r}: {choice!r} is not a bagualu2.Choice")
+        self._static = choices
+        self.policy = plan if isinstance(plan, Plan) else Plan(choices)
+
     def predicted_overhead(self, plan: Plan, counts: Mapping[int, Sequence[int]]) -> float:
         """The cost model's step-time overhead of a whole micro-batch under ``plan`` (seconds):
         like the plan's ``exposed_s``, but a common unsaved input of several recomputed keys is
