@@ -13,8 +13,8 @@
    only the others recomputed, priced by the loosest budget's provisioner; and all-keep again,
    A/A, the measurement's own error), the predicted
    overhead (``Provisioner.predicted_overhead``) is compared with the measured step-time
-   overhead over a (traced) all-keep plan on the same batch (a budget's plan under that budget,
-   as in training; the static plans without one): in each of ``--repeats`` rounds
+   overhead over a (traced) all-keep plan on the same batch, every plan run on one model through
+   one provisioner (``Provisioner.use_plan``): in each of ``--repeats`` rounds
    every plan's step runs between two all-keep steps, and the overhead is the median over
    rounds of the plan's step minus each of its neighbours (with its 95% bootstrap interval:
    what the machine's noise leaves of the measurement). Also
@@ -132,7 +132,7 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     identical steps spread 1.4x to 1.7x as far (median absolute deviation) five steps apart as
     side by side, and a difference with the mean of both neighbours is skewed (the median of
     X - (Y + Z) / 2 is not 0 for step times with a long tail). The all-keep plan
-    is traced like the plans (``policy={}``, where ``keep_all`` would skip tracing): a plan's
+    is traced like the plans (``Plan({})``, where ``keep_all`` would skip tracing): a plan's
     cost is measured against keeping in the same traced forward. Each budget's cost model keeps
     learning as in training, from one adaptive step per round, and the prediction is
     the median over rounds of its prediction in that round: this machine's speed drifts by
@@ -141,8 +141,8 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     judged against a different machine. For the same reason the planners' provisioners
     recalibrate once every ``recalibrate_every`` adaptive steps, recomputing all they can and
     offloading all they can in turn: what their budget plans never replay, and many offloads of
-    every size, are measured over the same minutes as the plans. A second
-    all-keep variant (A/A) shows what the method measures where there is nothing to measure."""
+    every size, are measured over the same minutes as the plans. The all-keep plan measured
+    again as a plan (A/A) shows what the method measures where there is nothing to measure."""
     # One provisioner per budget, learning under it as in training (where the budget is fixed):
     # from adaptive steps first, then from one step per round. (A model learned under the
     # budgets in turn is not one a training run has: each of its calibrations ran under
@@ -183,8 +183,7 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
         plans.append(bagualu2.Plan({
             k: bagualu2.Choice.RECOMPUTE if op.recomputable and (op.layer is not None) == experts else bagualu2.Choice.KEEP
             for k, op in cost.ops.items()}))
-    # And all-keep again: its "overhead" over the first all-keep variant is the measurement's
-    # own error (two copies of the model, measured alike).
+    # And all-keep again: its "overhead" over itself is the measurement's own error.
     plans.append(bagualu2.Plan({}))
     labels += ["offload", "recompute", "rc experts", "rc others", "A/A"]
     # The static plans are priced by the provisioner under the loosest budget, whose
@@ -192,50 +191,49 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     predictors = planners + [planners[0]] * (len(plans) - len(planners))
     predictions: List[List[float]] = [[] for _ in plans]
     split: List[List[tuple]] = [[] for _ in plans]  # (rebuild, copy) predicted per round
-    # A budget's plan runs under that budget, as in training: an offload waits for room where
-    # the budget has none while earlier copies run, and the runtime offloads what the plan keeps
-    # where the budget is crossed (counted in the table). The static plans run without one.
-    budgets = [prov.budget for prov in planners] + [None] * (len(plans) - len(planners))
-    variants = []
-    for policy, budget in zip([{}] + plans, [None] + budgets):
-        m = copy.deepcopy(model)
-        prov = bagualu2.enable(m, budget=budget, policy=policy, min_bytes=0)
-        run_step(m, batch, 0.0, 0)  # warm-up
-        variants.append((m, prov))
+    # Every plan runs on one model through one provisioner, switched between them step by step
+    # (``use_plan``): two copies of the model differ in where their memory lies, and on this
+    # machine that moved a copy's step by -0.3 to +0.5 ms (the A/A row of runs that gave each
+    # plan its own copy), as much as the smaller plans' overheads differed from predictions.
+    shared = copy.deepcopy(model)
+    prov = bagualu2.enable(shared, budget=None, policy=bagualu2.Plan({}), min_bytes=0)
+    for i in range(prov.profile_frames + 1):  # the profiling forwards time every op; then one warm-up
+        run_step(shared, batch, 0.0, i)
+    policies = [bagualu2.Plan({})] + plans
     base: List[float] = []  # all-keep step seconds
     # per plan, per round: its step minus the all-keep step before it, and minus the one after
     deltas: List[List[List[float]]] = [[] for _ in plans]
-    mechanism: List[List[tuple]] = [[] for _ in variants]  # (rebuild, copy) seconds per step
+    mechanism: List[List[tuple]] = [[] for _ in policies]  # (rebuild, copy) seconds per step
+    fell_back: List[int] = [0 for _ in policies]
 
-    for _, prov in variants:
-        prov.runtime.take_replay_times()
-        prov.runtime.take_copy_times()
+    prov.runtime.take_replay_times()
+    prov.runtime.take_copy_times()
     order = random.Random(0)
     for r in range(repeats):
-        for prov in planners:
-            run_step(prov.model, batch, 0.0, 200 + r)
-        for plan, prov, out, parts in zip(plans, predictors, predictions, split):
-            out.append(prov.predicted_overhead(plan, counts))
-            parts.append(tuple(prov.cost.plan_seconds(only(plan, choice), counts)
+        for planner in planners:
+            run_step(planner.model, batch, 0.0, 200 + r)
+        for plan, planner, out, parts in zip(plans, predictors, predictions, split):
+            out.append(planner.predicted_overhead(plan, counts))
+            parts.append(tuple(planner.cost.plan_seconds(only(plan, choice), counts)
                                for choice in (bagualu2.Choice.RECOMPUTE, bagualu2.Choice.OFFLOAD)))
         # The plans in an order drawn anew each round, each between two all-keep steps.
         sequence = [0]
-        for i in order.sample(range(1, len(variants)), len(variants) - 1):
+        for i in order.sample(range(1, len(policies)), len(policies) - 1):
             sequence += [i, 0]
         seconds = []
         for i in sequence:
-            (m, prov), mech = variants[i], mechanism[i]
+            prov.use_plan(policies[i])
             start = time.perf_counter()
-            run_step(m, batch, 0.0, r)
+            run_step(shared, batch, 0.0, r)
             seconds.append(time.perf_counter() - start)
-            mech.append((sum(s for s, _ in prov.runtime.take_replay_times().values()),
-                         prov.runtime.take_copy_times()[0]))
+            mechanism[i].append((sum(s for s, _ in prov.runtime.take_replay_times().values()),
+                                 prov.runtime.take_copy_times()[0]))
+            fell_back[i] += prov.telemetry.micro_batches[-1].fallbacks
         base.extend(seconds[0::2])
         for j in range(1, len(sequence), 2):
             deltas[sequence[j] - 1].append([seconds[j] - seconds[j - 1], seconds[j] - seconds[j + 1]])
-    fallbacks = [prov.report()["fallbacks"] / (repeats + 1) for _, prov in variants[1:]]  # per step
-    for _, prov in variants:
-        prov.disable()
+    fallbacks = [n / repeats for n in fell_back[1:]]  # per step
+    prov.disable()
     learned = {label: {name: getattr(prov.cost, name) for name in (
         "replay_frame_s", "replay_fixed_s", "replay_entry_s", "replay_factor", "copy_frame_s",
         "copy_overhead_s", "copy_factor")} for label, prov in zip(labels, planners)}
