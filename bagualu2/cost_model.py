@@ -676,10 +676,11 @@ class CostModel:
         much of the copy the thread waits for; and a micro-batch that offloads anything pays a
         part once (on a 2-core cpu, micro-batches of 3 to 66 offloads measured 0.35 ms plus
         35 us per offload). The copy engine's own busy time is not a cost: a GPU's copy
-        engines run beside compute, and the cpu backend's copy threads at idle priority take
-        only cycles compute leaves, so the step pays a copy where the thread waits for it
-        (on the reference model's 2-core cpu steps, offloading everything cost the step -3% to +13%
-        more than these seconds: what copying does to the compute's caches and cores)."""
+        engines run beside compute, and the cpu backend copies on the submitting thread when
+        its stream is idle (queued copies run on threads at idle priority, which take only
+        cycles compute leaves), so the step pays a copy where the thread runs or waits for it
+        (on the reference model's 2-core cpu steps, offloading everything cost the step 5% less
+        than these seconds, in two runs)."""
         transfer = nbytes / self.d2h_bandwidth + nbytes / self.h2d_bandwidth
         self._copy_fit.add([((1.0, float(copies), copies * (self.copy_fixed_s[0] + self.copy_fixed_s[1]) + transfer),
                              seconds)])
