@@ -7,7 +7,7 @@ import io
 import json
 import statistics
 import warnings
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
@@ -1486,3 +1486,24 @@ def test_replay_factor_keeps_its_floor_when_cheap_rebuilds_measure_flat() -> Non
     assert free.coef[-1] == pytest.approx(0.1, abs=0.02)  # the case the floor is for
     assert cost.replay_factor >= REPLAY_FACTOR_FLOOR == 0.5
     assert cost._fitted(249, 0.13) >= 0.5 * 0.13
+
+
+def test_offloads_run_their_own_ops_past_the_dispatch_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An offload's own ops (a byte view of the storage, the engine's) skip the tracing mode:
+    through it, even suspended, they cost ten times as much as the view itself."""
+    model = make_model()
+    prov = bagualu2.enable(model, budget=None, policy="offload_all", min_bytes=0)
+    seen: List[Any] = []
+    mode_type = type(prov.runtime.mode)
+    through = mode_type.__torch_dispatch__
+
+    def counting(self: Any, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        seen.append(func)
+        return through(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(mode_type, "__torch_dispatch__", counting)
+    step(model, 0)
+    offloaded = prov.telemetry.micro_batches[-1]
+    assert offloaded.bytes_by_choice["offload"] > 0 and offloaded.traced
+    assert seen  # the model's ops went through the mode, ...
+    assert torch.ops.aten.set_.source_Storage not in seen  # ... the offloads' views did not
