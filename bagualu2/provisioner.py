@@ -55,7 +55,7 @@ from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence
 import torch
 
 from bagualu2.activations import ActivationRuntime, Frame, is_recomputing
-from bagualu2.activations.runtime import AttachedHook
+from bagualu2.activations.runtime import AttachedHook, checked_choices
 from bagualu2.activations.tracing import is_plain
 from bagualu2.cost_model import SIZE, CostModel
 from bagualu2.errors import BudgetExceededError, InfeasibleBudgetError
@@ -374,10 +374,7 @@ class Provisioner:
         if self._static is None:
             raise ValueError(f"use_plan() switches between fixed plans, and this provisioner's policy is "
                              f"{self.policy!r}: enable it with policy=bagualu2.Plan(...) to compare plans")
-        choices = dict(plan.choices if isinstance(plan, Plan) else plan.items())
-        for key, choice in choices.items():
-            if not isinstance(choice, Choice):
-                raise TypeError(f"plan entry {key!r}: {choice!r} is not a bagualu2.Choice")
+        choices = checked_choices(plan.choices if isinstance(plan, Plan) else plan)
         self._static = choices
         self.policy = plan if isinstance(plan, Plan) else Plan(choices)
 

@@ -1489,8 +1489,9 @@ def test_replay_factor_keeps_its_floor_when_cheap_rebuilds_measure_flat() -> Non
 
 
 def test_offloads_run_their_own_ops_past_the_dispatch_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An offload's own ops (a byte view of the storage, the engine's) skip the tracing mode:
-    through it, even suspended, they cost ten times as much as the view itself."""
+    """The runtime's own ops on a plain saved tensor (here an offload's byte view of its storage
+    and the engine's ops) skip the tracing mode: through it, even suspended, each costs 10 to
+    20 us more."""
     model = make_model()
     prov = bagualu2.enable(model, budget=None, policy="offload_all", min_bytes=0)
     seen: List[Any] = []

@@ -185,6 +185,16 @@ class FrameStats:
     start_resident: int = 0
 
 
+def checked_choices(choices: Mapping[str, Choice]) -> Dict[str, Choice]:
+    """A copy of ``choices`` (operator key -> ``Choice``); TypeError naming any entry that is not
+    a ``Choice``."""
+    out = dict(choices)
+    for key, choice in out.items():
+        if not isinstance(choice, Choice):
+            raise TypeError(f"plan entry {key!r}: {choice!r} is not a bagualu2.Choice")
+    return out
+
+
 class Frame:
     """One micro-batch's forward through a provisioned module.
 
@@ -195,10 +205,7 @@ class Frame:
 
     def __init__(self, choices: Optional[Mapping[str, Choice]] = None, default: Choice = Choice.KEEP,
                  index: int = 0, strict: bool = False) -> None:
-        self.choices: Dict[str, Choice] = dict(choices or {})
-        for key, choice in self.choices.items():
-            if not isinstance(choice, Choice):
-                raise TypeError(f"plan entry {key!r}: {choice!r} is not a bagualu2.Choice")
+        self.choices: Dict[str, Choice] = checked_choices(choices or {})
         self.default = default
         # The choice for operators first saved after an outermost block has run, outside every
         # block (a transformer's final norm, output layer and loss); None: ``default`` there too.
@@ -805,10 +812,14 @@ class ActivationRuntime:
             return _Kept(t if t.grad_fn is None else t.detach(), None)
         self.mode.suspended += 1  # the runtime's own ops are not part of the model
         try:
-            seen = len(frame.keys_seen)
-            packed = self._pack_in(frame, t)
-            if frame.on_saved is not None and len(frame.keys_seen) > seen:
-                frame.on_saved(next(reversed(frame.keys_seen)))  # _pack_in adds at most one key
+            # ... and on a plain tensor they skip Python dispatch altogether: through the mode,
+            # even suspended, each op (a detach, an offload's byte view) cost 10 to 20 us more.
+            # A subclass's ops keep their own dispatch.
+            with torch._C._DisableTorchDispatch() if is_plain(t) else contextlib.nullcontext():
+                seen = len(frame.keys_seen)
+                packed = self._pack_in(frame, t)
+                if frame.on_saved is not None and len(frame.keys_seen) > seen:
+                    frame.on_saved(next(reversed(frame.keys_seen)))  # _pack_in adds at most one key
             return packed
         finally:
             self.mode.suspended -= 1
@@ -1064,12 +1075,8 @@ class ActivationRuntime:
             return None
         start = time.perf_counter()
         try:
-            # A byte view of the storage and the engine's ops on it (record_stream on a device)
-            # are the runtime's own: past the dispatch mode, they cost 4 us where going through
-            # it, even suspended, cost 40 us and more per offload.
-            with torch._C._DisableTorchDispatch():
-                source = torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage)
-                handle = self.engine.offload(source)
+            source = torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage)
+            handle = self.engine.offload(source)
             if handle is None:
                 return None
             pin: Optional[_Pin] = None

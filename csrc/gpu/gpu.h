@@ -9,11 +9,11 @@
 //   cpu_backend.cpp   always built. A stream is one worker thread executing its operations in
 //                     FIFO order (on an idle stream, the submitting thread runs them at
 //                     once); large copies are split across a shared pool of copy threads
-//                     (the stream thread joins in) and the stream moves on only when every piece
-//                     is done. Each record of an event is a fresh completion flag with a
-//                     timestamp; a wait captures the record current at the call. Stream handle
-//                     0 means "the calling host thread": work on it runs synchronously, and
-//                     recording an event on it completes the event at once.
+//                     (the thread running the copy joins in) and the stream moves on only
+//                     when every piece is done. Each record of an event is a fresh completion
+//                     flag with a timestamp; a wait captures the record current at the call.
+//                     Stream handle 0 means "the calling host thread": work on it runs
+//                     synchronously, and recording an event on it completes the event at once.
 //   cuda_backend.cpp  cudart (cudaStreamCreateWithFlags, cudaEventRecord, cudaMemcpyAsync, ...).
 //   hip_backend.cpp   the same shape against hip_runtime_api.h (AMD GPUs, Hygon DCUs).
 //
