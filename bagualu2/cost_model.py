@@ -104,53 +104,69 @@ REPLAY_FRAME_SD = 200e-6
 # the reference model, in 200 micro-batches, rebuilds of two ops that measured 0.14 to 0.5 ms
 # measured 4.0 and 9.4 ms once each; the least-squares fit would take each in full.
 OUTLIER_RATIO = 4.0
+# Samples a fit of one op's bytes or seconds against its tokens keeps (the latest).
+FIT_WINDOW = 32
 
 
 @dataclass
 class _Fit:
-    """``a + b * tokens`` from (tokens, value) samples: least squares (exact data such as
-    bytes), or ``robust`` (timings): median for one token count, Theil-Sen otherwise."""
+    """``a + b * tokens`` from the last ``FIT_WINDOW`` (tokens, value) samples: least squares
+    (exact data such as bytes), or ``robust`` (timings): median for one token count, Theil-Sen
+    otherwise. A robust fit is refitted once an eighth of its samples are new (each sample,
+    below 8): its O(n^2) slopes cost 40 us in Python at 32 samples, and a micro-batch that
+    rebuilds adds a sample to each of its replayed ops' fits (135 on the reference model); one
+    sample in 32 moves the median little."""
 
     robust: bool = False
     samples: List[Tuple[float, float]] = field(default_factory=list)  # (tokens, value)
     a: float = 0.0
     b: float = 0.0
     _stale: bool = False
+    _new: int = 0  # samples since the last refit
 
     def add(self, tokens: float, value: float) -> None:
         self.samples.append((tokens, value))
-        if len(self.samples) > 32:
+        if len(self.samples) > FIT_WINDOW:
             del self.samples[0]
-        self._stale = True
+        self._new += 1
+        if not self.robust or 8 * self._new >= len(self.samples):
+            self._stale = True
 
     def clear(self) -> None:
         self.samples.clear()
         self.a = self.b = 0.0
         self._stale = False
+        self._new = 0
 
     def _refit(self) -> None:
         self._stale = False
-        xs = [s[0] for s in self.samples]
-        ys = [s[1] for s in self.samples]
-        n = len(xs)
+        self._new = 0
+        samples = self.samples
+        n = len(samples)
         if n == 0:
             return
-        mean_x = sum(xs) / n
+        xs = [x for x, _ in samples]
+        ys = [y for _, y in samples]
+        low, high = min(xs), max(xs)
         if self.robust:
-            slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(n) for j in range(i + 1, n)
-                      if xs[j] != xs[i]]
-            if slopes:
-                self.b = statistics.median(slopes)
-                self.a = statistics.median(y - self.b * x for x, y in zip(xs, ys))
-            elif mean_x > 0:
-                self.a, self.b = 0.0, statistics.median(ys) / mean_x
-            else:
-                self.a, self.b = statistics.median(ys), 0.0
+            if low == high:  # one token count: no slope
+                if low > 0:
+                    self.a, self.b = 0.0, statistics.median(ys) / low
+                else:
+                    self.a, self.b = statistics.median(ys), 0.0
+                return
+            slopes = []
+            for i in range(n - 1):
+                xi, yi = samples[i]
+                slopes.extend([(yj - yi) / (xj - xi) for xj, yj in samples[i + 1:] if xj != xi])
+            self.b = statistics.median(slopes)
+            self.a = statistics.median([y - self.b * x for x, y in samples])
             return
+        mean_x = sum(xs) / n
         mean_y = sum(ys) / n
-        var = sum((x - mean_x) ** 2 for x in xs)
-        if var > 0:
-            self.b = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var
+        if low != high:
+            var = sum((x - mean_x) ** 2 for x in xs)
+            self.b = sum((x - mean_x) * (y - mean_y) for x, y in samples) / var
             self.a = mean_y - self.b * mean_x
         elif mean_x > 0:
             self.a, self.b = 0.0, mean_y / mean_x

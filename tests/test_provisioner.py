@@ -1262,6 +1262,36 @@ def test_cost_model_counts_an_unsaved_input_once_per_plan() -> None:
     assert cost.replay_factor == pytest.approx(1.0) and cost.replay_fixed_s == 0.0
 
 
+def _theil_sen(samples: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
+    """(a, b) of the median line: the median of all pairwise slopes (each pair once), then the
+    median intercept; for one token count, the median value through the origin (or flat)."""
+    slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(samples) for x2, y2 in samples[i + 1:] if x2 != x1]
+    if not slopes:
+        x = samples[0][0]
+        return (0.0, statistics.median(y for _, y in samples) / x) if x > 0 else (statistics.median(y for _, y in samples), 0.0)
+    b = statistics.median(slopes)
+    return statistics.median(y - b * x for x, y in samples), b
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.floats(0.0, 1.0)), min_size=1, max_size=60))
+def test_a_timing_fit_is_the_theil_sen_line_of_its_window_refitted_once_an_eighth_is_new(samples) -> None:
+    from bagualu2.cost_model import FIT_WINDOW, _Fit
+
+    fit = _Fit(robust=True)
+    fitted: List[Tuple[float, float]] = []  # the window at the last refit
+    new = 0
+    for i, (tokens, seconds) in enumerate(samples):
+        fit.add(float(tokens), seconds)
+        window = [(float(x), y) for x, y in samples[max(0, i + 1 - FIT_WINDOW):i + 1]]
+        new += 1
+        if 8 * new >= len(window):
+            fitted, new = window, 0
+        a, b = _theil_sen(fitted)
+        for x in (0.0, 3.0, 10.0):
+            assert fit(x) == pytest.approx(max(0.0, a + b * x), abs=1e-12)
+
+
 def test_cost_model_timings_drop_the_cold_first_micro_batch_and_outliers() -> None:
     from bagualu2.cost_model import CostModel
 
