@@ -188,6 +188,7 @@ class Provisioner:
             self.engine, min_bytes=min_bytes, budget_bytes=self.budget, enforce_budget=adaptive,
             on_exceed=self._exceeded if on_exceed == "raise" else None,
         )
+        self.runtime.backward_observer = self._learn
         self.runtime.set_parameters(list(model.parameters()) + list(model.buffers()))
         # 2048 byte cells per candidate: a decision over 64 operators in about 0.4 ms (the
         # automatic table, about 2^18 cells in all, took 0.7 ms for 42); sizes rounded the safe
@@ -350,7 +351,7 @@ class Provisioner:
         total = self.cost.predict_total(self.cost.order, counts)
         offload_window, reload_window = self.cost.windows(1.0, self._stacked)
         return self.planner.solve(candidates, total - int(self.budget * (1.0 - self.margin)),
-                                  offload_window, reload_window, self.cost.copy_frame_s)
+                                  offload_window, reload_window, self.cost.copy_setup_s)
 
     @property
     def last_plan(self) -> Optional[Plan]:
@@ -441,6 +442,7 @@ class Provisioner:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        self.runtime.backward_observer = None
         self.model.__dict__.pop("forward", None)
         self.enabled = False
 
@@ -567,21 +569,31 @@ class Provisioner:
                 torch.cuda.set_rng_state(cuda_rng, self.device)
             return self._run_frame(args, kwargs, conservative=True)
 
-    def _run_frame(self, args: tuple, kwargs: dict, conservative: bool) -> Any:
-        self._note_peak()
-        # What the backward passes since the last forward paid per replayed op and per rebuild,
-        # at the last forward's routing (the one backward ran last, outside a pipeline; rounded
+    def _learn(self) -> None:
+        """Learn what the runtime measured since the last call: what rebuilds, their replayed
+        ops and copies cost. Called as each backward pass ends (``backward_observer``: where
+        the step pays for it) and as each forward begins."""
+        # At the last forward's routing (the one backward ran last, outside a pipeline; rounded
         # means would move a size-driven op's token count and bend its time's fit).
         routed = self._frame_counts or self.mean_counts()
+        start = time.perf_counter()
         op_replays = self.runtime.take_op_replay_times()
         if op_replays:
             self.cost.observe_op_replays(op_replays, routed)
         replays = self.runtime.take_replay_times()
         if replays:
             self.cost.observe_replays(replays, routed)
+        learned = time.perf_counter()
+        if replays:
+            self.cost.observe_learning("replays", learned - start)
         seconds, copies, nbytes = self.runtime.take_copy_times()
         if copies:  # ... and to offload and reload
             self.cost.observe_copies(seconds, copies, nbytes)
+            self.cost.observe_learning("copies", time.perf_counter() - learned)
+
+    def _run_frame(self, args: tuple, kwargs: dict, conservative: bool) -> Any:
+        self._note_peak()
+        self._learn()  # what no backward's end learned (a forward's offloads, in a pipeline)
         frame = self._new_frame(conservative)
         self._frame_counts = {}
         self._frame_predicted = 0
@@ -782,7 +794,7 @@ class Provisioner:
         quantum = max(1, target // 64)
         must_bucket = int(math.ceil(must_free / quantum))
         load_bucket = self._load_key(tuple(v // step for v in bucketed))
-        # A micro-batch's first offload costs more than its own copy (copy_frame_s): a plan made
+        # A micro-batch's first offload costs more than its own copy (copy_setup_s): a plan made
         # before the micro-batch offloaded anything is not the plan for after, nor the reverse.
         offloading = frame.stats.offloaded_storages > 0
         phase = (_PHASES[self._phase] * 64 + min(self._stacked, 63)) * 2 + offloading
@@ -793,7 +805,7 @@ class Provisioner:
             candidates, _ = cost.candidates(remaining, counts, self.min_bytes, self.engine is not None, anchors)
             remaining_fraction = len(remaining) / max(1, len(cost.order))
             offload_window, reload_window = cost.windows(remaining_fraction, self._stacked)
-            setup = 0.0 if offloading else cost.copy_frame_s
+            setup = 0.0 if offloading else cost.copy_setup_s
             plan = self.planner.solve(candidates, must_bucket * quantum, offload_window, reload_window, setup)
             self.cache.put(layer, load_bucket, phase, must_bucket, plan)
         frame.choices.update(plan.choices)

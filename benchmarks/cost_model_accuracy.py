@@ -19,8 +19,9 @@
    rounds of the plan's step minus each of its neighbours (with its 95% bootstrap interval:
    what the machine's noise leaves of the measurement). Also
    shown: the bytes each plan releases (as the cost model predicts them), and the seconds
-   each plan's runtime measured rebuilding in backward and copying on the training thread
-   (the overhead's mechanism, without the step-to-step noise).
+   each plan's runtime measured rebuilding in backward and copying on the training thread,
+   and its provisioner spent learning from them as the backward ended (the overhead's
+   mechanism, without the step-to-step noise).
 
     python benchmarks/cost_model_accuracy.py --micro-batches 40 --out cost_model_accuracy.json
     python benchmarks/cost_model_accuracy.py --time-config bench --repeats 40   # 0.4 s steps
@@ -190,7 +191,7 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     # calibrations (recomputing all) keep what they rebuild, as the plans do without a budget.
     predictors = planners + [planners[0]] * (len(plans) - len(planners))
     predictions: List[List[float]] = [[] for _ in plans]
-    split: List[List[tuple]] = [[] for _ in plans]  # (rebuild, copy) predicted per round
+    split: List[List[tuple]] = [[] for _ in plans]  # (rebuild, copy, learning) predicted per round
     # Every plan runs on one model through one provisioner, switched between them step by step
     # (``use_plan``): two copies of the model differ in where their memory lies, and on this
     # machine that moved a copy's step by -0.3 to +0.5 ms (the A/A row of runs that gave each
@@ -203,19 +204,42 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     base: List[float] = []  # all-keep step seconds
     # per plan, per round: its step minus the all-keep step before it, and minus the one after
     deltas: List[List[List[float]]] = [[] for _ in plans]
-    mechanism: List[List[tuple]] = [[] for _ in policies]  # (rebuild, copy) seconds per step
+    mechanism: List[List[tuple]] = [[] for _ in policies]  # (rebuild, copy, learning) seconds per step
     fell_back: List[int] = [0 for _ in policies]
+    # What the runtime measured, as the provisioner takes it to learn from (as each backward
+    # ends), and how long learning took.
+    measured = [0.0, 0.0, 0.0]
+    take_replays, take_copies, learn = prov.runtime.take_replay_times, prov.runtime.take_copy_times, prov.cost.observe_learning
 
-    prov.runtime.take_replay_times()
-    prov.runtime.take_copy_times()
+    def replays_noted() -> Dict[str, tuple]:
+        times = take_replays()
+        measured[0] += sum(s for s, _ in times.values())
+        return times
+
+    def copies_noted() -> tuple:
+        times = take_copies()
+        measured[1] += times[0]
+        return times
+
+    def learning_noted(kind: str, seconds: float) -> None:
+        measured[2] += seconds
+        learn(kind, seconds)
+
+    prov.runtime.take_replay_times = replays_noted
+    prov.runtime.take_copy_times = copies_noted
+    prov.cost.observe_learning = learning_noted
     order = random.Random(0)
     for r in range(repeats):
         for planner in planners:
             run_step(planner.model, batch, 0.0, 200 + r)
         for plan, planner, out, parts in zip(plans, predictors, predictions, split):
             out.append(planner.predicted_overhead(plan, counts))
-            parts.append(tuple(planner.cost.plan_seconds(only(plan, choice), counts)
-                               for choice in (bagualu2.Choice.RECOMPUTE, bagualu2.Choice.OFFLOAD)))
+            recomputed, offloaded = (only(plan, c) for c in (bagualu2.Choice.RECOMPUTE, bagualu2.Choice.OFFLOAD))
+            learning = [planner.cost.learning_seconds("replays", planner.cost.rebuild_profile(recomputed, counts)[0])
+                        if recomputed else 0.0,
+                        planner.cost.learning_seconds("copies", len(offloaded)) if offloaded else 0.0]
+            parts.append(tuple(planner.cost.plan_seconds(only(plan, choice), counts) - learned for choice, learned in
+                               zip((bagualu2.Choice.RECOMPUTE, bagualu2.Choice.OFFLOAD), learning)) + (sum(learning),))
         # The plans in an order drawn anew each round, each between two all-keep steps.
         sequence = [0]
         for i in order.sample(range(1, len(policies)), len(policies) - 1):
@@ -226,8 +250,8 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
             start = time.perf_counter()
             run_step(shared, batch, 0.0, r)
             seconds.append(time.perf_counter() - start)
-            mechanism[i].append((sum(s for s, _ in prov.runtime.take_replay_times().values()),
-                                 prov.runtime.take_copy_times()[0]))
+            mechanism[i].append(tuple(measured))
+            measured[:] = [0.0, 0.0, 0.0]
             fell_back[i] += prov.telemetry.micro_batches[-1].fallbacks
         base.extend(seconds[0::2])
         for j in range(1, len(sequence), 2):
@@ -243,16 +267,18 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
         pred = statistics.median(preds)
         diffs = [d for pair in rounds for d in pair]
         q = statistics.quantiles(diffs, n=4)
-        mech = [a + b for a, b in mech_parts]
+        mech = [sum(m) for m in mech_parts]
         released = sum(cost.predict_bytes(k, counts) for k, c in plan.choices.items() if c != bagualu2.Choice.KEEP)
         rows.append({"plan": label, "mix": {c.name.lower(): n for c, n in plan.mix().items()},
                      "released_bytes": released,
                      "predicted_overhead_s": pred, "planner_exposed_s": plan.exposed_s, "measured_overhead_s": statistics.median(diffs),
-                     "measured_rebuild_copy_s": statistics.median(mech),
+                     "measured_mechanism_s": statistics.median(mech),
                      "predicted_rebuild_s": statistics.median(p[0] for p in parts),
                      "predicted_copy_s": statistics.median(p[1] for p in parts),
+                     "predicted_learning_s": statistics.median(p[2] for p in parts),
                      "measured_rebuild_s": statistics.median(m[0] for m in mech_parts),
                      "measured_copy_s": statistics.median(m[1] for m in mech_parts),
+                     "measured_learning_s": statistics.median(m[2] for m in mech_parts),
                      "fallbacks_per_step": fell_back,
                      "mechanism_error": (pred - statistics.median(mech)) / statistics.median(mech)
                      if statistics.median(mech) > 0 else None,
@@ -300,7 +326,7 @@ def main() -> None:
     rows, learned = time_accuracy(model, batches[0], [0.8, 0.6, 0.4, 0.25], args.repeats, args.learn_steps,
                                    args.recalibrate_every)
     print(f"\n{'plan':>10}{'mix (keep/offload/recompute)':>30}{'released MiB':>14}{'predicted ms':>14}{'step delta ms':>15}"
-          f"{'95% CI ms':>16}{'error':>8}{'error over CI':>16}{'rebuild+copy ms':>17}{'error':>8}")
+          f"{'95% CI ms':>16}{'error':>8}{'error over CI':>16}{'mechanism ms':>14}{'error':>8}")
     for r in rows:
         mix = r["mix"]
         err = f"{r['error']:>8.0%}" if r["error"] is not None else f"{'-':>8}"
@@ -309,16 +335,18 @@ def main() -> None:
               f"{r['predicted_overhead_s'] * 1e3:>14.1f}{r['measured_overhead_s'] * 1e3:>15.1f}"
               f"{r['measured_ci95_s'][0] * 1e3:>8.2f}..{r['measured_ci95_s'][1] * 1e3:<6.2f}{err}"
               f"{error_range(r['predicted_overhead_s'], r['measured_ci95_s']):>16}"
-              f"{r['measured_rebuild_copy_s'] * 1e3:>17.1f}{mech}")
+              f"{r['measured_mechanism_s'] * 1e3:>14.1f}{mech}")
     print(f"\n{'plan':>10}{'rebuild ms: predicted':>23}{'measured':>10}{'copy ms: predicted':>20}{'measured':>10}"
-          f"{'fallbacks/step':>16}")
+          f"{'learning ms: predicted':>24}{'measured':>10}{'fallbacks/step':>16}")
     for r in rows:
         print(f"{r['plan']:>10}{r['predicted_rebuild_s'] * 1e3:>23.2f}{r['measured_rebuild_s'] * 1e3:>10.2f}"
-              f"{r['predicted_copy_s'] * 1e3:>20.2f}{r['measured_copy_s'] * 1e3:>10.2f}{r['fallbacks_per_step']:>16.1f}")
+              f"{r['predicted_copy_s'] * 1e3:>20.2f}{r['measured_copy_s'] * 1e3:>10.2f}"
+              f"{r['predicted_learning_s'] * 1e3:>24.2f}{r['measured_learning_s'] * 1e3:>10.2f}{r['fallbacks_per_step']:>16.1f}")
     print(f"(all-keep step {rows[0]['all_keep_step_s'] * 1e3:.1f} ms, traced; step delta = median over "
           f"{args.repeats} rounds of the plan's step minus each all-keep step beside it, with the 95% "
-          f"bootstrap interval of that median and the prediction's error at its ends; rebuild+copy = "
-          f"median per step of the seconds the plan's runtime measured rebuilding and copying)")
+          f"bootstrap interval of that median and the prediction's error at its ends; mechanism = "
+          f"median per step of the seconds the plan's runtime measured rebuilding and copying, and its "
+          f"provisioner learning from them)")
     for budget, fit in learned.items():
         print(f"cost model at the end, under {budget}: " + ", ".join(
             f"{k} {v * 1e6:.1f} us" if k.endswith("_s") else f"{k} {v:.3f}" for k, v in fit.items()))

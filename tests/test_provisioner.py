@@ -249,6 +249,7 @@ def test_recompute_all_reruns_its_blocks_and_keeps_what_the_model_saves_after_th
     prov = bagualu2.enable(model, budget=None, policy="recompute_all", min_bytes=0)
     frames: List = []
     prov.runtime.frame_observer = frames.append
+    prov.runtime.backward_observer = None  # what backward rebuilt is read here
     ref, got = step(plain, 0), step(model, 0)
     assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
     (frame,) = frames
@@ -591,9 +592,15 @@ def test_the_first_micro_batches_a_plan_may_release_from_measure_what_replays_co
     prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.7), min_bytes=0, recalibrate_every=2)
     frames: List[bagualu2.activations.Frame] = []
     prov.runtime.frame_observer = frames.append
-    taken: List[Dict[str, Tuple[float, int, int]]] = []
+    taken: Dict[int, Dict[str, Tuple[float, int, int]]] = {}  # micro-batch -> its backward's op replays
     take = prov.runtime.take_op_replay_times
-    prov.runtime.take_op_replay_times = lambda: taken.append(take()) or taken[-1]  # type: ignore[method-assign]
+
+    def take_noting() -> Dict[str, Tuple[float, int, int]]:
+        times = take()  # as the last frame's backward ends, or as the next forward begins
+        taken.setdefault(len(frames) - 1, {}).update(times)
+        return times
+
+    prov.runtime.take_op_replay_times = take_noting  # type: ignore[method-assign]
     anchored: set = set()  # block inputs, held for the recipes: no plan releases them
     model.norm.register_forward_hook(lambda *a: anchored.update(n.key for n in frames[-1]._anchors))
     for i in range(9):
@@ -628,14 +635,15 @@ def test_the_first_micro_batches_a_plan_may_release_from_measure_what_replays_co
     def op_of(key: str) -> "bagualu2.cost_model.OpCost":
         return cost.ops.get(key) or cost.unsaved[key]
 
-    taken = [{k: v[:2] for k, v in times.items() if v[1] and (k in cost.ops or k in cost.unsaved)} for times in taken]
-    calls = {op_of(k).call for k in taken[5]}
+    taken = {i: {k: v[:2] for k, v in times.items() if v[1] and (k in cost.ops or k in cost.unsaved)}
+             for i, times in taken.items()}
+    calls = {op_of(k).call for k in taken[4]}
     releasable = [k for k, op in cost.ops.items() if op.recomputable and k not in anchored]
     released = {cost.ops[k].call for k in releasable}
     counts = prov.mean_counts()
     assert anchored and len(released - calls) <= len(cost.rebuilds(releasable, counts)) < len(released) // 4
     replays: Dict[str, List[float]] = {}
-    for times in taken:
+    for times in taken.values():
         for key, (seconds, n) in times.items():
             replays.setdefault(op_of(key).call, []).append(seconds / n)
     untimed = released - set(replays)  # always a rebuild's first
@@ -644,7 +652,7 @@ def test_the_first_micro_batches_a_plan_may_release_from_measure_what_replays_co
         if op.call in untimed:
             scaled = cost._profiled_scale() * op.seconds(cost._tokens(op, counts))
             assert cost.op_replay_seconds(op, counts) == pytest.approx(scaled)
-    for key in taken[5]:
+    for key in taken[4]:
         op = op_of(key)
         if op.layer is None:  # driven by the micro-batch's size, the same in every micro-batch here
             assert len(replays[op.call]) >= 2
@@ -677,7 +685,7 @@ def test_recalibrations_recompute_and_offload_all_they_can_in_turn_and_teach_the
         if m.calibrating:
             assert f.stats.violations == 0
             assert f.stats.bytes_by_choice["keep"] < 0.01 * sum(f.stats.bytes_by_choice.values())
-    # Each offloading calibration's copies (and reloads) were observed, as the next forward began.
+    # Each offloading calibration's copies (and reloads) were observed, as its backward ended.
     offloading = [f.stats for f, m in zip(frames, mbs) if m.calibrating and f.stats.offloaded_storages > 0
                   and f.stats.bytes_by_choice["recompute"] == 0]
     assert len(offloading) == 2
@@ -712,10 +720,10 @@ def test_rebuilds_that_replayed_a_call_again_to_stay_under_the_budget_teach_the_
 
     cost.observe_op_replays = ops  # type: ignore[method-assign]
     cost.observe_replays = rebuilds  # type: ignore[method-assign]
-    for i in range(prov.profile_frames + prov.calibrate_frames + 1):
+    for i in range(prov.profile_frames + prov.calibrate_frames):
         step(model, i)
-    assert [m.calibrating for m in prov.telemetry.micro_batches] == [False, False, True, True, False]
-    assert cost._op_replays  # the second (warm) calibrating backward's, observed as the next began
+    assert [m.calibrating for m in prov.telemetry.micro_batches] == [False, False, True, True]
+    assert cost._op_replays  # the second (warm) calibrating backward's, observed as it ended
     warm = backwards[-1]  # its calls all replayed before (none cold)
     once = warm["micro_batches"]
     repeated = {(cost.ops.get(k) or cost.unsaved[k]).call for k, (*_, n) in warm["ops"].items()
@@ -1335,6 +1343,18 @@ def test_cost_model_learns_what_offloads_cost() -> None:
     cost.observe({"b:op:0": (10**6, 1e-3, True, ())}, {}, forward_seconds=0.05)
     plan = {"a:op:0": Choice.OFFLOAD, "b:op:0": Choice.OFFLOAD}
     assert cost.plan_seconds(plan, {}) == pytest.approx(observed(2, 2 * 10**6))
+    # ... and learning from its copies, as it took for micro-batches of as many offloads
+    # (the last observed offloaded 1, and learning from it took 1.5e-4 s; before, 10: 6e-4 s)
+    cost.observe_copies(observed(10, 10**5), copies=10, nbytes=10**5)
+    cost.observe_learning("copies", 6e-4)
+    cost.observe_copies(observed(1, 4 * 10**6), copies=1, nbytes=4 * 10**6)
+    cost.observe_learning("copies", 1.5e-4)
+    assert cost.learning_seconds("copies", 2) == pytest.approx(2e-4)
+    assert cost.copy_setup_s == pytest.approx(3e-4 + 1e-4)
+    assert cost.plan_seconds(plan, {}) == pytest.approx(observed(2, 2 * 10**6) + 2e-4)
+    assert cost.plan_seconds({"a:op:0": Choice.RECOMPUTE}, {}) == pytest.approx(cost.recompute_seconds("a:op:0", {}))
+    with pytest.raises(ValueError, match="kind='rebuilds' must be one of"):
+        cost.observe_learning("rebuilds", 1e-4)
     cost.observe_copies(0.0, copies=3, nbytes=10)  # nothing measured: ignored
     assert cost.copy_factor == pytest.approx(1.5)
 
@@ -1407,24 +1427,31 @@ def test_keys_no_profiled_micro_batch_used_are_reported_and_told_once() -> None:
 def test_runtime_measures_rebuilds_and_copies_and_the_provisioner_feeds_the_cost_model() -> None:
     model = make_model()
     prov = bagualu2.enable(model, budget=None, policy="recompute_all", min_bytes=0)
+    prov.runtime.backward_observer = None  # the measurements are read here, not learned from
     step(model, 0)
     replays = prov.runtime.take_replay_times()
     assert replays and all(s > 0 and n >= 1 for s, n in replays.values())
     assert prov.runtime.take_replay_times() == {}  # taken: counting starts again
     # Adaptive under a budget the worst routing would not fit recomputes (its calibrating
     # micro-batches all they can, whatever the timings: under 80% of the peak without
-    # rebuilding anything twice); the next micro-batch hands the measured rebuilds to the cost
-    # model.
+    # rebuilding anything twice); as each backward ends, the provisioner hands the measured
+    # rebuilds to the cost model, and how long learning them took (the step pays for it).
     model = make_model()
     adaptive = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.8), min_bytes=0)
     for i in range(adaptive.profile_frames + adaptive.calibrate_frames):
         step(model, i)
+        assert adaptive.runtime.take_replay_times() == {} and adaptive.runtime.take_copy_times()[1] == 0
     assert adaptive.report()["saved_bytes_by_choice"]["recompute"] > 0
     assert adaptive.cost._op_replays and adaptive.cost._replay_fit.observed
+    assert adaptive.cost.learning_seconds("replays", 10) > 0
     offloading = bagualu2.enable(make_model(), budget=None, policy="offload_all", min_bytes=0)
+    offloading.runtime.backward_observer = None
     step(offloading.model, 0)
     seconds, copies, nbytes = offloading.runtime.take_copy_times()
     assert seconds > 0 and copies > 0 and nbytes >= copies
+    offloading.runtime.backward_observer = offloading._learn
+    step(offloading.model, 1)
+    assert offloading.runtime.take_copy_times()[1] == 0 and offloading.cost.learning_seconds("copies", copies) > 0
 
 
 @settings(max_examples=200, deadline=None)

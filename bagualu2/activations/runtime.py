@@ -516,6 +516,9 @@ class ActivationRuntime:
         # of every released activation backward unpacks (bagualu2.overlap.OverlapDriver).
         self.frame_observer: Optional[Callable[[Frame], None]] = None
         self.unpack_observer: Optional[Callable[[str], None]] = None
+        # Called as each backward pass that unpacks anything packed here ends (autograd's
+        # final callback of the pass, on the thread that ran it).
+        self.backward_observer: Optional[Callable[[], None]] = None
         # key -> [seconds, micro-batches, id of the last one's recompute cache] of backward rebuilds
         self._replays: Dict[str, List[Any]] = {}
         self._op_replays: Dict[str, List[float]] = {}  # key -> [seconds, timed, replays] of its op (Replayer)
@@ -1105,6 +1108,8 @@ class ActivationRuntime:
         if task != self._last_task:
             self._last_task = task
             self.backward_passes += 1
+            if self.backward_observer is not None and task >= 0:  # -1: not inside a backward pass
+                torch.autograd.Variable._execution_engine.queue_callback(self.backward_observer)
         if isinstance(packed, torch.Tensor):
             return packed
         if isinstance(packed, RerunSaved):  # a frame's module hooks skip the rerun's module calls
