@@ -355,6 +355,13 @@ def test_disable_restores_the_model() -> None:
     ref, got = step(plain, 0), step(model, 0)
     assert torch.equal(ref[0], got[0])
     assert prov.report()["micro_batches"] == 0
+    # A forward provisioned before disable still unpacks through the runtime in backward, and
+    # the provisioner, gone, learns nothing from it.
+    prov = bagualu2.enable(model, budget=None, policy="recompute_all", min_bytes=0)
+    loss = model(tokens_for(model, 0))
+    prov.disable()
+    loss.backward()
+    assert prov.runtime.take_replay_times() and prov.cost.learning_seconds("replays", 100) == 0.0
 
 
 class _OOMOnce(torch.nn.Module):
