@@ -50,8 +50,12 @@ budget until read) is not learned from: the model prices one replay per op. One 
 than ``OUTLIER_RATIO`` times the median of the same key's last rebuilds of its size counts as
 that much (a preempted thread). Learning is itself work the step pays for, once per
 micro-batch that recomputes or offloads anything: the provisioner learns as each backward pass
-ends and tells the model how long that took (``observe_learning``), fitted against the op calls
-the rebuilds replayed or the storages offloaded (``learning_seconds``).
+ends and tells the model how long that took (``observe_learning``). Of that, the shared fit's
+refit costs the same whatever was learned: the model times it apart, as a cost per micro-batch,
+and fits the rest against the op calls the rebuilds replayed or the storages offloaded
+(``learning_seconds``). A budget's plans and its calibrations (recomputing everything) rebuild
+few sizes of plan, and the rest alone, fitted through one size, extrapolates to the others
+without the part that does not shrink with them.
 
 A plan's recomputed keys fall into rebuilds: each key backward meets first (no other recomputed
 key reads it) enters one, and rebuilds inside it the recomputed keys and unsaved storages it
@@ -70,8 +74,9 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from bagualu2.activations.tracing import call_key, module_of
 from bagualu2.planner import Candidate, Choice
@@ -376,11 +381,13 @@ class CostModel:
             windows (a GPU's copy engines). The cpu backend's copy threads run at the OS's idle
             priority beside compute: what a copy costs there is what the training thread waits
             for it, measured as such, and the windows are zero.
+        clock: what the refits made while learning are timed with (``observe_learning``);
+            seconds, as ``time.perf_counter``.
     """
 
     def __init__(self, expert_prefixes: Mapping[int, str], d2h_bandwidth: float = 10e9,
                  h2d_bandwidth: float = 10e9, copy_fixed_s: Tuple[float, float] = (0.0, 0.0),
-                 copies_overlap: bool = True) -> None:
+                 copies_overlap: bool = True, clock: Callable[[], float] = time.perf_counter) -> None:
         if d2h_bandwidth <= 0 or h2d_bandwidth <= 0:
             raise ValueError(f"bandwidths must be > 0, got {d2h_bandwidth=}, {h2d_bandwidth=}")
         if min(copy_fixed_s) < 0:
@@ -390,6 +397,7 @@ class CostModel:
         self.h2d_bandwidth = h2d_bandwidth
         self.copy_fixed_s = (float(copy_fixed_s[0]), float(copy_fixed_s[1]))
         self.copies_overlap = copies_overlap
+        self.clock = clock
         self.ops: Dict[str, OpCost] = {}
         self.unsaved: Dict[str, OpCost] = {}  # ops whose outputs nothing saves (rebuilt as inputs)
         # Per rebuild: first of its micro-batch, replayed ops, 1, the ops' replay seconds ->
@@ -407,10 +415,14 @@ class CostModel:
         self._first_only: set = set()  # calls whose fit holds only their first (cold) replays
         self._cold_calls: set = set()  # calls first replayed in the last observe_op_replays
         self._call_replays: Dict[str, int] = {}  # ... and each call's replays there
-        # What learning from a micro-batch's rebuilds and from its copies took, against the op
-        # calls they replayed and the storages it offloaded (observe_learning)
+        # What learning from a micro-batch's rebuilds and from its copies took (observe_learning):
+        # refitting the shared fit, and the rest, against the op calls they replayed and the
+        # storages it offloaded ...
+        self._learning_refit: Dict[str, _Fit] = {"replays": _Fit(robust=True), "copies": _Fit(robust=True)}
         self._learning: Dict[str, _Fit] = {"replays": _Fit(robust=True), "copies": _Fit(robust=True)}
-        self._observed = {"replays": 0, "copies": 0}  # ... in the last observe_replays, observe_copies
+        # ... in the last observe_replays, observe_copies
+        self._observed = {"replays": 0, "copies": 0}
+        self._refit_s = {"replays": 0.0, "copies": 0.0}
         self.order: List[str] = []           # keys in the order a micro-batch first saves them
         self.forward_seconds = 0.0           # measured forward time of one micro-batch
         self.frames = 0
@@ -661,7 +673,9 @@ class CostModel:
             samples.append((measured, first, n_ops, seconds))
             if len(samples) > 16:
                 del samples[0]
+        start = self.clock()
         self._replay_fit.add(rows, sizes)
+        self._refit_s["replays"] = self.clock() - start
         self._replay_version += 1
 
     def _replays_any(self, members: Iterable[str], calls: set) -> bool:
@@ -709,8 +723,10 @@ class CostModel:
         (on the reference model's 2-core cpu steps, offloading everything cost the step 5% less
         than these seconds, in two runs)."""
         transfer = nbytes / self.d2h_bandwidth + nbytes / self.h2d_bandwidth
+        start = self.clock()
         self._copy_fit.add([((1.0, float(copies), copies * (self.copy_fixed_s[0] + self.copy_fixed_s[1]) + transfer),
                              seconds)])
+        self._refit_s["copies"] = self.clock() - start
         self._observed["copies"] = copies
 
     @property
@@ -727,18 +743,23 @@ class CostModel:
         """Learn what learning costs: ``seconds`` spent learning from the micro-batch last
         observed, of ``kind``: ``"replays"`` (``observe_op_replays`` and ``observe_replays``),
         against the op calls its rebuilds replayed, or ``"copies"`` (``observe_copies``),
-        against its offloads. This work is part of what releasing costs, and grows with what
-        was released: on the reference model's 2-core steps, learning from rebuilds of 40 op
-        calls took 0.5 ms and of 150, 1.3 ms; from any number of offloads, 0.1 ms."""
+        against its offloads. This work is part of what releasing costs. Refitting the shared
+        fit (timed there with ``clock``) costs the same whatever was released, the rest grows
+        with it: on the reference model's 2-core steps, learning from rebuilds of 16 op calls
+        took 0.48 ms, and of 153, 1.03 ms, of which the refit took 0.2 ms either way; from any
+        number of offloads, 0.1 ms, nearly all of it the refit."""
         if kind not in self._learning:
             raise ValueError(f"kind={kind!r} must be one of {sorted(self._learning)}")
-        self._learning[kind].add(float(self._observed[kind]), float(seconds))
+        refit = min(max(self._refit_s[kind], 0.0), float(seconds))
+        self._refit_s[kind] = 0.0
+        self._learning_refit[kind].add(0.0, refit)
+        self._learning[kind].add(float(self._observed[kind]), float(seconds) - refit)
 
     def learning_seconds(self, kind: str, items: int) -> float:
         """Predicted seconds of learning from a micro-batch whose rebuilds replay ``items`` op
-        calls (``"replays"``) or that offloads ``items`` storages (``"copies"``); 0 before any
-        ``observe_learning`` of that kind."""
-        return self._learning[kind](float(items))
+        calls (``"replays"``) or that offloads ``items`` storages (``"copies"``): the refit's,
+        and the rest's fit at ``items``; 0 before any ``observe_learning`` of that kind."""
+        return self._learning_refit[kind](0.0) + self._learning[kind](float(items))
 
     @property
     def copy_setup_s(self) -> float:

@@ -1325,7 +1325,8 @@ def test_cost_model_learns_what_offloads_cost() -> None:
     from bagualu2.cost_model import CostModel
     from bagualu2.planner import Choice
 
-    cost = CostModel({}, d2h_bandwidth=1e9, h2d_bandwidth=1e9, copy_fixed_s=(1e-4, 1e-4))
+    # A clock that stands still: refits take no time, all of learning is the per-offload part.
+    cost = CostModel({}, d2h_bandwidth=1e9, h2d_bandwidth=1e9, copy_fixed_s=(1e-4, 1e-4), clock=lambda: 0.0)
     cost.observe({"a:op:0": (10**6, 1e-3, True, ())}, {}, forward_seconds=0.05)
     (cand,), _ = cost.candidates(["a:op:0"], {}, min_bytes=0, can_offload=True)
     assert cand.offload_s == pytest.approx(1e-4 + 1e-3)  # nothing measured: the engine's figures
@@ -1459,6 +1460,34 @@ def test_runtime_measures_rebuilds_and_copies_and_the_provisioner_feeds_the_cost
     offloading.runtime.backward_observer = offloading._learn
     step(offloading.model, 1)
     assert offloading.runtime.take_copy_times()[1] == 0 and offloading.cost.learning_seconds("copies", copies) > 0
+
+
+def test_learning_costs_its_refit_once_whatever_was_learned() -> None:
+    """Learning from rebuilds of 100 op calls took 1.2 ms, of which refitting the shared fit
+    (timed by the model's clock) took 0.1 ms: a plan whose rebuilds replay 10 op calls pays
+    the refit whole and a tenth of the rest (0.21 ms), not a tenth of it all (0.12 ms)."""
+    from bagualu2.cost_model import CostModel
+
+    now = [0.0]
+
+    def clock() -> float:  # each reading 0.1 ms after the last: a refit between two takes 0.1 ms
+        now[0] += 1e-4
+        return now[0]
+
+    cost = CostModel({}, clock=clock)
+    assert cost.learning_seconds("replays", 10) == 0.0  # nothing learned yet
+    cost.observe({"a:op:0": (1000, 1e-3, True, ())}, {}, forward_seconds=0.05)
+    for _ in range(3):
+        cost.observe_replays({"a:op:0": (1e-3, 1)}, {})
+        cost._observed["replays"] = 100  # as if its rebuilds had replayed 100 op calls
+        cost.observe_learning("replays", 1.2e-3)
+    assert cost.learning_seconds("replays", 100) == pytest.approx(1.2e-3)
+    assert cost.learning_seconds("replays", 10) == pytest.approx(1e-4 + 1.1e-3 / 10)
+    # The refit is the part of what learning took that it measured, never more.
+    cost.observe_copies(1e-3, copies=2, nbytes=10**6)
+    cost.observe_learning("copies", 5e-5)
+    assert cost.learning_seconds("copies", 2) == pytest.approx(5e-5)
+    assert cost.learning_seconds("copies", 0) == pytest.approx(5e-5)
 
 
 @settings(max_examples=200, deadline=None)
