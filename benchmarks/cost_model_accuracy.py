@@ -140,9 +140,9 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     tens of percent within seconds (the median all-keep step over 1.3 s windows ranged from 22
     to 39 ms in three minutes), so a model learned minutes before the measurement would be
     judged against a different machine. For the same reason the planners' provisioners
-    recalibrate once every ``recalibrate_every`` adaptive steps, recomputing all they can and
-    offloading all they can in turn: what their budget plans never replay, and many offloads of
-    every size, are measured over the same minutes as the plans. The all-keep plan measured
+    recalibrate once every ``recalibrate_every`` adaptive steps, recomputing all they can (or
+    every other key of it) and offloading all they can in turn: what their budget plans never
+    replay, and many offloads of every size, are measured over the same minutes as the plans. The all-keep plan measured
     again as a plan (A/A) shows what the method measures where there is nothing to measure."""
     # One provisioner per budget, learning under it as in training (where the budget is fixed):
     # from adaptive steps first, then from one step per round. (A model learned under the

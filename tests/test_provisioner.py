@@ -668,15 +668,46 @@ def test_the_first_micro_batches_a_plan_may_release_from_measure_what_replays_co
             assert cost.op_replay_seconds(op, counts) == pytest.approx(warm, rel=1e-2)
 
 
+def recalibrating(calibrate_frames: int) -> Tuple[MoETransformer, MoETransformer, "bagualu2.Provisioner",
+                                                List["bagualu2.activations.Frame"]]:
+    """A model, its plain copy, and its provisioner under 70% of the all-keep peak that
+    recalibrates after every micro-batch that may release, with the list its frames go to."""
+    model = make_model(ep_size=4)
+    plain = copy.deepcopy(model)
+    prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.7), min_bytes=0,
+                           calibrate_frames=calibrate_frames, recalibrate_every=1)
+    frames: List[bagualu2.activations.Frame] = []
+    prov.runtime.frame_observer = frames.append
+    return plain, model, prov, frames
+
+
+def test_every_other_recomputing_recalibration_recomputes_half_so_rebuilds_are_learned_at_two_sizes() -> None:
+    """Recalibrations that recompute replay all they can, then half of it (every other key in
+    save order, the two halves in turn), so that what rebuilds and learning from them cost is
+    measured at two sizes of plan, not only at the largest, from which the smaller plans' part
+    that does not shrink with them cannot be told."""
+    plain, model, prov, frames = recalibrating(calibrate_frames=0)
+    for i in range(18):
+        ref, got = step(plain, i), step(model, i)
+        assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+    mbs = prov.telemetry.micro_batches
+    calibrating = [f for f, m in zip(frames, mbs) if m.calibrating]
+    assert len(calibrating) == 8 and all(f.stats.violations == 0 for f in calibrating)
+    recomputing = calibrating[1::2]  # between the ones that offload everything
+    assert all(f.default == bagualu2.Choice.RECOMPUTE and f.stats.bytes_by_choice["recompute"] > 0
+               for f in recomputing)
+    order = prov.cost.order
+    kept = [{k for k, c in f.choices.items() if c == bagualu2.Choice.KEEP} for f in recomputing]
+    assert kept == [set(), set(order[0::2]), set(), set(order[1::2])]
+    assert all(f.stats.bytes_by_choice["keep"] > 0 for f in (recomputing[1], recomputing[3]))
+    # Learning from their rebuilds was measured at both sizes.
+    assert len({x for x, _ in prov.cost._learning["replays"].samples}) >= 2
+
+
 def test_recalibrations_recompute_and_offload_all_they_can_in_turn_and_teach_the_copy_costs() -> None:
     """With a copy engine, every other recalibration offloads everything: the copy costs are
     learned from one micro-batch's many offloads of every size, not only from the plans' few."""
-    model = make_model(ep_size=4)
-    plain = copy.deepcopy(model)
-    prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.7), min_bytes=0, calibrate_frames=1,
-                           recalibrate_every=1)
-    frames: List[bagualu2.activations.Frame] = []
-    prov.runtime.frame_observer = frames.append
+    plain, model, prov, frames = recalibrating(calibrate_frames=1)
     observed: List[Tuple[int, int]] = []
     observe = prov.cost.observe_copies
     prov.cost.observe_copies = lambda s, c, n: observed.append((c, n)) or observe(s, c, n)  # type: ignore[method-assign]
