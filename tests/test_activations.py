@@ -23,7 +23,7 @@ from bagualu2.activations import ActivationRuntime, Frame
 from bagualu2.activations import tracing
 from bagualu2.activations.tracing import call_key, module_of
 from bagualu2.models import MoEConfig, MoETransformer
-from bagualu2.offload import CopyEngine, HostArena
+from bagualu2.offload import CopyEngine, HostArena, OffloadHandle
 from bagualu2.planner import Choice
 
 SEED = 1234
@@ -429,6 +429,31 @@ def test_a_rebuild_s_reload_of_an_offloaded_input_counts_as_copy_time(engine: Co
     ops = h.runtime.take_op_replay_times()
     assert rebuilt[":aten.mul.Tensor:0"][0] < slow and all(s < slow for s, *_ in ops.values()), (rebuilt, ops)
     assert h.runtime.take_copy_times()[0] >= slow
+
+
+def test_releasing_a_host_copy_counts_as_copy_time(engine: CopyEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Backward drops each offloaded storage's host copy (its arena block) as the last reader
+    is done: the release (made slow here) is part of what the offload cost the thread, in
+    the copies' time of the pass it ends in."""
+    torch.manual_seed(0)
+    h = Harness(Norm(), engine)
+    frame = Frame(default=Choice.OFFLOAD)
+    loss = h.forward(torch.randn(8, 16, requires_grad=True), frame)
+    stores = frame.stats.offloaded_storages
+    assert stores >= 2
+    release = OffloadHandle.release
+    slow = 0.02
+
+    def slow_release(handle: OffloadHandle) -> None:
+        time.sleep(slow)
+        release(handle)
+
+    monkeypatch.setattr(OffloadHandle, "release", slow_release)
+    h.runtime.take_copy_times()
+    loss.backward()
+    del loss
+    seconds, copies, _ = h.runtime.take_copy_times()
+    assert copies == 0 and seconds >= stores * slow  # the counts were the forward's; the seconds are the release's
 
 
 def test_rebuilt_storage_leaves_the_recompute_cache_after_its_last_released_view(

@@ -283,10 +283,11 @@ class _OffloadStore:
 
     __slots__ = ("engine", "handle", "device", "nbytes", "in_place", "alias", "alias_version", "pin",
                  "prefetched", "prefetch_pin", "frame", "index", "key", "refs", "task", "unpacked", "held",
-                 "held_version", "held_pin", "__weakref__")
+                 "held_version", "held_pin", "copies", "__weakref__")
 
     def __init__(self, engine: Any, handle: Any, device: torch.device, nbytes: int,
-                 pin: Optional[_Pin], frame: Frame, key: str, in_place: bool = False) -> None:
+                 pin: Optional[_Pin], frame: Frame, key: str, in_place: bool = False,
+                 copies: Optional[List[Any]] = None) -> None:
         self.engine = engine
         self.handle = handle
         self.device = device
@@ -305,6 +306,7 @@ class _OffloadStore:
         self.held_version = 0  # its version when it was made: any change means an in-place write
         self.held_pin: Optional[_Pin] = None
         self.frame = frame  # kept alive by its stores: backward prefetches from its list
+        self.copies = copies  # the runtime's copy seconds, which releasing the block adds to
         self.index = len(frame._offloads)
         frame._offloads.append(weakref.ref(self))
 
@@ -406,10 +408,13 @@ class _OffloadStore:
 
     def __del__(self) -> None:
         try:
+            start = time.perf_counter()
             if self.prefetched is not None:
                 self.prefetched.wait()
             if not self.handle.released:  # a cycle's collector may have finalized the handle first
                 self.handle.release()
+            if self.copies is not None:  # part of what the offload cost the thread
+                self.copies[0] += time.perf_counter() - start
         finally:
             if self.pin is not None:
                 self.pin.drop()
@@ -1091,7 +1096,7 @@ class ActivationRuntime:
                 pin = _Pin(self.ledger, storage)
             nbytes = storage.nbytes()
             store = _OffloadStore(self.engine, handle, storage.device, nbytes, pin, frame, key,
-                                  self.reload_in_place and storage.device.type == "cpu")
+                                  self.reload_in_place and storage.device.type == "cpu", self._copies)
             if pin is not None:
                 self._inflight.append(weakref.ref(store))
             frame.stats.offloaded_storages += 1
@@ -1173,11 +1178,12 @@ class ActivationRuntime:
         return out
 
     def take_copy_times(self) -> Tuple[float, int, int]:
-        """Seconds the calling thread spent offloading (submitting, waiting for room) and
-        reloading (submitting, waiting, prefetching; for a rebuild's offloaded inputs too), with
+        """Seconds the calling thread spent offloading (submitting, waiting for room),
+        reloading (submitting, waiting, prefetching; for a rebuild's offloaded inputs too) and
+        releasing the host copies (their arena blocks, as backward drops them), with
         the number and bytes of offloads, since the last call."""
         out = (self._copies[0], self._copies[1], self._copies[2])
-        self._copies = [0.0, 0, 0]
+        self._copies[:] = [0.0, 0, 0]  # in place: the live stores add their release to it
         return out
 
     def take_replay_times(self) -> Dict[str, Tuple[float, int]]:
