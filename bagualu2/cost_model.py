@@ -44,7 +44,8 @@ as a cost per micro-batch that offloads anything, a cost per offloaded storage (
 training-thread work: store, fresh reload buffer, hooks) and a factor on the predicted copy
 time. The rebuild fit forgets per rebuild size (ops to a power of two): a batch of observations
 decays only the earlier ones of its sizes, so that the one-op rebuilds budget plans make every
-micro-batch do not erase the few large ones that tell the per-op part from the per-rebuild part.
+micro-batch do not erase the few large ones that tell the per-op part from the per-rebuild part;
+the copy fit forgets per micro-batch offload count the same way, for the same reason.
 A rebuild that replayed an op call again (backward could not keep what it made under the
 budget until read) is not learned from: the model prices one replay per op. One that took more
 than ``OUTLIER_RATIO`` times the median of the same key's last rebuilds of its size counts as
@@ -407,7 +408,7 @@ class CostModel:
                                     zero_sd={0: REPLAY_FRAME_SD})
         self._replay_version = 0
         # Per micro-batch that offloads: 1, its offloads, their predicted copy seconds ->
-        # training-thread seconds.
+        # training-thread seconds, forgotten per size (offloads to a power of two).
         self._copy_fit = _CostFit(3)
         # op call -> its replay's seconds in backward, timed by the runtime's replays
         self._op_replays: Dict[str, _Fit] = {}
@@ -721,11 +722,14 @@ class CostModel:
         its stream is idle (queued copies run on threads at idle priority, which take only
         cycles compute leaves), so the step pays a copy where the thread runs or waits for it
         (on the reference model's 2-core cpu steps, offloading everything cost the step 5% less
-        than these seconds, in two runs)."""
+        than these seconds, in two runs). Like the rebuilds' fit, this one forgets per size (its
+        offloads to a power of two): the few micro-batches that offload everything are not
+        erased by the many small plans between them, which alone cannot tell the per-offload
+        part from the per-micro-batch part and the factor."""
         transfer = nbytes / self.d2h_bandwidth + nbytes / self.h2d_bandwidth
         start = self.clock()
         self._copy_fit.add([((1.0, float(copies), copies * (self.copy_fixed_s[0] + self.copy_fixed_s[1]) + transfer),
-                             seconds)])
+                             seconds)], [copies.bit_length()])
         self._refit_s["copies"] = self.clock() - start
         self._observed["copies"] = copies
 

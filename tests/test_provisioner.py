@@ -1398,6 +1398,33 @@ def test_cost_model_learns_what_offloads_cost() -> None:
     assert cost.copy_factor == pytest.approx(1.5)
 
 
+def test_many_small_offloading_plans_do_not_erase_what_offloading_everything_taught() -> None:
+    """Plans offload a few storages every micro-batch, and calibrations 64 once in a while;
+    each measurement is up to 10% off either way. Learned from the small plans alone, the parts
+    are told apart by noise, and 64 offloads priced far from them: the fit forgets per offload
+    count, so 100 small plans after the last calibration leave 64 priced as measured."""
+    from bagualu2.cost_model import CostModel
+
+    cost = CostModel({}, d2h_bandwidth=1e9, h2d_bandwidth=1e9, clock=lambda: 0.0)
+
+    def observed(copies: int, nbytes: int) -> float:
+        return 3e-4 + copies * 5e-5 + 1.5 * 2 * nbytes / 1e9
+
+    noise = [1.1, 0.9, 1.05, 0.95]
+    for i in range(8):  # calibrations of everything, and plans of 5, in turn
+        cost.observe_copies(observed(64, 10**7) * noise[i % 4], copies=64, nbytes=10**7)
+        cost.observe_copies(observed(5, 2 * 10**6) * noise[(i + 1) % 4], copies=5, nbytes=2 * 10**6)
+    for i in range(100):  # plans of 4 to 7 offloads, of 1 to 3 MB
+        copies, nbytes = 4 + i % 4, 10**6 * (1 + i % 3)
+        cost.observe_copies(observed(copies, nbytes) * noise[i % 4], copies=copies, nbytes=nbytes)
+
+    def priced(copies: int, nbytes: int) -> float:
+        return cost.copy_frame_s + copies * cost.copy_overhead_s + cost.copy_factor * 2 * nbytes / 1e9
+
+    assert priced(64, 10**7) == pytest.approx(observed(64, 10**7), rel=0.05)
+    assert priced(5, 2 * 10**6) == pytest.approx(observed(5, 2 * 10**6), rel=0.05)
+
+
 def test_plans_pay_the_cost_a_micro_batch_s_first_offload_adds_once() -> None:
     """Copies measured nearly free each, but 1 s per micro-batch that offloads anything: the
     whole-micro-batch plan and the plans decided at the gates recompute instead."""
