@@ -674,9 +674,7 @@ class CostModel:
             samples.append((measured, first, n_ops, seconds))
             if len(samples) > 16:
                 del samples[0]
-        start = self.clock()
-        self._replay_fit.add(rows, sizes)
-        self._refit_s["replays"] = self.clock() - start
+        self._refit("replays", self._replay_fit, rows, sizes)
         self._replay_version += 1
 
     def _replays_any(self, members: Iterable[str], calls: set) -> bool:
@@ -727,10 +725,9 @@ class CostModel:
         erased by the many small plans between them, which alone cannot tell the per-offload
         part from the per-micro-batch part and the factor."""
         transfer = nbytes / self.d2h_bandwidth + nbytes / self.h2d_bandwidth
-        start = self.clock()
-        self._copy_fit.add([((1.0, float(copies), copies * (self.copy_fixed_s[0] + self.copy_fixed_s[1]) + transfer),
-                             seconds)], [copies.bit_length()])
-        self._refit_s["copies"] = self.clock() - start
+        self._refit("copies", self._copy_fit,
+                    [((1.0, float(copies), copies * (self.copy_fixed_s[0] + self.copy_fixed_s[1]) + transfer), seconds)],
+                    [copies.bit_length()])
         self._observed["copies"] = copies
 
     @property
@@ -742,6 +739,14 @@ class CostModel:
     def copy_overhead_s(self) -> float:
         """Learned training-thread seconds per offloaded storage (offload and reload together)."""
         return self._copy_fit.coef[1]
+
+    def _refit(self, kind: str, fit: _CostFit, rows: Sequence[Tuple[Sequence[float], float]],
+               buckets: Sequence[Any]) -> None:
+        """Add ``rows`` to the shared ``fit`` of ``kind`` and refit it, timed with ``clock``:
+        the part of learning that costs the same whatever was learned (``observe_learning``)."""
+        start = self.clock()
+        fit.add(rows, buckets)
+        self._refit_s[kind] = self.clock() - start
 
     def observe_learning(self, kind: str, seconds: float) -> None:
         """Learn what learning costs: ``seconds`` spent learning from the micro-batch last

@@ -142,8 +142,9 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     judged against a different machine. For the same reason the planners' provisioners
     recalibrate once every ``recalibrate_every`` adaptive steps, recomputing all they can (or
     every other key of it) and offloading all they can in turn: what their budget plans never
-    replay, and many offloads of every size, are measured over the same minutes as the plans. The all-keep plan measured
-    again as a plan (A/A) shows what the method measures where there is nothing to measure."""
+    replay, and many offloads of every size, are measured over the same minutes as the plans.
+    The all-keep plan measured again as a plan (A/A) shows what the method measures where
+    there is nothing to measure."""
     # One provisioner per budget, learning under it as in training (where the budget is fixed):
     # from adaptive steps first, then from one step per round. (A model learned under the
     # budgets in turn is not one a training run has: each of its calibrations ran under
