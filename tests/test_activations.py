@@ -845,6 +845,58 @@ def test_keep_all_high_water_equals_saved_bytes(engine: CopyEngine) -> None:
     assert h.runtime.ledger.resident == 0
 
 
+@pytest.mark.parametrize("model_kind", ["moe", "views", "custom function"])
+@pytest.mark.parametrize("budget_fraction", [None, 0.5])
+def test_an_untraced_forward_counts_and_keeps_as_the_full_pack_does(
+        engine: CopyEngine, model_kind: str, budget_fraction: Optional[float]) -> None:
+    """An untraced frame's pack hook (``_pack_calm``) keeps what fits by a short way of its
+    own; what it counts, keeps and (over the budget) offloads is what the full pack hook does,
+    bit for bit, and with no budget it never needs the full one."""
+    def build() -> Tuple[torch.nn.Module, torch.Tensor]:
+        if model_kind == "moe":
+            return make_model()
+        torch.manual_seed(0)
+        if model_kind == "views":
+            return ViewsCastsShared(), torch.randn(32, 16)
+        return WithCustomFunction(), torch.randn(64, 8)
+
+    runs = []
+    for full in (False, True):
+        model, x = build()
+        h = Harness(model, engine, reload_in_place=True)
+        reference = loss_and_grads(model, h.forward(x, None))
+        if budget_fraction is not None:
+            probe = Frame(default=Choice.KEEP)
+            h.forward(x, probe)
+            h.runtime.budget_bytes = int(probe.stats.peak_resident * budget_fraction)
+        full_packs = [0]
+        pack = h.runtime._pack
+
+        def counted(t: torch.Tensor) -> object:
+            full_packs[0] += 1
+            return pack(t)
+
+        h.runtime._pack = counted
+        if full:
+            h.runtime._pack_calm = counted
+        frame = Frame(default=Choice.KEEP)
+        frame.traced = False
+        loss = h.forward(x, frame)
+        resident = h.runtime.ledger.resident
+        assert_bitwise(reference, loss_and_grads(model, loss))
+        del loss
+        assert h.runtime.ledger.resident == 0
+        stats = frame.stats
+        runs.append((stats.packed, stats.bytes_by_choice, stats.shared_bytes, stats.peak_resident, stats.violations,
+                     stats.fallbacks, resident))
+        if budget_fraction is None and not full:
+            assert full_packs[0] == 0
+        h.close()
+    assert runs[0] == runs[1]
+    if budget_fraction is not None:
+        assert runs[0][1]["offload"] > 0
+
+
 def test_offloading_an_operator_lowers_resident_by_its_bytes(engine: CopyEngine, keys: List[str]) -> None:
     model, tokens = make_model()
     h = Harness(model, engine)

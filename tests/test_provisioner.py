@@ -393,6 +393,25 @@ def test_oom_safety_net_reruns_the_micro_batch_exactly() -> None:
     assert report["resident_bytes"] == 0
 
 
+def test_a_rerun_block_is_called_again_with_the_arguments_before_its_pre_hooks() -> None:
+    """A block rerun in backward (``recompute_all``) is called as the forward called it, so a
+    pre-hook that changes its input runs once per call, whether registered before or after
+    ``enable``."""
+    def scaled(m: torch.nn.Module, args: tuple) -> tuple:
+        return (args[0] * 1.5,)
+
+    model = make_model()
+    model.layers[0].register_forward_pre_hook(scaled)
+    plain = copy.deepcopy(model)
+    prov = bagualu2.enable(model, budget=None, policy="recompute_all", min_bytes=0)
+    model.layers[1].register_forward_pre_hook(scaled)
+    plain.layers[1].register_forward_pre_hook(scaled)
+    for i in range(2):
+        ref, got = step(plain, i), step(model, i)
+        assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+    assert prov.report()["saved_bytes_by_choice"]["recompute"] > 0
+
+
 def test_gate_calls_during_checkpoint_recompute_are_ignored() -> None:
     model = make_model()
     original = model.layers[0].forward
@@ -871,11 +890,21 @@ def test_calm_forwards_go_untraced_and_an_unannounced_spike_is_offloaded_under_t
     budget = (calm + spiked) // 2  # calm fits; a spike, and the worst routing, do not
     prov = bagualu2.enable(model, budget=budget, min_bytes=0, margin=0.0)
     frames: List[bagualu2.activations.Frame] = []
-    prov.runtime.frame_observer = frames.append
+    pre_hooks: List[int] = []  # on the model's modules as each forward starts
+
+    def observe(frame: bagualu2.activations.Frame) -> None:
+        frames.append(frame)
+        pre_hooks.append(sum(len(m._forward_pre_hooks) for m in model.modules()))
+
+    prov.runtime.frame_observer = observe
     trace = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.6, 0.0, 0.0]
     for i, spike in enumerate(trace):
         ref, got = step(plain, i, spike), step(model, i, spike)
         assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+    # An untraced forward calls the modules without bagualu2's hooks (torch's fast path); the
+    # traced ones after it have them again, and name the operators as the profiled ones did.
+    assert [n > 0 for n in pre_hooks] == [f.traced for f in frames]
+    assert prov.report()["unplanned_keys"] == 0
     # Two profiling forwards, three recomputing all they can (the worst routing would not fit:
     # the cost model measures replays), a calm one untraced, the spike untraced too
     # (unannounced), and the forwards after it traced, ready to plan.

@@ -477,6 +477,32 @@ class _Recomputed:
             source.refs += 1
 
 
+class _Attachment:
+    """One module tree's hooks (``ActivationRuntime.attach``): installed while traced frames
+    run, and ``remove()`` takes them off for good."""
+
+    def __init__(self, runtime: "ActivationRuntime",
+                 hooks: List[Tuple[torch.nn.Module, AttachedHook, AttachedHook]]) -> None:
+        self._runtime = runtime
+        self._hooks = hooks
+        self._handles: List[Any] = []
+
+    def install(self, on: bool) -> None:
+        if on and not self._handles:
+            for module, enter, leave in self._hooks:
+                self._handles.append(module.register_forward_pre_hook(enter, with_kwargs=True, prepend=True))
+                self._handles.append(module.register_forward_hook(leave))
+        elif not on:
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+
+    def remove(self) -> None:
+        self.install(False)
+        if self in self._runtime._attachments:
+            self._runtime._attachments.remove(self)
+
+
 class ActivationRuntime:
     """Applies per-operator KEEP / OFFLOAD / RECOMPUTE choices to saved activations.
 
@@ -535,6 +561,7 @@ class ActivationRuntime:
         self._kept: Dict[int, Tuple[int, List["weakref.ref[_Kept]"]]] = {}
         self._kept_limit = 1024  # registry size at which entries of dead saves are dropped
         self._told_unrestorable = False  # a block call that could not be rerun was warned of
+        self._attachments: List["_Attachment"] = []  # module trees attached (``attach``)
 
     # -- frames -----------------------------------------------------------------------------
     @property
@@ -555,6 +582,7 @@ class ActivationRuntime:
             )
         self.mode.reset()
         self.mode.profile = frame.profile
+        self._module_hooks(frame.traced)
         self._frame = frame
         if self.frame_observer is not None:
             self.frame_observer(frame)
@@ -562,7 +590,8 @@ class ActivationRuntime:
         self.ledger.reset_peak()
         tracing = self.mode if frame.traced else contextlib.nullcontext()
         try:
-            with tracing, torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            pack = self._pack if frame.traced else self._pack_calm
+            with tracing, torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
                 try:
                     yield frame
                 finally:
@@ -585,7 +614,8 @@ class ActivationRuntime:
             self.mode.reset()
 
     def attach(self, root: torch.nn.Module) -> List[Any]:
-        """Install the module hooks that name operators by module path and anchor block inputs.
+        """Name operators by module path and anchor block inputs, through module hooks that
+        traced frames install.
 
         A *block* is a module held in a ``ModuleList`` (transformer layers, experts). Its first
         tensor input is anchored: held for the frame's recipes so a recompute chain never reaches
@@ -593,11 +623,20 @@ class ActivationRuntime:
         offloaded is dropped when the forward ends. The inputs of outermost blocks (layers, not
         the experts inside them) also bound the recompute cache (``RecomputeCache``), and their
         ends tell which saves come after the blocks (``Frame.after_blocks``); in a frame with
-        ``rerun_blocks`` they run untraced, to be rerun in backward. Returns the hook handles.
+        ``rerun_blocks`` they run untraced, to be rerun in backward.
+
+        The hooks are on ``root``'s modules only from a traced frame's start to the next
+        untraced frame's: an untraced forward calls its modules with no hooks of bagualu2's, on
+        torch's fast path (a module with a hook takes the slow one: on the demo's model at
+        4 x 64 tokens the hooks took 1.4% of a calm step, which needs none of them). Each
+        module's pre-hook is installed ahead of the module's other pre-hooks and its forward
+        hook behind its other forward hooks, so the module's path names what its own hooks run,
+        and a rerun block is called with the arguments its call had before any pre-hook changed
+        them. Returns handles whose ``remove()`` detaches.
         """
         blocks = {id(child) for m in root.modules() if isinstance(m, torch.nn.ModuleList) for child in m}
         block_paths = [name for name, m in root.named_modules() if id(m) in blocks]
-        handles: List[Any] = []
+        hooks: List[Tuple[torch.nn.Module, AttachedHook, AttachedHook]] = []
         for name, module in root.named_modules():
             if module is root:
                 continue
@@ -634,9 +673,15 @@ class ActivationRuntime:
                 if _block == 2:
                     frame.past_blocks = True
 
-            handles.append(module.register_forward_pre_hook(AttachedHook(enter), with_kwargs=True))
-            handles.append(module.register_forward_hook(AttachedHook(leave)))
-        return handles
+            hooks.append((module, AttachedHook(enter), AttachedHook(leave)))
+        attachment = _Attachment(self, hooks)
+        self._attachments.append(attachment)
+        return [attachment]
+
+    def _module_hooks(self, on: bool) -> None:
+        """Install (``on``) or remove every attachment's module hooks."""
+        for attachment in self._attachments:
+            attachment.install(on)
 
     def _open_rerun(self, frame: Frame, module: torch.nn.Module, name: str, args: tuple,
                     kwargs: Dict[str, Any]) -> bool:
@@ -832,6 +877,27 @@ class ActivationRuntime:
         finally:
             self.mode.suspended -= 1
 
+    def _pack_calm(self, t: torch.Tensor) -> Any:
+        """The pack hook of an untraced frame. Its common case, a plain tensor that fits the
+        budget, is counted and kept here, with nothing else to ask (calm micro-batches save
+        about a hundred tensors each on the reference model, and this is most of what
+        provisioning them costs), and so is a parameter (or a view of one: held, never counted);
+        anything else takes the full way (``_pack``): a subclass, another dispatch mode on the
+        stack, offloads in flight or made by this frame, a save that would cross the budget."""
+        frame = self._frame
+        if (frame is None or self._inflight or frame._untraced_offloads
+                or torch._C._len_torch_dispatch_stack() or not is_plain(t)):
+            return self._pack(t)
+        storage = t.untyped_storage()
+        if storage._cdata in self._params or type(t) is not torch.Tensor:  # a parameter, or a view of one
+            if self._is_parameter(t):
+                return _Kept(t if t.grad_fn is None else t.detach(), None)
+            return self._pack(t)
+        if self._over_budget(storage):
+            return self._pack(t)
+        frame.stats.packed += 1
+        return self._keep(frame, t, "untraced", storage)
+
     def _pack_in(self, frame: Frame, t: torch.Tensor) -> Any:
         stats = frame.stats
         stats.packed += 1
@@ -985,15 +1051,17 @@ class ActivationRuntime:
             self.on_exceed(self.ledger.resident, self.budget_bytes or 0, key)
         return packed
 
-    def _keep(self, frame: Frame, t: torch.Tensor, key: str) -> _Kept:
-        storage = t.untyped_storage()
+    def _keep(self, frame: Frame, t: torch.Tensor, key: str,
+              storage: Optional[torch.UntypedStorage] = None) -> _Kept:
+        if storage is None:
+            storage = t.untyped_storage()
         if self.ledger.holds(storage):
             frame.stats.shared_bytes += storage.nbytes()
         else:
             frame.stats.bytes_by_choice["keep"] += storage.nbytes()
         if t.grad_fn is not None:
             t = t.detach()  # an op's saved output: holding its grad_fn would be a reference cycle
-        node = self.mode.nodes.get(storage._cdata)
+        node = self.mode.nodes.get(storage._cdata) if frame.traced else None
         kept = _Kept(t, _Pin(self.ledger, storage), node)
         if node is not None:
             node.kept[node.state] = (weakref.ref(t), t._version)
