@@ -65,9 +65,9 @@ from bagualu2.activations import Frame
 from bagualu2.models import MoEConfig, MoETransformer, synthetic_batches
 
 
-def build(config: str) -> MoETransformer:
+def build(config: str, ep_size: int) -> MoETransformer:
     torch.manual_seed(0)
-    return MoETransformer(getattr(MoEConfig, config)())
+    return MoETransformer(getattr(MoEConfig, config)(ep_size=ep_size))
 
 
 def checkpointed(model: MoETransformer) -> Callable[[], None]:
@@ -110,6 +110,9 @@ class StepPeak:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="bench", choices=["tiny", "small", "bench"])
+    parser.add_argument("--ep-size", type=int, default=1,
+                        help="expert-parallel ranks the model is one of (the demo's model: --config small "
+                             "--ep-size 4 --batch 4 --seq 64)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=7)
@@ -119,7 +122,7 @@ def main() -> None:
     parser.add_argument("--out", default="step_overhead.json")
     args = parser.parse_args()
 
-    model = build(args.config)
+    model = build(args.config, args.ep_size)
     batch = next(synthetic_batches(model.cfg.vocab_size, args.batch, args.seq, seed=0))
 
     def plain() -> None:
@@ -238,7 +241,7 @@ def main() -> None:
               + (f"{peaks[ours] / 2**20:>14.1f}" if ours in peaks else f"{'':>14}")
               + f"{step_peaks[ours] / 2**20:>14.1f}")
     result = {
-        "config": args.config, "batch": args.batch, "seq": args.seq, "steps": args.steps,
+        "config": args.config, "ep_size": args.ep_size, "batch": args.batch, "seq": args.seq, "steps": args.steps,
         "threads": torch.get_num_threads(), "median_s": median, "best_s": best, "all_s": times,
         "peak_activation_bytes": peaks, "step_peak_bytes": step_peaks,
         "ratios": {f"{ours} / {baseline}": median[ours] / median[baseline] for ours, baseline in pairs},
