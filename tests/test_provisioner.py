@@ -563,8 +563,8 @@ def test_calm_micro_batches_count_the_inputs_they_save() -> None:
     assert calm and all(m.predicted_peak_bytes == m.peak_bytes for m in calm)
     inputs = prov._outside_held
     assert inputs == tokens_for(model, 0).nbytes  # the token ids the embedding saves
-    # Room for the heaviest recent routing's activations, but not with the inputs as well.
-    recent = max(prov._recent_bytes)
+    # Room for the last routing's activations, but not with the inputs as well.
+    recent = prov._last_bytes
     prov.budget = prov.runtime.budget_bytes = int((recent + inputs // 2) / (1 - prov.margin)) + 1
     assert prov._worst_bytes > recent + inputs
     step(model, 4)
@@ -907,14 +907,15 @@ def test_calm_forwards_go_untraced_and_an_unannounced_spike_is_offloaded_under_t
     assert prov.report()["unplanned_keys"] == 0
     # Two profiling forwards, three recomputing all they can (the worst routing would not fit:
     # the cost model measures replays), a calm one untraced, the spike untraced too
-    # (unannounced), and the forwards after it traced, ready to plan.
-    assert [f.traced for f in frames] == [True] * 5 + [False, False, True, True]
+    # (unannounced), the forward after it traced, ready to plan, and once that one routed within
+    # the budget, the next untraced again.
+    assert [f.traced for f in frames] == [True] * 5 + [False, False, True, False]
     mbs = prov.telemetry.micro_batches
     assert [m.traced for m in mbs] == [f.traced for f in frames]
     assert [m.calibrating for m in mbs] == [False, False, True, True, True, False, False, False, False]
     assert all(f.stats.bytes_by_choice["recompute"] > 0 and f.stats.bytes_by_choice["offload"] == 0
                for f in frames[2:5])
-    assert prov.report()["traced_micro_batches"] == 7
+    assert prov.report()["traced_micro_batches"] == 6
     spike = frames[6].stats
     assert spike.violations == 0 and spike.peak_resident <= budget
     assert spike.bytes_by_choice["offload"] > 0 and any("untraced" in f for f in spike.fallbacks)
@@ -1603,9 +1604,12 @@ def test_cost_fit_reproduces_exact_costs_and_never_goes_negative(coef, obs, nois
     # Whatever split it finds, exact observations are reproduced, with a prior on the factor too,
     # and with a floor the factor they were made with is above (at the floor itself, as at 0
     # without one, rounding can leave the exact fit's factor a hair below and out of reach).
+    # A part too small to lower the residual by more than the fit's tie tolerance is left out
+    # (a coefficient of 1e-6 on 5 items of a 0.07 s total: 4e-5 off), and a prior toward 0 on
+    # another part then weighs that residual as noise (1.2e-4 off): 3e-4 leaves room for both.
     for x in obs:
         for fit in (exact, anchored, bucketed, zeroed) + ((floored,) if coef[-1] >= 0.55 else ()):
-            assert sum(c * v for c, v in zip(fit.coef, x)) == pytest.approx(sum(c * v for c, v in zip(coef, x)), rel=1e-4)
+            assert sum(c * v for c, v in zip(fit.coef, x)) == pytest.approx(sum(c * v for c, v in zip(coef, x)), rel=3e-4)
 
 
 def test_cost_fit_forgets_only_the_buckets_a_batch_observes() -> None:
