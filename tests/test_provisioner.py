@@ -925,6 +925,30 @@ def test_calm_forwards_go_untraced_and_an_unannounced_spike_is_offloaded_under_t
     assert all(m.predicted_peak_bytes > 0 for m in mbs[1:] if not m.calibrating)
 
 
+def test_a_run_of_spikes_is_planned_from_its_second_micro_batch_on() -> None:
+    """The first spike of a run arrives untraced (offloaded as it saves); the next is traced and
+    planned at its gates; the micro-batch after the run is traced once more, routes within the
+    budget, and the one after it is calm again."""
+    model = make_model(ep_size=4)
+    plain = copy.deepcopy(model)
+    calm, spiked = keep_all_peak(model), keep_all_peak(model, spike=2.6)
+    budget = (calm + spiked) // 2
+    prov = bagualu2.enable(model, budget=budget, min_bytes=0, margin=0.0)
+    frames: List[bagualu2.activations.Frame] = []
+    prov.runtime.frame_observer = frames.append
+    trace = [0.0] * 6 + [2.6, 2.6, 0.0, 0.0]
+    for i, spike in enumerate(trace):
+        ref, got = step(plain, i, spike), step(model, i, spike)
+        assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+    assert [f.traced for f in frames[5:]] == [False, False, True, True, False]
+    assert any("untraced" in f for f in frames[6].stats.fallbacks)
+    planned = [d for d in prov.telemetry.decisions if d.micro_batch == 7]
+    assert planned and planned[0].predicted_bytes > budget
+    assert any(d.mix.get("offload", 0) + d.mix.get("recompute", 0) > 0 for d in planned)
+    assert not any("untraced" in f for f in frames[7].stats.fallbacks)
+    assert prov.report()["violations"] == 0 and all(m.peak_bytes <= budget for m in prov.telemetry.micro_batches)
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trace=st.lists(st.sampled_from([0.0, 0.0, 0.0, 1.8, 2.6]), min_size=4, max_size=9),
        between=st.floats(min_value=0.1, max_value=0.9))
