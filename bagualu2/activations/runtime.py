@@ -447,6 +447,13 @@ class _Kept:
         self.moved: Optional[_Offloaded] = None
 
 
+def _uncounted(t: torch.Tensor) -> _Kept:
+    """``t`` held as it is and charged to nothing: a parameter (or a view of one), or a tensor
+    the ledger cannot count. An op's saved output is detached (holding its grad_fn would be a
+    reference cycle)."""
+    return _Kept(t if t.grad_fn is None else t.detach(), None)
+
+
 class _Offloaded:
     """A saved view of an offloaded storage. In-place changes after the save are seen through
     the storage's node (``state``: its mutations) or, in untraced frames, through the saved
@@ -862,7 +869,7 @@ class ActivationRuntime:
             frame.stats.packed += 1
             return frame._rerun.save(t, counted=is_plain(t) and not self._is_parameter(t))
         if self._is_parameter(t):
-            return _Kept(t if t.grad_fn is None else t.detach(), None)
+            return _uncounted(t)
         self.mode.suspended += 1  # the runtime's own ops are not part of the model
         try:
             # ... and on a plain tensor they skip Python dispatch altogether: through the mode,
@@ -891,12 +898,12 @@ class ActivationRuntime:
         storage = t.untyped_storage()
         if storage._cdata in self._params or type(t) is not torch.Tensor:  # a parameter, or a view of one
             if self._is_parameter(t):
-                return _Kept(t if t.grad_fn is None else t.detach(), None)
+                return _uncounted(t)
             return self._pack(t)
         if self._over_budget(storage):
             return self._pack(t)
         frame.stats.packed += 1
-        return self._keep(frame, t, "untraced", storage)
+        return self._keep(frame, t, storage)
 
     def _pack_in(self, frame: Frame, t: torch.Tensor) -> Any:
         stats = frame.stats
@@ -908,7 +915,7 @@ class ActivationRuntime:
         if not is_plain(t):
             stats.fallbacks.append(f"kept a {type(t).__name__} with layout {t.layout}: not a plain strided "
                                    f"tensor, so it is neither counted nor released")
-            return _Kept(t if t.grad_fn is None else t.detach(), None)
+            return _uncounted(t)
         storage = t.untyped_storage()
         if not frame.traced:
             return self._pack_untraced(frame, t, storage)
@@ -922,11 +929,11 @@ class ActivationRuntime:
                 self.settle(wait=True)
                 if self._over_budget(storage, reserved=False):
                     return self._violate(frame, t, f"a saved input of shape {tuple(t.shape)}")
-            return self._keep(frame, t, "leaf")
+            return self._keep(frame, t)
         nbytes = node.nbytes
         frame.keys_seen.setdefault(node.key, nbytes)
         if nbytes < self.min_bytes and not self._over_budget(storage):
-            return self._keep(frame, t, node.key)
+            return self._keep(frame, t)
         state = node.state
         meta = view_meta(t)
         store = node.offloaded.get(state)
@@ -965,7 +972,7 @@ class ActivationRuntime:
             stats.fallbacks.append(f"{node.key}: offload -> keep (arena full or no engine; not recomputable)")
         if self._over_budget(storage):
             return self._violate(frame, t, node.key)
-        return self._keep(frame, t, node.key)
+        return self._keep(frame, t)
 
     def _pack_untraced(self, frame: Frame, t: torch.Tensor, storage: torch.UntypedStorage) -> Any:
         """Keep, unless that would cross an enforced budget: then offload (no recipe exists to
@@ -976,10 +983,10 @@ class ActivationRuntime:
             frame.stats.shared_bytes += storage.nbytes()
             return _Offloaded(store, view_meta(t), None, t._version, t)
         if not self._over_budget(storage):
-            return self._keep(frame, t, "untraced")
+            return self._keep(frame, t)
         self.settle(wait=True)
         if not self._over_budget(storage):
-            return self._keep(frame, t, "untraced")
+            return self._keep(frame, t)
         store = self._start_offload(frame, storage, "untraced") if self.enforce_budget else None
         if store is None:
             return self._violate(frame, t, f"a saved tensor of shape {tuple(t.shape)} (untraced forward)")
@@ -1044,15 +1051,14 @@ class ActivationRuntime:
     def _violate(self, frame: Frame, t: torch.Tensor, key: str) -> Any:
         """Keep ``t`` although that crosses the budget, unless kept storages can make room."""
         if self._make_room(frame, t.untyped_storage().nbytes()):
-            return self._keep(frame, t, key)
+            return self._keep(frame, t)
         frame.stats.violations += 1
-        packed = self._keep(frame, t, key)
+        packed = self._keep(frame, t)
         if self.on_exceed is not None:
             self.on_exceed(self.ledger.resident, self.budget_bytes or 0, key)
         return packed
 
-    def _keep(self, frame: Frame, t: torch.Tensor, key: str,
-              storage: Optional[torch.UntypedStorage] = None) -> _Kept:
+    def _keep(self, frame: Frame, t: torch.Tensor, storage: Optional[torch.UntypedStorage] = None) -> _Kept:
         if storage is None:
             storage = t.untyped_storage()
         if self.ledger.holds(storage):
