@@ -25,6 +25,7 @@
 
     python benchmarks/cost_model_accuracy.py --micro-batches 40 --out cost_model_accuracy.json
     python benchmarks/cost_model_accuracy.py --time-config bench --repeats 40   # 0.4 s steps
+    python benchmarks/cost_model_accuracy.py --fractions 0.8 --budget-plans-only --repeats 1500  # one plan, a tight interval
 """
 from __future__ import annotations
 
@@ -124,7 +125,7 @@ def only(plan: "bagualu2.Plan", choice: "bagualu2.Choice") -> Dict[str, "bagualu
 
 
 def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[float], repeats: int,
-                  learn_steps: int, recalibrate_every: int) -> List[Dict]:
+                  learn_steps: int, recalibrate_every: int, static_plans: bool = True) -> List[Dict]:
     """Each plan against an all-keep plan on the same batch: each round runs every plan's step
     between two all-keep steps (the plans in an order drawn anew each round, so that what the
     step before leaves in caches hits them alike), and the measured overhead is the median over
@@ -172,22 +173,24 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     # where the gates offloaded 8, a plan the provisioner never ran).
     plans = [prov.last_plan for prov in planners]
     labels = [f"{fraction:.0%}" for fraction in fractions]
-    # Two static plans at the ends of the space: every operator offloaded; every recomputable
-    # one recomputed (the rest kept).
     cost = planners[0].cost
-    plans.append(bagualu2.Plan({k: bagualu2.Choice.OFFLOAD for k in cost.ops}))
-    plans.append(bagualu2.Plan({k: bagualu2.Choice.RECOMPUTE if op.recomputable else bagualu2.Choice.KEEP
-                                for k, op in cost.ops.items()}))
-    # And two whose rebuilds the cost model never measured (its calibrating micro-batches
-    # recompute everything, and the budget plans here little): only the experts' operators
-    # recomputed, and only the others.
-    for experts in (True, False):
-        plans.append(bagualu2.Plan({
-            k: bagualu2.Choice.RECOMPUTE if op.recomputable and (op.layer is not None) == experts else bagualu2.Choice.KEEP
-            for k, op in cost.ops.items()}))
+    if static_plans:
+        # Two static plans at the ends of the space: every operator offloaded; every recomputable
+        # one recomputed (the rest kept).
+        plans.append(bagualu2.Plan({k: bagualu2.Choice.OFFLOAD for k in cost.ops}))
+        plans.append(bagualu2.Plan({k: bagualu2.Choice.RECOMPUTE if op.recomputable else bagualu2.Choice.KEEP
+                                    for k, op in cost.ops.items()}))
+        # And two whose rebuilds the cost model never measured (its calibrating micro-batches
+        # recompute everything, and the budget plans here little): only the experts' operators
+        # recomputed, and only the others.
+        for experts in (True, False):
+            plans.append(bagualu2.Plan({
+                k: bagualu2.Choice.RECOMPUTE if op.recomputable and (op.layer is not None) == experts else bagualu2.Choice.KEEP
+                for k, op in cost.ops.items()}))
+        labels += ["offload", "recompute", "rc experts", "rc others"]
     # And all-keep again: its "overhead" over itself is the measurement's own error.
     plans.append(bagualu2.Plan({}))
-    labels += ["offload", "recompute", "rc experts", "rc others", "A/A"]
+    labels.append("A/A")
     # The static plans are priced by the provisioner under the loosest budget, whose
     # calibrations (recomputing all) keep what they rebuild, as the plans do without a budget.
     predictors = planners + [planners[0]] * (len(plans) - len(planners))
@@ -302,6 +305,11 @@ def main() -> None:
                              "size (bench: batch 8 x 256, about 0.4 s)")
     parser.add_argument("--recalibrate-every", type=int, default=8,
                         help="each budget's provisioner recomputes all it can once every this many adaptive steps")
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.8, 0.6, 0.4, 0.25],
+                        help="budgets of the planned plans, as fractions of the all-keep peak")
+    parser.add_argument("--budget-plans-only", action="store_true",
+                        help="measure only the budgets' plans and A/A, not the four static plans (fewer "
+                             "steps per round: more rounds, a tighter interval, in the same time)")
     parser.add_argument("--out", default="cost_model_accuracy.json")
     args = parser.parse_args()
 
@@ -324,8 +332,8 @@ def main() -> None:
         torch.manual_seed(0)
         model = MoETransformer(MoEConfig.bench(ep_size=4))
         batches = list(synthetic_batches(model.cfg.vocab_size, 8, 256, seed=0, num_batches=1))
-    rows, learned = time_accuracy(model, batches[0], [0.8, 0.6, 0.4, 0.25], args.repeats, args.learn_steps,
-                                   args.recalibrate_every)
+    rows, learned = time_accuracy(model, batches[0], args.fractions, args.repeats, args.learn_steps,
+                                   args.recalibrate_every, static_plans=not args.budget_plans_only)
     print(f"\n{'plan':>10}{'mix (keep/offload/recompute)':>30}{'released MiB':>14}{'predicted ms':>14}{'step delta ms':>15}"
           f"{'95% CI ms':>16}{'error':>8}{'error over CI':>16}{'mechanism ms':>14}{'error':>8}")
     for r in rows:
