@@ -24,11 +24,14 @@ otherwise). Copy time is bytes over the copy engine's measured bandwidth.
 What one op costs to replay is measured where it runs: backward times each replayed op call
 inside a chain (from the previous call's end: its inputs at hand, its share of the walk;
 ``observe_op_replays``), and a rebuild is priced at its ops' replay seconds. A rebuild's first
-call, whose inputs were made before the rebuild, is timed only in the rebuild's total (alone it
-measured up to twice its time in a chain, on the reference model): what it costs beyond its time
-in a chain is part of entering a rebuild. A profiled forward's op times stand for them only
-until an op has been replayed (scaled by the median ratio of replay to profiled time over the
-ops replayed so far): on the reference model, the profiled times of the ops a
+call, whose inputs were made before the rebuild, is timed apart (from its own start: the walk
+down to it is entering the rebuild); alone it measured up to twice its time in a chain, on the
+reference model, so its time in a chain prices it where it has one, and what it costs beyond
+that is part of entering a rebuild; a call no chain has replayed (recomputing everything
+replays each rebuild's first call only as such) is priced at its time as a first. A profiled
+forward's op times stand for them only until an op has been replayed (scaled by the median
+ratio of replay to profiled time over the ops replayed so far): on the reference model, the
+profiled times of the ops a
 recompute-everything plan replays summed to 0.56x to 2.0x what backward measured replaying them,
 from run to run (one forward's timings, on a shared 2-core machine). The provisioner has the
 first micro-batches that may need a plan recompute everything they can, so that every op plans
@@ -412,8 +415,9 @@ class CostModel:
         self._copy_fit = _CostFit(3)
         # op call -> its replay's seconds in backward, timed by the runtime's replays
         self._op_replays: Dict[str, _Fit] = {}
+        self._lead_replays: Dict[str, _Fit] = {}  # ... as a rebuild's first call (timed apart)
         self._replay_scale = (-1, 1.0)  # (len(_op_replays) it was taken at, the scale)
-        self._first_only: set = set()  # calls whose fit holds only their first (cold) replays
+        self._first_only: set = set()  # (id of fits, call) of fits holding only cold first replays
         self._cold_calls: set = set()  # calls first replayed in the last observe_op_replays
         self._call_replays: Dict[str, int] = {}  # ... and each call's replays there
         # What learning from a micro-batch's rebuilds and from its copies took (observe_learning):
@@ -537,40 +541,46 @@ class CostModel:
                     seconds += self.op_replay_seconds(unsaved, counts)
         return ops, seconds
 
-    def observe_op_replays(self, times: Mapping[str, Tuple[float, int, int]],
+    def observe_op_replays(self, times: Mapping[str, Tuple[float, int, int, float, int]],
                            counts: Mapping[int, Sequence[int]]) -> None:
         """Learn what replaying each op costs in backward: ``times`` maps a key (of a saved or
-        unsaved storage) to (seconds, n, replays): what its op call's ``n`` replays inside a
-        chain took, of ``replays`` in all (``ActivationRuntime.take_op_replay_times``). A
-        call's first replays run cold (the first allocations of their outputs in backward: on
-        the cpu, up to 1.8x the next ones): the next observation replaces them, and the
-        rebuilds they were part of are not learned from (``observe_replays`` after this call);
-        nor are those that replayed a call more often than there were micro-batches."""
+        unsaved storage) to (seconds, n, replays, lead seconds, leads): what its op call's
+        ``n`` replays inside a chain took, of ``replays`` in all, and what its ``leads``
+        replays as a rebuild's first call took (``ActivationRuntime.take_op_replay_times``).
+        A call's first replays in either role run cold (the first allocations of their
+        outputs in backward: on the cpu, up to 1.8x the next ones): the next observation
+        replaces them, and the rebuilds a call's very first replays were part of are not
+        learned from (``observe_replays`` after this call); nor are those that replayed a call
+        more often than there were micro-batches."""
         self._cold_calls = set()
         self._call_replays = {}
-        for key, (seconds, n, replays) in times.items():
+        for key, (seconds, n, replays, lead_seconds, leads) in times.items():
             op = self.ops.get(key) or self.unsaved.get(key)
             if op is None:
                 continue
-            self._call_replays[op.call] = self._call_replays.get(op.call, 0) + replays
-            if n <= 0:
-                continue
-            fit = self._op_replays.get(op.call)
-            if fit is None:
-                fit = self._op_replays[op.call] = _Fit(robust=True)
-                self._first_only.add(op.call)
-                self._cold_calls.add(op.call)
-            elif op.call in self._first_only and op.call not in self._cold_calls:
-                fit.clear()  # its first replays ran cold: the next replace them
-                self._first_only.discard(op.call)
-            fit.add(self._tokens(op, counts), seconds / n)
+            call = op.call
+            self._call_replays[call] = self._call_replays.get(call, 0) + replays
+            if call not in self._op_replays and call not in self._lead_replays and n + leads > 0:
+                self._cold_calls.add(call)
+            for fits, spent, timed in ((self._op_replays, seconds, n), (self._lead_replays, lead_seconds, leads)):
+                if timed <= 0:
+                    continue
+                fit = fits.get(call)
+                if fit is None:
+                    fit = fits[call] = _Fit(robust=True)
+                    self._first_only.add((id(fits), call))
+                elif (id(fits), call) in self._first_only and call not in self._cold_calls:
+                    fit.clear()  # its first replays ran cold: the next replace them
+                    self._first_only.discard((id(fits), call))
+                fit.add(self._tokens(op, counts), spent / timed)
 
     def op_replay_seconds(self, op: OpCost, counts: Mapping[int, Sequence[int]]) -> float:
-        """Seconds one replay of ``op``'s call costs in backward: as measured in replays
-        (``observe_op_replays``), or until it has been replayed, its profiled forward time
-        scaled as the ops replayed so far measured against theirs (the median ratio)."""
+        """Seconds one replay of ``op``'s call costs in backward: as measured in replays inside
+        a chain (``observe_op_replays``); for a call only ever replayed first in its rebuild,
+        as measured there; until it has been replayed, its profiled forward time scaled as the
+        ops replayed so far measured against theirs (the median ratio)."""
         tokens = self._tokens(op, counts)
-        fit = self._op_replays.get(op.call)
+        fit = self._op_replays.get(op.call) or self._lead_replays.get(op.call)
         if fit is not None:
             return fit(tokens)
         return self._profiled_scale() * op.seconds(tokens)

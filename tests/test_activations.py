@@ -357,9 +357,9 @@ def test_profile_names_the_unsaved_inputs_a_rebuild_must_rebuild_first(engine: C
     assert replays[mul][1] == 1 and replays[mul][0] > 0
 
 
-def test_op_replay_times_time_each_replayed_op_once_within_its_rebuild_but_its_first(engine: CopyEngine) -> None:
-    """Each op call a rebuild replays is timed once, its inputs at hand, except the rebuild's
-    first (its inputs made before the rebuild): that one counts only in the rebuild's total."""
+def test_op_replay_times_time_each_replayed_op_once_and_a_rebuild_s_first_apart(engine: CopyEngine) -> None:
+    """Each op call a rebuild replays is timed once, its inputs at hand: inside the chain, or,
+    for the rebuild's first (its inputs made before the rebuild), apart."""
     torch.manual_seed(0)
     h = Harness(Transients(), engine)
     h.runtime.frame_observer = lambda f: None  # frames then list their recomputed nodes
@@ -376,10 +376,12 @@ def test_op_replay_times_time_each_replayed_op_once_within_its_rebuild_but_its_f
     ops = h.runtime.take_op_replay_times()
     # mul's rebuild replays lin and add first (saved by nothing), each once, inside the unpack;
     # lin, the first, reads only what the forward kept
-    assert {mul, add.key, lin.key} <= set(ops) and ops[lin.key] == (0.0, 0, 1), ops
-    assert all(ops[k][1] == ops[k][2] == 1 and ops[k][0] > 0 for k in (mul, add.key)), ops
-    assert all(r == 1 and (s > 0) == (n == 1) for s, n, r in ops.values()), ops  # other rebuilds' first too
-    assert sum(s for s, *_ in ops.values()) <= sum(s for s, _ in rebuilds.values())
+    assert {mul, add.key, lin.key} <= set(ops) and ops[lin.key][:3] == (0.0, 0, 1) and ops[lin.key][4] == 1, ops
+    assert all(ops[k][1] == ops[k][2] == 1 and ops[k][0] > 0 and ops[k][3:] == (0.0, 0) for k in (mul, add.key)), ops
+    # every replay timed once, in a chain or as its rebuild's first (other rebuilds' too)
+    assert all(r == 1 and n + leads == 1 and (s > 0) == (n == 1) and (lead > 0) == (leads == 1)
+               for s, n, r, lead, leads in ops.values()), ops
+    assert sum(s + lead for s, _, _, lead, _ in ops.values()) <= sum(s for s, _ in rebuilds.values())
     assert h.runtime.take_op_replay_times() == {}  # taken: counting starts again
 
 

@@ -618,10 +618,10 @@ def test_the_first_micro_batches_a_plan_may_release_from_measure_what_replays_co
     prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.7), min_bytes=0, recalibrate_every=2)
     frames: List[bagualu2.activations.Frame] = []
     prov.runtime.frame_observer = frames.append
-    taken: Dict[int, Dict[str, Tuple[float, int, int]]] = {}  # micro-batch -> its backward's op replays
+    taken: Dict[int, Dict[str, Tuple[float, int, int, float, int]]] = {}  # micro-batch -> its backward's op replays
     take = prov.runtime.take_op_replay_times
 
-    def take_noting() -> Dict[str, Tuple[float, int, int]]:
+    def take_noting() -> Dict[str, Tuple[float, int, int, float, int]]:
         times = take()  # as the last frame's backward ends, or as the next forward begins
         taken.setdefault(len(frames) - 1, {}).update(times)
         return times
@@ -653,37 +653,38 @@ def test_the_first_micro_batches_a_plan_may_release_from_measure_what_replays_co
     assert not any(m.calibrating for m in other.telemetry.micro_batches)
     assert {d.micro_batch for d in other.telemetry.decisions} == {1, 2}
     # Read as micro-batch 5 began: every op the third one's backward replayed (the call of each
-    # recomputable key that is no block input among them, but for each rebuild's first, timed
-    # with entering it), which the cost model now prices as measured: the median of each call's
-    # replays but its first (cold), the plans' included.
+    # recomputable key that is no block input among them), inside a chain or as a rebuild's
+    # first, which the cost model now prices as measured: the median of each call's replays
+    # but its first (cold), the plans' included; a call always a rebuild's first, at its
+    # replays as such.
     cost = prov.cost
 
     def op_of(key: str) -> "bagualu2.cost_model.OpCost":
         return cost.ops.get(key) or cost.unsaved[key]
 
-    taken = {i: {k: v[:2] for k, v in times.items() if v[1] and (k in cost.ops or k in cost.unsaved)}
-             for i, times in taken.items()}
-    calls = {op_of(k).call for k in taken[4]}
+    known = {i: {k: v for k, v in times.items() if k in cost.ops or k in cost.unsaved} for i, times in taken.items()}
+    calls = {op_of(k).call for k, v in known[4].items() if v[1] or v[4]}
     releasable = [k for k, op in cost.ops.items() if op.recomputable and k not in anchored]
     released = {cost.ops[k].call for k in releasable}
     counts = prov.mean_counts()
-    assert anchored and len(released - calls) <= len(cost.rebuilds(releasable, counts)) < len(released) // 4
-    replays: Dict[str, List[float]] = {}
-    for times in taken.values():
-        for key, (seconds, n) in times.items():
-            replays.setdefault(op_of(key).call, []).append(seconds / n)
-    untimed = released - set(replays)  # always a rebuild's first
-    assert untimed
-    for op in cost.ops.values():  # priced at its profiled time, scaled as the replayed ones measured
-        if op.call in untimed:
-            scaled = cost._profiled_scale() * op.seconds(cost._tokens(op, counts))
-            assert cost.op_replay_seconds(op, counts) == pytest.approx(scaled)
-    for key in taken[4]:
+    assert anchored and released <= calls
+    chained: Dict[str, List[float]] = {}  # call -> seconds of each of its timed replays in a chain
+    led: Dict[str, List[float]] = {}  # ... as a rebuild's first
+    for times in known.values():
+        for key, (seconds, n, _, lead_seconds, leads) in times.items():
+            if n:
+                chained.setdefault(op_of(key).call, []).append(seconds / n)
+            if leads:
+                led.setdefault(op_of(key).call, []).append(lead_seconds / leads)
+    only_led = released - set(chained)
+    assert only_led and len(only_led) <= len(cost.rebuilds(releasable, counts)) < len(released) // 4
+    for key in known[4]:
         op = op_of(key)
         if op.layer is None:  # driven by the micro-batch's size, the same in every micro-batch here
-            assert len(replays[op.call]) >= 2
+            replays = chained.get(op.call) or led[op.call]
+            assert len(replays) >= 2
             # (mean_counts rounds each expert's mean: the micro-batch's size within a token)
-            warm = statistics.median(replays[op.call][1:])
+            warm = statistics.median(replays[1:])
             assert cost.op_replay_seconds(op, counts) == pytest.approx(warm, rel=1e-2)
 
 
@@ -1085,10 +1086,10 @@ def test_cost_model_prices_an_op_s_replay_as_backward_measured_it() -> None:
     assert cost.recompute_seconds("c:op:0", {0: [10, 10]}) == pytest.approx(4.5e-3)  # nothing replayed: profiled
     # a replayed twice at 3x its profiled time, b once at half of it, the expert's op at two loads
     # after a first, cold replay (which the next replaces); a key the model does not know is ignored.
-    cost.observe_op_replays({"a:op:0": (2 * 3e-3, 2, 2), "b:op:0": (1e-3, 1, 1), "unknown:op:0": (1.0, 1, 1)}, {0: [10, 10]})
-    cost.observe_op_replays({"experts.0:op:0": (9e-3, 1, 1)}, {0: [10, 10]})
-    cost.observe_op_replays({"experts.0:op:0": (3e-3, 1, 1)}, {0: [10, 10]})
-    cost.observe_op_replays({"experts.0:op:0": (5e-3, 1, 1)}, {0: [20, 0]})
+    cost.observe_op_replays({"a:op:0": (2 * 3e-3, 2, 2, 0.0, 0), "b:op:0": (1e-3, 1, 1, 0.0, 0), "unknown:op:0": (1.0, 1, 1, 0.0, 0)}, {0: [10, 10]})
+    cost.observe_op_replays({"experts.0:op:0": (9e-3, 1, 1, 0.0, 0)}, {0: [10, 10]})
+    cost.observe_op_replays({"experts.0:op:0": (3e-3, 1, 1, 0.0, 0)}, {0: [10, 10]})
+    cost.observe_op_replays({"experts.0:op:0": (5e-3, 1, 1, 0.0, 0)}, {0: [20, 0]})
     counts = {0: [15, 5]}
     assert cost.op_replay_seconds(cost.ops["a:op:0"], counts) == pytest.approx(3e-3)
     assert cost.recompute_seconds("a:op:0", counts) == pytest.approx(3e-3)
@@ -1098,21 +1099,21 @@ def test_cost_model_prices_an_op_s_replay_as_backward_measured_it() -> None:
     # against the profiled times of the ops replayed (3, 0.5 and, at its last load, 2.5: 2.5).
     assert cost.recompute_seconds("c:op:0", counts) == pytest.approx(2.5 * 4.5e-3)
     # A rebuild that held an op's first replay is not learned from; the next one is.
-    cost.observe_op_replays({"c:op:0": (1e-3, 1, 1), "u:op:0": (1e-3, 1, 1)}, counts)
+    cost.observe_op_replays({"c:op:0": (1e-3, 1, 1, 0.0, 0), "u:op:0": (1e-3, 1, 1, 0.0, 0)}, counts)
     cost.observe_replays({"c:op:0": (1.0, 1)}, counts)
     assert not cost._replay_fit.observed
-    cost.observe_op_replays({"c:op:0": (1e-3, 1, 1), "u:op:0": (1e-3, 1, 1)}, counts)
+    cost.observe_op_replays({"c:op:0": (1e-3, 1, 1, 0.0, 0), "u:op:0": (1e-3, 1, 1, 0.0, 0)}, counts)
     cost.observe_replays({"c:op:0": (2.2e-3, 1)}, counts)
     assert cost._replay_fit.observed and cost.recompute_seconds("c:op:0", counts) == pytest.approx(2.2e-3)
     # Nor one that replayed a call three times for one micro-batch (it rebuilt again to stay
     # under the budget); its op times are still learned ...
     coef = list(cost._replay_fit.coef)
-    cost.observe_op_replays({"c:op:0": (3e-3, 3, 3), "u:op:0": (1e-3, 1, 3)}, counts)
+    cost.observe_op_replays({"c:op:0": (3e-3, 3, 3, 0.0, 0), "u:op:0": (1e-3, 1, 3, 0.0, 0)}, counts)
     cost.observe_replays({"c:op:0": (9e-3, 1)}, counts)
     assert cost._replay_fit.coef == coef and cost.recompute_seconds("c:op:0", counts) == pytest.approx(2.2e-3)
     # ... and a rebuild of the same backward that replayed its calls once is learned from.
     c_last, b_seen = cost.ops["c:op:0"].replays[-1], len(cost.ops["b:op:0"].replays)
-    cost.observe_op_replays({"c:op:0": (3e-3, 3, 3), "u:op:0": (1e-3, 1, 3), "b:op:0": (1e-3, 1, 1)}, counts)
+    cost.observe_op_replays({"c:op:0": (3e-3, 3, 3, 0.0, 0), "u:op:0": (1e-3, 1, 3, 0.0, 0), "b:op:0": (1e-3, 1, 1, 0.0, 0)}, counts)
     cost.observe_replays({"c:op:0": (9e-3, 1), "b:op:0": (1.2e-3, 1)}, counts)
     assert cost.ops["c:op:0"].replays[-1] is c_last and len(cost.ops["b:op:0"].replays) == b_seen + 1
     assert cost._replay_fit.coef != coef
@@ -1153,6 +1154,26 @@ def test_the_per_micro_batch_rebuild_part_stays_near_zero_until_rebuilds_tell_it
     assert fit({0: REPLAY_FRAME_SD}, plans).coef[0] == pytest.approx(150e-6, rel=0.3)
 
 
+def test_a_call_only_ever_replayed_first_in_its_rebuild_is_priced_as_it_measured_there() -> None:
+    """A call every plan so far replayed as its rebuild's first is timed there (apart from the
+    walk that enters the rebuild), not priced from its profiled time: on the reference model a
+    profiled time scaled as the other replays measured priced one 2.5x what it measured."""
+    from bagualu2.cost_model import CostModel
+
+    cost = CostModel({})
+    cost.observe({"a:op:0": (1000, 1e-3, True, ()), "b:op:0": (1000, 1e-3, True, ())}, {}, forward_seconds=0.01)
+    a, b = cost.ops["a:op:0"], cost.ops["b:op:0"]
+    cost.observe_op_replays({"a:op:0": (0.0, 0, 1, 9e-3, 1), "b:op:0": (2e-3, 1, 1, 0.0, 0)}, {})
+    assert cost.op_replay_seconds(a, {}) == pytest.approx(9e-3)  # its first, cold replay: all there is
+    cost.observe_op_replays({"a:op:0": (0.0, 0, 1, 3e-3, 1), "b:op:0": (2e-3, 1, 1, 0.0, 0)}, {})
+    assert cost.op_replay_seconds(a, {}) == pytest.approx(3e-3)  # the next replaced it
+    assert cost.op_replay_seconds(b, {}) == pytest.approx(2e-3)
+    # Once timed inside a chain, where plans that rebuild more replay it, that time prices it.
+    cost.observe_op_replays({"a:op:0": (1e-3, 1, 2, 3e-3, 1)}, {})
+    cost.observe_op_replays({"a:op:0": (1.5e-3, 1, 2, 3e-3, 1)}, {})
+    assert cost.op_replay_seconds(a, {}) == pytest.approx(1.5e-3)
+
+
 def test_a_rebuild_far_slower_than_its_last_ones_counts_as_a_bounded_one() -> None:
     """A one-op rebuild that measured 1 to 1.2 ms five times, then 50 ms once (a preempted
     thread): the fit learns it as one of OUTLIER_RATIO times their median, as if it had measured
@@ -1163,7 +1184,7 @@ def test_a_rebuild_far_slower_than_its_last_ones_counts_as_a_bounded_one() -> No
         cost = CostModel({})
         cost.observe({"a:op:0": (1000, 1e-3, True, ())}, {}, forward_seconds=0.01)
         for seconds in times:
-            cost.observe_op_replays({"a:op:0": (seconds, 0, 1)}, {})  # its own rebuild's lead: untimed
+            cost.observe_op_replays({"a:op:0": (0.0, 0, 1, 0.0, 0)}, {})  # untimed: priced as profiled
             cost.observe_replays({"a:op:0": (seconds, 1)}, {})
         return list(cost._replay_fit.coef)
 

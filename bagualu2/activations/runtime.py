@@ -559,7 +559,7 @@ class ActivationRuntime:
         self.backward_observer: Optional[Callable[[], None]] = None
         # key -> [seconds, micro-batches, id of the last one's recompute cache] of backward rebuilds
         self._replays: Dict[str, List[Any]] = {}
-        self._op_replays: Dict[str, List[float]] = {}  # key -> [seconds, timed, replays] of its op (Replayer)
+        self._op_replays: Dict[str, List[float]] = {}  # key -> its op's replay times (Replayer)
         self._copies: List[Any] = [0.0, 0, 0]  # caller seconds, offloads, bytes (take_copy_times)
         self.backward_passes = 0  # backward passes that unpacked anything packed here
         self._last_task = -1
@@ -1269,15 +1269,15 @@ class ActivationRuntime:
         self._replays.clear()
         return out
 
-    def take_op_replay_times(self) -> Dict[str, Tuple[float, int, int]]:
+    def take_op_replay_times(self) -> Dict[str, Tuple[float, int, int, float, int]]:
         """Per operator key (unsaved storages' included), since the last call: seconds backward
         spent replaying the op call that makes its storage (and the in-place ops on it) inside
-        a chain, its inputs already at hand, with the walk since the previous call, how many
-        such replays it timed (a rebuild's first call is timed only in the rebuild's total:
-        ``Replayer``), and how many replays it made in all: what one replay of that op inside a
-        chain costs, whatever rebuild it was part of, and whether backward rebuilt a storage
-        more often than once per micro-batch."""
-        out = {k: (v[0], int(v[1]), int(v[2])) for k, v in self._op_replays.items()}
+        a chain, its inputs already at hand, with the walk since the previous call, and how
+        many such replays it timed; how many replays it made in all; and the seconds and
+        number of its replays as a rebuild's first call, timed apart (its inputs made before
+        the rebuild: ``Replayer``). What one replay of that op costs, whatever rebuild it was
+        part of, and whether backward rebuilt a storage more often than once per micro-batch."""
+        out = {k: (v[0], int(v[1]), int(v[2]), v[3], int(v[4])) for k, v in self._op_replays.items()}
         self._op_replays.clear()
         return out
 

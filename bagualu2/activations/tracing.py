@@ -566,9 +566,10 @@ class Replayer:
     that read them), so a chain of dropped storages of any length is rebuilt without deep
     recursion. A storage ``source`` hands out is asked for once per replayer (one unpack). With
     ``times``, each storage's own replay (its op call and in-place ops, its inputs at hand, and
-    the walk since the previous op call), but for the first of each rebuild, is timed into
-    ``times[key]``: [seconds, timed replays, replays]; what ``source`` took to hand out
-    offloaded storages (reloads) is in ``reload_seconds``.
+    the walk since the previous op call) is timed into ``times[key]``: [seconds, timed
+    replays, replays, seconds as a rebuild's first, replays as a rebuild's first] (the first
+    op call of a rebuild is timed apart: its inputs were made before the rebuild); what
+    ``source`` took to hand out offloaded storages (reloads) is in ``reload_seconds``.
     """
 
     def __init__(self, source: Callable[[StorageNode, int], Optional[torch.UntypedStorage]],
@@ -603,28 +604,34 @@ class Replayer:
 
     def _rebuild(self, root: StorageNode, root_state: int) -> None:
         stack: List[Tuple[StorageNode, int, bool]] = [(root, root_state, False)]
-        # Each op call is timed from the previous one's end (its share of the walk: the
-        # lookups and bookkeeping between them, reloads aside) to its own. The rebuild's first
-        # (its inputs made before the rebuild, in cpu caches or not: on the reference model,
-        # alone it measured up to twice what it does inside a chain) is timed only in the
-        # rebuild's total, with entering the rebuild.
+        # Each op call inside the chain is timed from the previous one's end (its share of the
+        # walk: the lookups and bookkeeping between them, reloads aside) to its own. The
+        # rebuild's first (its inputs made before the rebuild, in cpu caches or not: on the
+        # reference model, alone it measured up to twice what it does inside a chain) is timed
+        # apart, from its own start: the walk down to it is entering the rebuild.
         timed = self._times
         lead = True
-        mark, reloaded = time.perf_counter(), self.reload_seconds
+        mark, reloaded = 0.0, 0.0
         with _ReplayScope():
             while stack:
                 node, state, inputs_ready = stack.pop()
                 if self._at_hand(node, state) is not None:
                     continue
                 if inputs_ready:
+                    if lead and timed is not None:
+                        mark, reloaded = time.perf_counter(), self.reload_seconds
                     found = self._recompute(node, state)
                     if timed is not None:
                         now = time.perf_counter()
                         entry = timed.get(node.key)
                         if entry is None:
-                            entry = timed[node.key] = [0.0, 0, 0]
-                        if not lead:
-                            entry[0] += now - mark - (self.reload_seconds - reloaded)
+                            entry = timed[node.key] = [0.0, 0, 0, 0.0, 0]
+                        spent = now - mark - (self.reload_seconds - reloaded)
+                        if lead:
+                            entry[3] += spent
+                            entry[4] += 1
+                        else:
+                            entry[0] += spent
                             entry[1] += 1
                         entry[2] += 1
                         mark, reloaded, lead = now, self.reload_seconds, False
