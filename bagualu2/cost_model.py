@@ -116,6 +116,11 @@ REPLAY_FRAME_SD = 200e-6
 # the reference model, in 200 micro-batches, rebuilds of two ops that measured 0.14 to 0.5 ms
 # measured 4.0 and 9.4 ms once each; the least-squares fit would take each in full.
 OUTLIER_RATIO = 4.0
+# A key's correction of the shared fit for rebuilds of one size (``replay_ratio``) holds once
+# it has measured this many of them: on the reference model, one rebuild of an expert's four
+# ops, measured in a calibration that recomputed every other key, set a correction of 0.16 (and
+# 0.66 in another run) for a rebuild whose next ones measured 0.86x the shared fit.
+CORRECTION_SAMPLES = 3
 # Samples a fit of one op's bytes or seconds against its tokens keeps (the latest).
 FIT_WINDOW = 32
 
@@ -619,13 +624,15 @@ class CostModel:
                 if fitted > 0:
                     ratios.setdefault(ops, []).append(max(0.0, measured - first * frame) / fitted)
             op.correction = (self._replay_version,
-                             {ops: min(10.0, max(0.1, statistics.median(r))) for ops, r in ratios.items()})
+                             {ops: min(10.0, max(0.1, statistics.median(r))) for ops, r in ratios.items()
+                              if len(r) >= CORRECTION_SAMPLES})
         return op.correction[1]
 
     def replay_ratio(self, key: str, ops: int = 1) -> float:
         """How much more (or less) than the shared fit the rebuilds ``key`` entered that
-        replayed ``ops`` ops measured: the median ratio over its last 16 (1 until one was
-        measured), less the per-micro-batch part where the rebuild came first. Rebuilds of
+        replayed ``ops`` ops measured: the median ratio over its last 16 (1 until
+        ``CORRECTION_SAMPLES`` were measured), less the per-micro-batch part where the rebuild
+        came first. Rebuilds of
         other sizes say little of these: which storages a rebuild finds already made depends
         on the plan (a plan recomputing everything rebuilds dozens of keys inside the one
         backward meets first), so a key's correction is learned and applied per size."""
