@@ -422,7 +422,7 @@ class CostModel:
         self._op_replays: Dict[str, _Fit] = {}
         self._lead_replays: Dict[str, _Fit] = {}  # ... as a rebuild's first call (timed apart)
         self._replay_scale = (-1, 1.0)  # (len(_op_replays) it was taken at, the scale)
-        self._first_only: set = set()  # (id of fits, call) of fits holding only cold first replays
+        self._first_only: set = set()  # ("chain" or "lead", call) of fits holding only cold first replays
         self._cold_calls: set = set()  # calls first replayed in the last observe_op_replays
         self._call_replays: Dict[str, int] = {}  # ... and each call's replays there
         # What learning from a micro-batch's rebuilds and from its copies took (observe_learning):
@@ -567,16 +567,17 @@ class CostModel:
             self._call_replays[call] = self._call_replays.get(call, 0) + replays
             if call not in self._op_replays and call not in self._lead_replays and n + leads > 0:
                 self._cold_calls.add(call)
-            for fits, spent, timed in ((self._op_replays, seconds, n), (self._lead_replays, lead_seconds, leads)):
+            for role, fits, spent, timed in (("chain", self._op_replays, seconds, n),
+                                             ("lead", self._lead_replays, lead_seconds, leads)):
                 if timed <= 0:
                     continue
                 fit = fits.get(call)
                 if fit is None:
                     fit = fits[call] = _Fit(robust=True)
-                    self._first_only.add((id(fits), call))
-                elif (id(fits), call) in self._first_only and call not in self._cold_calls:
+                    self._first_only.add((role, call))
+                elif (role, call) in self._first_only and call not in self._cold_calls:
                     fit.clear()  # its first replays ran cold: the next replace them
-                    self._first_only.discard((id(fits), call))
+                    self._first_only.discard((role, call))
                 fit.add(self._tokens(op, counts), spent / timed)
 
     def op_replay_seconds(self, op: OpCost, counts: Mapping[int, Sequence[int]]) -> float:
