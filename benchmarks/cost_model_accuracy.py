@@ -21,7 +21,8 @@
    shown: the bytes each plan releases (as the cost model predicts them), and the seconds
    each plan's runtime measured rebuilding in backward and copying on the training thread,
    and its provisioner spent learning from them as the backward ended (the overhead's
-   mechanism, without the step-to-step noise).
+   mechanism, without the step-to-step noise); and how much more than the all-keep step each
+   plan's step spent in the saved-tensor hooks (pack, unpack), and outside every one of them.
 
     python benchmarks/cost_model_accuracy.py --micro-batches 40 --out cost_model_accuracy.json
     python benchmarks/cost_model_accuracy.py --time-config bench --repeats 40   # 0.4 s steps
@@ -232,6 +233,29 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     prov.runtime.take_replay_times = replays_noted
     prov.runtime.take_copy_times = copies_noted
     prov.cost.observe_learning = learning_noted
+    # Seconds in the saved-tensor hooks (pack, unpack) this step: what of a plan's overhead
+    # runs inside the hooks, and what outside every one of them.
+    hooks = [0.0, 0.0]
+    pack, unpack = prov.runtime._pack, prov.runtime._unpack
+
+    def pack_timed(t: torch.Tensor):
+        start = time.perf_counter()
+        try:
+            return pack(t)
+        finally:
+            hooks[0] += time.perf_counter() - start
+
+    def unpack_timed(packed):
+        start = time.perf_counter()
+        try:
+            return unpack(packed)
+        finally:
+            hooks[1] += time.perf_counter() - start
+
+    prov.runtime._pack = pack_timed  # read as each frame begins
+    prov.runtime._unpack = unpack_timed
+    # per plan, per round: (pack, unpack) hook seconds minus the all-keep step's before and after
+    hook_deltas: List[List[List[tuple]]] = [[] for _ in plans]
     order = random.Random(0)
     for r in range(repeats):
         for planner in planners:
@@ -248,28 +272,33 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
         sequence = [0]
         for i in order.sample(range(1, len(policies)), len(policies) - 1):
             sequence += [i, 0]
-        seconds = []
+        seconds, in_hooks = [], []
         for i in sequence:
             prov.use_plan(policies[i])
+            hooks[:] = [0.0, 0.0]
             start = time.perf_counter()
             run_step(shared, batch, 0.0, r)
             seconds.append(time.perf_counter() - start)
+            in_hooks.append(tuple(hooks))
             mechanism[i].append(tuple(measured))
             measured[:] = [0.0, 0.0, 0.0]
             fell_back[i] += prov.telemetry.micro_batches[-1].fallbacks
         base.extend(seconds[0::2])
         for j in range(1, len(sequence), 2):
             deltas[sequence[j] - 1].append([seconds[j] - seconds[j - 1], seconds[j] - seconds[j + 1]])
+            hook_deltas[sequence[j] - 1].append([tuple(a - b for a, b in zip(in_hooks[j], in_hooks[n]))
+                                                 for n in (j - 1, j + 1)])
     fallbacks = [n / repeats for n in fell_back[1:]]  # per step
     prov.disable()
     learned = {label: {name: getattr(prov.cost, name) for name in (
         "replay_frame_s", "replay_fixed_s", "replay_entry_s", "replay_factor", "copy_frame_s",
         "copy_overhead_s", "copy_factor")} for label, prov in zip(labels, planners)}
     rows = []
-    for label, plan, preds, parts, rounds, mech_parts, fell_back in zip(labels, plans, predictions, split, deltas,
-                                                                           mechanism[1:], fallbacks):
+    for label, plan, preds, parts, rounds, mech_parts, fell_back, hooked in zip(
+            labels, plans, predictions, split, deltas, mechanism[1:], fallbacks, hook_deltas):
         pred = statistics.median(preds)
         diffs = [d for pair in rounds for d in pair]
+        in_hooks = [h for pair in hooked for h in pair]
         q = statistics.quantiles(diffs, n=4)
         mech = [sum(m) for m in mech_parts]
         released = sum(cost.predict_bytes(k, counts) for k, c in plan.choices.items() if c != bagualu2.Choice.KEEP)
@@ -284,6 +313,9 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
                      "measured_copy_s": statistics.median(m[1] for m in mech_parts),
                      "measured_learning_s": statistics.median(m[2] for m in mech_parts),
                      "fallbacks_per_step": fell_back,
+                     "pack_hooks_delta_s": statistics.median(h[0] for h in in_hooks),
+                     "unpack_hooks_delta_s": statistics.median(h[1] for h in in_hooks),
+                     "outside_hooks_delta_s": statistics.median(d - h[0] - h[1] for d, h in zip(diffs, in_hooks)),
                      "mechanism_error": (pred - statistics.median(mech)) / statistics.median(mech)
                      if statistics.median(mech) > 0 else None,
                      "measured_iqr_s": [q[0], q[2]], "measured_ci95_s": median_ci(rounds),
@@ -351,11 +383,17 @@ def main() -> None:
         print(f"{r['plan']:>10}{r['predicted_rebuild_s'] * 1e3:>23.2f}{r['measured_rebuild_s'] * 1e3:>10.2f}"
               f"{r['predicted_copy_s'] * 1e3:>20.2f}{r['measured_copy_s'] * 1e3:>10.2f}"
               f"{r['predicted_learning_s'] * 1e3:>24.2f}{r['measured_learning_s'] * 1e3:>10.2f}{r['fallbacks_per_step']:>16.1f}")
+    print(f"\n{'plan':>10}{'pack hooks ms':>15}{'unpack hooks ms':>17}{'outside hooks ms':>18}")
+    for r in rows:
+        print(f"{r['plan']:>10}{r['pack_hooks_delta_s'] * 1e3:>15.2f}{r['unpack_hooks_delta_s'] * 1e3:>17.2f}"
+              f"{r['outside_hooks_delta_s'] * 1e3:>18.2f}")
     print(f"(all-keep step {rows[0]['all_keep_step_s'] * 1e3:.1f} ms, traced; step delta = median over "
           f"{args.repeats} rounds of the plan's step minus each all-keep step beside it, with the 95% "
           f"bootstrap interval of that median and the prediction's error at its ends; mechanism = "
           f"median per step of the seconds the plan's runtime measured rebuilding and copying, and its "
-          f"provisioner learning from them)")
+          f"provisioner learning from them; hooks = median of the plan's seconds in the saved-tensor "
+          f"hooks minus the all-keep step's beside it, outside = the step delta less both, which holds "
+          f"the learning and the host copies' release as backward ends)")
     for budget, fit in learned.items():
         print(f"cost model at the end, under {budget}: " + ", ".join(
             f"{k} {v * 1e6:.1f} us" if k.endswith("_s") else f"{k} {v:.3f}" for k, v in fit.items()))
