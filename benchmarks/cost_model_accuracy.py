@@ -236,24 +236,19 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     # Seconds in the saved-tensor hooks (pack, unpack) this step: what of a plan's overhead
     # runs inside the hooks, and what outside every one of them.
     hooks = [0.0, 0.0]
-    pack, unpack = prov.runtime._pack, prov.runtime._unpack
 
-    def pack_timed(t: torch.Tensor):
-        start = time.perf_counter()
-        try:
-            return pack(t)
-        finally:
-            hooks[0] += time.perf_counter() - start
+    def timed_into(slot: int, hook):
+        def timed(x):
+            start = time.perf_counter()
+            try:
+                return hook(x)
+            finally:
+                hooks[slot] += time.perf_counter() - start
+        return timed
 
-    def unpack_timed(packed):
-        start = time.perf_counter()
-        try:
-            return unpack(packed)
-        finally:
-            hooks[1] += time.perf_counter() - start
-
-    prov.runtime._pack = pack_timed  # read as each frame begins
-    prov.runtime._unpack = unpack_timed
+    # (read as each frame begins)
+    prov.runtime._pack = timed_into(0, prov.runtime._pack)
+    prov.runtime._unpack = timed_into(1, prov.runtime._unpack)
     # per plan, per round: (pack, unpack) hook seconds minus the all-keep step's before and after
     hook_deltas: List[List[List[tuple]]] = [[] for _ in plans]
     order = random.Random(0)
