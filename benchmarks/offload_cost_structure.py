@@ -58,6 +58,8 @@ def fit(rows: List[List[float]], values: List[float]) -> List[float]:
 
 
 def measure(repeats: int, seed: int) -> Dict:
+    """Every composition's rows (see the module's note) over ``repeats`` rounds, the fits of
+    the mechanism and of the residual, and the copy coefficients the cost model learned."""
     torch.manual_seed(0)
     model = MoETransformer(MoEConfig.small(ep_size=4))
     batch = next(iter(synthetic_batches(model.cfg.vocab_size, 4, 64, seed=0, num_batches=1)))
