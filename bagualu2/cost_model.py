@@ -50,11 +50,10 @@ decays only the earlier ones of its sizes, so that the one-op rebuilds budget pl
 micro-batch do not erase the few large ones that tell the per-op part from the per-rebuild part;
 the copy fit forgets per micro-batch offload count the same way, for the same reason.
 What no timer of the runtime sees is not priced: on the reference model's 2-core cpu steps, a
-micro-batch that offloads anything costs the step about 0.15 ms beyond the copies and the
-learning measured (0.08 to 0.26 ms over nine plans from 1 to 66 offloaded storages, fitted at
-143 us per micro-batch and about 0 per storage, saved tensor or byte;
-``benchmarks/offload_cost_structure.py``), with the collector off, malloc's trimming off, one
-or two threads, in place or copied back alike.
+micro-batch that offloads anything costs the step 0.1 to 0.15 ms beyond the copies and the
+learning measured (fitted per micro-batch in two runs over nine plans of 1 to 66 offloaded
+storages, whose residuals were 0.04 to 0.41 ms; ``benchmarks/offload_cost_structure.py``), with
+the collector off, malloc's trimming off, one or two threads, in place or copied back alike.
 A rebuild that replayed an op call again (backward could not keep what it made under the
 budget until read) is not learned from: the model prices one replay per op. One that took more
 than ``OUTLIER_RATIO`` times the median of the same key's last rebuilds of its size counts as
