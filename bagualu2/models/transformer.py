@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from bagualu2.models.config import MoEConfig
@@ -84,10 +85,30 @@ class MoETransformer(nn.Module):
     The loss is next-token cross-entropy plus ``cfg.aux_loss_coef`` times the sum over layers
     of the Switch load-balancing loss. Parameters are initialized from the global torch RNG,
     so ``torch.manual_seed(s)`` before construction makes two models identical.
+
+    Expert parallelism: ``MoETransformer(cfg, ep_group=group)`` on every rank of ``group`` splits
+    each layer's experts across the group (rank ``r`` holds experts ``experts_on_rank(r)``) and
+    exchanges tokens with ``all_to_all_single`` (see ``bagualu2.models.moe_layer``). Built from
+    the same seed, rank ``r``'s parameters are the one-process model's (its experts those of the
+    same global indices), so every rank starts from the same weights without a broadcast. Each
+    rank's loss is that of its own tokens; the gradients of the non-expert parameters are this
+    rank's share, to be reduced over the data-parallel ranks as usual (an expert's gradient
+    already sums every rank's tokens). ``cfg.ep_size`` is then 1 or the group's size.
     """
 
-    def __init__(self, cfg: MoEConfig) -> None:
+    def __init__(self, cfg: MoEConfig, ep_group: Any = None) -> None:
         super().__init__()
+        if ep_group is not None:
+            size = dist.get_world_size(ep_group)
+            if cfg.ep_size not in (1, size):
+                raise ValueError(
+                    f"MoEConfig.ep_size={cfg.ep_size} disagrees with the EP group's size {size}; use "
+                    f"ep_size=1 or {size} with ep_group (ep_size without a group is one rank's view)")
+            if cfg.num_experts % size:
+                raise ValueError(
+                    f"the EP group's size {size} does not divide num_experts={cfg.num_experts}; use a "
+                    f"group whose size divides it")
+            cfg = cfg.replace(ep_size=1)  # the layers are built whole, then sharded
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.hidden_size)
@@ -98,6 +119,13 @@ class MoETransformer(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=cfg.init_std)
+        self.ep_group = ep_group
+        self.ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
+        self.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
+        if ep_group is not None:
+            # After initialization, which drew every expert's weights as the one-process model does.
+            for layer in self.layers:
+                layer.moe.shard_experts(ep_group)
 
     def forward(self, tokens: Tensor, targets: Optional[Tensor] = None) -> Tensor:
         """Scalar loss for ``tokens`` (int64 [batch, seq]).
@@ -136,16 +164,28 @@ class MoETransformer(nn.Module):
         for i, layer in enumerate(self.layers):
             yield i, layer.moe.router
 
+    def experts_on_rank(self, rank: int) -> range:
+        """Global indices of the experts that EP rank ``rank`` (of ``ep_group``) holds."""
+        if not 0 <= rank < self.ep_size:
+            raise ValueError(f"rank={rank} is outside the EP group [0, {self.ep_size})")
+        local = self.cfg.num_experts // self.ep_size
+        return range(rank * local, (rank + 1) * local)
+
     @contextlib.contextmanager
     def routing_spike(self, imbalance: float = 2.6, experts: Optional[Sequence[int]] = None,
-                      layers: Optional[Sequence[int]] = None) -> Iterator[None]:
+                      layers: Optional[Sequence[int]] = None,
+                      ranks: Optional[Sequence[int]] = None) -> Iterator[None]:
         """Force a routing spike in every forward inside the ``with`` block.
 
-        The most loaded expert of each routed batch (or each expert in ``experts``) receives
-        ``imbalance`` x the mean per-expert load, to within one token; an expert can take
-        each token at most once, so ``imbalance`` is at most ``num_experts / top_k``. Only
-        ``layers`` (default: all) are affected. A batch already more imbalanced than asked
-        is left as it is. Run backward inside the block when the router is rerun in
+        The most loaded expert of each routed batch (or each expert in ``experts``, global
+        indices) receives ``imbalance`` x the mean per-expert load of this rank's tokens, to
+        within one token; an expert can take each token at most once, so ``imbalance`` is at
+        most ``num_experts / top_k``. Only ``layers`` (default: all) are affected. A batch
+        already more imbalanced than asked is left as it is. Under expert parallelism the
+        spiked experts may live on any rank, and ``ranks`` (EP ranks, default: all) says whose
+        tokens spike: every rank can run the same code, and on the others the block changes
+        nothing (``routing_spike(4.0, experts=[5], ranks=[0])`` sends rank 0's tokens onto
+        expert 5, wherever it lives). Run backward inside the block when the router is rerun in
         backward (``torch.utils.checkpoint``, ``policy="recompute_all"``), so the rerun routes
         the same way.
         """
@@ -167,6 +207,13 @@ class MoETransformer(nn.Module):
         bad_layers = [i for i in chosen if not 0 <= i < cfg.num_layers]
         if bad_layers:
             raise ValueError(f"layers {bad_layers} are outside [0, {cfg.num_layers})")
+        if ranks is not None:
+            ranks = [int(r) for r in ranks]
+            bad_ranks = [r for r in ranks if not 0 <= r < self.ep_size]
+            if bad_ranks:
+                raise ValueError(f"ranks {bad_ranks} are outside the EP group [0, {self.ep_size})")
+            if self.ep_rank not in ranks:
+                chosen = []  # another rank's tokens spike; this rank routes as it would
         routers = dict(self.gates())
         previous = {i: routers[i].spike for i in chosen}
         for i in chosen:
