@@ -1,0 +1,217 @@
+"""torchtitan 0.3.0: MoE gates, the per-local-expert counts after the EP count exchange, and the
+options that conflict with bagualu2.
+
+Contract
+--------
+``bagualu2.enable(model)`` on a torchtitan model (or a pipeline stage of one), after
+torchtitan's own ``parallelize_*`` / ``pipeline_llm``, provisions it with no registration:
+:func:`find_gates` is what ``bagualu2.moe.find_gates`` returns for it.
+
+Where the load is read. torchtitan 0.3.0's ``MoE`` (``layers.<i>.moe``) routes in
+``router`` (``TokenChoiceTopKRouter``: top-k scores, expert ids, all scores), then calls
+``routed_experts`` (``RoutedExperts``), whose token dispatcher reorders the tokens and, under
+expert parallelism (``AllToAllTokenDispatcher``), exchanges the per-expert counts with the
+other EP ranks (an ``all_to_all_single`` of counts, waited on) and then the tokens, before it
+calls ``routed_experts.inner_experts`` (``GroupedExperts``) with ``(routed tokens,
+tokens per local expert)``. The router sees only this rank's routing; the experts' activations
+follow the tokens this rank *receives*. So the gate bagualu2 hooks is a forward pre-hook on
+``inner_experts``: its second argument is the per-local-expert count after the exchange (the
+whole count per expert without EP), and the pre-hook runs after the token exchange and before
+any expert computes. The dense ops before it (routing, the local reorder) have sizes fixed by
+the micro-batch, not by the routing.
+
+The experts of a layer are one module (grouped matmuls over all local experts), not one
+module per expert, so the cost model drives their ops by the micro-batch size (the first MoE
+layer's received tokens on this rank), not expert by expert.
+
+Refused at ``enable`` (``ValueError`` naming the torchtitan option to turn off):
+
+- activation checkpointing, ``activation_checkpoint`` = ``full`` or ``selective`` (blocks
+  wrapped in ``CheckpointWrapper``): checkpointed blocks save almost nothing through autograd's
+  saved-tensor hooks, and selective checkpointing keeps its saved outputs in a private cache
+  those hooks never see; bagualu2 makes the keep / offload / recompute choice itself;
+- ``memory-budget`` activation checkpointing (``torch._functorch.config.
+  activation_memory_budget`` below 1): the compiler's partitioner then decides what is saved;
+- ``training.enable_cpu_offload`` (FSDP2's ``CPUOffloadPolicy``): parameters copied in and out
+  around every module, which rebuilds in backward would read;
+- ``compile`` of the model's blocks (``torch.compile``'d submodules): compiled regions save
+  their activations inside the compiled graph.
+
+Nothing here changes torchtitan; CPU-only test shims (attention, device type, gloo reductions)
+live in the tests and are listed in docs/engines.md.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["check_options", "enable_pipeline", "find_gates", "is_torchtitan_model"]
+
+
+def _from_torchtitan(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("torchtitan.")
+
+
+def is_torchtitan_model(model: nn.Module) -> bool:
+    """Whether ``model`` holds torchtitan modules (itself, or below an FSDP / checkpoint
+    wrapper)."""
+    return any(_from_torchtitan(m) for m in model.modules())
+
+
+def _moe_blocks(model: nn.Module) -> List[tuple]:
+    """(path, MoE module) of every torchtitan MoE layer, in model order: a module with a
+    ``router`` that has ``top_k`` and ``num_experts`` and a ``routed_experts`` with
+    ``inner_experts``."""
+    found = []
+    for name, module in model.named_modules():
+        if not _from_torchtitan(module):
+            continue
+        router = getattr(module, "router", None)
+        routed = getattr(module, "routed_experts", None)
+        if (isinstance(router, nn.Module) and isinstance(routed, nn.Module)
+                and isinstance(getattr(routed, "inner_experts", None), nn.Module)
+                and isinstance(getattr(router, "top_k", None), int)
+                and isinstance(getattr(router, "num_experts", None), int)):
+            found.append((name, module))
+    return found
+
+
+def _received_counts(module: nn.Module, args: tuple, output: Any = None) -> Tensor:
+    """``GroupedExperts.forward(x, num_tokens_per_expert)``: the tokens each local expert will
+    compute (after the EP count exchange when there is one)."""
+    if len(args) < 2 or not isinstance(args[1], Tensor):
+        raise TypeError(
+            f"{type(module).__name__} was called with {len(args)} positional argument(s); "
+            f"torchtitan 0.3.0's GroupedExperts takes (tokens, num_tokens_per_expert) "
+            f"positionally: this torchtitan version is not the one bagualu2 supports (0.3.0)")
+    counts = args[1]
+    to_local = getattr(counts, "to_local", None)  # a DTensor under tensor parallelism
+    if callable(to_local):
+        counts = to_local()
+    return counts.detach().reshape(-1).to(torch.int64).clone()
+
+
+def _ep_size(moe: nn.Module) -> int:
+    """Ranks this MoE layer's experts are spread over (its dispatcher's EP mesh; 1 without)."""
+    mesh = getattr(getattr(moe.routed_experts, "token_dispatcher", None), "ep_mesh", None)
+    return mesh.size() if mesh is not None else 1
+
+
+def find_gates(model: nn.Module) -> Optional[list]:
+    """The gates of a torchtitan model as ``bagualu2.moe.GateSpec``s (a forward pre-hook on each
+    MoE layer's ``routed_experts.inner_experts``), or None when ``model`` is not a torchtitan
+    model (other discovery applies then).
+
+    Raises:
+        ValueError: a torchtitan option that conflicts with bagualu2 is on
+            (:func:`check_options`).
+    """
+    if not is_torchtitan_model(model):
+        return None
+    check_options(model)
+    from bagualu2.moe.gates import GateSpec
+
+    specs = []
+    for name, moe in _moe_blocks(model):
+        ep = _ep_size(moe)
+        # No size_fn: the grouped experts are sized by the micro-batch size (module note), and
+        # the tokens this rank's experts receive are what sizes them.
+        specs.append(GateSpec(
+            module=moe.routed_experts.inner_experts, name=f"{name}.routed_experts.inner_experts",
+            layer=len(specs), num_experts=moe.router.num_experts // ep, counts_fn=_received_counts,
+            top_k=moe.router.top_k, block_name=name, ep_size=ep, pre_hook=True))
+    return specs
+
+
+def check_options(model: nn.Module) -> None:
+    """Refuse torchtitan options that make their own activation decisions.
+
+    Raises:
+        ValueError: naming the option to turn off.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    for name, module in model.named_modules():
+        if isinstance(module, CheckpointWrapper):
+            raise ValueError(
+                f"{name or type(model).__name__} is wrapped by torchtitan's activation "
+                f"checkpointing (CheckpointWrapper): bagualu2 decides what each block keeps, "
+                f"offloads or recomputes itself, and checkpointed blocks hide their activations "
+                f"from it. Turn it off: activation_checkpoint=None in the Trainer config "
+                f"(command line: activation-checkpoint:none), or pass ac_config=None to "
+                f"parallelize_fn / pipelining_fn")
+        if "_orig_mod" in module._modules:
+            raise ValueError(
+                f"{name or type(model).__name__} is compiled (torch.compile, torchtitan's "
+                f"compile.enable with 'model' in compile.components): compiled regions save their "
+                f"activations inside the compiled graph, out of bagualu2's reach. Turn off "
+                f"compile.enable (or drop 'model' from compile.components)")
+        state = module._get_fsdp_state() if callable(getattr(module, "_get_fsdp_state", None)) else None
+        groups = getattr(state, "_fsdp_param_groups", None) or []
+        if any(type(getattr(g, "offload_policy", None)).__name__ == "CPUOffloadPolicy" for g in groups):
+            raise ValueError(
+                f"{name or type(model).__name__} is sharded with FSDP2's CPUOffloadPolicy "
+                f"(torchtitan's training.enable_cpu_offload=True): parameters move between "
+                f"host and device around each module, and bagualu2's rebuilds in backward "
+                f"read them. Turn off training.enable_cpu_offload; bagualu2 offloads "
+                f"activations itself")
+    budget = getattr(torch._functorch.config, "activation_memory_budget", 1.0)
+    if budget < 1.0:
+        raise ValueError(
+            f"torch._functorch.config.activation_memory_budget={budget} (torchtitan's "
+            f"memory-budget activation checkpointing): the compiler's partitioner then decides "
+            f"what is saved. Turn it off: activation_checkpoint=None in the Trainer config "
+            f"(command line: activation-checkpoint:none), and reset "
+            f"torch._functorch.config.activation_memory_budget to 1.0 in this process")
+
+
+class _TrackerHandle:
+    """Closes a pipeline phase tracker with the provisioner's other hooks (``disable``)."""
+
+    def __init__(self, tracker: Any, unsubscribe: Any) -> None:
+        self._tracker, self._unsubscribe = tracker, unsubscribe
+
+    def remove(self) -> None:
+        self._unsubscribe()
+        self._tracker.close()
+
+
+def enable_pipeline(schedule: Any, model_parts: List[nn.Module], **options: Any) -> Any:
+    """``bagualu2.enable`` on this rank's stage of a torchtitan pipeline (``pipeline_llm``'s
+    schedule and model parts), told the schedule's phase before every forward.
+
+    Args:
+        schedule: the ``torch.distributed.pipelining`` schedule torchtitan built.
+        model_parts: this rank's stage modules; one per rank (``1F1B``, ``GPipe``).
+        **options: passed to ``bagualu2.enable`` (budget, policy, ...).
+
+    Returns:
+        The stage's ``Provisioner``; its ``disable()`` also stops following the schedule.
+
+    Raises:
+        ValueError: more than one stage on this rank (interleaved and V schedules).
+    """
+    from bagualu2.pipeline import PipelinePhaseTracker
+    from bagualu2.provisioner import enable
+
+    if len(model_parts) != 1:
+        raise ValueError(
+            f"enable_pipeline provisions one stage per rank, and this rank holds {len(model_parts)} "
+            f"(an interleaved or V schedule): use a single-stage schedule "
+            f"(parallelism.pipeline_parallel_schedule='1F1B' or 'GPipe')")
+    prov = enable(model_parts[0], **options)
+    tracker = PipelinePhaseTracker(schedule)
+
+    def on_event(event: str, state: Any) -> None:
+        if not prov.enabled:
+            return
+        if event == "action_begin" and state.action == "F":
+            prov.set_pipeline_phase(state.phase.name.lower(), max(0, state.stacked_forwards - 1))
+        elif event == "step_end":
+            prov.set_pipeline_phase("none", 0)
+            prov.step()
+
+    prov._hooks.append(_TrackerHandle(tracker, tracker.subscribe(on_event)))
+    return prov
