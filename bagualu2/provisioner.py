@@ -552,13 +552,15 @@ class Provisioner:
 
     def _worst_case_bytes(self) -> int:
         """Saved bytes of a micro-batch of this one's size whose every local expert gets every
-        token it can."""
+        token it can (under expert parallelism, every token of every rank of the group, each
+        routing as many as this one)."""
         worst: Dict[int, List[int]] = {}
         for spec in self.gates:
             seen = self._frame_counts.get(spec.layer)
             if not seen:
                 return 1 << 62  # a gate that did not fire: no bound
-            tokens = sum(seen) // (spec.top_k or 1)
+            routed = self._frame_counts.get(SIZE) if spec.size_fn is not None else None
+            tokens = sum(routed or seen) // (spec.top_k or 1) * spec.ep_size
             worst[spec.layer] = [tokens] * len(seen)
         experts = [k for k in self.cost.order if self.cost.ops[k].layer is not None]
         others = [k for k in self.cost.order if self.cost.ops[k].layer is None]
@@ -747,15 +749,20 @@ class Provisioner:
                 return
             with self.runtime.untraced(), torch.no_grad():
                 counts = spec.counts_fn(module, args, output)
-            self._on_gate(spec.layer, counts)
+                size = spec.size_fn(module, args, output) if spec.size_fn is not None else None
+            self._on_gate(spec.layer, counts, size)
 
         return hook
 
-    def _on_gate(self, layer: int, counts: Union[torch.Tensor, Sequence[int]]) -> None:
+    def _on_gate(self, layer: int, counts: Union[torch.Tensor, Sequence[int]], size: Optional[int] = None) -> None:
         frame = self.runtime.active_frame
         if frame is None:
             return
         values = counts.tolist() if isinstance(counts, torch.Tensor) else [int(c) for c in counts]
+        if size is not None and SIZE not in self._frame_counts:
+            # An expert-parallel gate's counts are what this rank's experts receive; the
+            # operators outside the experts follow this rank's own tokens (the first gate's).
+            self._frame_counts[SIZE] = [int(size)]
         self._frame_counts[layer] = values
         sums = self._count_sums.setdefault(layer, [0] * len(values))
         if len(sums) == len(values):
@@ -768,6 +775,7 @@ class Provisioner:
         if not frame.traced:
             if not self._frame_predicted:  # the high-water mark, predicted as a traced frame's is
                 exact = {g.layer: self._frame_counts.get(g.layer, values) for g in self.gates}
+                exact.update({SIZE: self._frame_counts[SIZE]} if SIZE in self._frame_counts else {})
                 self._frame_predicted = (frame.stats.start_resident + self._outside_held
                                          + self.cost.predict_total(self.cost.order, exact))
             return
@@ -788,7 +796,7 @@ class Provisioner:
         counts[layer] = bucketed
         # Rounding each expert's load up must not grow the micro-batch: its size is what the
         # first layer that fired routed, as when the cost model learned.
-        counts[SIZE] = next(iter(self._frame_counts.values()), values)
+        counts[SIZE] = self._frame_counts.get(SIZE) or next(iter(self._frame_counts.values()), values)
         remaining = [k for k in cost.order if k not in frame.keys_seen]
         predicted = cost.predict_total(remaining, counts)  # for planning: loads rounded up
         # In-flight offload sources are released as their copies complete.
@@ -797,7 +805,7 @@ class Provisioner:
         must_free = resident + predicted - target
         if not self._frame_predicted:
             exact = {g.layer: values for g in self.gates if g.layer >= layer}
-            exact.update({k: v for k, v in self._frame_counts.items() if k < layer})
+            exact.update({k: v for k, v in self._frame_counts.items() if k < layer})  # SIZE too
             self._frame_predicted = resident + cost.predict_total(remaining, exact)
         imbalance = max(values) * len(values) / max(1, sum(values))
         record = Decision(self._step, frame.index, layer, imbalance, resident, resident + predicted,

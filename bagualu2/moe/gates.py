@@ -7,7 +7,11 @@ output into the number of token slots per expert (``GateSpec.counts_fn``).
 Recognized, walking ``model.named_modules()`` in order (layers are numbered 0, 1, ... in that
 order, counting MoE layers only):
 
-- the reference model's :class:`bagualu2.models.TopKRouter` (reads ``tokens_per_expert``);
+- the reference model's :class:`bagualu2.models.TopKRouter` (reads ``tokens_per_expert``), or,
+  in an expert-parallel layer, its :class:`bagualu2.models.ExpertDispatcher` instead: its hook runs
+  after the count exchange and before any token moves, and reads what this rank's experts will
+  receive from every rank (``num_experts`` = local experts) and, for the operators outside the
+  experts, how many slots this rank's own tokens routed (``GateSpec.size_fn``);
 - Hugging Face transformers 5.x routers at ``model.layers.i.mlp.gate`` (``MixtralTopKRouter``,
   ``Qwen2MoeTopKRouter``, ``Qwen3MoeTopKRouter``, ``DeepseekV3TopkRouter`` and routers built
   the same way: a module with ``top_k`` and ``num_experts`` returning ``(router_logits,
@@ -34,6 +38,9 @@ from torch import Tensor, nn
 CountsFn = Callable[[nn.Module, tuple, Any], Tensor]
 """(gate module, forward args, forward output) -> int64 [num_experts] token slots per expert."""
 
+SizeFn = Callable[[nn.Module, tuple, Any], int]
+"""(gate module, forward args, forward output) -> token slots this rank's own tokens routed."""
+
 HF_ROUTER_CLASSES = frozenset(
     {"MixtralTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "DeepseekV3TopkRouter"})
 """transformers 5.x router classes known to return (router_logits, weights, indices)."""
@@ -55,6 +62,13 @@ class GateSpec:
     """Experts per token, when the gate states it."""
     block_name: Optional[str] = None
     """Path of the MoE block holding the gate and its experts (the gate's parent)."""
+    size_fn: Optional[SizeFn] = None
+    """Token slots this rank's own tokens routed (top-k times its tokens), which size the
+    operators outside the experts, where the counts are not this rank's routing (an
+    expert-parallel gate's counts are what its local experts receive). None: the counts' sum."""
+    ep_size: int = 1
+    """Ranks whose tokens this gate's experts receive (1 unless expert-parallel): at worst each
+    local expert gets every token of every one of them."""
 
 
 def _is_index_tensor(value: Any) -> bool:
@@ -115,6 +129,14 @@ def _reference_counts(module: nn.Module, args: tuple, output: Any) -> Tensor:
     return output.tokens_per_expert.detach().clone()
 
 
+def _received_counts(module: nn.Module, args: tuple, output: Any) -> Tensor:
+    return output.sum(dim=0)  # [source rank, local expert] -> per local expert
+
+
+def _routed_slots(module: nn.Module, args: tuple, output: Any) -> int:
+    return int(args[0].sum())  # the dispatcher's argument: this rank's slots per expert
+
+
 def _int_attr(module: nn.Module, *names: str) -> Optional[int]:
     for name in names:
         value = getattr(module, name, None)
@@ -130,19 +152,27 @@ def _parent(name: str) -> str:
 def find_gates(model: nn.Module) -> list[GateSpec]:
     """Every recognized MoE gate of ``model``, in model order; ``[]`` when none is recognized
     (see :func:`describe_unsupported` for what to do then)."""
-    from bagualu2.models import TopKRouter
+    from bagualu2.models import ExpertDispatcher, MoELayer, TopKRouter
 
     modules = dict(model.named_modules())
     specs: list[GateSpec] = []
 
     def add(name: str, module: nn.Module, num_experts: int, counts_fn: CountsFn,
-            top_k: Optional[int]) -> None:
-        specs.append(GateSpec(module, name, len(specs), num_experts, counts_fn, top_k, _parent(name)))
+            top_k: Optional[int], size_fn: Optional[SizeFn] = None, ep_size: int = 1) -> None:
+        specs.append(GateSpec(module, name, len(specs), num_experts, counts_fn, top_k, _parent(name),
+                              size_fn, ep_size))
 
     for name, module in modules.items():
         leaf = name.rpartition(".")[2]
         if isinstance(module, TopKRouter):
-            add(name, module, module.num_experts, _reference_counts, module.top_k)
+            layer = modules.get(_parent(name))
+            if not (isinstance(layer, MoELayer) and layer.dispatcher is not None):
+                add(name, module, module.num_experts, _reference_counts, module.top_k)
+            # else the layer's dispatcher is its gate: it knows what this rank's experts receive
+        elif isinstance(module, ExpertDispatcher):
+            layer = modules.get(_parent(name))
+            top_k = layer.top_k if isinstance(layer, MoELayer) else None
+            add(name, module, module.num_local_experts, _received_counts, top_k, _routed_slots, module.ep_size)
         elif type(module).__name__ in HF_ROUTER_CLASSES or (
                 leaf in ("gate", "router") and not isinstance(module, nn.Linear)
                 and _int_attr(module, "top_k") is not None
@@ -172,6 +202,8 @@ _ROUTER_LIKE = re.compile(r"(?i)router|routing|gating|^gate$|_gate$|gate$")
 def describe_unsupported(model: nn.Module) -> str:
     """Explain what :func:`find_gates` saw: modules named or typed like routers that it did not
     recognize, why, and how to register them by hand."""
+    from bagualu2.models import TopKRouter
+
     recognized = {spec.name for spec in find_gates(model)}
     modules = dict(model.named_modules())
     lines = []
@@ -179,6 +211,8 @@ def describe_unsupported(model: nn.Module) -> str:
         leaf, cls = name.rpartition(".")[2], type(module).__name__
         if not name or name in recognized or not (_ROUTER_LIKE.search(leaf) or _ROUTER_LIKE.search(cls)):
             continue
+        if isinstance(module, TopKRouter):
+            continue  # an expert-parallel layer's router: its dispatcher is the gate
         if isinstance(module, nn.Linear) and module.out_features < 2:
             continue  # a scalar gate (e.g. Qwen2-MoE's shared_expert_gate) routes nothing
         if isinstance(module, nn.Linear):
