@@ -204,7 +204,8 @@ class Provisioner:
                               copies_overlap=self.device.type != "cpu")  # the cpu's copy threads hide nothing
         self._hooks: List[Any] = self.runtime.attach(model)
         for spec in self.gates:
-            self._hooks.append(spec.module.register_forward_hook(AttachedHook(self._gate_hook(spec))))
+            register = spec.module.register_forward_pre_hook if spec.pre_hook else spec.module.register_forward_hook
+            self._hooks.append(register(AttachedHook(self._gate_hook(spec))))
         self._forward = model.forward
         model.forward = _ProvisionedForward(self._provisioned_forward, self._forward)  # type: ignore[method-assign]
         self._phase = "none"
@@ -744,7 +745,7 @@ class Provisioner:
 
     # -- gating -----------------------------------------------------------------------------
     def _gate_hook(self, spec: GateSpec) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+        def hook(module: torch.nn.Module, args: tuple, output: Any = None) -> None:
             if self.runtime.active_frame is None or is_recomputing():
                 return
             with self.runtime.untraced(), torch.no_grad():

@@ -69,6 +69,9 @@ class GateSpec:
     ep_size: int = 1
     """Ranks whose tokens this gate's experts receive (1 unless expert-parallel): at worst each
     local expert gets every token of every one of them."""
+    pre_hook: bool = False
+    """The hook runs before the module's forward (``counts_fn`` gets ``output=None``): the
+    module is the experts themselves, called with the counts after an engine's EP exchange."""
 
 
 def _is_index_tensor(value: Any) -> bool:
@@ -152,8 +155,12 @@ def _parent(name: str) -> str:
 def find_gates(model: nn.Module) -> list[GateSpec]:
     """Every recognized MoE gate of ``model``, in model order; ``[]`` when none is recognized
     (see :func:`describe_unsupported` for what to do then)."""
+    from bagualu2.integrations import torchtitan
     from bagualu2.models import ExpertDispatcher, MoELayer, TopKRouter
 
+    engine_gates = torchtitan.find_gates(model)  # None: not a torchtitan model
+    if engine_gates is not None:
+        return engine_gates
     modules = dict(model.named_modules())
     specs: list[GateSpec] = []
 
