@@ -1,7 +1,11 @@
 """Build bagualu2._C with CMake + Ninja (in the style of pybind/cmake_example).
 
 Environment:
-  BAGUALU2_BACKEND  auto|cpu|cuda|hip  (forwarded to the CMake cache variable of that name)
+  BAGUALU2_BACKEND  auto|cpu|cuda|hip  (forwarded to the CMake cache variable of that name;
+                    auto builds cpu+cuda+hip: GPU runtimes are loaded at first use, no toolkit
+                    is needed, see docs/backends.md)
+  BAGUALU2_TEST_HOOKS=1|0  build the test-only module tests/bagualu2_test_hooks*.so (default:
+                    on for editable/in-place builds, off for wheels, which never ship it)
   CMAKE_ARGS        extra CMake arguments, space separated
   DEBUG=1           Debug build
   MAX_JOBS          parallel build jobs
@@ -38,6 +42,12 @@ def _stale_cache(build_temp: Path) -> bool:
 
 
 class CMakeBuild(build_ext):
+    def run(self) -> None:
+        # setuptools clears `inplace` while building (it copies into the tree afterwards), so the
+        # kind of build is read here: in-place and editable builds are the ones tests run on.
+        self._in_tree = bool(self.inplace or getattr(self, "editable_mode", False))
+        super().run()
+
     def build_extension(self, ext: CMakeExtension) -> None:
         import pybind11
 
@@ -62,6 +72,11 @@ class CMakeBuild(build_ext):
             cmake_args.append(f"-DCMAKE_MAKE_PROGRAM:FILEPATH={Path(ninja.BIN_DIR) / 'ninja'}")
         except ImportError:
             pass
+        # Test hooks go beside the tests (tests/test_hooks.cpp), never into the package.
+        hooks = os.environ.get("BAGUALU2_TEST_HOOKS", "1" if getattr(self, "_in_tree", False) else "0") == "1"
+        cmake_args.append(f"-DBAGUALU2_TEST_HOOKS={'ON' if hooks else 'OFF'}")
+        if hooks:
+            cmake_args.append(f"-DBAGUALU2_TEST_HOOKS_DIR={Path(ext.sourcedir) / 'tests'}")
         if "CMAKE_ARGS" in os.environ:
             cmake_args += [item for item in os.environ["CMAKE_ARGS"].split(" ") if item]
         build_args = ["--config", cfg]

@@ -2,32 +2,41 @@
 //
 // Design note
 // -----------
-// bagualu2's C++ core never includes a vendor header outside csrc/gpu/<backend>_backend.cpp.
-// Everything else talks to a `gpu::Runtime`, an interface of real wrapper functions (no
-// `#define cudaX hipX`), with one implementation file per backend:
+// bagualu2's C++ core never includes a vendor header. Everything talks to a `gpu::Runtime`, an
+// interface of real wrapper functions (no `#define cudaX hipX`), with two implementations:
 //
-//   cpu_backend.cpp   always built. A stream is one worker thread executing its operations in
-//                     FIFO order (on an idle stream, the submitting thread runs them at
-//                     once); large copies are split across a shared pool of copy threads
-//                     (the thread running the copy joins in) and the stream moves on only
-//                     when every piece is done. Each record of an event is a fresh completion
-//                     flag with a timestamp; a wait captures the record current at the call.
-//                     Stream handle 0 means "the calling host thread": work on it runs
-//                     synchronously, and recording an event on it completes the event at once.
-//   cuda_backend.cpp  cudart (cudaStreamCreateWithFlags, cudaEventRecord, cudaMemcpyAsync, ...).
-//   hip_backend.cpp   the same shape against hip_runtime_api.h (AMD GPUs, Hygon DCUs).
+//   cpu_backend.cpp     always built. A stream is one worker thread executing its operations in
+//                       FIFO order (on an idle stream, the submitting thread runs them at
+//                       once); large copies are split across a shared pool of copy threads
+//                       (the thread running the copy joins in) and the stream moves on only
+//                       when every piece is done. Each record of an event is a fresh completion
+//                       flag with a timestamp; a wait captures the record current at the call.
+//                       Stream handle 0 means "the calling host thread": work on it runs
+//                       synchronously, and recording an event on it completes the event at once.
+//   device_backend.cpp  one implementation for every GPU runtime, over a table of function
+//                       pointers (gpu/device_api.h). The table is filled at first use by
+//                       dlopen: cuda_api.cpp from the CUDA driver API (libcuda.so.1, shipped
+//                       with the NVIDIA driver, so nothing ties the build to a cudart version),
+//                       hip_api.cpp from the HIP runtime (libamdhip64.so; AMD GPUs, Hygon
+//                       DCUs). Their prototypes are declared locally (gpu/cuda_abi.h,
+//                       gpu/hip_abi.h), so building needs no GPU toolkit; CI checks them
+//                       against the vendor headers (gpu/check_abi.cpp).
 //
 // The backend is chosen at run time, per object, by name ("cpu", "cuda", "hip") through
-// `gpu::runtime(name)`; asking for one that was not compiled in throws bagualu2::Error (a Python
-// ValueError) naming the compiled backends.
+// `gpu::runtime(name)`. A name that was not compiled in throws bagualu2::Error (Python
+// ValueError) naming the compiled backends; a compiled GPU backend whose library is missing, or
+// that sees no device, throws bagualu2::RuntimeError saying which library was looked for and
+// how to get it. `backend_status()` reports the same without throwing. A library is looked
+// for once per process (the first runtime() or backend_status() call).
 //
 // Invariants every backend keeps:
 //   * Operations enqueued on one stream execute in enqueue order.
 //   * An event that was never recorded reports complete (as in CUDA).
 //   * `event_query` never blocks; `event_synchronize` and `stream_synchronize` block the caller
 //     (callers release the GIL around them).
-//   * Handles are opaque integers-as-pointers; they do not own anything beyond what the
-//     matching create/destroy pair says. Runtime failures throw bagualu2::RuntimeError.
+//   * Raw handles are opaque integers-as-pointers. Whatever this library creates is owned by
+//     a UniqueStream or UniqueEvent (below), never by a bare handle, so a constructor that
+//     throws half-way leaks nothing. Runtime failures throw bagualu2::RuntimeError.
 #pragma once
 
 #include <cstddef>
@@ -38,7 +47,7 @@
 
 namespace bagualu2::gpu {
 
-// Opaque stream and event handles (cudaStream_t / hipStream_t / cpu objects).
+// Opaque stream and event handles (CUstream / hipStream_t / cpu objects).
 using Stream = void*;
 using Event = void*;
 
@@ -137,19 +146,56 @@ public:
 /// The runtime of a compiled backend.
 /// \param[in] name  "cpu", "cuda" or "hip".
 /// \return the process-wide runtime; throws bagualu2::Error naming the compiled backends when
-///         `name` is not one of them.
+///         `name` is not one of them, bagualu2::RuntimeError with the reason when it is compiled
+///         but not usable (library missing, no device).
 Runtime& runtime(const std::string& name);
 
 /// Names of the compiled backends, "cpu" first.
 std::vector<std::string> compiled_backends();
+
+// What backend_status() says of one backend.
+struct BackendStatus {
+    std::string name;
+    bool compiled = false;
+    bool usable = false;
+    std::string reason;   // why not usable ("" when usable)
+    std::string library;  // the library and versions found (GPU backends, when loaded)
+};
+
+/// Every known backend ("cpu", "cuda", "hip"), compiled or not; loads each compiled GPU
+/// library if no earlier call did. Never throws.
+std::vector<BackendStatus> backend_status();
+
+/// The entry point other extension modules use to reach this process's runtimes (exported by
+/// bagualu2._C as the capsule `_runtime_api`), so a stream they create is one _C knows.
+/// Returns nullptr and sets *error (when non-null) instead of throwing.
+using RuntimeLookup = Runtime* (*)(const char* name, std::string* error);
+Runtime* lookup_runtime(const char* name, std::string* error);
 
 // Makes `device` current for the guard's lifetime (no-op on cpu or for device < 0).
 class DeviceGuard {
 public:
     /// \param[in] rt      runtime to act on.
     /// \param[in] device  device to make current; < 0 leaves the current device alone.
-    DeviceGuard(Runtime& rt, int device);
-    ~DeviceGuard();
+    DeviceGuard(Runtime& rt, int device) : rt_(rt) {
+        if (device < 0 || rt.is_host()) {
+            return;
+        }
+        const int current = rt.get_device();
+        if (current != device) {
+            rt.set_device(device);
+            previous_ = current;
+        }
+    }
+    ~DeviceGuard() {
+        if (previous_ >= 0) {
+            try {
+                rt_.set_device(previous_);
+            } catch (...) {
+                // A destructor must not throw; the device stays as the guarded one.
+            }
+        }
+    }
     DeviceGuard(const DeviceGuard&) = delete;
     DeviceGuard& operator=(const DeviceGuard&) = delete;
 
@@ -159,7 +205,68 @@ private:
     int previous_ = -1;
 };
 
-// Backend factories, defined in the backend files that were compiled.
+// The one owner of a stream this library created: created on `device` in the constructor,
+// drained (pending work completes) and destroyed in the destructor.
+class UniqueStream {
+public:
+    /// \param[in] rt      runtime to create the stream with.
+    /// \param[in] device  device of the stream (< 0: the current one).
+    UniqueStream(Runtime& rt, int device) : rt_(&rt), device_(device) {
+        DeviceGuard guard(rt, device);
+        stream_ = rt.stream_create();
+    }
+    ~UniqueStream() {
+        if (stream_ == nullptr) {
+            return;
+        }
+        try {
+            DeviceGuard guard(*rt_, device_);
+            rt_->stream_synchronize(stream_);
+            rt_->stream_destroy(stream_);
+        } catch (...) {
+            // A destructor must not throw; a failing runtime at teardown leaks one stream.
+        }
+    }
+    UniqueStream(const UniqueStream&) = delete;
+    UniqueStream& operator=(const UniqueStream&) = delete;
+
+    Stream get() const { return stream_; }
+    int device() const { return device_; }
+
+private:
+    // Runtime, device and the stream itself.
+    Runtime* rt_;
+    int device_;
+    Stream stream_ = nullptr;
+};
+
+// The one owner of an event this library created (destroying one whose record is still
+// pending is legal in every runtime).
+class UniqueEvent {
+public:
+    /// \param[in] rt      runtime to create the event with.
+    /// \param[in] timing  whether event_elapsed_ms may be used on it.
+    UniqueEvent(Runtime& rt, bool timing) : rt_(&rt), event_(rt.event_create(timing)) {}
+    ~UniqueEvent() {
+        try {
+            rt_->event_destroy(event_);
+        } catch (...) {
+            // A destructor must not throw; a failing runtime at teardown leaks one event.
+        }
+    }
+    UniqueEvent(const UniqueEvent&) = delete;
+    UniqueEvent& operator=(const UniqueEvent&) = delete;
+
+    Event get() const { return event_; }
+
+private:
+    // Runtime and the event it created.
+    Runtime* rt_;
+    Event event_;
+};
+
+// Backend factories: cpu_backend.cpp, and device_backend.cpp for the compiled GPU backends
+// (each throws bagualu2::RuntimeError with the reason when its library is not usable).
 Runtime& cpu_runtime();
 #ifdef BAGUALU2_WITH_CUDA
 Runtime& cuda_runtime();
@@ -167,5 +274,7 @@ Runtime& cuda_runtime();
 #ifdef BAGUALU2_WITH_HIP
 Runtime& hip_runtime();
 #endif
+/// Status of one compiled GPU backend (device_backend.cpp).
+BackendStatus device_backend_status(const std::string& name);
 
 }  // namespace bagualu2::gpu

@@ -1,4 +1,4 @@
-// Backend registry of the neutral gpu:: API: selection by name and the device guard.
+// Backend registry of the neutral gpu:: API: selection by name, status, the extension entry.
 #include <sstream>
 
 #include "common/check.h"
@@ -37,29 +37,27 @@ Runtime& runtime(const std::string& name) {
         known << (i ? ", " : "") << "'" << names[i] << "'";
     }
     BAGUALU2_CHECK(false, "backend '", name, "' is not compiled into this build of bagualu2; ",
-                   "compiled backends: ", known.str(),
-                   " (rebuild with BAGUALU2_BACKEND=cuda or hip to add a GPU backend)");
+                   "compiled backends: [", known.str(), "]",
+                   " (rebuild with BAGUALU2_BACKEND=auto, cuda or hip to add a GPU backend)");
     return cpu_runtime();  // unreachable
 }
 
-DeviceGuard::DeviceGuard(Runtime& rt, int device) : rt_(rt) {
-    if (device < 0 || rt.is_host()) {
-        return;
-    }
-    const int current = rt.get_device();
-    if (current != device) {
-        rt.set_device(device);
-        previous_ = current;
-    }
+std::vector<BackendStatus> backend_status() {
+    BackendStatus cpu;
+    cpu.name = "cpu";
+    cpu.compiled = true;
+    cpu.usable = true;
+    return {cpu, device_backend_status("cuda"), device_backend_status("hip")};
 }
 
-DeviceGuard::~DeviceGuard() {
-    if (previous_ >= 0) {
-        try {
-            rt_.set_device(previous_);
-        } catch (...) {
-            // A destructor must not throw; the device stays as the guarded one.
+Runtime* lookup_runtime(const char* name, std::string* error) {
+    try {
+        return &runtime(name);
+    } catch (const std::exception& e) {
+        if (error != nullptr) {
+            *error = e.what();
         }
+        return nullptr;
     }
 }
 

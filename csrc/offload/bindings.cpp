@@ -1,4 +1,7 @@
-// Python bindings of the offload component: HostArena, CopyEngine, Ticket, fences, Stream.
+// Python bindings of the offload component: HostArena, CopyEngine, Ticket, fences.
+//
+// Test-only types (a Python-owned stream, a host-signalled fence) are not here: they live in
+// the test module tests/test_hooks.cpp, beside the tests that use them.
 //
 // Addresses and stream handles cross as Python ints. Blocking calls release the GIL; the
 // non-blocking ones (allocate, offload, reload submission) keep it, since they only take short
@@ -23,52 +26,6 @@ namespace py = pybind11;
 
 namespace bagualu2 {
 namespace {
-
-// A runtime stream owned by Python: lets tests and benchmarks build producers and consumers
-// (for example a cpu stream held back by a HostFence) without torch knowing about them.
-class PyStream {
-public:
-    PyStream(const std::string& backend, int device)
-        : rt_(gpu::runtime(backend)), device_(device) {
-        gpu::DeviceGuard guard(rt_, device_);
-        stream_ = rt_.stream_create();
-    }
-    ~PyStream() {
-        try {
-            gpu::DeviceGuard guard(rt_, device_);
-            rt_.stream_synchronize(stream_);
-            rt_.stream_destroy(stream_);
-        } catch (...) {
-            // A destructor must not throw.
-        }
-    }
-    PyStream(const PyStream&) = delete;
-    PyStream& operator=(const PyStream&) = delete;
-
-    std::uintptr_t handle() const { return reinterpret_cast<std::uintptr_t>(stream_); }
-
-    void synchronize() { rt_.stream_synchronize(stream_); }
-
-    void copy(std::uintptr_t dst, std::uintptr_t src, std::int64_t nbytes) {
-        BAGUALU2_CHECK(nbytes >= 0, "Stream.copy: nbytes must be >= 0, got ", nbytes);
-        BAGUALU2_CHECK(nbytes == 0 || (dst != 0 && src != 0), "Stream.copy: null pointer");
-        gpu::DeviceGuard guard(rt_, device_);
-        rt_.memcpy_async(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
-                         static_cast<std::size_t>(nbytes), stream_);
-    }
-
-    void wait_fence(const std::shared_ptr<HostFence>& fence) {
-        BAGUALU2_CHECK(fence != nullptr, "Stream.wait_fence(None)");
-        gpu::DeviceGuard guard(rt_, device_);
-        rt_.launch_host_func(stream_, [fence] { fence->wait(); });
-    }
-
-private:
-    // Runtime, device and the stream itself.
-    gpu::Runtime& rt_;
-    int device_;
-    gpu::Stream stream_ = nullptr;
-};
 
 // An offload ticket's block as a writable byte buffer (the Python buffer protocol), holding
 // the block allocated while the buffer lives: torch.frombuffer keeps it for as long as the
@@ -135,24 +92,8 @@ void register_offload(py::module_& m) {
         .def("wait", &Fence::wait, py::call_guard<py::gil_scoped_release>(),
              "Block until the work completed (GIL released).");
 
-    py::class_<HostFence, Fence, std::shared_ptr<HostFence>>(
-        m, "HostFence", "A fence completed by calling signal() from host code.")
-        .def(py::init<>())
-        .def("signal", &HostFence::signal, "Mark complete and wake waiters.");
-
     py::class_<EventFence, Fence, std::shared_ptr<EventFence>>(m, "EventFence",
                                                                 "A fence backed by a runtime event.");
-
-    py::class_<PyStream, std::shared_ptr<PyStream>>(m, "Stream",
-                                                    "A runtime stream owned by Python.")
-        .def(py::init<const std::string&, int>(), py::arg("backend") = "cpu",
-             py::arg("device") = -1)
-        .def_property_readonly("handle", &PyStream::handle)
-        .def("synchronize", &PyStream::synchronize, py::call_guard<py::gil_scoped_release>())
-        .def("copy", &PyStream::copy, py::arg("dst"), py::arg("src"), py::arg("nbytes"),
-             "Enqueue memcpy(dst, src, nbytes) on this stream.")
-        .def("wait_fence", &PyStream::wait_fence, py::arg("fence"),
-             "Hold the stream until `fence` is signalled (host function on the stream).");
 
     py::class_<HostArena, std::shared_ptr<HostArena>>(m, "HostArena",
                                                       "Pinned host reservation with best-fit blocks.")

@@ -95,36 +95,45 @@ std::shared_ptr<void> Ticket::hold() {
 // ---------------------------------------------------------------------------------------------
 // CopyEngine
 
+namespace {
+
+// The engine's device, checked before any stream is created (-1 leaves the current one).
+int checked_device(gpu::Runtime& rt, const std::string& backend,
+                   const std::shared_ptr<HostArena>& arena, std::size_t chunk_bytes, int device) {
+    BAGUALU2_CHECK(arena != nullptr, "CopyEngine needs an arena");
+    BAGUALU2_CHECK(arena->backend() == backend, "CopyEngine backend '", backend,
+                   "' differs from its arena's backend '", arena->backend(), "'");
+    BAGUALU2_CHECK(chunk_bytes > 0, "chunk_bytes must be positive");
+    if (rt.is_host()) {
+        return 0;
+    }
+    const int count = rt.device_count();
+    BAGUALU2_CHECK(count > 0, "backend '", backend, "' is compiled in but sees no device");
+    const int chosen = device < 0 ? rt.get_device() : device;
+    BAGUALU2_CHECK(chosen < count, "device ", chosen, " out of range [0, ", count, ")");
+    return chosen;
+}
+
+gpu::UniqueEvent make_event(gpu::Runtime& rt, int device) {
+    gpu::DeviceGuard guard(rt, device);
+    return gpu::UniqueEvent(rt, false);  // guaranteed elision: never copied or moved
+}
+
+}  // namespace
+
 CopyEngine::CopyEngine(std::shared_ptr<HostArena> arena, const std::string& backend, int device,
                        std::size_t chunk_bytes)
     : arena_(std::move(arena)), rt_(gpu::runtime(backend)), backend_(backend),
-      chunk_bytes_(chunk_bytes) {
-    BAGUALU2_CHECK(arena_ != nullptr, "CopyEngine needs an arena");
-    BAGUALU2_CHECK(arena_->backend() == backend, "CopyEngine backend '", backend,
-                   "' differs from its arena's backend '", arena_->backend(), "'");
-    BAGUALU2_CHECK(chunk_bytes_ > 0, "chunk_bytes must be positive");
-    if (!rt_.is_host()) {
-        const int count = rt_.device_count();
-        BAGUALU2_CHECK(count > 0, "backend '", backend, "' is compiled in but sees no device");
-        device_ = device < 0 ? rt_.get_device() : device;
-        BAGUALU2_CHECK(device_ < count, "device ", device_, " out of range [0, ", count, ")");
-    }
-    gpu::DeviceGuard guard(rt_, device_);
-    d2h_ = rt_.stream_create();
-    h2d_ = rt_.stream_create();
-    d2h_dir_.stream = d2h_;
-    h2d_dir_.stream = h2d_;
-    sync_event_ = rt_.event_create(false);
-}
+      chunk_bytes_(chunk_bytes),
+      device_(checked_device(rt_, backend_, arena_, chunk_bytes_, device)),
+      d2h_dir_(rt_, device_), h2d_dir_(rt_, device_), d2h_(d2h_dir_.stream),
+      h2d_(h2d_dir_.stream), sync_event_(make_event(rt_, device_)) {}
 
 CopyEngine::~CopyEngine() {
+    // Drain both directions before the members go (the timing events first, then the event,
+    // then the streams, each destroying its own handle).
     try {
-        gpu::DeviceGuard guard(rt_, device_);
-        rt_.stream_synchronize(d2h_);
-        rt_.stream_synchronize(h2d_);
-        rt_.event_destroy(sync_event_);
-        rt_.stream_destroy(d2h_);
-        rt_.stream_destroy(h2d_);
+        synchronize();
     } catch (...) {
         // A destructor must not throw.
     }
@@ -134,8 +143,8 @@ void CopyEngine::wait_for_stream(Direction& dir, gpu::Stream stream) {
     if (stream == nullptr && rt_.is_host()) {
         return;  // the host thread is synchronous: everything it wrote is already there
     }
-    rt_.event_record(sync_event_, stream);
-    rt_.stream_wait_event(dir.stream, sync_event_);
+    rt_.event_record(sync_event_.get(), stream);
+    rt_.stream_wait_event(dir.stream, sync_event_.get());
 }
 
 std::shared_ptr<EventFence> CopyEngine::enqueue_copy(Direction& dir, void* dst, const void* src,

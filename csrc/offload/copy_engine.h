@@ -2,7 +2,8 @@
 //
 // Design note
 // -----------
-// The engine owns two streams of one backend, one per direction (D2H "offload", H2D
+// The engine owns two streams of one backend (gpu::UniqueStream members: whatever the
+// constructor created is destroyed if a later step throws), one per direction (D2H "offload", H2D
 // "reload"), so both directions run at once and beside the caller's compute. On cpu the
 // streams are worker threads, a copy submitted to an idle stream runs on the calling thread
 // (gpu/cpu_backend.cpp says why), and large copies are also split across a pool of copy
@@ -205,7 +206,9 @@ private:
     };
 
     struct Direction {
-        gpu::Stream stream = nullptr;
+        Direction(gpu::Runtime& rt, int device) : owned(rt, device), stream(owned.get()) {}
+        gpu::UniqueStream owned;     // drained and destroyed with the engine
+        gpu::Stream stream;          // owned.get()
         std::deque<Timing> timings;  // copies whose time is not yet accounted
         DirectionStats stats;
     };
@@ -222,21 +225,22 @@ private:
     void account(Direction& dir);
     DirectionStats snapshot(Direction& dir);
 
-    // Configuration.
+    // Configuration (validated before any stream exists: see the constructor).
     std::shared_ptr<HostArena> arena_;
     gpu::Runtime& rt_;
     std::string backend_;
-    int device_ = 0;
     std::size_t chunk_bytes_;
+    int device_ = 0;
 
     // Submission: streams and the reusable cross-stream event, guarded by submit_mutex_ so one
-    // ticket's operations are contiguous on its stream.
+    // ticket's operations are contiguous on its stream. Each is owned by a member, constructed
+    // in declaration order, so a failure creating a later one destroys the earlier ones.
     std::mutex submit_mutex_;
     Direction d2h_dir_;
     Direction h2d_dir_;
-    gpu::Stream d2h_ = nullptr;
-    gpu::Stream h2d_ = nullptr;
-    gpu::Event sync_event_ = nullptr;
+    gpu::Stream d2h_ = nullptr;  // d2h_dir_.stream
+    gpu::Stream h2d_ = nullptr;  // h2d_dir_.stream
+    gpu::UniqueEvent sync_event_;
     // Issue trace, guarded by submit_mutex_.
     bool tracing_ = false;
     std::size_t trace_capacity_ = 0;

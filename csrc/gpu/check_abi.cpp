@@ -1,0 +1,132 @@
+// Compile-time check that the locally declared runtime prototypes (cuda_abi.h, hip_abi.h) match
+// the vendor headers. Built only where a toolkit is present (BAGUALU2_CHECK_ABI, on in CI); the
+// object is never linked: compiling it is the test.
+//
+// Two prototypes match when they agree after erasing what the C ABI does not see: opaque
+// handle pointers (CUstream, hipEvent_t, ...) become void*, pointers to them void**, enums
+// their signed underlying integer. Arithmetic types and pointers to them must match exactly.
+#include <type_traits>
+
+#if defined(BAGUALU2_CHECK_CUDA_ABI)
+#include <cuda.h>
+
+#include "gpu/cuda_abi.h"
+#endif
+#if defined(BAGUALU2_CHECK_HIP_ABI)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+#include <hip/hip_runtime_api.h>
+
+#include "gpu/hip_abi.h"
+#endif
+
+namespace {
+
+template <typename T, typename = void>
+struct Erase {
+    using type = T;
+};
+template <typename T>
+using erase_t = typename Erase<T>::type;
+
+template <typename T>
+struct Erase<T, std::enable_if_t<std::is_enum_v<T>>> {
+    using type = std::make_signed_t<std::underlying_type_t<T>>;
+};
+template <typename T>
+struct Erase<T*, std::enable_if_t<std::is_arithmetic_v<std::remove_cv_t<T>>>> {
+    using type = T*;
+};
+template <typename T>
+struct Erase<T*, std::enable_if_t<std::is_pointer_v<T>>> {
+    using type = void**;
+};
+template <typename T>
+struct Erase<T*, std::enable_if_t<!std::is_arithmetic_v<std::remove_cv_t<T>> &&
+                                  !std::is_pointer_v<T> && !std::is_function_v<T>>> {
+    using type = void*;
+};
+template <typename R, typename... A>
+struct Erase<R (*)(A...), void> {
+    using type = erase_t<R> (*)(erase_t<A>...);
+};
+
+template <typename Vendor, typename Ours>
+constexpr bool same_abi = std::is_same_v<erase_t<Vendor>, erase_t<Ours>>;
+
+}  // namespace
+
+#define BAGUALU2_SAME_ABI(vendor, ours) \
+    static_assert(same_abi<decltype(&vendor), ours>, #vendor " differs from " #ours)
+// For a C entry point the C++ header also overloads (hipHostMalloc has a template for T**):
+// the cast picks the C one by its vendor-typed signature, which must exist.
+#define BAGUALU2_SAME_ABI_C(vendor, vendor_type, ours)                                        \
+    static_assert(same_abi<decltype(static_cast<vendor_type>(&vendor)), ours>,               \
+                  #vendor " differs from " #ours)
+
+#if defined(BAGUALU2_CHECK_CUDA_ABI)
+namespace cu = bagualu2::gpu::cuda_abi;
+static_assert(CUDA_SUCCESS == cu::kSuccess && CUDA_ERROR_NOT_READY == cu::kErrorNotReady);
+static_assert(CU_STREAM_NON_BLOCKING == cu::kStreamNonBlocking);
+static_assert(CU_EVENT_DEFAULT == cu::kEventDefault && CU_EVENT_DISABLE_TIMING == cu::kEventDisableTiming);
+static_assert(CU_MEMHOSTALLOC_PORTABLE == cu::kMemHostAllocPortable);
+static_assert(std::is_same_v<CUdeviceptr, cu::DevicePtr> && std::is_same_v<CUdevice, cu::Device>);
+static_assert(sizeof(CUresult) == sizeof(cu::Result));
+BAGUALU2_SAME_ABI(::cuInit, cu::InitFn);
+BAGUALU2_SAME_ABI(::cuDriverGetVersion, cu::DriverGetVersionFn);
+BAGUALU2_SAME_ABI(::cuDeviceGetCount, cu::DeviceGetCountFn);
+BAGUALU2_SAME_ABI(::cuDeviceGet, cu::DeviceGetFn);
+BAGUALU2_SAME_ABI(::cuDevicePrimaryCtxRetain, cu::PrimaryCtxRetainFn);
+BAGUALU2_SAME_ABI(::cuCtxGetCurrent, cu::CtxGetCurrentFn);
+BAGUALU2_SAME_ABI(::cuCtxSetCurrent, cu::CtxSetCurrentFn);
+BAGUALU2_SAME_ABI(::cuCtxGetDevice, cu::CtxGetDeviceFn);
+BAGUALU2_SAME_ABI(::cuMemHostAlloc, cu::MemHostAllocFn);
+BAGUALU2_SAME_ABI(::cuMemFreeHost, cu::MemFreeHostFn);
+BAGUALU2_SAME_ABI(::cuStreamCreate, cu::StreamCreateFn);
+BAGUALU2_SAME_ABI(::cuStreamDestroy_v2, cu::StreamDestroyFn);
+BAGUALU2_SAME_ABI(::cuStreamSynchronize, cu::StreamSynchronizeFn);
+BAGUALU2_SAME_ABI(::cuStreamWaitEvent, cu::StreamWaitEventFn);
+BAGUALU2_SAME_ABI(::cuEventCreate, cu::EventCreateFn);
+BAGUALU2_SAME_ABI(::cuEventDestroy_v2, cu::EventDestroyFn);
+BAGUALU2_SAME_ABI(::cuEventRecord, cu::EventRecordFn);
+BAGUALU2_SAME_ABI(::cuEventQuery, cu::EventQueryFn);
+BAGUALU2_SAME_ABI(::cuEventSynchronize, cu::EventSynchronizeFn);
+BAGUALU2_SAME_ABI(::cuEventElapsedTime, cu::EventElapsedTimeFn);
+BAGUALU2_SAME_ABI(::cuMemcpyAsync, cu::MemcpyAsyncFn);
+BAGUALU2_SAME_ABI(::cuLaunchHostFunc, cu::LaunchHostFuncFn);
+BAGUALU2_SAME_ABI(::cuGetErrorString, cu::GetErrorStringFn);
+BAGUALU2_SAME_ABI(::cuGetErrorName, cu::GetErrorNameFn);
+#endif
+
+#if defined(BAGUALU2_CHECK_HIP_ABI)
+namespace hp = bagualu2::gpu::hip_abi;
+static_assert(hipSuccess == hp::kSuccess && hipErrorNotReady == hp::kErrorNotReady);
+static_assert(hipMemcpyDefault == hp::kMemcpyDefault);
+static_assert(hipStreamNonBlocking == hp::kStreamNonBlocking);
+static_assert(hipEventDefault == hp::kEventDefault && hipEventDisableTiming == hp::kEventDisableTiming);
+static_assert(hipHostMallocPortable == hp::kHostMallocPortable);
+static_assert(sizeof(hipError_t) == sizeof(hp::Error));
+BAGUALU2_SAME_ABI(::hipInit, hp::InitFn);
+BAGUALU2_SAME_ABI(::hipDriverGetVersion, hp::DriverGetVersionFn);
+BAGUALU2_SAME_ABI(::hipRuntimeGetVersion, hp::RuntimeGetVersionFn);
+BAGUALU2_SAME_ABI(::hipGetDeviceCount, hp::GetDeviceCountFn);
+BAGUALU2_SAME_ABI(::hipGetDevice, hp::GetDeviceFn);
+BAGUALU2_SAME_ABI(::hipSetDevice, hp::SetDeviceFn);
+BAGUALU2_SAME_ABI_C(::hipHostMalloc, hipError_t (*)(void**, size_t, unsigned int), hp::HostMallocFn);
+BAGUALU2_SAME_ABI(::hipHostFree, hp::HostFreeFn);
+BAGUALU2_SAME_ABI(::hipStreamCreateWithFlags, hp::StreamCreateWithFlagsFn);
+BAGUALU2_SAME_ABI(::hipStreamDestroy, hp::StreamDestroyFn);
+BAGUALU2_SAME_ABI(::hipStreamSynchronize, hp::StreamSynchronizeFn);
+BAGUALU2_SAME_ABI(::hipStreamWaitEvent, hp::StreamWaitEventFn);
+BAGUALU2_SAME_ABI(::hipEventCreateWithFlags, hp::EventCreateWithFlagsFn);
+BAGUALU2_SAME_ABI(::hipEventDestroy, hp::EventDestroyFn);
+BAGUALU2_SAME_ABI(::hipEventRecord, hp::EventRecordFn);
+BAGUALU2_SAME_ABI(::hipEventQuery, hp::EventQueryFn);
+BAGUALU2_SAME_ABI(::hipEventSynchronize, hp::EventSynchronizeFn);
+BAGUALU2_SAME_ABI(::hipEventElapsedTime, hp::EventElapsedTimeFn);
+BAGUALU2_SAME_ABI(::hipMemcpyAsync, hp::MemcpyAsyncFn);
+BAGUALU2_SAME_ABI(::hipStreamAddCallback, hp::StreamAddCallbackFn);
+BAGUALU2_SAME_ABI(::hipGetErrorName, hp::GetErrorNameFn);
+BAGUALU2_SAME_ABI(::hipGetErrorString, hp::GetErrorStringFn);
+#pragma GCC diagnostic pop
+#endif

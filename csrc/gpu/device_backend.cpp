@@ -1,0 +1,236 @@
+// The GPU backend of the neutral gpu:: API, one implementation for CUDA and HIP.
+//
+// DeviceRuntime implements gpu::Runtime over a DeviceApi table (gpu/device_api.h): every
+// status is checked here, the one place that turns a vendor status into
+// bagualu2::RuntimeError (through BAGUALU2_RUNTIME_CHECK, common/check.h), naming the call and
+// the runtime's own description. A backend is usable when its library loaded, initialised,
+// and sees at least one device; runtime("cuda") / runtime("hip") of an unusable one throws
+// with the reason, and backend_status() reports it without throwing.
+#include <dlfcn.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "common/check.h"
+#include "gpu/device_api.h"
+#include "gpu/gpu.h"
+
+namespace bagualu2::gpu {
+
+void run_host_callback(void* arg) {
+    std::unique_ptr<std::function<void()>> fn(static_cast<std::function<void()>*>(arg));
+    (*fn)();
+}
+
+bool Library::open(const std::vector<std::string>& names, std::string* why) {
+    // A copy already in the process first (RTLD_NOLOAD only finds, never loads).
+    for (const std::string& name : names) {
+        handle_ = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+        if (handle_ != nullptr) {
+            path_ = name;
+            return true;
+        }
+    }
+    std::string tried;
+    for (const std::string& name : names) {
+        handle_ = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
+        if (handle_ != nullptr) {
+            path_ = name;
+            return true;
+        }
+        const char* error = dlerror();
+        tried += (tried.empty() ? "" : "; ") + std::string(error != nullptr ? error : name.c_str());
+    }
+    *why = tried;
+    return false;
+}
+
+void* Library::lookup(const char* name) const { return dlsym(handle_, name); }
+
+namespace {
+
+class DeviceRuntime final : public Runtime {
+public:
+    explicit DeviceRuntime(const DeviceApi& api) : api_(api) {}
+
+    const char* name() const override { return api_.name; }
+    bool is_host() const override { return false; }
+
+    int device_count() override {
+        int count = 0;
+        return api_.device_count(&count) == 0 ? count : 0;  // no device: zero, not an error
+    }
+
+    int get_device() override {
+        int device = 0;
+        check(api_.get_device(&device), "get_device");
+        return device;
+    }
+
+    void set_device(int device) override { check(api_.set_device(device), "set_device"); }
+
+    void* host_alloc(std::size_t bytes) override {
+        void* ptr = nullptr;
+        check(api_.host_alloc(&ptr, bytes), "pinned host_alloc");
+        return ptr;
+    }
+
+    void host_free(void* ptr) override { check(api_.host_free(ptr), "host_free"); }
+
+    Stream stream_create() override {
+        void* stream = nullptr;
+        check(api_.stream_create(&stream), "stream_create");
+        return stream;
+    }
+
+    void stream_destroy(Stream stream) override {
+        check(api_.stream_destroy(stream), "stream_destroy");
+    }
+
+    void stream_synchronize(Stream stream) override {
+        check(api_.stream_synchronize(stream), "stream_synchronize");
+    }
+
+    void stream_wait_event(Stream stream, Event event) override {
+        check(api_.stream_wait_event(stream, event), "stream_wait_event");
+    }
+
+    void check_stream(Stream /*stream*/) override {}  // GPU runtimes cannot validate handles
+
+    Event event_create(bool timing) override {
+        void* event = nullptr;
+        check(api_.event_create(&event, timing), "event_create");
+        return event;
+    }
+
+    void event_destroy(Event event) override { check(api_.event_destroy(event), "event_destroy"); }
+
+    void event_record(Event event, Stream stream) override {
+        check(api_.event_record(event, stream), "event_record");
+    }
+
+    bool event_query(Event event) override {
+        const int status = api_.event_query(event);
+        if (status == api_.not_ready) {
+            return false;
+        }
+        check(status, "event_query");
+        return true;
+    }
+
+    void event_synchronize(Event event) override {
+        check(api_.event_synchronize(event), "event_synchronize");
+    }
+
+    double event_elapsed_ms(Event start, Event end) override {
+        float ms = 0.0f;
+        check(api_.event_elapsed_ms(&ms, start, end), "event_elapsed_ms");
+        return static_cast<double>(ms);
+    }
+
+    void memcpy_async(void* dst, const void* src, std::size_t bytes, Stream stream) override {
+        if (bytes == 0) {
+            return;
+        }
+        check(api_.memcpy_async(dst, src, bytes, stream), "memcpy_async of ", bytes, " bytes");
+    }
+
+    void launch_host_func(Stream stream, std::function<void()> fn) override {
+        auto boxed = std::make_unique<std::function<void()>>(std::move(fn));
+        check(api_.launch_host_callback(stream, boxed.get()), "launch_host_func");
+        boxed.release();  // run_host_callback owns it now
+    }
+
+private:
+    template <typename... What>
+    void check(int status, const What&... what) const {
+        BAGUALU2_RUNTIME_CHECK(status == 0, api_.name, " ", what..., " failed: ",
+                               api_.describe(status), " (", api_.library, ")");
+    }
+
+    // The loaded library's table (static storage of its loader).
+    const DeviceApi& api_;
+};
+
+// A loaded runtime, or why it is not usable; built once per backend.
+struct Usable {
+    std::unique_ptr<DeviceRuntime> runtime;
+    std::string reason;   // why not usable
+    std::string library;  // what was loaded, when usable
+};
+
+Usable make(const char* name, const DeviceApi* (*load)(std::string*)) {
+    Usable out;
+    std::string why;
+    const DeviceApi* api = load(&why);
+    if (api == nullptr) {
+        out.reason = why;
+        return out;
+    }
+    auto rt = std::make_unique<DeviceRuntime>(*api);
+    if (rt->device_count() == 0) {
+        out.reason = api->library + " (" + api->versions + ") loaded, but it sees no " + name +
+                     " device";
+        return out;
+    }
+    out.runtime = std::move(rt);
+    out.library = api->library + " (" + api->versions + ")";
+    return out;
+}
+
+#ifdef BAGUALU2_WITH_CUDA
+const Usable& cuda_usable() {
+    static const Usable usable = make("cuda", load_cuda_api);
+    return usable;
+}
+#endif
+#ifdef BAGUALU2_WITH_HIP
+const Usable& hip_usable() {
+    static const Usable usable = make("hip", load_hip_api);
+    return usable;
+}
+#endif
+
+Runtime& usable_or_throw(const char* name, const Usable& u) {
+    BAGUALU2_RUNTIME_CHECK(u.runtime != nullptr, "backend '", name,
+                           "' is compiled in but not usable: ", u.reason);
+    return *u.runtime;
+}
+
+}  // namespace
+
+#ifdef BAGUALU2_WITH_CUDA
+Runtime& cuda_runtime() { return usable_or_throw("cuda", cuda_usable()); }
+#endif
+#ifdef BAGUALU2_WITH_HIP
+Runtime& hip_runtime() { return usable_or_throw("hip", hip_usable()); }
+#endif
+
+BackendStatus device_backend_status(const std::string& name) {
+    BackendStatus status;
+    status.name = name;
+    const Usable* u = nullptr;
+#ifdef BAGUALU2_WITH_CUDA
+    if (name == "cuda") {
+        u = &cuda_usable();
+    }
+#endif
+#ifdef BAGUALU2_WITH_HIP
+    if (name == "hip") {
+        u = &hip_usable();
+    }
+#endif
+    if (u == nullptr) {
+        status.reason = "not compiled into this build of bagualu2 (rebuild with "
+                        "BAGUALU2_BACKEND=auto or " + name + ")";
+        return status;
+    }
+    status.compiled = true;
+    status.usable = u->runtime != nullptr;
+    status.reason = u->reason;
+    status.library = u->library;
+    return status;
+}
+
+}  // namespace bagualu2::gpu

@@ -1,0 +1,118 @@
+// bagualu2_test_hooks: test-only types, built beside the tests that use them and never shipped.
+//
+// Built by CMake when BAGUALU2_TEST_HOOKS=ON (editable installs turn it on and put the module in
+// tests/; CI builds it next to each _C it tests). It reaches the runtimes of the loaded
+// bagualu2._C through the `_runtime_api` capsule, so a Stream made here is one _C knows (the cpu
+// backend checks every handle against its registry of live streams).
+//
+//   Stream(backend="cpu", device=-1)  a runtime stream owned by Python: .handle, .copy(dst, src,
+//                                     n), .wait_fence(fence), .synchronize()
+//   HostFence()                       a bagualu2._C.Fence completed by .signal(); holds a block
+//                                     or a stream "in flight" for as long as a test wants
+#include <pybind11/pybind11.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "common/check.h"
+#include "gpu/gpu.h"
+#include "offload/fence.h"
+
+namespace py = pybind11;
+
+namespace {
+
+bagualu2::gpu::RuntimeLookup lookup = nullptr;
+
+bagualu2::gpu::Runtime& runtime(const std::string& name) {
+    std::string error;
+    bagualu2::gpu::Runtime* rt = lookup(name.c_str(), &error);
+    if (rt == nullptr) {
+        throw py::value_error(error);
+    }
+    return *rt;
+}
+
+// A fence completed by host code calling signal().
+class HostFence final : public bagualu2::Fence {
+public:
+    bool ready() override { return signalled_.load(std::memory_order_acquire); }
+
+    void wait() override {
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait(lock, [&] { return signalled_.load(std::memory_order_acquire); });
+    }
+
+    void signal() {
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            signalled_.store(true, std::memory_order_release);
+        }
+        cv_.notify_all();
+    }
+
+private:
+    // The flag and the wake-up machinery for wait().
+    std::atomic<bool> signalled_{false};
+    std::mutex mutex_;
+    std::condition_variable cv_;
+};
+
+// A runtime stream owned by Python, for producers and consumers torch does not know about.
+class Stream {
+public:
+    Stream(const std::string& backend, int device)
+        : rt_(runtime(backend)), device_(device), stream_(rt_, device) {}
+
+    std::uintptr_t handle() const { return reinterpret_cast<std::uintptr_t>(stream_.get()); }
+
+    void synchronize() { rt_.stream_synchronize(stream_.get()); }
+
+    void copy(std::uintptr_t dst, std::uintptr_t src, std::int64_t nbytes) {
+        BAGUALU2_CHECK(nbytes >= 0, "Stream.copy: nbytes must be >= 0, got ", nbytes);
+        BAGUALU2_CHECK(nbytes == 0 || (dst != 0 && src != 0), "Stream.copy: null pointer");
+        bagualu2::gpu::DeviceGuard guard(rt_, device_);
+        rt_.memcpy_async(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
+                         static_cast<std::size_t>(nbytes), stream_.get());
+    }
+
+    void wait_fence(const std::shared_ptr<HostFence>& fence) {
+        BAGUALU2_CHECK(fence != nullptr, "Stream.wait_fence(None)");
+        bagualu2::gpu::DeviceGuard guard(rt_, device_);
+        rt_.launch_host_func(stream_.get(), [fence] { fence->wait(); });
+    }
+
+private:
+    // Runtime, device and the stream (drained and destroyed with this object).
+    bagualu2::gpu::Runtime& rt_;
+    int device_;
+    bagualu2::gpu::UniqueStream stream_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(bagualu2_test_hooks, m) {
+    m.doc() = "Test-only hooks of bagualu2 (tests/test_hooks.cpp); never shipped.";
+    py::module_ core = py::module_::import("bagualu2._C");  // registers Fence and the errors
+    auto capsule = core.attr("_runtime_api").cast<py::capsule>();
+    lookup = reinterpret_cast<bagualu2::gpu::RuntimeLookup>(capsule.get_pointer());
+
+    py::class_<HostFence, bagualu2::Fence, std::shared_ptr<HostFence>>(
+        m, "HostFence", "A fence completed by calling signal() from host code.")
+        .def(py::init<>())
+        .def("signal", &HostFence::signal, "Mark complete and wake waiters.");
+
+    py::class_<Stream, std::shared_ptr<Stream>>(m, "Stream", "A runtime stream owned by Python.")
+        .def(py::init<const std::string&, int>(), py::arg("backend") = "cpu",
+             py::arg("device") = -1)
+        .def_property_readonly("handle", &Stream::handle)
+        .def("synchronize", &Stream::synchronize, py::call_guard<py::gil_scoped_release>())
+        .def("copy", &Stream::copy, py::arg("dst"), py::arg("src"), py::arg("nbytes"),
+             "Enqueue memcpy(dst, src, nbytes) on this stream.")
+        .def("wait_fence", &Stream::wait_fence, py::arg("fence"),
+             "Hold the stream until `fence` is signalled (host function on the stream).");
+}
