@@ -33,6 +33,7 @@ __all__ = [
     "PlanCache",
     "Planner",
     "Provisioner",
+    "backend_status",
     "backends",
     "enable",
     "is_recomputing",
@@ -41,5 +42,16 @@ __all__ = [
 
 
 def backends() -> list:
-    """Names of the backends compiled into this build ('cpu' always first)."""
+    """Names of the backends compiled into this build ('cpu' always first); compiled is not
+    usable: see :func:`backend_status`."""
     return list(_C.backends())
+
+
+def backend_status() -> dict:
+    """``{name: {"compiled": bool, "usable": bool, "reason": str, "library": str}}`` for cpu,
+    cuda and hip: whether each is compiled in, whether it can run in this process (its runtime
+    library loads and sees a device, and it matches torch's build), why not, and what was
+    loaded. GPU libraries are loaded at first use (docs/backends.md)."""
+    from bagualu2.offload import backend_status as _status
+
+    return _status()

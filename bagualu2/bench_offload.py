@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--min-time {args.min_time} must be >= 0")
     try:
         backend = resolve_backend(args.backend)
-    except ValueError as e:
+    except (ValueError, RuntimeError) as e:
         raise SystemExit(f"--backend: {e}") from None
     if backend != "cpu" and not torch.cuda.is_available():
         raise SystemExit(f"--backend {backend} needs a visible GPU and a torch built for it; this torch "

@@ -4,21 +4,21 @@
   device when one is present (``"cuda"`` on CUDA torch, ``"hip"`` on ROCm torch).
 * ``device`` fixture: the torch device the chosen backend copies from (cpu or cuda).
 * ``@pytest.mark.cuda_only``: skipped unless torch sees a CUDA/ROCm device and the matching
-  backend is compiled in.
+  backend is usable (compiled in, its runtime library loaded; ``bagualu2.backend_status()``).
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bagualu2 import _C
+from bagualu2 import backend_status
 
 
 def _gpu_backends() -> list[str]:
     if not torch.cuda.is_available():
         return []
     want = "hip" if getattr(torch.version, "hip", None) else "cuda"
-    return [want] if want in _C.backends() else []
+    return [want] if backend_status()[want]["usable"] else []  # compiled, loaded, sees a device
 
 
 GPU_BACKENDS = _gpu_backends()

@@ -1,7 +1,8 @@
 """CopyEngine invariants (csrc/offload/copy_engine.h), tested through the raw _C interface.
 
-Buffers are torch tensors used only for their memory (data_ptr); streams are _C.Stream objects
-so a test can hold a producer or consumer "in flight" with a HostFence, deterministically.
+Buffers are torch tensors used only for their memory (data_ptr); streams are the test hooks'
+Stream objects (tests/test_hooks.cpp), so a test can hold a producer or consumer "in flight"
+with a HostFence, deterministically.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import threading
 import pytest
 import torch
 
+import bagualu2_test_hooks as hooks  # tests/test_hooks.cpp: test-only Stream and HostFence
 from bagualu2 import _C
 
 MiB = 1 << 20
@@ -73,8 +75,8 @@ def test_offload_waits_for_the_producer_stream_and_sees_its_final_data(engine):
     n = 3 * MiB
     final = rand_bytes(n, seed=1)
     buf = torch.zeros(n, dtype=torch.uint8)
-    producer = _C.Stream("cpu")
-    gate = _C.HostFence()
+    producer = hooks.Stream("cpu")
+    gate = hooks.HostFence()
     producer.wait_fence(gate)  # the producer is "still running"...
     producer.copy(buf.data_ptr(), final.data_ptr(), n)  # ...and will write the final data
     t = engine.offload(buf.data_ptr(), n, producer.handle)
@@ -90,8 +92,8 @@ def test_reload_waits_for_the_consumer_stream_before_writing(engine):
     t = engine.offload(src.data_ptr(), n, 0)
     t.wait()
     dst = torch.zeros(n, dtype=torch.uint8)
-    consumer = _C.Stream("cpu")
-    gate = _C.HostFence()
+    consumer = hooks.Stream("cpu")
+    gate = hooks.HostFence()
     consumer.wait_fence(gate)  # the consumer still uses dst's memory for something else
     r = engine.reload(t, dst.data_ptr(), n, consumer.handle, True)
     assert not r.done(), "the reload overwrote memory its consumer stream had not released"
@@ -107,8 +109,8 @@ def test_offload_and_reload_directions_run_at_once(engine):
     src = rand_bytes(MiB)
     t = engine.offload(src.data_ptr(), MiB, 0)
     t.wait()
-    held = _C.Stream("cpu")
-    gate = _C.HostFence()
+    held = hooks.Stream("cpu")
+    gate = hooks.HostFence()
     held.wait_fence(gate)
     stalled = engine.offload(src.data_ptr(), MiB, held.handle)
     dst = torch.zeros(MiB, dtype=torch.uint8)
@@ -123,8 +125,8 @@ def test_released_block_is_not_reused_while_its_offload_is_in_flight(engine):
     arena = engine.arena
     n = arena.capacity  # one block is the whole arena: any reuse would be this block
     src = rand_bytes(n)
-    producer = _C.Stream("cpu")
-    gate = _C.HostFence()
+    producer = hooks.Stream("cpu")
+    gate = hooks.HostFence()
     producer.wait_fence(gate)
     t = engine.offload(src.data_ptr(), n, producer.handle)
     t.release()  # cancelled while the copy has not even started
@@ -141,8 +143,8 @@ def test_released_block_is_not_reused_while_a_reload_reads_it(engine):
     t = engine.offload(src.data_ptr(), n, 0)
     t.wait()
     dst = torch.zeros(n, dtype=torch.uint8)
-    consumer = _C.Stream("cpu")
-    gate = _C.HostFence()
+    consumer = hooks.Stream("cpu")
+    gate = hooks.HostFence()
     consumer.wait_fence(gate)
     r = engine.reload(t, dst.data_ptr(), n, consumer.handle, True)
     t.release()
@@ -176,8 +178,8 @@ def test_a_held_block_outlives_its_release_until_the_last_hold_drops(engine):
 
 def test_a_host_view_needs_a_finished_unreleased_offload(engine):
     src = rand_bytes(MiB)
-    producer = _C.Stream("cpu")
-    gate = _C.HostFence()
+    producer = hooks.Stream("cpu")
+    gate = hooks.HostFence()
     producer.wait_fence(gate)
     t = engine.offload(src.data_ptr(), MiB, producer.handle)
     with pytest.raises(ValueError, match="before the offload copy completed"):
@@ -303,8 +305,8 @@ def test_a_copy_to_an_idle_cpu_stream_runs_on_the_calling_thread_and_one_behind_
     t = engine.offload(src.data_ptr(), n, 0)
     assert t.done(), "a copy submitted to an idle stream was left to another thread"
     assert host_view(t, n) == src.numpy().tobytes()
-    held = _C.Stream("cpu")
-    gate = _C.HostFence()
+    held = hooks.Stream("cpu")
+    gate = hooks.HostFence()
     held.wait_fence(gate)
     stalled = engine.offload(src.data_ptr(), n, held.handle)  # the d2h stream now waits for `held`
     behind = engine.offload(src.data_ptr(), n, 0)

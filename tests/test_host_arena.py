@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import bagualu2_test_hooks as hooks  # tests/test_hooks.cpp: test-only Stream and HostFence
 from bagualu2 import _C
 from bagualu2.offload import HostArena
 
@@ -108,7 +109,7 @@ def test_fragmentation_reports_scattered_free_space(arena):
 # -- invariant 4: reuse only after the fences are ready ("re-used too soon") -------------------
 def test_block_freed_with_pending_fence_is_not_reused_too_soon(arena):
     p = arena.allocate(arena.capacity)  # the whole arena: any reuse would have to be p
-    fence = _C.HostFence()
+    fence = hooks.HostFence()
     arena.free(p, [fence])
     assert arena.stats()["pending"] == arena.capacity
     assert arena.allocate(256) is None, "allocated inside a block whose copy is still in flight"
@@ -118,7 +119,7 @@ def test_block_freed_with_pending_fence_is_not_reused_too_soon(arena):
 
 def test_block_waits_for_every_fence_not_just_the_first(arena):
     p = arena.allocate(arena.capacity)
-    f1, f2 = _C.HostFence(), _C.HostFence()
+    f1, f2 = hooks.HostFence(), hooks.HostFence()
     arena.free(p, [f1, f2])
     f1.signal()
     assert arena.allocate(256) is None
@@ -128,7 +129,7 @@ def test_block_waits_for_every_fence_not_just_the_first(arena):
 
 def test_free_with_already_ready_fences_is_immediate(arena):
     p = arena.allocate(1000)
-    f = _C.HostFence()
+    f = hooks.HostFence()
     f.signal()
     arena.free(p, [f])
     assert arena.stats()["pending"] == 0 and arena.stats()["largest_free_block"] == arena.capacity
@@ -283,7 +284,7 @@ def test_concurrent_allocate_free_from_many_threads_keeps_blocks_disjoint(backen
                         mine.append((p, round_up(n)))
                     if mine and rng.random() < 0.1:
                         q, _ = mine.pop()
-                        fence = _C.HostFence()
+                        fence = hooks.HostFence()
                         arena.free(q, [fence])
                         fence.signal()
             owned[k] = mine
@@ -329,7 +330,7 @@ class ArenaModel(RuleBasedStateMachine):
         self.max_capacity = self.MAX_CAPACITY or CAPACITY
         self.segments = list(self.arena.segments)  # (base, size)
         self.allocated: dict[int, int] = {}  # address -> size
-        self.pending: dict[int, tuple[int, _C.HostFence]] = {}  # address -> (size, fence)
+        self.pending: dict[int, tuple[int, hooks.HostFence]] = {}  # address -> (size, fence)
 
     def gaps(self) -> list[tuple[int, int]]:
         occupied = sorted(list(self.allocated.items()) +
@@ -401,7 +402,7 @@ class ArenaModel(RuleBasedStateMachine):
         addr = data.draw(st.sampled_from(self.in_reservation_order(self.allocated)))
         size = self.allocated.pop(addr)
         if with_fence:
-            fence = _C.HostFence()
+            fence = hooks.HostFence()
             self.arena.free(addr, [fence])
             self.pending[addr] = (size, fence)
         else:
