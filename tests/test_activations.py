@@ -53,6 +53,15 @@ class Harness:
         for h in self._hooks:
             h.remove()
 
+    def trace_blocks(self, inputs: torch.Tensor) -> None:
+        """One traced forward (eval mode, no grad, so nothing changes): the runtime reruns only
+        blocks it has seen traced, which it then knows issue no collective."""
+        training = self.model.training
+        self.model.eval()
+        with torch.no_grad(), self.runtime.frame(Frame()):
+            self.model(inputs)
+        self.model.train(training)
+
     def forward(self, inputs: torch.Tensor, frame: Optional[Frame]) -> torch.Tensor:
         torch.manual_seed(SEED)
         if frame is None:
@@ -502,6 +511,7 @@ def test_backward_rebuilds_are_charged_to_the_ledger_while_held(rerun: bool) -> 
     first rebuild comes while the forward's holdings still are: the ledger rises above them."""
     model, tokens = make_model()
     h = Harness(model, None)
+    h.trace_blocks(tokens)
     loss = h.forward(tokens, rerun_frame() if rerun else Frame(default=Choice.RECOMPUTE))
     after_forward = h.runtime.ledger.resident
     h.runtime.ledger.reset_peak()
@@ -1204,6 +1214,7 @@ def test_rerun_blocks_are_exact_untraced_and_rerun_once_per_backward_pass(dtype:
     (no keys under ``layers.``); what is saved outside them is, and keeps its choices."""
     model, tokens = make_model(dtype)
     h = Harness(model, None)
+    h.trace_blocks(tokens)
     reference = loss_and_grads(model, h.forward(tokens, None))
     calls = count_block_calls(model)
     frame = rerun_frame()
@@ -1225,6 +1236,7 @@ def test_rerun_blocks_hold_only_the_blocks_inputs() -> None:
     held input, far below keeping everything; a graph dropped unpacked frees it all."""
     model, tokens = make_model()
     h = Harness(model, None)
+    h.trace_blocks(tokens)
     keep = Frame(default=Choice.KEEP)
     h.forward(tokens, keep)
     frame = rerun_frame()
@@ -1244,6 +1256,7 @@ def test_rerun_blocks_with_other_frames_in_flight(engine: CopyEngine) -> None:
     model, tokens = make_model()
     batches = [tokens.roll(i, dims=1) for i in range(3)]
     h = Harness(model, engine)
+    h.trace_blocks(tokens)
     model.zero_grad(set_to_none=True)
     for loss in reversed([h.forward(b, None) for b in batches]):
         loss.backward()
@@ -1263,6 +1276,7 @@ def test_a_block_that_runs_differently_when_rerun_is_an_error() -> None:
     other sizes, and the unpack says which block and what to do instead of returning them."""
     model, tokens = make_model()
     h = Harness(model, None)
+    h.trace_blocks(tokens)
     with model.routing_spike(2.0, experts=(0,)):
         loss = h.forward(tokens, rerun_frame())
     with pytest.raises(RuntimeError, match=r"block layers\.1 saved .* when rerun in backward"):
@@ -1272,6 +1286,7 @@ def test_a_block_that_runs_differently_when_rerun_is_an_error() -> None:
 def test_a_block_input_modified_in_place_is_refused() -> None:
     model, tokens = make_model()
     h = Harness(model, None)
+    h.trace_blocks(tokens)
     inputs: List[torch.Tensor] = []
     model.layers[1].register_forward_pre_hook(lambda mod, args: inputs.append(args[0]))
     loss = h.forward(tokens, rerun_frame())
@@ -1290,6 +1305,7 @@ def test_a_block_holding_running_statistics_is_traced_not_rerun() -> None:
     plain = copy.deepcopy(model)
     h = Harness(model, None)
     x = torch.randn(8, 16)
+    h.trace_blocks(x)
     torch.manual_seed(SEED)
     ref = loss_and_grads(plain, plain(x))
     frame = rerun_frame()
@@ -1302,6 +1318,7 @@ def test_a_block_holding_running_statistics_is_traced_not_rerun() -> None:
 def test_gate_callbacks_see_the_rerun_as_a_recompute() -> None:
     model, tokens = make_model()
     h = Harness(model, None)
+    h.trace_blocks(tokens)
     seen: List[bool] = []
     model.layers[0].moe.router.register_forward_hook(lambda *a: seen.append(tracing.is_recomputing()))
     loss_and_grads(model, h.forward(tokens, rerun_frame()))
@@ -1311,6 +1328,7 @@ def test_gate_callbacks_see_the_rerun_as_a_recompute() -> None:
 def test_an_exception_inside_a_rerun_block_leaves_the_runtime_usable() -> None:
     model, tokens = make_model()
     h = Harness(model, None)
+    h.trace_blocks(tokens)
     reference = loss_and_grads(model, h.forward(tokens, None))
 
     def fail(mod: torch.nn.Module, args: tuple) -> None:

@@ -568,6 +568,7 @@ class ActivationRuntime:
         self._kept: Dict[int, Tuple[int, List["weakref.ref[_Kept]"]]] = {}
         self._kept_limit = 1024  # registry size at which entries of dead saves are dropped
         self._told_unrestorable = False  # a block call that could not be rerun was warned of
+        self._traced_blocks: Set[str] = set()  # outermost blocks seen traced: whether they issue collectives is known
         self._attachments: List["_Attachment"] = []  # module trees attached (``attach``)
 
     # -- frames -----------------------------------------------------------------------------
@@ -663,6 +664,7 @@ class ActivationRuntime:
                     frame.past_blocks = False
                     if _rerunnable and frame.rerun_blocks and self._open_rerun(frame, mod, _name, args, kwargs):
                         return
+                    self._traced_blocks.add(_name)
                 self.mode.push_module(_name)
                 if _block and args and isinstance(args[0], torch.Tensor):
                     self._anchor(args[0], outermost=_block == 2)
@@ -693,9 +695,13 @@ class ActivationRuntime:
     def _open_rerun(self, frame: Frame, module: torch.nn.Module, name: str, args: tuple,
                     kwargs: Dict[str, Any]) -> bool:
         """Run this block call untraced, to be rerun whole in backward; False (trace it) when
-        another dispatch mode was entered inside the frame's (that one must see the ops), or
-        when an argument is an object the forward may change (``unrestorable``; told once)."""
+        another dispatch mode was entered inside the frame's (that one must see the ops), when
+        the block issues a collective or has not yet been traced to tell (a rerun in backward
+        would issue it again: ranks out of step, or waiting for one another), or when an
+        argument is an object the forward may change (``unrestorable``; told once)."""
         if torch.utils._python_dispatch._get_current_dispatch_mode() is not self.mode:
+            return False
+        if name not in self._traced_blocks or name in self.mode.collective_modules:
             return False
         flat, spec = tree_flatten((args, kwargs))
         other = unrestorable(flat)
@@ -957,10 +963,15 @@ class ActivationRuntime:
                 else:
                     return self._violate(frame, t, node.key)
         rebuildable = node.rebuildable(state)
+        why_not = node.why_not
+        if rebuildable and not self.mode.rebuild_safe(node):
+            rebuildable = False
+            why_not = (f"its rebuild reads storages that {', '.join(sorted(node.owners))} filled and frees after "
+                       f"its forward (sharded parameters)")
         if choice == Choice.RECOMPUTE:
             if rebuildable:
                 return self._recompute(frame, node, state, meta)
-            stats.fallbacks.append(f"{node.key}: recompute -> offload ({node.why_not})")
+            stats.fallbacks.append(f"{node.key}: recompute -> offload ({why_not})")
             choice = Choice.OFFLOAD
         if choice == Choice.OFFLOAD:
             packed = self._offload(frame, node, storage, state, meta)

@@ -45,6 +45,7 @@ import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["Ref", "Step", "StorageNode", "TracingMode", "call_key", "is_recomputing", "module_of", "step_inputs",
@@ -186,7 +187,7 @@ class StorageNode:
 
     __slots__ = (
         "key", "position", "nbytes", "device", "_weak", "creator", "mutations", "recomputable",
-        "replayable", "why_not", "offloaded", "kept", "anchor", "cache", "__weakref__",
+        "replayable", "why_not", "owners", "offloaded", "kept", "anchor", "cache", "__weakref__",
     )
 
     def __init__(self, key: str, position: int, storage: torch.UntypedStorage, creator: Step,
@@ -201,6 +202,9 @@ class StorageNode:
         self.recomputable = recomputable  # the creating op can be replayed
         self.replayable = 0  # leading mutations that can be replayed
         self.why_not = why_not
+        # Paths of the modules that filled, inside this forward, storages from outside it that a
+        # rebuild of this node reads (FSDP2's unsharded parameters): None for most nodes.
+        self.owners: Optional[frozenset] = None
         # Data holders registered by the saved-tensor runtime, by state.
         self.offloaded: Dict[int, Any] = {}
         self.kept: Dict[int, Tuple["weakref.ref[torch.Tensor]", int]] = {}  # state -> (tensor, version)
@@ -283,23 +287,79 @@ _UNDECLARED_WRITES = frozenset({
     "aten::batch_norm_update_stats", "aten::batch_norm_gather_stats_with_counts",
 })
 
+# Namespaces of collectives. Their ops write into tensors they were given without their schemas
+# saying so (``c10d::alltoall_base_`` fills its output, ``_c10d_functional::wait_tensor`` is
+# where a functional collective's result becomes valid), and replaying one in backward would
+# issue a collective on one rank only: a deadlock, or ranks out of step.
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor", "symm_mem"})
+
+
+def _tensor_arg(arg: Any) -> bool:
+    """Whether a schema argument holds tensors (``Tensor``, ``Tensor?``, ``Tensor[]``, ...)."""
+    return "Tensor" in str(arg.type)
+
+
+# Collectives that only read their tensors.
+_SENDS = frozenset({"send", "isend"})
+
+
+def _collective_writes(arg: Any, op_name: str) -> bool:
+    """Whether a collective writes ``arg``: c10d's schemas declare no writes, but name what a
+    collective reads ``input*`` (all-gather, all-to-all, reduce-scatter: ``output*`` is written)
+    and what it updates in place ``tensors`` (all-reduce, broadcast, receive), and
+    ``wait_tensor``'s ``tensor`` is where a functional collective's result becomes valid. A
+    tensor a collective only reads must not count as written: a saved activation that was sent
+    would look modified at its unpack."""
+    return (_tensor_arg(arg) and op_name not in _SENDS and not arg.name.startswith("input")
+            and arg.name != "sparse_indices")
+
+
+def _is_collective(func: Any) -> bool:
+    schema = func._schema
+    return func.namespace in _COLLECTIVE_NAMESPACES or any(
+        "c10d" in str(a.type) for a in (*schema.arguments, *schema.returns))
+
+
+def _declares_writes(func: Any) -> bool:
+    """Whether ``func``'s schema annotates what it writes: aten and prims ops do, and so does any
+    op whose schema annotates aliasing at all. c10d's collectives annotate nothing."""
+    if func.namespace in ("aten", "prims"):
+        return True
+    schema = func._schema
+    return any(a.alias_info is not None for a in (*schema.arguments, *schema.returns))
+
 
 class _OpInfo:
     """Per-OpOverload facts computed once: printable name, written args, random, and why it
-    cannot be replayed ("" when it can)."""
+    cannot be replayed ("" when it can).
 
-    __slots__ = ("func", "name", "written", "random", "why_not", "replayable")
+    Which arguments an op writes: what its schema declares; for collectives whose schemas
+    declare nothing (c10d's), what ``_collective_writes`` reads from their argument names. Other
+    ops are taken at their schemas' word, as torch's functionalization takes them: a custom op
+    that writes without declaring it is outside what the tracer can see. Collectives and ops
+    from outside aten are never replayed: what they wrote or made is kept or offloaded, and a
+    recompute chain stops there.
+    """
+
+    __slots__ = ("func", "name", "written", "random", "why_not", "replayable", "collective")
     _cache: Dict[int, "_OpInfo"] = {}
 
     def __init__(self, func: Any) -> None:
         self.func = func
         self.name = str(func)
         schema = func._schema
-        self.written = tuple(
-            i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
-        )
+        self.collective = _is_collective(func)
+        if self.collective and not _declares_writes(func):
+            op_name = schema.name.partition("::")[2]
+            self.written = tuple(i for i, a in enumerate(schema.arguments) if _collective_writes(a, op_name))
+        else:
+            self.written = tuple(
+                i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+            )
         self.random = torch.Tag.nondeterministic_seeded in func.tags
-        if func.namespace not in ("aten", "prims"):
+        if self.collective:
+            self.why_not = f"{self.name} is a collective: replaying it in backward would desynchronize ranks"
+        elif func.namespace not in ("aten", "prims"):
             self.why_not = f"{self.name} is not an aten op"
         elif schema.name in _UNDECLARED_WRITES:
             self.why_not = f"{self.name} updates running statistics in place: a replay would update them again"
@@ -315,6 +375,15 @@ class _OpInfo:
         if info is None:
             info = cls._cache[id(func)] = _OpInfo(func)
         return info
+
+
+def _written_tensors(x: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a written argument (a tensor, or lists of them: ``Tensor(a!)[]``)."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _written_tensors(v)
 
 
 class TracingMode(TorchDispatchMode):
@@ -345,11 +414,19 @@ class TracingMode(TorchDispatchMode):
         self._pin_leaf = pin_leaf
         self._calls: List[Tuple[str, Dict[str, int]]] = [("", {})]
         self._call_counts: Dict[str, int] = {}
+        # Paths of the modules whose calls issued a collective, in any frame: they are never
+        # rerun whole in backward (``ActivationRuntime``'s rerun blocks).
+        self.collective_modules: Set[str] = set()
+        # Storages from outside the traced forward that an op inside it wrote, with the path of
+        # the module whose call wrote them (see _record_mutation and StorageNode.owners).
+        self.written_outside: Dict[int, Tuple[StorageWeakRef, str]] = {}
+        self._owners: Set[str] = set()
 
     # -- module path ------------------------------------------------------------------------
     def reset(self) -> None:
         """Start a new frame: forget the previous frame's nodes and module calls."""
         self.nodes = {}
+        self.written_outside = {}
         self.cache = RecomputeCache(self._charge)
         self._calls = [("", {})]
         self._call_counts = {}
@@ -363,14 +440,34 @@ class TracingMode(TorchDispatchMode):
         if len(self._calls) > 1:
             self._calls.pop()
 
+    def module_path(self) -> str:
+        """The path of the innermost module call running now ("" outside every module)."""
+        return module_of(self._calls[-1][0] + ":")
+
+    def rebuild_safe(self, node: StorageNode) -> bool:
+        """Whether a rebuild of ``node`` for a save made now reads only storages that are there
+        when backward unpacks it. A storage filled in this forward by a module's call (FSDP2
+        unshards a module's parameters in its pre-forward and frees them after its forward) is
+        there again only while backward runs inside that module, so a save may be rebuilt from
+        it only if it is made inside that module."""
+        if not node.owners:
+            return True
+        path = self.module_path()
+        return all(path == o or path.startswith(o + ".") or not o for o in node.owners)
+
     # -- recording --------------------------------------------------------------------------
     def _encode(self, x: Any, mutated: Optional[StorageNode]) -> Any:
         if isinstance(x, torch.Tensor):
             if not is_plain(x):
                 return Leaf(x, None)
-            node = self.nodes.get(x.untyped_storage()._cdata)
+            cdata = x.untyped_storage()._cdata
+            node = self.nodes.get(cdata)
             if node is None or (node is not mutated and not node.rebuildable(len(node.mutations))):
+                if node is None and cdata in self.written_outside:
+                    self._owners.add(self.written_outside[cdata][1])
                 return Leaf(x, self._pin_leaf(x))
+            if node.owners and node is not mutated and node.anchor is None:  # a rebuild stops at a held anchor
+                self._owners.update(node.owners)
             return Ref(SELF if node is mutated else node, len(node.mutations), view_meta(x))
         if isinstance(x, (list, tuple)):
             return type(x)([v if type(v) in _SCALARS else self._encode(v, mutated) for v in x])
@@ -392,64 +489,88 @@ class TracingMode(TorchDispatchMode):
         else:
             out = func(*args, **kwargs)
             seconds = 0.0
+        if info.collective:
+            for path, _ in self._calls[1:]:
+                self.collective_modules.add(path.partition("#")[0])
         if info.written:
-            self._record_mutation(func, info, args, kwargs, rng, seconds)
+            written = self._record_mutation(func, info, args, kwargs, rng, seconds)
+            if not func.is_view:
+                self._record_outputs(func, info, args, kwargs, out, rng, seconds, written)
         else:
             self._record_outputs(func, info, args, kwargs, out, rng, seconds)
         return out
 
     def _record_outputs(self, func: Any, info: _OpInfo, args: tuple, kwargs: dict, out: Any,
-                        rng: Any, seconds: float) -> None:
+                        rng: Any, seconds: float, written: Optional[Set[int]] = None) -> None:
+        """Give each fresh output storage of an op a node. ``written``: the storages the op
+        wrote (an op with ``written`` is not replayed, so its fresh outputs can be kept or
+        offloaded but not rebuilt)."""
         if func.is_view:
             return  # views alias a storage that has a node already, or a leaf
         outs = out if isinstance(out, (tuple, list)) else (out,)
         encoded: Optional[Tuple[tuple, dict]] = None
+        replayable = info.replayable and written is None
+        why_not = info.why_not or ("" if replayable else f"{info.name} also writes its arguments: a replay would "
+                                                          f"write them again")
         several = len(outs) > 1
         siblings: List[Any] = []
         for index, o in enumerate(outs):
             if not is_plain(o):  # also false for what is not a tensor
                 continue
             storage = o.untyped_storage()
-            if storage._cdata in self.nodes:
-                continue  # an op returning one of its inputs
+            if storage._cdata in self.nodes or (written is not None and storage._cdata in written):
+                continue  # an op returning one of its inputs, or what it wrote
             if encoded is None:
-                encoded = (self._encode(args, None), self._encode(kwargs, None))
+                # What is never replayed keeps no references to its inputs.
+                self._owners = set()
+                encoded = (self._encode(args, None), self._encode(kwargs, None)) if replayable else ((), {})
+                owners = frozenset(self._owners) if self._owners else None
                 path, counts = self._calls[-1]
                 n = counts.get(info.name, 0)
                 counts[info.name] = n + 1
                 key = f"{path}:{info.name}:{n}"
-            step = Step(func, encoded[0], encoded[1], rng, index, seconds, siblings if several else ())
+            step = Step(func, encoded[0], encoded[1], rng if replayable else None, index, seconds,
+                        siblings if several else ())
             node = StorageNode(
-                key if index == 0 else f"{key}.{index}", len(self.nodes), storage, step, info.replayable,
-                info.why_not, self.cache,
+                key if index == 0 else f"{key}.{index}", len(self.nodes), storage, step, replayable,
+                why_not, self.cache,
             )
+            node.owners = owners
             self.nodes[storage._cdata] = node
             if several:
                 siblings.append(weakref.ref(node))
 
     def _record_mutation(self, func: Any, info: _OpInfo, args: tuple, kwargs: dict, rng: Any,
-                         seconds: float) -> None:
+                         seconds: float) -> Set[int]:
+        """Record an in-place op on every traced storage it writes; returns the addresses of
+        every storage it wrote, traced or not. A write to a storage from outside the traced
+        forward (a parameter an FSDP2 unshard fills, a buffer) is remembered in
+        ``written_outside``: what reads such a storage is not replayed (``_encode``)."""
         schema_args = func._schema.arguments
         targets: List[Tuple[StorageNode, torch.Tensor]] = []
+        written: Set[int] = set()
         foreign = False
         for i in info.written:
-            name = schema_args[i].name
-            t = args[i] if i < len(args) else kwargs.get(name)
-            if not isinstance(t, torch.Tensor):
-                continue
-            if not is_plain(t):
-                foreign = True
-                continue
-            node = self.nodes.get(t.untyped_storage()._cdata)
-            if node is None:
-                foreign = True
-            else:
-                targets.append((node, t))
+            for t in _written_tensors(args[i] if i < len(args) else kwargs.get(schema_args[i].name)):
+                if not is_plain(t):
+                    foreign = True
+                    continue
+                cdata = t.untyped_storage()._cdata
+                written.add(cdata)
+                node = self.nodes.get(cdata)
+                if node is None:
+                    foreign = True
+                    # Held weakly: the address stays a sound key while the entry lives.
+                    self.written_outside[cdata] = (StorageWeakRef(t.untyped_storage()), self.module_path())
+                elif all(node is not n for n, _ in targets):
+                    targets.append((node, t))
         for node, t in targets:
-            step = Step(func, self._encode(args, node), self._encode(kwargs, node), rng, 0, seconds)
             if node.replayable == len(node.mutations):
+                self._owners = set(node.owners or ())
+                step = Step(func, self._encode(args, node), self._encode(kwargs, node), rng, 0, seconds)
+                node.owners = frozenset(self._owners) if self._owners else None
                 if foreign or len(targets) > 1 or not info.replayable:
-                    node.why_not = f"{info.name} also writes storage outside this node"
+                    node.why_not = info.why_not or f"{info.name} also writes storage outside this node"
                 elif _reads_newer(step, node.position):
                     node.why_not = f"{info.name} writes it from storages created after it"
                 else:
@@ -457,8 +578,7 @@ class TracingMode(TorchDispatchMode):
             if len(node.mutations) >= node.replayable:
                 step = Step(func, (), {}, None, 0, seconds)  # not replayable: keep no references
             node.mutations += (step,)
-        # Fresh outputs of a mutating op get no node: replaying the op would repeat its write
-        # (running statistics, caches), so such outputs are saved as leaves and kept.
+        return written
 
 
 # -- replay ---------------------------------------------------------------------------------
@@ -676,7 +796,15 @@ class Replayer:
                     f"activation was modified in place after the forward (version {x.version} -> "
                     f"{x.source._version}); keep or offload that activation instead"
                 )
-            return x.tensor
+            t = x.tensor
+            if t.numel() and t.untyped_storage().nbytes() < (t.storage_offset() + 1) * t.element_size():
+                # Freed since the forward read it (an FSDP2 parameter resharded): running the op
+                # would read freed memory.
+                raise RuntimeError(
+                    f"bagualu2: a tensor of shape {tuple(t.shape)} used to recompute an activation has "
+                    f"been freed since the forward read it (a sharded parameter resharded?)"
+                )
+            return t
         if isinstance(x, (list, tuple)):
             return type(x)([v if type(v) in _SCALARS else self._decode(v, self_storage) for v in x])
         if isinstance(x, dict):
