@@ -40,6 +40,11 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
+def pipeline_loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> tuple:
+    """torchtitan's pipeline schedules take a loss function returning (loss, extra)."""
+    return loss_fn(logits, labels), None
+
+
 def build(world: int, *, ep: int = 1, pp: int = 1, fsdp: bool = True, flavor: str = "qwen3",
           layers: int = 2, microbatches: int = 2) -> SimpleNamespace:
     """The model (or this rank's pipeline stages) parallelized by torchtitan: FSDP2 over the
@@ -76,7 +81,7 @@ def build(world: int, *, ep: int = 1, pp: int = 1, fsdp: bool = True, flavor: st
 
         schedule, parts, first, last = pipeline_llm(
             model, device=torch.device("cpu"), model_config=config, parallelize_fn=parallelize_qwen3,
-            loss_fn=loss_fn, **kwargs)
+            loss_fn=pipeline_loss_fn, **kwargs)
     else:
         parts = [parallelize_qwen3(model, **kwargs)]
         first = last = True
@@ -162,6 +167,7 @@ def run_case(rank: int, world: int, case: Dict[str, Any], out: str) -> None:
                 rep = prov.report()
                 results[-1]["resident"] = rep["resident_bytes"]
                 results[-1]["arena_in_use"] = rep["arena_in_use_bytes"]
+                results[-1]["counts"] = {str(k): v for k, v in prov._frame_counts.items() if k >= 0}
         return results
 
     def enable(**options: Any) -> Any:
@@ -181,7 +187,8 @@ def run_case(rank: int, world: int, case: Dict[str, Any], out: str) -> None:
             "arena_after_steps": [r["arena_in_use"] for r in results],
             "violations": report["violations"], "peak": report["peak_bytes_with_backward"],
             "budget": report["budget_bytes"], "by_choice": report["saved_bytes_by_choice"],
-            "micro_batches": report["micro_batches"]}
+            "micro_batches": report["micro_batches"],
+            "counts": [r.get("counts") for r in results]}
 
     for policy in ("keep_all", "offload_all", "recompute_all"):
         prov = enable(budget=None, policy=policy)
@@ -206,6 +213,5 @@ def run_case(rank: int, world: int, case: Dict[str, Any], out: str) -> None:
     prov.disable()
     prov = enable(budget=int(calm * 1.05), policy="adaptive")
     record("adaptive", sequence(SPIKES), prov.report())
-    found["policies"]["adaptive"]["counts"] = {str(k): v for k, v in prov._frame_counts.items()}
     prov.disable()
     Path(out, f"rank{rank}.json").write_text(json.dumps(found))

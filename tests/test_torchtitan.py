@@ -1,0 +1,145 @@
+"""torchtitan 0.3.0 as an engine: tiny MoE models parallelized by torchtitan's own functions
+(FSDP2, EP, FSDP2 + EP, PP) on gloo, trained with and without bagualu2.
+
+Invariants defended, on every rank: exactness (loss and every gradient bit for bit against the
+same torchtitan run without bagualu2, for keep_all, offload_all, recompute_all, a random
+per-operator plan and adaptive through routing spikes), budget (adaptive holds its budget:
+no violations), nothing leaked (no resident activation bytes and no host copy in use after
+each step); and that the gates are found without registration and report the tokens each
+rank's experts receive after torchtitan's EP count exchange.
+
+The CPU shims torchtitan needs here are in tests/torchtitan_shims.py (docs/engines.md).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 is not installed (pip install torchtitan==0.3.0)")
+
+with warnings.catch_warnings():
+    # torchtitan's attention module compiles FlexAttention at import, and torch's compiler
+    # imports torch.utils.mkldnn, which warns that torch.jit.script_method is deprecated.
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import torchtitan.models.qwen3  # noqa: F401
+
+sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the helpers below
+
+import torchtitan_ranks as ranks  # noqa: E402
+from bagualu2.pipeline import launch  # noqa: E402
+
+POLICIES = ("keep_all", "offload_all", "recompute_all", "random_plan", "adaptive")
+
+
+def _run(case: dict, world: int, tmp_path: Path) -> list:
+    launch(ranks.run_case, world, case, str(tmp_path), timeout_s=600)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _check(found: list) -> None:
+    for rank, result in enumerate(found):
+        assert result["gates"], f"rank {rank}: no torchtitan MoE gate found"
+        for policy in POLICIES:
+            got = result["policies"][policy]
+            bad = [(i, m[:3]) for i, m in enumerate(got["mismatches"]) if m]
+            assert not bad, f"rank {rank} {policy}: not bit-exact at micro-batch(es) {bad}"
+            assert set(got["resident_after_steps"]) == {0}, f"rank {rank} {policy}: {got['resident_after_steps']}"
+            assert set(got["arena_after_steps"]) == {0}, f"rank {rank} {policy}: {got['arena_after_steps']}"
+        adaptive = result["policies"]["adaptive"]
+        assert adaptive["violations"] == 0, f"rank {rank}: adaptive crossed its budget: {adaptive}"
+        assert adaptive["peak"] <= adaptive["budget"], f"rank {rank}: {adaptive['peak']=} {adaptive['budget']=}"
+        assert result["policies"]["random_plan"]["by_choice"]["recompute"] > 0, "the random plan recomputed nothing"
+
+
+CASES = {
+    "fsdp2": ({}, 2),
+    "ep2": ({"ep": 2, "fsdp": False}, 2),
+    "fsdp2_ep2": ({"ep": 2}, 2),
+    "pp2": ({"pp": 2}, 2),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(CASES))
+def test_torchtitan_exact_budget_no_leak(layout: str, tmp_path: Path) -> None:
+    case, world = CASES[layout]
+    found = _run(case, world, tmp_path)
+    _check(found)
+    if case.get("ep", 1) > 1:
+        # Rank 0's tokens all go to expert 3, which lives on rank 1: rank 1's gate reports what
+        # its experts receive from both ranks (after torchtitan's count exchange), so its
+        # second local expert gets at least rank 0's every token in a spiked micro-batch.
+        tokens = ranks.BATCH * ranks.SEQ
+        counts = found[1]["policies"]["adaptive"]["counts"]
+        spiked = [c for c, on in zip(counts, ranks.SPIKES) if on]
+        assert spiked and all(len(c["0"]) == 2 and c["0"][1] >= tokens for c in spiked), counts
+        calm = [c for c, on in zip(counts, ranks.SPIKES) if not on]
+        assert all(sum(c["0"]) <= 2 * tokens * 2 for c in calm)
+
+
+def _tiny_model() -> torch.nn.Module:
+    config = ranks.tiny_config()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model.train()
+
+
+@pytest.mark.filterwarnings("ignore:In CPU autocast")  # torchtitan's router asks for fp32 autocast
+def test_torchtitan_gates_found_without_registration() -> None:
+    import bagualu2
+    from bagualu2.moe import find_gates
+
+    model = _tiny_model()
+    specs = find_gates(model)
+    assert [s.name for s in specs] == [f"layers.{i}.moe.routed_experts.inner_experts" for i in range(2)]
+    assert all(s.pre_hook and s.num_experts == 4 and s.top_k == 2 and s.ep_size == 1 for s in specs)
+    prov = bagualu2.enable(model, budget=None, policy="keep_all", min_bytes=0)
+    try:
+        inputs, labels = ranks.batch(0)
+        ranks.loss_fn(model(inputs), labels).backward()
+        # Without EP the experts' counts are the layer's routing: top-k slots of every token.
+        assert {k: sum(v) for k, v in prov._frame_counts.items() if k >= 0} == {
+            0: ranks.BATCH * ranks.SEQ * 2, 1: ranks.BATCH * ranks.SEQ * 2}
+        assert prov.report()["resident_bytes"] == 0
+    finally:
+        prov.disable()
+
+
+@pytest.mark.parametrize("option", ["full", "selective"])
+def test_torchtitan_activation_checkpointing_refused(option: str) -> None:
+    import bagualu2
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    model = _tiny_model()
+    policy = FullAC.Config() if option == "full" else SelectiveAC.Config()
+    policy.build().apply(model)
+    with pytest.raises(ValueError, match=r"activation checkpointing.*activation_checkpoint=None"):
+        bagualu2.enable(model, budget=None)
+    assert "forward" not in model.__dict__, "a refused enable must leave the model as it was"
+
+
+def test_torchtitan_memory_budget_checkpointing_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import bagualu2
+
+    model = _tiny_model()
+    monkeypatch.setattr(torch._functorch.config, "activation_memory_budget", 0.5)
+    with pytest.raises(ValueError, match=r"activation_memory_budget=0.5.*activation_checkpoint=None"):
+        bagualu2.enable(model, budget=None)
+
+
+def test_torchtitan_compiled_blocks_refused() -> None:
+    import bagualu2
+
+    model = _tiny_model()
+    model.layers.register_module("0", torch.compile(model.layers["0"]))  # as compile.enable does
+    with pytest.raises(ValueError, match=r"compile.enable"):
+        bagualu2.enable(model, budget=None)
