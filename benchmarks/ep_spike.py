@@ -9,11 +9,13 @@ Each rank's budget is ``--headroom`` above what keeping everything needs on that
 the spike (a calm keep_all pass first, after its ``--warmup`` steps).
 
 Per policy (``plain``: no bagualu2; ``keep_all`` under the budget, recorded not raised, to show
-what it would do on a device; ``recompute_all``; ``adaptive`` under the budget), over the same
-steps on a fresh model from the same seed: the median step time (forward + backward, the ranks
-aligned by a barrier before each step, the slowest rank's time), and per rank the activation
-peak against the budget and the violations. The first ``--warmup`` steps (adaptive's profiling
-and calibration) are not timed.
+what it would do on a device; ``recompute_all``; ``adaptive`` under the budget), each on its own
+model built from the same seed, over the same steps, one step of each policy per round in an
+order rotating every round: the median step time (forward + backward, the ranks aligned by a
+barrier before each step, the slowest rank's time), and per rank the activation peak against
+the budget and the violations. The first ``--warmup`` steps (profiling, adaptive's calibration)
+are neither timed nor counted in the peaks: profiled micro-batches are traced, and a traced
+micro-batch holds more than keep_all's untraced ones at the same load.
 
 Decision latency on an EP rank is the count exchange (an ``all_to_all`` of ``num_experts`` ints,
 timed inside the dispatcher's forward, which the token exchange needs in any case) plus the
@@ -37,7 +39,7 @@ import platform
 import statistics
 import tempfile
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -65,49 +67,65 @@ def _time_exchange(model: MoETransformer) -> List[float]:
     return times
 
 
-def _run_policy(rank: int, world: int, args: argparse.Namespace, policy: str, budget: Any,
-                calm: bool = False) -> Dict[str, Any]:
-    cfg = getattr(MoEConfig, args.config)()
+def _build(args: argparse.Namespace, policy: str, budget: Any) -> Tuple[MoETransformer, Any, List[float]]:
     torch.manual_seed(SEED)
-    model = MoETransformer(cfg, ep_group=dist.group.WORLD)
+    model = MoETransformer(getattr(MoEConfig, args.config)(), ep_group=dist.group.WORLD)
     exchange = _time_exchange(model)
-    prov = None
-    if policy != "plain":
-        prov = bagualu2.enable(model, budget=None if policy == "keep_all" and calm else budget,
-                               policy=policy, min_bytes=0)
+    prov = None if policy == "plain" else bagualu2.enable(model, budget=budget, policy=policy, min_bytes=0)
+    return model, prov, exchange
+
+
+def _step(model: MoETransformer, prov: Any, args: argparse.Namespace, rank: int, i: int, spiked: bool) -> float:
+    """One forward + backward; the slowest rank's seconds (the ranks start together)."""
     target = model.experts_on_rank(1)[-1]
-    step_s: List[float] = []
-    for i in range(args.warmup + args.steps):
-        spiked = not calm and i >= args.warmup and (i - args.warmup) % args.spike_every == args.spike_every - 1
-        spike = (model.routing_spike(4.0, experts=[target], ranks=[0]) if spiked else contextlib.nullcontext())
-        model.zero_grad(set_to_none=True)
-        dist.barrier()
-        t0 = time.perf_counter()
-        with spike:
-            loss = model(_tokens(cfg, rank, i, args.batch, args.seq))
-            loss.backward()
-        elapsed = torch.tensor([time.perf_counter() - t0])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
-        if i >= args.warmup:
-            step_s.append(float(elapsed))
-        if prov is not None:
-            prov.step()
-    out: Dict[str, Any] = {"step_s": statistics.median(step_s) if step_s else 0.0, "exchange_s": exchange}
+    spike = model.routing_spike(4.0, experts=[target], ranks=[0]) if spiked else contextlib.nullcontext()
+    model.zero_grad(set_to_none=True)
+    dist.barrier()
+    t0 = time.perf_counter()
+    with spike:
+        loss = model(_tokens(model.cfg, rank, i, args.batch, args.seq))
+        loss.backward()
+    elapsed = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     if prov is not None:
-        gc.collect()
-        prov.runtime.settle(wait=True)
-        report = prov.report()
-        # The steady calm peak: profiled micro-batches (the first, traced) hold more than the
-        # untraced ones of keep_all at the same load, which would hide the spike in the budget.
-        steady = [m.peak_bytes for m in prov.telemetry.micro_batches[args.warmup:]]
-        out.update(peak_bytes=report["peak_bytes"], budget_bytes=report["budget_bytes"],
-                   steady_peak_bytes=max(steady, default=report["peak_bytes"]),
-                   violations=report["violations"], decisions=report["decisions"],
-                   decision_us=report["decision_latency_us"],
-                   saved_bytes_by_choice=report["saved_bytes_by_choice"],
-                   resident_after=report["resident_bytes"])
-        prov.disable()
+        prov.step()
+    return float(elapsed)
+
+
+def _summary(prov: Any, args: argparse.Namespace) -> Dict[str, Any]:
+    """Peak and violations over the timed steps (the profiled first micro-batches are traced, and
+    hold more than keep_all's untraced ones at the same load), and the whole run's report."""
+    gc.collect()
+    prov.runtime.settle(wait=True)
+    report = prov.report()
+    timed = prov.telemetry.micro_batches[args.warmup:]
+    out = dict(peak_bytes=max((m.peak_bytes for m in timed), default=0), budget_bytes=report["budget_bytes"],
+               violations=sum(m.violations for m in timed), run_violations=report["violations"],
+               decisions=report["decisions"], decision_us=report["decision_latency_us"],
+               saved_bytes_by_choice=report["saved_bytes_by_choice"], resident_after=report["resident_bytes"])
+    prov.disable()
     return out
+
+
+def _run_policies(rank: int, args: argparse.Namespace, budget: int) -> Dict[str, Any]:
+    """Every policy on its own model, one step of each per round, in an order that rotates every
+    round: machine noise hits all of them alike."""
+    runs = {policy: _build(args, policy, budget) for policy in POLICIES}
+    step_s: Dict[str, List[float]] = {policy: [] for policy in POLICIES}
+    for i in range(args.warmup + args.steps):
+        spiked = i >= args.warmup and (i - args.warmup) % args.spike_every == args.spike_every - 1
+        for k in range(len(POLICIES)):
+            policy = POLICIES[(i + k) % len(POLICIES)]
+            model, prov, _ = runs[policy]
+            seconds = _step(model, prov, args, rank, i, spiked)
+            if i >= args.warmup:
+                step_s[policy].append(seconds)
+    rows: Dict[str, Any] = {}
+    for policy, (model, prov, exchange) in runs.items():
+        rows[policy] = {"step_s": statistics.median(step_s[policy]), "exchange_s": exchange}
+        if prov is not None:
+            rows[policy].update(_summary(prov, args))
+    return rows
 
 
 def _bare_exchange(world: int, num_experts: int, reps: int) -> Dict[str, float]:
@@ -127,11 +145,14 @@ def _bare_exchange(world: int, num_experts: int, reps: int) -> Dict[str, float]:
 
 
 def _rank_main(rank: int, world: int, args: argparse.Namespace, out_path: str) -> None:
-    calm = _run_policy(rank, world, args, "keep_all", None, calm=True)
-    budget = int(calm["steady_peak_bytes"] * (1.0 + args.headroom))
-    rows = {policy: _run_policy(rank, world, args, policy, budget) for policy in POLICIES}
+    model, prov, _ = _build(args, "keep_all", None)
+    for i in range(args.warmup + args.steps):
+        _step(model, prov, args, rank, i, spiked=False)
+    calm = _summary(prov, args)
+    budget = int(calm["peak_bytes"] * (1.0 + args.headroom))
+    rows = _run_policies(rank, args, budget)
     rows["bare"] = _bare_exchange(world, getattr(MoEConfig, args.config)().num_experts, args.exchange_reps)
-    rows["calm_peak_bytes"] = calm["steady_peak_bytes"]
+    rows["calm_peak_bytes"] = calm["peak_bytes"]
     gathered: List[Any] = [None] * world
     dist.all_gather_object(gathered, rows)
     if rank == 0:
