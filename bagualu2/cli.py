@@ -1,4 +1,4 @@
-"""The ``bagualu2`` command: ``demo``, ``bench offload``, ``simulate``."""
+"""The ``bagualu2`` command: ``demo``, ``bench offload``, ``simulate``, ``selftest``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import List, Optional
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``bagualu2`` console script."""
-    from bagualu2 import bench_offload, demo
+    from bagualu2 import bench_offload, demo, selftest
     from bagualu2.sim import cli as sim_cli
 
     parser = argparse.ArgumentParser(
@@ -32,6 +32,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = commands.add_parser("simulate", help="cluster-scale simulation of activation policies")
     sim_cli.add_arguments(p)
     p.set_defaults(run=sim_cli.run)
+
+    p = commands.add_parser("selftest", help="check this install on this machine's accelerator (or its "
+                                             "CPU form): exactness, budget, bandwidth, overlap, OOM, leaks")
+    selftest.add_arguments(p)
+    p.set_defaults(run=selftest.run)
 
     args = parser.parse_args(argv)
     return int(args.run(args) or 0)
