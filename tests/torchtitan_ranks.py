@@ -18,22 +18,49 @@ VOCAB, DIM, HEAD_DIM, SEQ, BATCH = 128, 64, 16, 16, 2
 
 
 def tiny_config(flavor: str = "qwen3", layers: int = 2, experts: int = 4, top_k: int = 2):
-    """A tiny torchtitan MoE decoder config of ``flavor``, attention swapped for CPU SDPA."""
-    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    """A tiny torchtitan MoE decoder config of ``flavor`` (``"qwen3"``: every layer MoE;
+    ``"deepseek_v3"``: MLA attention, a dense first layer, then ``layers`` MoE layers with a
+    shared expert), attention swapped for CPU SDPA."""
+    from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear
 
-    if flavor != "qwen3":
-        raise ValueError(f"flavor={flavor!r}: the tests build 'qwen3'")
-    from torchtitan.models.qwen3 import (Qwen3Model, _EMBEDDING_INIT, _LINEAR_INIT, _build_qwen3_moe_layers,
-                                         _qwen3_norm)
-    config = Qwen3Model.Config(
-        vocab_size=VOCAB, dim=DIM, norm=_qwen3_norm(DIM),
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_LINEAR_INIT),
-        layers=_build_qwen3_moe_layers(
-            n_layers=layers, dim=DIM, n_heads=4, n_kv_heads=2, head_dim=HEAD_DIM, moe_hidden_dim=32,
-            num_experts=experts, top_k=top_k, attn_backend="flex", moe_comm_backend="standard",
-            rope=CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=4 * SEQ, theta=1e6)))
+    if flavor == "qwen3":
+        from torchtitan.models.qwen3 import (Qwen3Model, _EMBEDDING_INIT, _LINEAR_INIT, _build_qwen3_moe_layers,
+                                             _qwen3_norm)
+        config = Qwen3Model.Config(
+            vocab_size=VOCAB, dim=DIM, norm=_qwen3_norm(DIM),
+            tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
+            lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_LINEAR_INIT),
+            layers=_build_qwen3_moe_layers(
+                n_layers=layers, dim=DIM, n_heads=4, n_kv_heads=2, head_dim=HEAD_DIM, moe_hidden_dim=32,
+                num_experts=experts, top_k=top_k, attn_backend="flex", moe_comm_backend="standard",
+                rope=CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=4 * SEQ, theta=1e6)))
+    elif flavor == "deepseek_v3":
+        from torchtitan.models.common.nn_modules import RMSNorm
+        from torchtitan.models.deepseek_v3 import (DeepSeekV3Model, _EMBEDDING_INIT, _NORM_INIT, _build_dsv3_layers,
+                                                   _build_mtp_layers, _output_linear_init)
+        blocks = _build_dsv3_layers(
+            n_layers=layers + 1, n_dense_layers=1, dim=DIM, n_heads=4, q_lora_rank=0, kv_lora_rank=32,
+            qk_nope_head_dim=HEAD_DIM, qk_rope_head_dim=8, v_head_dim=HEAD_DIM, mscale=0.70,
+            dense_hidden_dim=64, moe_hidden_dim=32, num_experts=experts, num_shared_experts=1,
+            router_top_k=top_k, router_score_func="softmax", attn_backend="flex", moe_comm_backend="standard",
+            non_blocking_capacity_factor=None, rope=ComplexRoPE.Config(dim=8, max_seq_len=4 * SEQ, theta=1e4))
+        config = DeepSeekV3Model.Config(
+            vocab_size=VOCAB, dim=DIM, norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
+            tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
+            lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
+            layers=blocks, mtp_layers=_build_mtp_layers(blocks[-1], dim=DIM, num_mtp_layers=0))
+    else:
+        raise ValueError(f"flavor={flavor!r}: the tests build 'qwen3' or 'deepseek_v3'")
     return shims.with_sdpa(config)
+
+
+def parallelize_fn(flavor: str):
+    """torchtitan's own parallelize function of ``flavor``."""
+    if flavor == "deepseek_v3":
+        from torchtitan.models.deepseek_v3 import parallelize_deepseekv3
+        return parallelize_deepseekv3
+    from torchtitan.models.qwen3 import parallelize_qwen3
+    return parallelize_qwen3
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -54,8 +81,7 @@ def build(world: int, *, ep: int = 1, pp: int = 1, fsdp: bool = True, flavor: st
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
-    from torchtitan.models.qwen3 import parallelize_qwen3
-
+    parallelize = parallelize_fn(flavor)
     dist_utils.set_spmd_backend("partial_dtensor")
     parallelism = ParallelismConfig(expert_parallel_degree=ep, pipeline_parallel_degree=pp,
                                     spmd_backend="partial_dtensor",
@@ -80,10 +106,10 @@ def build(world: int, *, ep: int = 1, pp: int = 1, fsdp: bool = True, flavor: st
         from torchtitan.distributed.pipeline_parallel import pipeline_llm
 
         schedule, parts, first, last = pipeline_llm(
-            model, device=torch.device("cpu"), model_config=config, parallelize_fn=parallelize_qwen3,
+            model, device=torch.device("cpu"), model_config=config, parallelize_fn=parallelize,
             loss_fn=pipeline_loss_fn, **kwargs)
     else:
-        parts = [parallelize_qwen3(model, **kwargs)]
+        parts = [parallelize(model, **kwargs)]
         first = last = True
     for part in parts:
         part.to_empty(device="cpu")
@@ -187,7 +213,8 @@ def run_case(rank: int, world: int, case: Dict[str, Any], out: str) -> None:
             "arena_after_steps": [r["arena_in_use"] for r in results],
             "violations": report["violations"], "peak": report["peak_bytes_with_backward"],
             "budget": report["budget_bytes"], "by_choice": report["saved_bytes_by_choice"],
-            "micro_batches": report["micro_batches"],
+            "micro_batches": report["micro_batches"], "traced": report["traced_micro_batches"],
+            "decisions": report["decisions"], "fallbacks": report["fallbacks"],
             "counts": [r.get("counts") for r in results]}
 
     for policy in ("keep_all", "offload_all", "recompute_all"):
@@ -213,5 +240,10 @@ def run_case(rank: int, world: int, case: Dict[str, Any], out: str) -> None:
     prov.disable()
     prov = enable(budget=int(calm * 1.05), policy="adaptive")
     record("adaptive", sequence(SPIKES), prov.report())
+    prov.disable()
+    # ... and under one below it: every micro-batch is traced and planned, and the first ones
+    # after profiling recompute all they can (calibration).
+    prov = enable(budget=int(calm * 0.7), policy="adaptive")
+    record("adaptive_tight", sequence(SPIKES), prov.report())
     prov.disable()
     Path(out, f"rank{rank}.json").write_text(json.dumps(found))
