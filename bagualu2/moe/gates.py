@@ -18,6 +18,9 @@ order, counting MoE layers only):
   weights, indices)``). Counts come from the returned indices, which already include
   DeepSeek-V3's group-limited selection and ``e_score_correction_bias``; re-deriving them from
   the logits would be wrong for DeepSeek-V3;
+- Megatron-Core MoE layers (``decoder.layers.i.mlp``: ``TopKRouter`` with ``topk``), through
+  :mod:`bagualu2.integrations.megatron`: a pre-hook on each layer's experts reads the counts its
+  token dispatcher computed (torchtitan models likewise through their integration);
 - transformers 4.x gates: a plain ``nn.Linear`` named ``gate`` inside a sparse MoE block
   (a parent with ``experts`` and ``top_k`` or ``num_experts_per_tok``), returning logits; the
   counts are the top-k of the logits, as the block's softmax + top-k choose the same experts.
@@ -155,12 +158,13 @@ def _parent(name: str) -> str:
 def find_gates(model: nn.Module) -> list[GateSpec]:
     """Every recognized MoE gate of ``model``, in model order; ``[]`` when none is recognized
     (see :func:`describe_unsupported` for what to do then)."""
-    from bagualu2.integrations import torchtitan
+    from bagualu2.integrations import megatron, torchtitan
     from bagualu2.models import ExpertDispatcher, MoELayer, TopKRouter
 
-    engine_gates = torchtitan.find_gates(model)  # None: not a torchtitan model
-    if engine_gates is not None:
-        return engine_gates
+    for engine in (torchtitan, megatron):
+        engine_gates = engine.find_gates(model)  # None: not a model of that engine
+        if engine_gates is not None:
+            return engine_gates
     modules = dict(model.named_modules())
     specs: list[GateSpec] = []
 

@@ -1,0 +1,209 @@
+"""Per-rank code of the Megatron-Core tests (tests/test_megatron.py): build a tiny Megatron MoE
+GPTModel (local spec, CPU shims from tests/megatron_shims.py), train it through Megatron's own
+``get_forward_backward_func()`` schedule, and compare steps with and without bagualu2. Run in
+processes started by ``bagualu2.pipeline.launch``."""
+from __future__ import annotations
+
+import json
+import random
+import warnings
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Dict, List, Optional
+
+import torch
+
+VOCAB, HIDDEN, HEADS, SEQ, MICRO_BATCH = 128, 64, 4, 16, 2
+EXPERTS, TOP_K, LAYERS = 4, 2, 2
+
+
+def _quiet_import() -> None:
+    """Megatron-Core warns at import that Transformer Engine and Apex are missing (CPU run)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import megatron.core.pipeline_parallel  # noqa: F401
+        import megatron.core.models.gpt  # noqa: F401
+
+
+def build(*, pp: int = 1, ep: int = 1, dispatcher: str = "alltoall", shared_expert: bool = True,
+          dropout: float = 0.1, **config_options: Any) -> SimpleNamespace:
+    """Megatron's parallel state over the launched ranks (TP=1, ``pp`` stages, EP ``ep``) and
+    this rank's stage of a tiny MoE GPTModel built by Megatron's own classes."""
+    _quiet_import()
+    import megatron_shims as shims
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
+    shims.use_cpu(seed=1234)
+    options = dict(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=2 * HIDDEN,
+        num_moe_experts=EXPERTS, moe_router_topk=TOP_K, moe_ffn_hidden_size=HIDDEN,
+        moe_token_dispatcher_type=dispatcher, moe_aux_loss_coeff=1e-2,
+        moe_router_load_balancing_type="aux_loss", moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,  # how the tests spike the routing (set_spike)
+        moe_shared_expert_intermediate_size=HIDDEN if shared_expert else None,
+        hidden_dropout=dropout, attention_dropout=0.0, add_bias_linear=False,
+        pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        **shims.cpu_config_options())
+    options.update(config_options)
+    config = TransformerConfig(**options)
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
+    torch.manual_seed(1234)
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
+                     max_sequence_length=SEQ, pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=False, position_embedding_type="rope")
+    model.train()
+    return SimpleNamespace(model=model, config=config, pp=pp, ep=ep,
+                           forward_backward=get_forward_backward_func())
+
+
+def batches(seed: int, spikes: List[bool]) -> List[Dict[str, Any]]:
+    """One micro-batch of tokens and next-token labels (``[batch, seq]``) per entry of
+    ``spikes``, which says whether that micro-batch's routing spikes (:func:`set_spike`)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for spike in spikes:
+        tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=g)
+        out.append({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+                    "spike": spike})
+    return out
+
+
+def set_spike(model: torch.nn.Module, expert: Optional[int]) -> None:
+    """Route every token of this rank to ``expert`` (besides its other top-k choices) through
+    Megatron's own expert bias, or route freely again (``None``)."""
+    for module in model.modules():
+        bias = getattr(module, "expert_bias", None)
+        if isinstance(bias, torch.Tensor) and hasattr(module, "topk"):
+            bias.zero_()
+            if expert is not None:
+                bias[expert] = 10.0  # above any sigmoid score: always chosen
+
+
+def _loss_func(output: torch.Tensor) -> tuple:
+    loss = output.float().sum()
+    return loss, torch.tensor(output.numel(), dtype=torch.int), {"loss": loss.detach().clone()}
+
+
+SPIKE = {"expert": 3, "here": False}  # this rank's spike target, and whether it spikes
+
+
+def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple:
+    """Megatron's forward_step_func: per-token losses and their reduction. A spiked micro-batch
+    routes this rank's tokens to the spike expert (on every stage: each reads the batch)."""
+    batch = next(data_iterator)
+    set_spike(model, SPIKE["expert"] if batch["spike"] and SPIKE["here"] else None)
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(MICRO_BATCH, -1)
+    output = model(batch["tokens"], position_ids, None, labels=batch["labels"])
+    return output, _loss_func
+
+
+def step(run: SimpleNamespace, seed: int, spikes: List[bool], forward_backward: Any = None) -> Dict[str, Any]:
+    """One training step of ``len(spikes)`` micro-batches through Megatron's schedule (the same
+    RNG state for every run of it); returns the losses this rank saw and every gradient, and
+    clears the gradients."""
+    import megatron_shims as shims
+
+    func = forward_backward or run.forward_backward
+    shims.use_cpu(seed=seed)
+    data = iter(batches(seed, spikes))
+    losses = func(forward_step_func=forward_step, data_iterator=data, model=[run.model],
+                  num_microbatches=len(spikes), seq_length=SEQ, micro_batch_size=MICRO_BATCH,
+                  forward_only=False)
+    loss = torch.stack([d["loss"] for d in losses]) if losses else torch.zeros(0)
+    grads = {}
+    for name, p in run.model.named_parameters():
+        if p.grad is not None:
+            grads[name] = p.grad.detach().clone()
+        p.grad = None
+    return {"loss": loss, "grads": grads}
+
+
+def mismatches(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
+    bad = [] if torch.equal(a["loss"], b["loss"]) else [f"loss {a['loss'].tolist()} != {b['loss'].tolist()}"]
+    if a["grads"].keys() != b["grads"].keys():
+        bad.append(f"grad names differ: {sorted(a['grads'].keys() ^ b['grads'].keys())}")
+    bad += [f"grad {n}" for n in a["grads"] if n in b["grads"] and not torch.equal(a["grads"][n], b["grads"][n])]
+    return bad
+
+
+# Micro-batches of the adaptive run, in steps of ``microbatches``: profiled and calibrating
+# ones first, then spikes.
+SPIKES = [False] * 6 + [True, True, False, True, False, False]
+STATIC = [False, True, False, False]
+
+
+def run_case(rank: int, world: int, case: Dict[str, Any], out: str) -> None:
+    """Every policy on one Megatron layout against the same run without bagualu2; writes this
+    rank's findings to ``out/rank<r>.json``."""
+    import bagualu2
+    from bagualu2.integrations import megatron as adapter
+    from megatron.core import parallel_state
+
+    options = {k: v for k, v in case.items() if k not in ("microbatches", "spike_rank", "spike_expert", "plan_seed")}
+    run = build(**options)
+    micro = case.get("microbatches", 2)
+    data_rank = parallel_state.get_data_parallel_rank()
+    SPIKE["expert"] = case.get("spike_expert", 3)
+    SPIKE["here"] = data_rank == case.get("spike_rank", 0)
+
+    def sequence(spikes: List[bool], forward_backward: Any = None, start: int = 0) -> List[Dict[str, Any]]:
+        results = []
+        for i in range(0, len(spikes), micro):
+            results.append(step(run, 1000 * data_rank + start + i, spikes[i:i + micro], forward_backward))
+            if prov is not None:
+                rep = prov.report()
+                results[-1]["resident"] = rep["resident_bytes"]
+                results[-1]["arena_in_use"] = rep["arena_in_use_bytes"]
+                results[-1]["counts"] = {str(k): v for k, v in prov._frame_counts.items() if k >= 0}
+        return results
+
+    prov = None
+    plain = {"static": sequence(STATIC), "spikes": sequence(SPIKES)}
+    found: Dict[str, Any] = {"gates": [], "policies": {}}
+
+    def record(name: str, results: List[Dict[str, Any]], report: Dict[str, Any]) -> None:
+        reference = plain["spikes" if len(results) == len(plain["spikes"]) else "static"]
+        found["policies"][name] = {
+            "mismatches": [mismatches(a, b) for a, b in zip(reference, results)],
+            "resident_after_steps": [r["resident"] for r in results],
+            "arena_after_steps": [r["arena_in_use"] for r in results],
+            "violations": report["violations"], "peak": report["peak_bytes_with_backward"],
+            "budget": report["budget_bytes"], "by_choice": report["saved_bytes_by_choice"],
+            "micro_batches": report["micro_batches"], "steps": report["steps"],
+            "counts": [r.get("counts") for r in results]}
+
+    for policy in ("keep_all", "offload_all", "recompute_all"):
+        prov, fb = adapter.enable_pipeline(run.model, run.forward_backward, budget=None, policy=policy, min_bytes=0)
+        results = sequence(STATIC, fb)
+        found["gates"] = prov.report()["gates"]
+        record(policy, results, prov.report())
+        prov.disable()
+
+    # A random plan over the operator keys a profiled step saved.
+    prov, fb = adapter.enable_pipeline(run.model, run.forward_backward, budget=None,
+                                       policy=bagualu2.Plan({}), min_bytes=0)
+    first = sequence(STATIC[:micro], fb)  # profiled, all kept
+    pick = random.Random(case.get("plan_seed", 0))
+    prov.use_plan({key: pick.choice(list(bagualu2.Choice)) for key in prov.cost.order})
+    record("random_plan", first + sequence(STATIC[micro:], fb, start=micro), prov.report())
+    prov.disable()
+
+    # Adaptive under a budget 5% above the calm peak of keep_all on this rank.
+    prov, fb = adapter.enable_pipeline(run.model, run.forward_backward, budget=None, policy="keep_all", min_bytes=0)
+    sequence([False] * (2 * micro), fb)
+    calm = prov.report()["peak_bytes_with_backward"]
+    prov.disable()
+    prov, fb = adapter.enable_pipeline(run.model, run.forward_backward, budget=int(calm * 1.05),
+                                       policy="adaptive", min_bytes=0)
+    record("adaptive", sequence(SPIKES, fb), prov.report())
+    prov.disable()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(found))
