@@ -1,0 +1,37 @@
+"""`bagualu2 selftest`: its CPU form runs end to end and says which device rows it did not run."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bagualu2.cli import main
+
+
+@pytest.mark.slow
+def test_selftest_cpu_form_runs_every_row_and_writes_json_and_png(tmp_path, capsys) -> None:
+    out = tmp_path / "selftest"
+    rc = main(["selftest", "--cpu", "--micro-batches", "40", "--max-copy", "4M", "--out", str(out)])
+    result = json.loads((out / "selftest.json").read_text())
+    verdicts = {r["name"]: r["verdict"] for r in result["rows"]}
+    assert rc == 0, result["failed"]
+    assert verdicts == {"exact": "pass", "budget": "pass", "bandwidth": "info", "overlap": "not run",
+                        "oom": "not run", "growth": "pass", "device>0": "not run"}
+    assert (out / "selftest.png").stat().st_size > 0
+    assert result["form"] == "cpu"
+    assert "device rows were not run" in capsys.readouterr().out
+
+
+def test_selftest_refuses_too_few_micro_batches(tmp_path) -> None:
+    with pytest.raises(SystemExit, match="at least 40"):
+        main(["selftest", "--cpu", "--micro-batches", "3", "--out", str(tmp_path)])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_selftest_environment_names_each_backend(tmp_path) -> None:
+    from bagualu2.selftest import _environment
+
+    env = _environment(torch.device("cpu"))
+    assert set(env["backend_status"]) == {"cpu", "cuda", "hip"}
+    assert "cpu: usable" in env["backend_status_line"]
