@@ -65,27 +65,29 @@ def build(*, pp: int = 1, ep: int = 1, dispatcher: str = "alltoall", shared_expe
                            forward_backward=get_forward_backward_func())
 
 
-def batches(seed: int, spikes: List[bool]) -> List[Dict[str, Any]]:
-    """One micro-batch of tokens and next-token labels (``[batch, seq]``) per entry of
-    ``spikes``, which says whether that micro-batch's routing spikes (:func:`set_spike`)."""
+def batches(seed: int, count: int) -> List[Dict[str, Any]]:
+    """``count`` micro-batches of tokens and next-token labels (``[batch, seq]``)."""
     g = torch.Generator().manual_seed(seed)
     out = []
-    for spike in spikes:
+    for _ in range(count):
         tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=g)
-        out.append({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
-                    "spike": spike})
+        out.append({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()})
     return out
+
+
+def _routers(model: torch.nn.Module) -> List[torch.nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "topk") and hasattr(m, "expert_bias")]
 
 
 def set_spike(model: torch.nn.Module, expert: Optional[int]) -> None:
     """Route every token of this rank to ``expert`` (besides its other top-k choices) through
-    Megatron's own expert bias, or route freely again (``None``)."""
-    for module in model.modules():
-        bias = getattr(module, "expert_bias", None)
-        if isinstance(bias, torch.Tensor) and hasattr(module, "topk"):
-            bias.zero_()
-            if expert is not None:
-                bias[expert] = 10.0  # above any sigmoid score: always chosen
+    Megatron's own expert bias, or route freely again (``None``). Called between steps only, as
+    Megatron updates the bias: under 1F1B a micro-batch's backward comes after later
+    micro-batches' forwards, and a recompute must see the routing its forward saw."""
+    for router in _routers(model):
+        router.expert_bias.zero_()
+        if expert is not None:
+            router.expert_bias[expert] = 10.0  # above any sigmoid score: always chosen
 
 
 def _loss_func(output: torch.Tensor) -> tuple:
@@ -93,30 +95,30 @@ def _loss_func(output: torch.Tensor) -> tuple:
     return loss, torch.tensor(output.numel(), dtype=torch.int), {"loss": loss.detach().clone()}
 
 
-SPIKE = {"expert": 3, "here": False}  # this rank's spike target, and whether it spikes
-
-
 def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple:
-    """Megatron's forward_step_func: per-token losses and their reduction. A spiked micro-batch
-    routes this rank's tokens to the spike expert (on every stage: each reads the batch)."""
+    """Megatron's forward_step_func: per-token losses and their reduction."""
     batch = next(data_iterator)
-    set_spike(model, SPIKE["expert"] if batch["spike"] and SPIKE["here"] else None)
     position_ids = torch.arange(SEQ).unsqueeze(0).expand(MICRO_BATCH, -1)
     output = model(batch["tokens"], position_ids, None, labels=batch["labels"])
     return output, _loss_func
 
 
-def step(run: SimpleNamespace, seed: int, spikes: List[bool], forward_backward: Any = None) -> Dict[str, Any]:
-    """One training step of ``len(spikes)`` micro-batches through Megatron's schedule (the same
-    RNG state for every run of it); returns the losses this rank saw and every gradient, and
-    clears the gradients."""
+def step(run: SimpleNamespace, seed: int, microbatches: int, spike: Optional[int] = None,
+         forward_backward: Any = None) -> Dict[str, Any]:
+    """One training step of ``microbatches`` through Megatron's schedule (the same RNG state for
+    every run of it), routing this rank's tokens onto expert ``spike`` if given; returns the
+    losses this rank saw, every gradient and the tokens each router counted for its expert-bias
+    update (which a rerun in backward must not count twice), and clears them."""
     import megatron_shims as shims
 
     func = forward_backward or run.forward_backward
+    set_spike(run.model, spike)
+    for router in _routers(run.model):
+        router.local_tokens_per_expert.zero_()  # as Megatron's expert-bias update does each step
     shims.use_cpu(seed=seed)
-    data = iter(batches(seed, spikes))
+    data = iter(batches(seed, microbatches))
     losses = func(forward_step_func=forward_step, data_iterator=data, model=[run.model],
-                  num_microbatches=len(spikes), seq_length=SEQ, micro_batch_size=MICRO_BATCH,
+                  num_microbatches=microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
                   forward_only=False)
     loss = torch.stack([d["loss"] for d in losses]) if losses else torch.zeros(0)
     grads = {}
@@ -124,7 +126,8 @@ def step(run: SimpleNamespace, seed: int, spikes: List[bool], forward_backward: 
         if p.grad is not None:
             grads[name] = p.grad.detach().clone()
         p.grad = None
-    return {"loss": loss, "grads": grads}
+    counted = {f"router {i}": r.local_tokens_per_expert.clone() for i, r in enumerate(_routers(run.model))}
+    return {"loss": loss, "grads": grads, "counted": counted}
 
 
 def mismatches(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
@@ -135,10 +138,16 @@ def mismatches(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
     return bad
 
 
-# Micro-batches of the adaptive run, in steps of ``microbatches``: profiled and calibrating
-# ones first, then spikes.
-SPIKES = [False] * 6 + [True, True, False, True, False, False]
-STATIC = [False, True, False, False]
+def counted_mismatches(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
+    """Routers whose tokens counted for the expert-bias update differ between two steps."""
+    return [f"{n} counted {a['counted'][n].tolist()} != {b['counted'][n].tolist()}" for n in a["counted"]
+            if not torch.equal(a["counted"][n], b["counted"][n])]
+
+
+# Steps of the adaptive run (whether this rank's routing spikes in each): profiled and
+# calibrating micro-batches first, then spikes.
+SPIKES = [False] * 3 + [True, True, False, True, False]
+STATIC = [False, True]
 
 
 def run_case(rank: int, world: int, case: Dict[str, Any], out: str) -> None:
@@ -152,13 +161,12 @@ def run_case(rank: int, world: int, case: Dict[str, Any], out: str) -> None:
     run = build(**options)
     micro = case.get("microbatches", 2)
     data_rank = parallel_state.get_data_parallel_rank()
-    SPIKE["expert"] = case.get("spike_expert", 3)
-    SPIKE["here"] = data_rank == case.get("spike_rank", 0)
+    spike = case.get("spike_expert", 3) if data_rank == case.get("spike_rank", 0) else None
 
     def sequence(spikes: List[bool], forward_backward: Any = None, start: int = 0) -> List[Dict[str, Any]]:
         results = []
-        for i in range(0, len(spikes), micro):
-            results.append(step(run, 1000 * data_rank + start + i, spikes[i:i + micro], forward_backward))
+        for i, on in enumerate(spikes, start):
+            results.append(step(run, 1000 * data_rank + i, micro, spike if on else None, forward_backward))
             if prov is not None:
                 rep = prov.report()
                 results[-1]["resident"] = rep["resident_bytes"]
@@ -174,6 +182,7 @@ def run_case(rank: int, world: int, case: Dict[str, Any], out: str) -> None:
         reference = plain["spikes" if len(results) == len(plain["spikes"]) else "static"]
         found["policies"][name] = {
             "mismatches": [mismatches(a, b) for a, b in zip(reference, results)],
+            "counted_mismatches": [counted_mismatches(a, b) for a, b in zip(reference, results)],
             "resident_after_steps": [r["resident"] for r in results],
             "arena_after_steps": [r["arena_in_use"] for r in results],
             "violations": report["violations"], "peak": report["peak_bytes_with_backward"],
@@ -191,15 +200,15 @@ def run_case(rank: int, world: int, case: Dict[str, Any], out: str) -> None:
     # A random plan over the operator keys a profiled step saved.
     prov, fb = adapter.enable_pipeline(run.model, run.forward_backward, budget=None,
                                        policy=bagualu2.Plan({}), min_bytes=0)
-    first = sequence(STATIC[:micro], fb)  # profiled, all kept
+    first = sequence(STATIC[:1], fb)  # profiled, all kept
     pick = random.Random(case.get("plan_seed", 0))
     prov.use_plan({key: pick.choice(list(bagualu2.Choice)) for key in prov.cost.order})
-    record("random_plan", first + sequence(STATIC[micro:], fb, start=micro), prov.report())
+    record("random_plan", first + sequence(STATIC[1:], fb, start=1), prov.report())
     prov.disable()
 
     # Adaptive under a budget 5% above the calm peak of keep_all on this rank.
     prov, fb = adapter.enable_pipeline(run.model, run.forward_backward, budget=None, policy="keep_all", min_bytes=0)
-    sequence([False] * (2 * micro), fb)
+    sequence([False] * 2, fb)
     calm = prov.report()["peak_bytes_with_backward"]
     prov.disable()
     prov, fb = adapter.enable_pipeline(run.model, run.forward_backward, budget=int(calm * 1.05),

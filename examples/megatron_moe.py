@@ -1,0 +1,142 @@
+"""A Megatron-Core MoE GPTModel trained with bagualu2 through Megatron's own schedule, 2 processes.
+
+Megatron-Core builds a tiny MoE GPTModel (local spec, a shared expert) with its experts split
+over the ranks (expert parallelism, alltoall token dispatcher), or, with ``--pp 2``, split into
+two pipeline stages trained by Megatron's 1F1B schedule. The training loop is Megatron's
+``forward_backward`` with one call in front, ``enable_pipeline(model, get_forward_backward_func(),
+budget=...)``: bagualu2 finds the MoE layers by itself, follows the schedule's phase, and decides
+per micro-batch, from the tokens each rank's experts receive (the token dispatcher's counts),
+what to keep, offload or recompute. Midway, every token of rank 0 is routed to expert 3 (on
+rank 1 under EP) for a few steps.
+
+Run it on CPU (gloo), nothing else needed but megatron-core 0.16.1:
+
+    torchrun --nproc-per-node 2 examples/megatron_moe.py            # EP=2
+    torchrun --nproc-per-node 2 examples/megatron_moe.py --pp 2     # PP=2, 1F1B
+
+Megatron-Core assumes a GPU in places that have nothing to do with bagualu2; on a CPU-only torch
+this example applies the test shims of tests/megatron_shims.py (listed in docs/engines.md). Turn
+off Megatron's own ``recompute_granularity``, ``fine_grained_activation_offloading`` and
+``cpu_offloading``: bagualu2 refuses them at enable, naming them.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from pathlib import Path
+
+# Megatron's jit_fuser is torch.compile; compiling inside a provisioned forward is slow on a
+# CPU (docs/engines.md), so the example runs those functions eagerly.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import bagualu2  # noqa: E402
+from bagualu2.integrations.megatron import enable_pipeline  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import megatron_shims as shims  # noqa: E402  (CPU-only stand-ins, see the note above)
+
+VOCAB, HIDDEN, SEQ, MICRO_BATCH, MICRO_BATCHES = 256, 64, 32, 2, 4
+
+
+def build_model(pp: int, ep: int):
+    """A tiny MoE GPTModel (this rank's stage of it), built by Megatron-Core's own classes."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
+    shims.use_cpu(seed=1234)
+    config = TransformerConfig(
+        num_layers=4, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=2 * HIDDEN,
+        num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=HIDDEN,
+        moe_shared_expert_intermediate_size=HIDDEN, moe_token_dispatcher_type="alltoall",
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2, add_bias_linear=False,
+        hidden_dropout=0.1, attention_dropout=0.0, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep, **shims.cpu_config_options())
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4),
+                     vocab_size=VOCAB, max_sequence_length=SEQ,
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=False, position_embedding_type="rope")
+    return model.train()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (the rest is EP)")
+    parser.add_argument("--policy", default="adaptive", choices=bagualu2.POLICIES)
+    parser.add_argument("--headroom", type=float, default=1.05,
+                        help="budget as a multiple of the calm peak of the first steps")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model = build_model(args.pp, dist.get_world_size() // args.pp)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    dp_group = parallel_state.get_data_parallel_group()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    routers = [m for m in model.modules() if hasattr(m, "topk") and hasattr(m, "expert_bias")]
+
+    def forward_step(data_iterator, model):
+        tokens = next(data_iterator)
+        position_ids = torch.arange(SEQ).unsqueeze(0).expand(MICRO_BATCH, -1)
+        output = model(tokens[:, :-1], position_ids, None, labels=tokens[:, 1:])
+
+        def loss_func(output):
+            loss = output.float().sum()
+            return loss, torch.tensor(output.numel(), dtype=torch.int), {"loss": loss.detach()}
+        return output, loss_func
+
+    def train_step(step: int, forward_backward) -> float:
+        spike = 7 <= step < 10 and dp_rank == 0
+        for router in routers:  # Megatron's own expert bias routes the spike (between steps)
+            router.expert_bias.zero_()
+            if spike:
+                router.expert_bias[3] = 10.0
+        g = torch.Generator().manual_seed(1000 * dp_rank + step)
+        data = iter([torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=g) for _ in range(MICRO_BATCHES)])
+        losses = forward_backward(forward_step_func=forward_step, data_iterator=data, model=[model],
+                                  num_microbatches=MICRO_BATCHES, seq_length=SEQ, micro_batch_size=MICRO_BATCH)
+        for p in model.parameters():  # data-parallel gradients; expert weights are per EP rank
+            if p.grad is not None and getattr(p, "allreduce", True) and dp_group.size() > 1:
+                dist.all_reduce(p.grad, group=dp_group)
+                p.grad /= dp_group.size()
+        optimizer.step()
+        optimizer.zero_grad()
+        return float(sum(d["loss"] for d in losses)) if losses else float("nan")
+
+    # Measure the calm peak with keep_all, then hold each rank to its own budget above it.
+    probe, forward_backward = enable_pipeline(model, get_forward_backward_func(), budget=None, policy="keep_all")
+    for step in range(3):
+        train_step(step, forward_backward)
+    calm = probe.report()["peak_bytes_with_backward"]
+    probe.disable()
+    prov, forward_backward = enable_pipeline(model, get_forward_backward_func(),
+                                             budget=int(calm * args.headroom), policy=args.policy)
+    for step in range(3, args.steps):
+        loss = train_step(step, forward_backward)
+        print(f"rank {rank} step {step:2d} loss {loss:.4f} activation peak so far "
+              f"{prov.report()['peak_bytes_with_backward']:,} B", flush=True)
+    report = prov.report()
+    print(f"rank {rank}: gates {len(report['gates'])}, budget {report['budget_bytes']:,} B, "
+          f"peak {report['peak_bytes_with_backward']:,} B, violations {report['violations']}, "
+          f"saved bytes by choice {report['saved_bytes_by_choice']}", flush=True)
+    prov.disable()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

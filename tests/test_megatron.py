@@ -1,0 +1,209 @@
+"""Megatron-Core as an engine: tiny MoE GPTModels built by Megatron's own classes (local spec),
+trained through Megatron's own schedules (``get_forward_backward_func()``: no pipelining, and
+the non-interleaved 1F1B) on gloo, with and without bagualu2.
+
+Invariants defended, on every rank: exactness (loss and every gradient bit for bit against the
+same Megatron run without bagualu2, for keep_all, offload_all, recompute_all, a random
+per-operator plan and adaptive through routing spikes), budget (adaptive holds its budget: no
+violations, the first pipeline stage included), nothing leaked (no resident activation bytes
+and no host copy in use after each step); that the gates are found without registration and
+report the tokens each rank's experts receive (the token dispatcher's counts, alltoall and
+allgather); and that Megatron's own recompute / offload options are refused by name.
+
+The CPU shims Megatron needs here are in tests/megatron_shims.py (docs/engines.md). The ranks
+run with TORCHDYNAMO_DISABLE=1: Megatron's ``jit_fuser`` compiles a few functions with
+torch.compile, and compiling them inside a provisioned forward is slow here (see
+docs/engines.md); both runs compared are then eager.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+with warnings.catch_warnings():
+    # Megatron-Core warns at import that Transformer Engine and Apex are not installed.
+    warnings.simplefilter("ignore")
+    if os.environ.get("BAGUALU2_REQUIRE_MEGATRON") == "1":
+        import megatron.core  # noqa: F401  CI installed it: a failed import fails the run, never skips it
+    else:
+        pytest.importorskip("megatron.core", reason="megatron-core is not installed "
+                                                    "(pip install megatron-core==0.16.1: docs/engines.md)")
+    import megatron.core.models.gpt  # noqa: F401
+
+sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the helpers below
+
+import megatron_ranks as ranks  # noqa: E402
+from bagualu2.pipeline import launch  # noqa: E402
+
+POLICIES = ("keep_all", "offload_all", "recompute_all", "random_plan", "adaptive")
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning",
+                                        "ignore::FutureWarning")
+
+
+def _run(case: dict, world: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list:
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # inherited by the spawned ranks
+    launch(ranks.run_case, world, case, str(tmp_path), timeout_s=600)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _check(found: list) -> None:
+    for rank, result in enumerate(found):
+        assert result["gates"], f"rank {rank}: no Megatron MoE gate found"
+        for policy in POLICIES:
+            got = result["policies"][policy]
+            bad = [(i, m[:3]) for i, m in enumerate(got["mismatches"]) if m]
+            assert not bad, f"rank {rank} {policy}: not bit-exact at step(s) {bad}"
+            assert set(got["resident_after_steps"]) == {0}, f"rank {rank} {policy}: {got['resident_after_steps']}"
+            assert set(got["arena_after_steps"]) == {0}, f"rank {rank} {policy}: {got['arena_after_steps']}"
+        adaptive = result["policies"]["adaptive"]
+        assert adaptive["violations"] == 0, f"rank {rank}: adaptive crossed its budget: {adaptive}"
+        assert adaptive["peak"] <= adaptive["budget"], f"rank {rank}: {adaptive['peak']=} {adaptive['budget']=}"
+        assert result["policies"]["random_plan"]["by_choice"]["recompute"] > 0, "the random plan recomputed nothing"
+
+
+CASES = {
+    "single": ({}, 1),
+    "ep2_alltoall": ({"ep": 2, "dispatcher": "alltoall"}, 2),
+    "ep2_allgather": ({"ep": 2, "dispatcher": "allgather"}, 2),
+    "pp2_1f1b": ({"pp": 2, "microbatches": 3}, 2),
+    "pp2_ep2": ({"pp": 2, "ep": 2, "microbatches": 3}, 4),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(CASES))
+def test_megatron_exact_budget_no_leak(layout: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    case, world = CASES[layout]
+    found = _run(case, world, tmp_path, monkeypatch)
+    _check(found)
+    for rank, result in enumerate(found):
+        # Every policy but recompute_all leaves the routers' expert-bias counts as Megatron's
+        # own run does (recompute_all: test_megatron_rerun_counts_routing_once).
+        for policy in ("keep_all", "offload_all", "random_plan", "adaptive"):
+            counted = [m for m in result["policies"][policy]["counted_mismatches"] if m]
+            assert not counted, f"rank {rank} {policy}: {counted}"
+    if case.get("ep", 1) > 1:
+        # Rank 0's tokens all go to expert 3, which lives on the other EP rank: its gate reports
+        # what its experts receive from both ranks (the dispatcher's counts), so its second
+        # local expert gets at least rank 0's every token in a spiked step.
+        tokens = ranks.MICRO_BATCH * ranks.SEQ
+        receiver = 1  # EP rank 1 of the first stage (Megatron's rank order: tp-cp-ep-dp-pp)
+        counts = found[receiver]["policies"]["adaptive"]["counts"]
+        spiked = [c for c, on in zip(counts, ranks.SPIKES) if on]
+        assert spiked and all(len(c["0"]) == 2 and c["0"][1] >= tokens for c in spiked), counts
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "bagualu2's block rerun (recompute_all) runs Megatron's router forward a second time with "
+    "grad enabled, and the router adds the routed tokens to local_tokens_per_expert (its "
+    "expert-bias update) again; reported to the activation runtime's owner"))
+def test_megatron_rerun_counts_routing_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    found = _run({}, 1, tmp_path, monkeypatch)
+    counted = [m for m in found[0]["policies"]["recompute_all"]["counted_mismatches"] if m]
+    assert not counted, counted
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A one-rank gloo group for Megatron's parallel state in this process, and dynamo off as
+    in the spawned ranks (module note)."""
+    import torch.distributed as dist
+
+    from bagualu2.pipeline import free_port
+
+    disabled = torch._dynamo.config.disable
+    torch._dynamo.config.disable = True
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        torch._dynamo.config.disable = disabled
+
+
+def _tiny_model(**config_options):
+    """A one-process Megatron model (needs the ``one_rank`` fixture)."""
+    return ranks.build(**config_options)
+
+
+def test_megatron_gates_found_without_registration(one_rank: None) -> None:
+    import bagualu2
+    from bagualu2.moe import find_gates
+
+    run = _tiny_model()
+    specs = find_gates(run.model)
+    assert [s.name for s in specs] == [f"decoder.layers.{i}.mlp.experts" for i in range(ranks.LAYERS)]
+    assert all(s.pre_hook and s.num_experts == ranks.EXPERTS and s.top_k == ranks.TOP_K and s.ep_size == 1
+               for s in specs)
+    prov = bagualu2.enable(run.model, budget=None, policy="keep_all", min_bytes=0)
+    try:
+        ranks.step(run, 0, 1)
+        # Without EP the experts' counts are the layer's routing: top-k slots of every token.
+        slots = ranks.MICRO_BATCH * ranks.SEQ * ranks.TOP_K
+        assert {k: sum(v) for k, v in prov._frame_counts.items() if k >= 0} == {i: slots for i in range(ranks.LAYERS)}
+        assert prov.report()["resident_bytes"] == 0
+    finally:
+        prov.disable()
+
+
+def test_megatron_1f1b_phases() -> None:
+    from bagualu2.integrations.megatron import one_f_one_b_phases
+
+    # Stage 0 of 2, 3 micro-batches: F0 (warm-up; F1 follows before B0), F1, F2 steady.
+    assert one_f_one_b_phases(2, 0, 3) == [("warmup", 1), ("steady", 0), ("steady", 0)]
+    assert one_f_one_b_phases(2, 1, 3) == [("steady", 0)] * 3
+    # Stage 0 of 4, 2 micro-batches: all warm-up, nothing steady after.
+    assert one_f_one_b_phases(4, 0, 2) == [("warmup", 1), ("warmup", 0)]
+    assert one_f_one_b_phases(4, 0, 5) == [("warmup", 3), ("warmup", 2), ("warmup", 1), ("steady", 0), ("steady", 0)]
+
+
+REFUSED = {
+    "recompute_full": (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+                       r"recompute_granularity='full'"),
+    "recompute_selective": (dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+                            r"recompute_granularity='selective'.*core_attn"),
+    "recompute_moe": (dict(recompute_granularity="selective", recompute_modules=["moe"]),
+                      r"recompute_granularity='selective'.*moe"),
+    "fine_grained_offloading": (dict(fine_grained_activation_offloading=True, offload_modules=["expert_fc1"]),
+                                r"fine_grained_activation_offloading=True"),
+}
+
+
+@pytest.mark.parametrize("option", list(REFUSED))
+def test_megatron_memory_options_refused(option: str, one_rank: None) -> None:
+    import bagualu2
+
+    config_options, message = REFUSED[option]
+    run = _tiny_model(**config_options)
+    with pytest.raises(ValueError, match=message):
+        bagualu2.enable(run.model, budget=None)
+    assert "forward" not in run.model.__dict__, "a refused enable must leave the model as it was"
+
+
+def test_megatron_cpu_offloading_refused(one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    import bagualu2
+
+    run = _tiny_model()
+    # cpu_offloading needs Transformer Engine to build; the check reads the config as built.
+    monkeypatch.setattr(run.config, "cpu_offloading", True)
+    with pytest.raises(ValueError, match=r"cpu_offloading=True"):
+        bagualu2.enable(run.model, budget=None)
+
+
+def test_megatron_virtual_pipeline_refused(one_rank: None) -> None:
+    from bagualu2.integrations.megatron import enable_pipeline
+
+    run = _tiny_model()
+    with pytest.raises(ValueError, match=r"one model chunk per rank.*virtual"):
+        enable_pipeline([run.model, run.model], run.forward_backward, budget=None)
