@@ -99,7 +99,7 @@ def main() -> None:
             return loss, torch.tensor(output.numel(), dtype=torch.int), {"loss": loss.detach()}
         return output, loss_func
 
-    def train_step(step: int, forward_backward) -> float:
+    def train_step(step: int, forward_backward) -> str:
         spike = 7 <= step < 10 and dp_rank == 0
         for router in routers:  # Megatron's own expert bias routes the spike (between steps)
             router.expert_bias.zero_()
@@ -115,7 +115,8 @@ def main() -> None:
                 p.grad /= dp_group.size()
         optimizer.step()
         optimizer.zero_grad()
-        return float(sum(d["loss"] for d in losses)) if losses else float("nan")
+        # Only the last pipeline stage computes the loss.
+        return f"{float(sum(d['loss'] for d in losses)):.4f}" if losses else "(last stage)"
 
     # Measure the calm peak with keep_all, then hold each rank to its own budget above it.
     probe, forward_backward = enable_pipeline(model, get_forward_backward_func(), budget=None, policy="keep_all")
@@ -127,7 +128,7 @@ def main() -> None:
                                              budget=int(calm * args.headroom), policy=args.policy)
     for step in range(3, args.steps):
         loss = train_step(step, forward_backward)
-        print(f"rank {rank} step {step:2d} loss {loss:.4f} activation peak so far "
+        print(f"rank {rank} step {step:2d} loss {loss} activation peak so far "
               f"{prov.report()['peak_bytes_with_backward']:,} B", flush=True)
     report = prov.report()
     print(f"rank {rank}: gates {len(report['gates'])}, budget {report['budget_bytes']:,} B, "
