@@ -701,8 +701,6 @@ class ActivationRuntime:
         argument is an object the forward may change (``unrestorable``; told once)."""
         if torch.utils._python_dispatch._get_current_dispatch_mode() is not self.mode:
             return False
-        if name not in self._traced_blocks or name in self.mode.collective_modules:
-            return False
         flat, spec = tree_flatten((args, kwargs))
         other = unrestorable(flat)
         if other is not None:
@@ -713,6 +711,8 @@ class ActivationRuntime:
                 self._told_unrestorable = True
                 warnings.warn(f"bagualu2: {why} (slower; a Hugging Face model passes its KV cache: set "
                               f"model.config.use_cache = False for training)", stacklevel=2)
+            return False
+        if name not in self._traced_blocks or name in self.mode.collective_modules:
             return False
         self.mode.__exit__(None, None, None)  # off torch's dispatch stack: the block's ops skip Python
         frame._rerun = BlockRerun(module, name, flat, spec, self._pin_leaf, lambda s: _Pin(self.ledger, s))
