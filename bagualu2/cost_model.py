@@ -90,11 +90,14 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 from bagualu2.activations.tracing import call_key, module_of
 from bagualu2.planner import Candidate, Choice
 
-__all__ = ["CostModel", "OpCost", "SIZE"]
+__all__ = ["CostModel", "GROUPED", "OpCost", "SIZE"]
 
 # A key of a counts mapping (MoE layer -> tokens per expert) holding the routing whose total
 # sizes the micro-batch, when the layers' own entries are rounded up (planning).
 SIZE = -1
+GROUPED = -1
+"""The expert index of an op that runs every expert of its layer at once (grouped experts):
+the layer's tokens, summed, drive it."""
 
 # A rebuild runs the ops it replays: its time per second of their replay time is taken to be 1,
 # give or take this, until the observed rebuilds tell otherwise (``_CostFit.prior_sd``). Their
@@ -387,7 +390,7 @@ class CostModel:
 
     Args:
         expert_prefixes: for each MoE layer index, the module path prefix of its experts
-            (e.g. ``{0: "layers.0.moe.experts."}``).
+            (e.g. ``{0: "layers.0.moe.experts"}``).
         d2h_bandwidth, h2d_bandwidth: copy engine bandwidth in bytes per second.
         copy_fixed_s: (offload, reload) seconds every copy costs besides its bytes (submission,
             the reload's fresh device buffer, the wait).
@@ -451,12 +454,16 @@ class CostModel:
         return self._driver(key)[1]
 
     def _driver(self, key: str) -> Tuple[Optional[int], Optional[int]]:
+        """(MoE layer, expert) whose tokens drive ``key``'s op: an expert of a ``ModuleList``
+        under the layer's experts path (directly, or one level down as Megatron's
+        ``experts.local_experts.<e>``), ``GROUPED`` for other ops under it (experts run as one
+        grouped call), (None, None) outside every experts path."""
         path = module_of(key)
         for layer, prefix in self.expert_prefixes.items():
-            if path.startswith(prefix):
-                head = path[len(prefix):].split(".", 1)[0]
-                if head.isdigit():
-                    return layer, int(head)
+            if path == prefix or path.startswith(prefix + "."):
+                parts = path[len(prefix) + 1:].split(".")[:2]
+                index = next((p for p in parts if p.isdigit()), None)
+                return layer, int(index) if index is not None else GROUPED
         return None, None
 
     def observe(self, saved: Mapping[str, Tuple], counts: Mapping[int, Sequence[int]],
@@ -857,6 +864,8 @@ class CostModel:
         layer_counts = counts.get(op.layer)
         if layer_counts is None or op.expert is None or op.expert >= len(layer_counts):
             return 0.0
+        if op.expert == GROUPED:
+            return float(sum(layer_counts))
         return float(layer_counts[op.expert])
 
     def predict_bytes(self, key: str, counts: Mapping[int, Sequence[int]]) -> int:

@@ -199,8 +199,7 @@ class Provisioner:
         self.cache = PlanCache()
         self._load_ids: Dict[Tuple[int, ...], int] = {}  # bucketed loads -> the cache's load key
         self.gates: List[GateSpec] = list(gates) if gates is not None else find_gates(model)
-        self.cost = CostModel({g.layer: f"{g.block_name}.experts." if g.block_name else "experts."
-                               for g in self.gates}, *self._copy_costs(),
+        self.cost = CostModel({g.layer: g.experts_path for g in self.gates}, *self._copy_costs(),
                               copies_overlap=self.device.type != "cpu")  # the cpu's copy threads hide nothing
         self._hooks: List[Any] = self.runtime.attach(model)
         for spec in self.gates:
@@ -314,7 +313,7 @@ class Provisioner:
         layer = len(self.gates) if layer is None else layer
         spec = GateSpec(module, name, layer, num_experts, counts_fn, None, name.rpartition(".")[0])
         self.gates.append(spec)
-        self.cost.expert_prefixes[layer] = f"{spec.block_name}.experts." if spec.block_name else "experts."
+        self.cost.expert_prefixes[layer] = spec.experts_path
         self._hooks.append(module.register_forward_hook(AttachedHook(self._gate_hook(spec))))
         return spec
 

@@ -1002,7 +1002,7 @@ def test_cost_model_copies_on_cpu_are_never_hidden_and_pay_a_fixed_cost() -> Non
 def test_cost_model_floor_is_what_no_plan_can_release() -> None:
     from bagualu2.cost_model import CostModel
 
-    cost = CostModel({0: "experts."})
+    cost = CostModel({0: "experts"})
     saved = {"small:op:0": (100, 1e-3, True, ()), "anchor:op:0": (4000, 1e-3, True, ()),
              "rng:op:0": (2000, 1e-3, False, ()), "experts.0:mm:0": (800, 1e-3, True, ()),
              "empty:op:0": (0, 1e-3, True, ())}
@@ -1025,7 +1025,7 @@ def test_cost_model_floor_is_what_no_plan_can_release() -> None:
 def test_cost_model_sizes_non_expert_operators_by_the_micro_batch_not_by_rounded_loads() -> None:
     from bagualu2.cost_model import SIZE, CostModel
 
-    cost = CostModel({0: "experts."})
+    cost = CostModel({0: "experts"})
     cost.observe({"attn:op:0": (1000, 1e-3, True, ()), "experts.0:mm:0": (100, 1e-3, True, ())},
                  {0: [10, 10]}, forward_seconds=0.01)
     assert cost.predict_bytes("attn:op:0", {0: [20, 20]}) == 2000  # twice the tokens
@@ -1080,7 +1080,7 @@ def test_cost_model_learns_recompute_cost_from_measured_replays() -> None:
 def test_cost_model_prices_an_op_s_replay_as_backward_measured_it() -> None:
     from bagualu2.cost_model import CostModel
 
-    cost = CostModel({0: "experts."})
+    cost = CostModel({0: "experts"})
     profiled = {"a:op:0": (1e-3, ()), "b:op:0": (2e-3, ()), "c:op:0": (4e-3, ("u:op:0",)), "experts.0:op:0": (1e-3, ())}
     cost.observe({k: (1000, s, True, unsaved) for k, (s, unsaved) in profiled.items()}, {0: [10, 10]},
                  forward_seconds=0.01, unsaved={"u:op:0": 5e-4})
@@ -1420,7 +1420,7 @@ def test_a_timing_fit_is_the_theil_sen_line_of_its_window_refitted_once_an_eight
 def test_cost_model_timings_drop_the_cold_first_micro_batch_and_outliers() -> None:
     from bagualu2.cost_model import CostModel
 
-    cost = CostModel({0: "experts."})
+    cost = CostModel({0: "experts"})
     cost.observe({"attn:op:0": (100, 50e-3, True, ()), "experts.0:mm:0": (400, 40e-3, True, ())},
                  {0: [4, 8]}, forward_seconds=1.0)  # cold: first touches, allocator growth
     for seconds, tokens in ((1e-3, 4), (9e-3, 8), (1e-3, 2), (1e-3, 6)):  # one preempted run

@@ -121,7 +121,8 @@ def find_gates(model: nn.Module) -> Optional[list]:
         specs.append(GateSpec(
             module=moe.routed_experts.inner_experts, name=f"{name}.routed_experts.inner_experts",
             layer=len(specs), num_experts=moe.router.num_experts // ep, counts_fn=_received_counts,
-            top_k=moe.router.top_k, block_name=name, ep_size=ep, pre_hook=True))
+            top_k=moe.router.top_k, block_name=name, experts=f"{name}.routed_experts.inner_experts", ep_size=ep,
+            pre_hook=True))
     return specs
 
 

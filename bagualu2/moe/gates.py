@@ -75,6 +75,17 @@ class GateSpec:
     pre_hook: bool = False
     """The hook runs before the module's forward (``counts_fn`` gets ``output=None``): the
     module is the experts themselves, called with the counts after an engine's EP exchange."""
+    experts: Optional[str] = None
+    """Path of the module holding the gate's experts: a ``ModuleList`` of experts (each one's ops
+    scale with its own tokens), or one module running them all at once, grouped (its ops scale
+    with the tokens of all of them). None: ``<block_name>.experts``."""
+
+    @property
+    def experts_path(self) -> str:
+        """The path of the module holding the experts (``experts``, or its default)."""
+        if self.experts is not None:
+            return self.experts
+        return f"{self.block_name}.experts" if self.block_name else "experts"
 
 
 def _is_index_tensor(value: Any) -> bool:
