@@ -257,7 +257,7 @@ def test_a_block_that_issues_a_collective_is_never_rerun_whole() -> None:
         assert got[2] == ref[2]
         reruns.append(frame.stats.rerun_blocks)
     assert reruns == [0, 1, 1]  # the collective's block never; the other once it was traced
-    assert runtime.mode.collective_modules == {"blocks.0"}
+    assert runtime.mode.side_effect_modules == {"blocks.0"}
 
 
 def test_enable_over_collectives_every_policy_exact() -> None:

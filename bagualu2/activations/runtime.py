@@ -712,7 +712,7 @@ class ActivationRuntime:
                 warnings.warn(f"bagualu2: {why} (slower; a Hugging Face model passes its KV cache: set "
                               f"model.config.use_cache = False for training)", stacklevel=2)
             return False
-        if name not in self._traced_blocks or name in self.mode.collective_modules:
+        if name not in self._traced_blocks or name in self.mode.side_effect_modules:
             return False
         self.mode.__exit__(None, None, None)  # off torch's dispatch stack: the block's ops skip Python
         frame._rerun = BlockRerun(module, name, flat, spec, self._pin_leaf, lambda s: _Pin(self.ledger, s))

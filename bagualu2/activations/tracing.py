@@ -414,9 +414,11 @@ class TracingMode(TorchDispatchMode):
         self._pin_leaf = pin_leaf
         self._calls: List[Tuple[str, Dict[str, int]]] = [("", {})]
         self._call_counts: Dict[str, int] = {}
-        # Paths of the modules whose calls issued a collective, in any frame: they are never
-        # rerun whole in backward (``ActivationRuntime``'s rerun blocks).
-        self.collective_modules: Set[str] = set()
+        # Paths of the modules whose calls, in any frame, had an effect a rerun would repeat:
+        # a collective, or a write into a storage from outside the traced forward (a buffer, a
+        # counter, a parameter an FSDP2 unshard fills). They are never rerun whole in backward
+        # (``ActivationRuntime``'s rerun blocks).
+        self.side_effect_modules: Set[str] = set()
         # Storages from outside the traced forward that an op inside it wrote, with the path of
         # the module whose call wrote them (see _record_mutation and StorageNode.owners).
         self.written_outside: Dict[int, Tuple[StorageWeakRef, str]] = {}
@@ -439,6 +441,11 @@ class TracingMode(TorchDispatchMode):
     def pop_module(self) -> None:
         if len(self._calls) > 1:
             self._calls.pop()
+
+    def _side_effect(self) -> None:
+        """The running op has an effect a rerun would repeat: mark every module call it is in."""
+        for path, _ in self._calls[1:]:
+            self.side_effect_modules.add(path.partition("#")[0])
 
     def module_path(self) -> str:
         """The path of the innermost module call running now ("" outside every module)."""
@@ -490,8 +497,7 @@ class TracingMode(TorchDispatchMode):
             out = func(*args, **kwargs)
             seconds = 0.0
         if info.collective:
-            for path, _ in self._calls[1:]:
-                self.collective_modules.add(path.partition("#")[0])
+            self._side_effect()
         if info.written:
             written = self._record_mutation(func, info, args, kwargs, rng, seconds)
             if not func.is_view:
@@ -560,6 +566,7 @@ class TracingMode(TorchDispatchMode):
                 node = self.nodes.get(cdata)
                 if node is None:
                     foreign = True
+                    self._side_effect()
                     # Held weakly: the address stays a sound key while the entry lives.
                     self.written_outside[cdata] = (StorageWeakRef(t.untyped_storage()), self.module_path())
                 elif all(node is not n for n, _ in targets):
