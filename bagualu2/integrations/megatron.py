@@ -25,10 +25,10 @@ which save nothing whose size the routing decides; the received tokens are first
 the experts, after the decision. The count exchange is Megatron's: bagualu2 adds no collective.
 
 The shared experts (``mlp.shared_experts``) run on every token before routing: they are dense
-operators sized by the micro-batch, like attention. The local experts of a layer are driven
-by the micro-batch size (the first MoE layer's received tokens on this rank), as for
-torchtitan's grouped experts: later layers' expert loads are predicted from the first's, and the
-runtime holds the budget at every save regardless.
+operators sized by the micro-batch, like attention. The experts' path is ``<layer>.experts``
+(``GateSpec.experts`` left at its default): the cost model drives each of
+``experts.local_experts.<e>`` (``SequentialMLP``) by its own expert's tokens, and a grouped MLP's
+ops by the layer's tokens.
 
 Pipeline. Megatron's non-interleaved 1F1B (``forward_backward_pipelining_without_interleaving``)
 runs ``pp_size - pp_rank - 1`` warm-up forwards (at most the micro-batches), then one forward
