@@ -153,6 +153,7 @@ private:
     const DeviceApi& api_;
 };
 
+#if defined(BAGUALU2_WITH_CUDA) || defined(BAGUALU2_WITH_HIP)
 // A loaded runtime, or why it is not usable; built once per backend.
 struct Usable {
     std::unique_ptr<DeviceRuntime> runtime;
@@ -197,6 +198,7 @@ Runtime& usable_or_throw(const char* name, const Usable& u) {
                            "' is compiled in but not usable: ", u.reason);
     return *u.runtime;
 }
+#endif
 
 }  // namespace
 
@@ -210,6 +212,7 @@ Runtime& hip_runtime() { return usable_or_throw("hip", hip_usable()); }
 BackendStatus device_backend_status(const std::string& name) {
     BackendStatus status;
     status.name = name;
+#if defined(BAGUALU2_WITH_CUDA) || defined(BAGUALU2_WITH_HIP)
     const Usable* u = nullptr;
 #ifdef BAGUALU2_WITH_CUDA
     if (name == "cuda") {
@@ -221,15 +224,16 @@ BackendStatus device_backend_status(const std::string& name) {
         u = &hip_usable();
     }
 #endif
-    if (u == nullptr) {
-        status.reason = "not compiled into this build of bagualu2 (rebuild with "
-                        "BAGUALU2_BACKEND=auto or " + name + ")";
+    if (u != nullptr) {
+        status.compiled = true;
+        status.usable = u->runtime != nullptr;
+        status.reason = u->reason;
+        status.library = u->library;
         return status;
     }
-    status.compiled = true;
-    status.usable = u->runtime != nullptr;
-    status.reason = u->reason;
-    status.library = u->library;
+#endif
+    status.reason = "not compiled into this build of bagualu2 (rebuild with "
+                    "BAGUALU2_BACKEND=auto or " + name + ")";
     return status;
 }
 
