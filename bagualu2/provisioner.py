@@ -252,9 +252,9 @@ class Provisioner:
 
     # -- setup ------------------------------------------------------------------------------
     def _make_engine(self, arena_bytes: Optional[int], arena_max_bytes: Optional[int]) -> Any:
-        from bagualu2.offload import CopyEngine, HostArena
+        from bagualu2.offload import CopyEngine, HostArena, backend_for_device
 
-        backend = "cpu" if self.device.type == "cpu" else ("hip" if torch.version.hip else "cuda")
+        backend = backend_for_device(self.device)  # meta/cpu models: cpu, never a GPU backend
         if arena_bytes is None:
             arena_bytes = _ARENA_START_BYTES
         if arena_max_bytes is None:
@@ -447,6 +447,8 @@ class Provisioner:
         self.runtime.backward_observer = None
         self.model.__dict__.pop("forward", None)
         self.enabled = False
+        # The pinned arena goes now, or when the last graph holding one of its offloads dies.
+        self.engine = self.runtime.engine = None
 
     # -- forward ----------------------------------------------------------------------------
     def _new_frame(self, conservative: bool) -> Frame:
