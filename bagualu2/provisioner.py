@@ -260,7 +260,8 @@ class Provisioner:
         if arena_max_bytes is None:
             # Grow on demand up to half of this process's share of host memory.
             arena_max_bytes = max(arena_bytes, _host_memory_bytes() // (2 * _local_processes()))
-        return CopyEngine(HostArena(arena_bytes, backend, max_capacity=arena_max_bytes), backend)
+        device = self.device if backend != "cpu" else None  # the model's GPU, not the current one
+        return CopyEngine(HostArena(arena_bytes, backend, max_capacity=arena_max_bytes), backend, device)
 
     def _copy_costs(self) -> tuple:
         """Measure the copy engine's path as the runtime uses it (offload, wait; reload into a
