@@ -328,6 +328,7 @@ def check_oom(bench: _Bench) -> Row:
     import bagualu2
 
     device = bench.device
+    deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         ref = bench.step(bench.fresh(), 0, 2.6)
@@ -370,7 +371,7 @@ def check_oom(bench: _Bench) -> Row:
         report = prov.report()
         prov.disable()
     finally:
-        torch.use_deterministic_algorithms(False)
+        torch.use_deterministic_algorithms(deterministic)
     data.update(limit_bytes=limit, oom_recoveries=report["oom_recoveries"])
     exact = _same(ref, got)
     line = (f"limit {limit / MiB:.0f} MiB (keep_all forward needs {keep_fwd / MiB:.0f}): "
@@ -425,6 +426,7 @@ def check_other_device(seed: int) -> Row:
     index = torch.cuda.device_count() - 1
     dev = torch.device("cuda", index)
     bench = _Bench(dev, True, seed, (4, 64))
+    deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         ref = bench.step(bench.fresh(), 0, 2.6)
@@ -434,7 +436,7 @@ def check_other_device(seed: int) -> Row:
             got = bench.step(model, 0, 2.6)
         prov.disable()
     finally:
-        torch.use_deterministic_algorithms(False)
+        torch.use_deterministic_algorithms(deterministic)
     engine = CopyEngine(HostArena(8 * MiB, "auto"), device=index)
     t = torch.arange(1 << 20, device=dev, dtype=torch.int32)
     with torch.cuda.device(dev):
