@@ -49,6 +49,7 @@ import copy
 import math
 import os
 import statistics
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -69,7 +70,18 @@ __all__ = ["Provisioner", "enable", "on_gating", "POLICIES"]
 
 POLICIES = ("adaptive", "keep_all", "recompute_all", "offload_all")
 _PHASES = {"none": 0, "warmup": 1, "steady": 2, "cooldown": 3}
-_ACTIVE: List["Provisioner"] = []  # provisioners whose forward is running, innermost last
+# Per thread, the provisioners whose forward is running on it, innermost last: a routing report
+# (on_gating) belongs to the thread that makes it, and so to the model that thread runs.
+_LOCAL = threading.local()
+
+
+def _active() -> List["Provisioner"]:
+    stack = getattr(_LOCAL, "active", None)
+    if stack is None:
+        stack = _LOCAL.active = []
+    return stack
+
+
 # Micro-batches whose routing predicts the next one's: after a spike, this many are traced
 # (ready to plan releases) before calm forwards go untraced again.
 _RECENT = 8
@@ -94,6 +106,101 @@ def _local_processes() -> int:
         return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
         return 1
+
+
+def _check_int(name: str, value: Any, low: int, also: str = "") -> None:
+    """A numeric option: an int (not a bool) of at least ``low``; the error names it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r} must be an int >= {low}{also}")
+    if value < low:
+        raise ValueError(f"{name}={value} must be >= {low}{also}")
+
+
+def _check_materialized(model: torch.nn.Module) -> None:
+    """Refuse a model whose parameters hold no data yet: on the meta device, or lazy."""
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        if isinstance(p, torch.nn.parameter.UninitializedTensorMixin):
+            raise ValueError(f"enable(): {name} is uninitialized (a lazy module): run one forward of the model "
+                             f"without bagualu2 to initialize it, then enable")
+        if p.device.type == "meta":
+            raise ValueError(f"enable(): {name} is on the meta device (no data): materialize the model first "
+                             f"(model.to_empty(device=...) and initialize its weights), then enable")
+
+
+def _checked_plan(plan: Mapping[str, Choice], model: torch.nn.Module) -> Dict[str, Choice]:
+    """A fixed plan's entries: every choice a ``Choice``, every key of the form
+    ``'<module path>:<aten op>:<occurrence>'`` naming a module of ``model`` and an op torch has."""
+    import difflib
+
+    choices = checked_choices(plan)
+    modules = [name for name, _ in model.named_modules()]
+    known = set(modules)
+    for key in choices:
+        if not isinstance(key, str) or key.count(":") < 2:
+            raise ValueError(f"plan key {key!r} is not an operator key '<module path>:<aten op>:<occurrence>' "
+                             f"(see Frame.keys_seen or Provisioner.last_plan)")
+        path, op, occurrence = key.rsplit(":", 2)
+        module = path.partition("#")[0]
+        if module not in known:
+            hint = difflib.get_close_matches(module, modules, n=1)
+            raise ValueError(f"plan key {key!r}: the model has no module {module!r}"
+                             + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+        namespace, _, rest = op.partition(".")
+        name, _, overload = rest.partition(".")
+        packet = getattr(getattr(torch.ops, namespace, None), name, None) if name else None
+        if packet is None or not hasattr(packet, overload or "default") or not occurrence.partition(".")[0].isdigit():
+            raise ValueError(f"plan key {key!r}: {op!r} is not an op torch knows (keys look like "
+                             f"'layers.0.attn:aten.mm.default:0')")
+    return choices
+
+
+def _checked_counts(counts: Any, what: str, num_experts: Optional[int] = None,
+                    limit: Optional[int] = None) -> List[int]:
+    """Tokens per expert as reported by ``what`` (a gate's counts_fn, or on_gating): a 1-D
+    tensor or sequence of finite non-negative integers, ``num_experts`` long where known, and
+    no more token slots than ``limit`` where known; the error names ``what`` and the value."""
+    if isinstance(counts, torch.Tensor):
+        if counts.dim() != 1:
+            raise ValueError(f"{what} returned a tensor of shape {tuple(counts.shape)}: tokens per expert must be "
+                             f"1-D [num_experts]")
+        if counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool:
+            raise TypeError(f"{what} returned a {counts.dtype} tensor: tokens per expert must be integers "
+                            f"(torch.int64), got {counts.tolist()[:8]}")
+        values = counts.tolist()
+    elif isinstance(counts, (list, tuple)):
+        values = []
+        for c in counts:
+            if isinstance(c, torch.Tensor) and c.dim() == 0 and not c.is_floating_point():
+                c = c.item()
+            if isinstance(c, bool) or not isinstance(c, int):
+                raise TypeError(f"{what} returned {list(counts)[:8]}: tokens per expert must be integers, got {c!r}")
+            values.append(c)
+    else:
+        raise TypeError(f"{what} returned {counts!r}: it must return tokens per expert, an int64 tensor "
+                        f"[num_experts] or a sequence of ints")
+    if not values or (num_experts is not None and len(values) != num_experts):
+        raise ValueError(f"{what} returned {len(values)} counts {values[:8]}, the gate has "
+                         f"{num_experts if num_experts is not None else 'at least 1'} experts")
+    low = min(values)
+    if low < 0:
+        raise ValueError(f"{what} returned a negative count ({low}) in {values[:8]}")
+    if limit is not None and sum(values) > limit:
+        raise ValueError(f"{what} returned {sum(values)} token slots in all ({values[:8]}), more than the "
+                         f"{limit} the gate's tokens times its top-k can route")
+    return values
+
+
+def _slots(spec: GateSpec, args: tuple) -> Optional[int]:
+    """The most token slots a gate can route, where known: the tokens its input holds (the
+    rows of a float hidden-state tensor) times its top-k, times the ranks whose tokens its
+    experts receive. None for a gate hooked before its module (its input is not the tokens)
+    or without a top-k."""
+    if not spec.top_k or spec.pre_hook or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    x = args[0]
+    if not x.is_floating_point() or x.dim() < 2:
+        return None
+    return x.numel() // max(1, x.shape[-1]) * spec.top_k * max(1, spec.ep_size)
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
@@ -159,16 +266,23 @@ class Provisioner:
             model = compiled  # torch.compile's wrapper calls it: provision the module it wraps
         if isinstance(policy, str) and policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: use one of {POLICIES} or a fixed Plan / mapping of keys to Choice")
+        if not isinstance(policy, (str, Plan, Mapping)):
+            raise TypeError(f"policy={policy!r}: use one of {POLICIES} or a fixed Plan / mapping of keys to Choice")
         if on_exceed not in ("record", "raise"):
             raise ValueError(f"on_exceed={on_exceed!r}: use 'record' or 'raise'")
-        if not 0.0 <= margin < 0.5:
-            raise ValueError(f"margin={margin} must be in [0, 0.5)")
-        if profile_frames < 1:
-            raise ValueError(f"profile_frames={profile_frames} must be >= 1")
-        if calibrate_frames < 0:
-            raise ValueError(f"calibrate_frames={calibrate_frames} must be >= 0")
-        if recalibrate_every < 0:
-            raise ValueError(f"recalibrate_every={recalibrate_every} must be >= 0 (0: never)")
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0.0 <= margin < 0.5:
+            raise ValueError(f"margin={margin!r} must be a number in [0, 0.5)")
+        _check_int("profile_frames", profile_frames, 1)
+        _check_int("calibrate_frames", calibrate_frames, 0)
+        _check_int("recalibrate_every", recalibrate_every, 0, " (0: never)")
+        _check_int("min_bytes", min_bytes, 0)
+        _check_int("reserve_bytes", reserve_bytes, 0)
+        for name, value in (("arena_bytes", arena_bytes), ("arena_max_bytes", arena_max_bytes)):
+            if value is not None:
+                _check_int(name, value, 1, " or None")
+        if arena_bytes is not None and arena_max_bytes is not None and arena_max_bytes < arena_bytes:
+            raise ValueError(f"arena_max_bytes={arena_max_bytes} must be >= arena_bytes={arena_bytes}")
+        _check_materialized(model)
         if "forward" in model.__dict__ and not _plain_forward(model):
             raise RuntimeError(f"{type(model).__name__} already has bagualu2 (or another forward wrapper) enabled; "
                                f"call disable() on the existing Provisioner first")
@@ -237,6 +351,8 @@ class Provisioner:
         # can name them), and whether the user was told.
         self._unplanned: set = set()
         self._unplanned_warned = False
+        self._profiled_training: Optional[bool] = None  # the model's mode while profiling
+        self._mode_warned = False
         self._last_bytes: Optional[int] = None  # saved bytes of the last micro-batch's routing
         self.overlap: Any = None  # an OverlapDriver on a pipeline rank (pipeline.enable_bagualu2)
         self._static: Optional[Dict[str, Choice]] = None
@@ -245,9 +361,9 @@ class Provisioner:
         self._last_choices: Optional[Dict[str, Choice]] = None  # what the last one that planned ran
         self._since_calibration = 0  # micro-batches that may have to release since the last one
         if isinstance(policy, Plan):
-            self._static = dict(policy.choices)
+            self._static = _checked_plan(policy.choices, model)
         elif not isinstance(policy, str):
-            self._static = dict(policy.items())
+            self._static = _checked_plan(policy, model)
         self.enabled = True
 
     # -- setup ------------------------------------------------------------------------------
@@ -402,6 +518,7 @@ class Provisioner:
     def report(self) -> Dict[str, Any]:
         """A summary: micro-batches, peak vs budget, violations, plan mix, decision latency, cache.
         Counts and sums cover the whole run; the latency median, the decisions in memory."""
+        self.runtime.collect()  # what an interrupt left held is given back before it is counted
         totals = self.telemetry.totals
         lat = sorted(d.latency_us for d in self.telemetry.decisions)
         cache = self.cache.stats()
@@ -617,9 +734,11 @@ class Provisioner:
         frame = self._new_frame(conservative)
         self._frame_counts = {}
         self._frame_predicted = 0
-        _ACTIVE.append(self)
         start = time.perf_counter()
-        budget = self.runtime.budget_bytes
+        # The provisioner's own budget, not the runtime's: an interrupt may have stopped the
+        # last forward before it restored the runtime's.
+        budget = self.runtime.budget_bytes = self.budget
+        self.runtime.pin_headroom = 0
         adaptive = budget is not None and self.policy == "adaptive"
         inputs = _input_bytes(args, kwargs) if adaptive or frame.traced else 0
         if adaptive:
@@ -629,14 +748,17 @@ class Provisioner:
             # it is charged when pinned.
             self.runtime.budget_bytes = max(0, budget - self._reserve())
             self.runtime.pin_headroom = self._pin_headroom(inputs)
+        active = _active()
         try:
+            active.append(self)
             with self.runtime.frame(frame):
                 out = self._forward(*args, **kwargs)
                 anchored = sum(node.nbytes for node in frame._anchors)
         finally:
             self.runtime.budget_bytes = budget
             self.runtime.pin_headroom = 0
-            _ACTIVE.remove(self)
+            while self in active:  # and above it, what an interrupt left there
+                active.pop()
         seconds = time.perf_counter() - start
         self._frames += 1
         if frame.traced:
@@ -646,6 +768,7 @@ class Provisioner:
             self._outside_held = max(self._outside_held, frame.stats.outside_bytes)
         if frame.profile:
             self.cost.observe(frame.saved_profile, self._frame_counts, seconds, frame.unsaved_seconds)
+            self._profiled_training = self.model.training
         elif frame.traced and self.cost.ready:
             self._note_unplanned(frame)
         kept = 0
@@ -685,6 +808,17 @@ class Provisioner:
             return
         self._unplanned.update(new)
         odd = next((k for k in new if self.cost.expert_of(k) is None), None)
+        if odd is not None and self._profiled_training is not None and self.model.training != self._profiled_training:
+            if not self._mode_warned:  # not a data-dependent loop: the mode changed the forward
+                self._mode_warned = True
+                now, then = ("eval", "training") if self._profiled_training else ("training", "eval")
+                warnings.warn(
+                    f"bagualu2: micro-batch {frame.index} ran in {now} mode with grad enabled, and the profiled "
+                    f"micro-batches ran in {then} mode: {now} mode changed what the forward does (dropout, "
+                    f"batch-norm statistics), so it saved activations under operator keys the profiled ones "
+                    f"never used, e.g. {odd!r}; plans cannot name them, so they are kept. Evaluate under "
+                    f"torch.no_grad() (not provisioned), or train in the mode that was profiled.", stacklevel=3)
+            return
         if odd is not None and not self._unplanned_warned:
             self._unplanned_warned = True
             warnings.warn(
@@ -753,7 +887,9 @@ class Provisioner:
             with self.runtime.untraced(), torch.no_grad():
                 counts = spec.counts_fn(module, args, output)
                 size = spec.size_fn(module, args, output) if spec.size_fn is not None else None
-            self._on_gate(spec.layer, counts, size)
+            self._on_gate(spec.layer, _checked_counts(counts, what, spec.num_experts, _slots(spec, args)), size)
+
+        what = f"counts_fn of gate {spec.name!r} (layer {spec.layer})"
 
         return hook
 
@@ -949,8 +1085,17 @@ def on_gating(tokens_per_expert: Union[torch.Tensor, Sequence[int]], layer: int)
     Call it after routing and before the experts run. Outside a provisioned forward, and
     during recomputation, it does nothing.
     """
-    if not _ACTIVE or is_recomputing():
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        raise TypeError(f"on_gating(layer={layer!r}): layer must be the MoE layer's index, an int >= 0")
+    active = _active()
+    if not active or is_recomputing():
         return
-    prov = _ACTIVE[-1]
+    # The innermost provisioner of this thread whose forward runs (one an interrupt left on the
+    # stack has none).
+    prov = next((p for p in reversed(active) if p.runtime.active_frame is not None), None)
+    if prov is None:
+        return
+    spec = next((g for g in prov.gates if g.layer == layer), None)
+    values = _checked_counts(tokens_per_expert, f"on_gating(layer={layer})", spec.num_experts if spec else None)
     with prov.runtime.untraced(), torch.no_grad():
-        prov._on_gate(layer, tokens_per_expert)
+        prov._on_gate(layer, values)

@@ -44,12 +44,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 import threading
 import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Set, Tuple
+from typing import Any, Callable, ContextManager, Deque, Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -103,67 +104,157 @@ _CAST_OPS = frozenset({"aten._to_copy.default", "aten.clone.default", "aten._to_
 class ResidencyLedger:
     """Device bytes held for activations, counted once per storage.
 
-    ``acquire`` and ``release`` are reference counted per storage; ``resident`` is the sum of
-    the sizes of storages with a positive count, ``peak`` its high-water mark.
+    A count is held by a ``_Pin`` (``acquire``) and given back by ``release`` or by the pin's
+    death; ``resident`` is the sum of the sizes of storages with a positive count, ``peak`` its
+    high-water mark.
+
+    Interrupt safety: an interrupt (KeyboardInterrupt from a signal handler) lands between
+    bytecodes where the interpreter checks for one (function entry, loop jumps, after calls), so
+    it may land at the first line of a finalizer, which then never runs (Python reports it as
+    "Exception ignored" and drops it). So a pin has no finalizer: its death is noticed by a
+    weak reference whose callback is a C method (``list.append``), which runs no bytecode and
+    cannot be interrupted, and its count is given back at the next read of the ledger
+    (``collect``). Inside ``acquire`` and ``release`` the count and the registration of the
+    pin change together, with no call between them: an interrupt sees both or neither.
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Reentrant: a collection can run a finalizer that drops a pin while a call holds it.
+        self._lock = threading.RLock()
         # cdata -> [count, nbytes, weak handle]; the weak handle keeps the address from being
         # reused by another storage while it is a key here
-        self._held: Dict[int, List[int]] = {}
-        # Held here: releases run from finalizers, also at interpreter exit when module globals
-        # may already be gone.
+        self._held: Dict[int, List[Any]] = {}
+        self._pins: Dict["weakref.ref[_Pin]", int] = {}  # a live pin's weak reference -> its storage
+        self._dead: List["weakref.ref[_Pin]"] = []  # weak references of pins that died, not yet collected
+        # Held here: releases run at interpreter exit too, when module globals may be gone.
         self._free_weak_ref = torch.UntypedStorage._free_weak_ref
-        self.resident = 0
+        self._resident = 0
         self.peak = 0
 
-    def acquire(self, storage: torch.UntypedStorage) -> int:
-        cdata = storage._cdata
-        with self._lock:
-            entry = self._held.get(cdata)
-            if entry is None:
-                nbytes = storage.nbytes()
-                self._held[cdata] = [1, nbytes, storage._weak_ref()]
-                self.resident += nbytes
-                if self.resident > self.peak:
-                    self.peak = self.resident
-            else:
-                entry[0] += 1
-        return cdata
+    @property
+    def resident(self) -> int:
+        if self._dead:
+            self.collect()
+        return self._resident
 
-    def release(self, cdata: int) -> None:
+    def acquire(self, storage: torch.UntypedStorage, pin: "_Pin") -> None:
+        """Count ``storage`` for ``pin``'s life (or until ``release(pin._ref)``)."""
+        cdata = storage._cdata
+        ref = weakref.ref(pin, self._dead.append)
+        nbytes = storage.nbytes()
+        held = self._held
         with self._lock:
-            entry = self._held[cdata]
-            entry[0] -= 1
-            if entry[0] == 0:
-                del self._held[cdata]
-                self.resident -= entry[1]
-                self._free_weak_ref(entry[2])
+            if self._dead:
+                self._collect_locked()
+            if cdata in held:
+                held[cdata][0] += 1
+            else:
+                weak = storage._weak_ref()
+                # From here on no calls: the count and the pin's registration change together.
+                held[cdata] = [1, nbytes, weak]
+                self._resident += nbytes
+                if self._resident > self.peak:
+                    self.peak = self._resident
+            self._pins[ref] = cdata
+            pin._ref = ref
+
+    def release(self, ref: "weakref.ref[_Pin]") -> None:
+        """Give back the count a pin holds (its ``_ref``); nothing when it was given back."""
+        pins, held = self._pins, self._held
+        with self._lock:
+            if ref in pins:
+                cdata = pins[ref]
+                del pins[ref]
+                entry = held[cdata]
+                entry[0] -= 1
+                if not entry[0]:
+                    del held[cdata]
+                    self._resident -= entry[1]
+                    self._free_weak_ref(entry[2])
+
+    def collect(self) -> None:
+        """Give back the counts of pins that died (their weak references' callbacks queued them)."""
+        with self._lock:
+            self._collect_locked()
+
+    def _collect_locked(self) -> None:
+        dead, pins, held = self._dead, self._pins, self._held
+        while dead:
+            ref = dead[-1]
+            if ref in pins:  # as in release, inline: no call between unregistering and counting
+                cdata = pins[ref]
+                del pins[ref]
+                entry = held[cdata]
+                entry[0] -= 1
+                if not entry[0]:
+                    del held[cdata]
+                    self._resident -= entry[1]
+                    self._free_weak_ref(entry[2])
+            del dead[-1]
 
     def holds(self, storage: torch.UntypedStorage) -> bool:
+        if self._dead:
+            self.collect()
         return storage._cdata in self._held
+
+    def count(self, cdata: int) -> Optional[Tuple[int, int]]:
+        """(counts, bytes) held on the storage at ``cdata``, or None when it is not held."""
+        if self._dead:
+            self.collect()
+        entry = self._held.get(cdata)
+        return None if entry is None else (entry[0], entry[1])
 
     def reset_peak(self) -> None:
         self.peak = self.resident
 
 
-class _Pin:
-    """Holds one ledger count on a storage for as long as this object lives."""
+_THREAD = threading.local()
 
-    __slots__ = ("_ledger", "_cdata")
+
+def _drain_graph() -> Tuple[torch.Tensor, torch.Tensor]:
+    """This thread's drain graph (a leaf and a clone of it), made at its first call."""
+    graph = getattr(_THREAD, "drain", None)
+    if graph is None:
+        with torch.enable_grad(), torch.autograd.graph.disable_saved_tensors_hooks("bagualu2: drain graph"):
+            leaf = torch.zeros((), requires_grad=True)
+            graph = _THREAD.drain = (leaf, leaf.clone())  # clone saves nothing
+    return graph
+
+
+def _drain_failed_backward() -> bool:
+    """Free what a failed backward pass on this thread left queued; whether it ran.
+
+    When a backward pass on the cpu raises (an interrupt, an error in a hook), torch leaves the
+    tasks it had queued in the calling thread's ready queue, each holding its node and so the
+    saved activations of the graph below it, and a later backward pass on that thread leaves
+    them there too: it stops once its own graph is done, and the queue serves nodes made later
+    first. A backward pass through a graph made before them (``_drain_graph``, made before the
+    thread's first frame) ends only after the queue has served them, and it drops each one whose
+    pass is gone. It costs a backward pass of one node (tens of microseconds), so it runs only
+    where something is still held between frames; never inside a backward pass."""
+    if torch._C._current_graph_task_id() != -1 or torch.is_inference_mode_enabled():
+        return False
+    leaf, out = _drain_graph()
+    torch.autograd.grad(out, leaf, retain_graph=True)
+    return True
+
+
+class _Pin:
+    """Holds one ledger count on a storage for as long as this object lives (or until
+    ``drop``). No finalizer: the ledger notices its death (``ResidencyLedger``'s note)."""
+
+    __slots__ = ("_ledger", "_ref", "__weakref__")
 
     def __init__(self, ledger: ResidencyLedger, storage: torch.UntypedStorage) -> None:
         self._ledger = ledger
-        self._cdata = ledger.acquire(storage)
+        self._ref: Optional["weakref.ref[_Pin]"] = None
+        ledger.acquire(storage, self)
 
     def drop(self) -> None:
-        if self._cdata is not None:
-            self._ledger.release(self._cdata)
-            self._cdata = None
-
-    def __del__(self) -> None:
-        self.drop()
+        ref = self._ref
+        if ref is not None:
+            self._ref = None
+            self._ledger.release(ref)
 
 
 @dataclass
@@ -407,22 +498,19 @@ class _OffloadStore:
         return self.alias
 
     def __del__(self) -> None:
+        # Its pins give their counts back as they die with it. An interrupt that cuts this
+        # short (at its first line even) leaves the block to ``ActivationRuntime.collect``.
         try:
             start = time.perf_counter()
             if self.prefetched is not None:
+                self.frame._prefetch_pending -= self.nbytes
                 self.prefetched.wait()
             if not self.handle.released:  # a cycle's collector may have finalized the handle first
                 self.handle.release()
             if self.copies is not None:  # part of what the offload cost the thread
                 self.copies[0] += time.perf_counter() - start
-        finally:
-            if self.pin is not None:
-                self.pin.drop()
-            if self.prefetch_pin is not None:
-                self.prefetch_pin.drop()
-                self.frame._prefetch_pending -= self.nbytes
-            if self.held_pin is not None:
-                self.held_pin.drop()
+        except Exception:  # a finalizer must not raise (interpreter teardown, a failed copy)
+            pass
 
 
 def _modified_error(what: str, saved: int, now: int) -> RuntimeError:
@@ -570,6 +658,14 @@ class ActivationRuntime:
         self._told_unrestorable = False  # a block call that could not be rerun was warned of
         self._traced_blocks: Set[str] = set()  # outermost blocks seen traced: whether they issue collectives is known
         self._attachments: List["_Attachment"] = []  # module trees attached (``attach``)
+        # Every live offload store's arena handle, by the store's weak reference, whose callback
+        # (a C method: no bytecode an interrupt could stop) queues it in _dead_stores when the
+        # store dies: ``collect`` releases a block a finalizer cut short left allocated.
+        self._handles: Dict["weakref.ref[_OffloadStore]", Any] = {}
+        self._dead_stores: List["weakref.ref[_OffloadStore]"] = []
+        # The thread and the Python frame of the ``with frame(...)`` running now: a frame whose
+        # forward is no longer on that thread's stack was left by an interrupt (``_frame_left``).
+        self._frame_owner: Optional[Tuple[int, Any]] = None
 
     # -- frames -----------------------------------------------------------------------------
     @property
@@ -580,17 +676,37 @@ class ActivationRuntime:
         """Storages that are not activations (parameters, buffers): never offloaded or counted."""
         self._params = {t.untyped_storage()._cdata for t in tensors}
 
+    def frame(self, frame: Frame) -> ContextManager[Frame]:
+        """Trace and provision one micro-batch's forward (``with runtime.frame(f): ...``).
+
+        A frame that an interrupt left open (the interrupt landed in its cleanup, or in the
+        ``with`` statement's exit before the cleanup began) is closed by the next ``frame`` or
+        ``collect``: one whose ``with`` statement is no longer running on its thread. A frame
+        still running on another thread is an error, as is one started inside another."""
+        holder: List[Any] = []
+        scope = self._frame_scope(frame, holder)
+        holder.append(weakref.ref(scope.gen))  # type: ignore[attr-defined]
+        return scope
+
     @contextlib.contextmanager
-    def frame(self, frame: Frame) -> Iterator[Frame]:
-        """Trace and provision one micro-batch's forward."""
-        if self._frame is not None:
+    def _frame_scope(self, frame: Frame, holder: List[Any]) -> Iterator[Frame]:
+        if self._frame is not None and not self._close_left_frame():
+            thread = self._frame_owner[0] if self._frame_owner is not None else None
+            if thread is not None and thread != threading.get_ident():
+                raise RuntimeError(
+                    "bagualu2: a provisioned forward of this model is running on another thread; a "
+                    "provisioned model runs one forward at a time (give each thread its own model)")
             raise RuntimeError(
                 "bagualu2: a provisioned forward started inside another one; enable bagualu2 on "
                 "the outer module only"
             )
+        self.collect()
+        _drain_graph()  # made before this frame's graph: see _drain_failed_backward
         self.mode.reset()
         self.mode.profile = frame.profile
         self._module_hooks(frame.traced)
+        # The caller of ``with``: this generator's caller is contextlib's __enter__.
+        self._frame_owner = (threading.get_ident(), sys._getframe(2), holder[0])
         self._frame = frame
         if self.frame_observer is not None:
             self.frame_observer(frame)
@@ -608,18 +724,57 @@ class ActivationRuntime:
             if frame.strict:
                 self._check_keys(frame)
         finally:
-            frame.stats.peak_resident = self.ledger.peak
-            if frame.profile:
-                frame.saved_profile, frame.unsaved_seconds = self._profile(frame)
-            self.settle()
-            for node in frame._anchors:
-                if node.offloaded:
-                    node.anchor = None
-            frame._anchors = []
-            frame._untraced_offloads = {}
-            frame._recomputed = set()
-            self._frame = None
-            self.mode.reset()
+            self._close_frame(frame)
+
+    def _close_frame(self, frame: Frame) -> None:
+        """End ``frame``: the frame's own cleanup, and the repair of one an interrupt left open.
+        Every step may run again (an interrupt may stop this one too): the frame stays the
+        running one, for ``_close_left_frame`` to close again, until the last step."""
+        frame.stats.peak_resident = max(frame.stats.peak_resident, self.ledger.peak)
+        if frame.profile and not frame.saved_profile:
+            frame.saved_profile, frame.unsaved_seconds = self._profile(frame)
+        self.settle()
+        for node in frame._anchors:
+            if node.offloaded:
+                node.anchor = None
+        frame._anchors = []
+        frame._untraced_offloads = {}
+        frame._recomputed = set()
+        frame._rerun = None
+        self.mode.reset()  # the frame's nodes, and the anchors they pin
+        self._frame_owner = None
+        self._frame = None
+
+    def _close_left_frame(self) -> bool:
+        """Close the running frame if an interrupt left it open: its ``with`` statement's frame
+        is off its thread's stack, or the scope's generator is done (its cleanup began). True
+        when it was so (or no frame runs)."""
+        frame, owner = self._frame, self._frame_owner
+        if frame is None:
+            return True
+        if owner is not None:
+            thread, caller, gen_ref = owner
+            gen = gen_ref()
+            running = gen is not None and gen.gi_frame is not None and not gen.gi_running
+            if running:
+                top = sys._getframe(1) if thread == threading.get_ident() else sys._current_frames().get(thread)
+                while top is not None and top is not caller:
+                    top = top.f_back
+                running = top is not None
+            if running:
+                return False
+        self._frame_owner = None
+        # What the interrupted exit did not undo: the tracing mode and the saved-tensor hooks
+        # (this thread's stacks) and the frame's module hooks.
+        if self.mode in torch.utils._python_dispatch._get_current_dispatch_mode_stack():
+            while torch.utils._python_dispatch._get_current_dispatch_mode() is not None:
+                if torch.utils._python_dispatch._pop_mode() is self.mode:
+                    break
+        top_hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        if top_hooks is not None and getattr(top_hooks[1], "__self__", None) is self:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        self._close_frame(frame)
+        return True
 
     def attach(self, root: torch.nn.Module) -> List[Any]:
         """Name operators by module path and anchor block inputs, through module hooks that
@@ -696,8 +851,9 @@ class ActivationRuntime:
                     kwargs: Dict[str, Any]) -> bool:
         """Run this block call untraced, to be rerun whole in backward; False (trace it) when
         another dispatch mode was entered inside the frame's (that one must see the ops), when
-        the block issues a collective or has not yet been traced to tell (a rerun in backward
-        would issue it again: ranks out of step, or waiting for one another), or when an
+        the block issues a collective or writes a storage from outside the forward, or has not
+        yet been traced to tell (a rerun in backward would do it again: a collective on one rank
+        only, ranks out of step or waiting for one another; a counter counted twice), or when an
         argument is an object the forward may change (``unrestorable``; told once)."""
         if torch.utils._python_dispatch._get_current_dispatch_mode() is not self.mode:
             return False
@@ -812,6 +968,30 @@ class ActivationRuntime:
             yield
         finally:
             self.mode.suspended -= 1
+
+    def collect(self) -> None:
+        """Give back what an interrupt left held: a frame it left open (``frame``), ledger
+        counts of dead pins and arena blocks of dead offload stores whose finalizers it cut
+        short. Idempotent, and resumable after an interrupt of its own: an entry goes only once
+        what it held is given back."""
+        if self._frame is not None:
+            self._close_left_frame()
+        self._collect_dead()
+        # Something still held outside a frame may be what a failed backward left queued.
+        if self._frame is None and (self.ledger.resident or self._handles) and _drain_failed_backward():
+            self._collect_dead()
+
+    def _collect_dead(self) -> None:
+        self.ledger.collect()
+        dead, handles = self._dead_stores, self._handles
+        while dead:
+            ref = dead[-1]
+            if ref in handles:
+                handle = handles[ref]
+                if not handle.released:
+                    handle.release()
+                del handles[ref]
+            del dead[-1]
 
     @property
     def inflight_bytes(self) -> int:
@@ -1099,8 +1279,8 @@ class ActivationRuntime:
             return []
         out = []
         for cdata, (index, saves) in self._live_kept().items():
-            held = self.ledger._held[cdata]
-            if held[0] == len(saves) and all(k.tensor._version == k.version for k in saves):
+            held = self.ledger.count(cdata)
+            if held is not None and held[0] == len(saves) and all(k.tensor._version == k.version for k in saves):
                 out.append((index, -held[1], cdata, saves))
         out.sort(key=lambda c: (c[0], c[1]))
         return out
@@ -1114,7 +1294,7 @@ class ActivationRuntime:
         out = {}
         for cdata, (index, refs) in list(self._kept.items()):
             saves = [k for k in (ref() for ref in refs) if k is not None and k.moved is None and k.pin is not None]
-            if saves and cdata in self.ledger._held:
+            if saves and self.ledger.count(cdata) is not None:
                 out[cdata] = (index, saves)
             else:
                 del self._kept[cdata]
@@ -1169,7 +1349,14 @@ class ActivationRuntime:
         start = time.perf_counter()
         try:
             source = torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage)
-            handle = self.engine.offload(source)
+            try:
+                handle = self.engine.offload(source)
+            except RuntimeError as e:  # the copy could not be submitted: the caller falls back
+                frame.stats.fallbacks.append(f"{key}: offload failed ({e})")
+                return None
+            if handle is None and self._dead_stores:  # blocks finalizers an interrupt cut short left
+                self.collect()
+                handle = self.engine.offload(source)
             if handle is None:
                 return None
             pin: Optional[_Pin] = None
@@ -1182,6 +1369,7 @@ class ActivationRuntime:
             nbytes = storage.nbytes()
             store = _OffloadStore(self.engine, handle, storage.device, nbytes, pin, frame, key,
                                   self.reload_in_place and storage.device.type == "cpu", self._copies)
+            self._handles[weakref.ref(store, self._dead_stores.append)] = handle
             if pin is not None:
                 self._inflight.append(weakref.ref(store))
             frame.stats.offloaded_storages += 1

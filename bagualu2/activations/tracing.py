@@ -224,7 +224,10 @@ class StorageNode:
         return f"StorageNode({self.key!r}, {self.nbytes} B, state={self.state})"
 
     def __del__(self, free: Callable[[int], None] = torch.UntypedStorage._free_weak_ref) -> None:
-        free(self._weak)  # bound at definition: module globals may be gone at interpreter exit
+        # ``free`` bound at definition: module globals may be gone at interpreter exit.
+        weak = getattr(self, "_weak", None)  # None: an interrupt stopped __init__ before it was set
+        if weak is not None:
+            free(weak)
 
     def __reduce__(self) -> Any:
         # A copy would free the weak handle a second time.
