@@ -14,7 +14,7 @@ import gc
 import random
 import signal
 import time
-from typing import Any, Callable, Iterator, List, Tuple
+from typing import Any, Callable, List, Tuple
 
 import pytest
 import torch
