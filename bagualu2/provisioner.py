@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import itertools
 import math
 import os
 import statistics
@@ -729,6 +730,9 @@ class Provisioner:
             self.cost.observe_learning("copies", time.perf_counter() - learned)
 
     def _run_frame(self, args: tuple, kwargs: dict, conservative: bool) -> Any:
+        # The model's parameters now, not at enable: a wrapper applied since (FSDP2's
+        # fully_shard) replaced them, and their old addresses may hold activations by now.
+        self.runtime.set_parameters(itertools.chain(self.model.parameters(), self.model.buffers()))
         self._note_peak()
         self._learn()  # what no backward's end learned (a forward's offloads, in a pipeline)
         frame = self._new_frame(conservative)

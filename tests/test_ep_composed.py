@@ -374,7 +374,9 @@ def _check_spike_needs_a_release(results: List[Dict[str, Any]], prefix: str, ran
     peaks = res[f"{prefix}keep_all"]["peaks"]
     assert len(peaks) == per_step * len(trace)
     spiked = max(p for i, p in enumerate(peaks) if trace[i // per_step])
-    calm = max(p for i, p in enumerate(peaks) if not trace[i // per_step])
+    # The first step is left out: FSDP2's lazy initialization runs inside it (buffers it makes
+    # count as held from outside the forward), which no later step repeats.
+    calm = max(p for i, p in enumerate(peaks) if i >= per_step and not trace[i // per_step])
     assert spiked > 1.05 * calm, f"rank {rank}: the spike needs no release: {peaks}"
     released = res[f"{prefix}adaptive"]["report"]["saved_bytes_by_choice"]
     assert released.get("offload", 0) + released.get("recompute", 0) > 0, released
@@ -436,11 +438,6 @@ def test_ep_by_pp_with_1f1b(ep_pp):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "bagualu2 bug: enable() records the parameters' storage identities once (runtime.set_parameters); "
-    "fully_shard then replaces every parameter, so with enable first the new ones are counted as "
-    "activations, and new storages that reuse a freed parameter's address are taken for parameters "
-    "(never counted, offloaded or recomputed): the count depends on where the allocator put things"))
 def test_fsdp2_counts_the_same_bytes_in_both_orders(fsdp):
     """The same calm steps save the same tensors whichever of ``enable`` and ``fully_shard`` came
     first, so the ledger's per-micro-batch peaks should agree."""

@@ -1015,6 +1015,11 @@ class ActivationRuntime:
         # Python, and called for every save).
         if type(t) is not torch.Tensor and isinstance(t, torch.nn.Parameter):
             return True
+        # A view of a parameter the model did not hold when ``set_parameters`` ran (FSDP2's
+        # unsharded parameters, registered around each module's forward and freed after it).
+        base = t._base
+        if base is not None and type(base) is not torch.Tensor and isinstance(base, torch.nn.Parameter):
+            return True
         return is_plain(t) and t.untyped_storage()._cdata in self._params
 
     def _room(self, storage: torch.UntypedStorage) -> bool:
@@ -1082,7 +1087,9 @@ class ActivationRuntime:
                 or torch._C._len_torch_dispatch_stack() or not is_plain(t)):
             return self._pack(t)
         storage = t.untyped_storage()
-        if storage._cdata in self._params or type(t) is not torch.Tensor:  # a parameter, or a view of one
+        base = t._base
+        if (storage._cdata in self._params or type(t) is not torch.Tensor
+                or (base is not None and type(base) is not torch.Tensor)):  # a parameter, or a view of one
             if self._is_parameter(t):
                 return _uncounted(t)
             return self._pack(t)
