@@ -80,14 +80,6 @@ CASES = {
 }
 
 
-# Layouts where adaptive, under a budget 30% below the calm peak, crosses it at some saves with
-# no InfeasibleBudgetError: a known fault of the runtime, reported; everything else is checked.
-TIGHT_BUDGET_CROSSED = {
-    "pp2_ep2": "PP x EP stage 0: the runtime keeps saves it cannot release (violations) without "
-               "refusing the budget as infeasible",
-}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(CASES))
 def test_torchtitan_exact_budget_no_leak(layout: str, tmp_path: Path) -> None:
@@ -95,11 +87,6 @@ def test_torchtitan_exact_budget_no_leak(layout: str, tmp_path: Path) -> None:
     found = _run(case, world, tmp_path)
     _check(found)
     crossed = _tight_violations(found)
-    if layout in TIGHT_BUDGET_CROSSED:
-        if not crossed:
-            pytest.fail(f"{layout}: adaptive now holds the budget below the calm peak; drop it from "
-                        f"TIGHT_BUDGET_CROSSED")
-        pytest.xfail(f"{TIGHT_BUDGET_CROSSED[layout]}: {crossed}")
     assert not crossed, f"adaptive crossed a budget 30% below the calm peak: (rank, violations, peak, budget) {crossed}"
     if case.get("ep", 1) > 1:
         # Rank 0's tokens all go to expert 3, which lives on rank 1: rank 1's gate reports what
