@@ -307,9 +307,9 @@ class Provisioner:
         )
         self.runtime.backward_observer = self._learn
         self.runtime.set_parameters(list(model.parameters()) + list(model.buffers()))
-        # 2048 byte cells per candidate: a decision over 64 operators in about 0.4 ms (the
-        # automatic table, about 2^18 cells in all, took 0.7 ms for 42); sizes rounded the safe
-        # way, so a plan frees what it must, at most a few percent more than an exact one.
+        # A fixed number of byte cells per candidate bounds a decision's time whatever the
+        # model (benchmarks/decision_latency.py measures it); sizes are rounded the safe way, so
+        # a plan frees what it must, at most a few percent more than an exact one.
         self.planner = Planner(max_cells=2048)
         self.cache = PlanCache()
         self._load_ids: Dict[Tuple[int, ...], int] = {}  # bucketed loads -> the cache's load key
