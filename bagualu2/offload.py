@@ -230,7 +230,7 @@ class OffloadHandle:
     def wait(self) -> None:
         """Block until the offload copy completed (GIL released). Raises after release."""
         self._ticket.wait()
-        self._engine._prune()
+        self._engine.prune()
 
     def release(self) -> None:
         """Free the host block (reused only after the copies using it end). Raises if released."""
@@ -259,13 +259,6 @@ class OffloadHandle:
     def host_ptr(self) -> int:
         """Address of the arena block holding the bytes (how ``CopyEngine.trace`` names it)."""
         return self._ticket.host_ptr
-
-    def __del__(self) -> None:
-        try:
-            if not self._ticket.released:
-                self._ticket.release()
-        except Exception:  # interpreter teardown; a finalizer must not raise
-            pass
 
     def __repr__(self) -> str:
         state = "released" if self._ticket.released else ("done" if self._ticket.finished else "copying")
@@ -359,7 +352,7 @@ class CopyEngine:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"offload expects a torch.Tensor, got {type(t).__name__}")
         if self._inflight:
-            self._prune()
+            self.prune()
         on_device = t.is_cuda
         if on_device and not self._gpu:
             raise ValueError(f"the cpu backend cannot copy a tensor on {t.device}")
@@ -429,7 +422,7 @@ class CopyEngine:
         if h._ticket.released:
             raise ValueError("reload of a released OffloadHandle (use after release)")
         if self._inflight:
-            self._prune()
+            self.prune()
         dev = h.device if device is None else torch.device(device)
         if dev.type == "cuda" and not self._gpu:
             raise ValueError(f"the cpu backend cannot reload into {dev}")
@@ -467,11 +460,13 @@ class CopyEngine:
             self._impl.wait_on(ticket, handle)
         else:
             ticket.wait()
-            self._prune()
+            self.prune()
 
     # -- housekeeping --------------------------------------------------------------------------
-    def _prune(self) -> None:
-        """Drop the host tensors whose copies completed (oldest first)."""
+    def prune(self) -> None:
+        """Drop what the engine keeps for copies that completed (oldest first): their host
+        tensors, and the tickets of handles that died meanwhile, whose blocks go back to the
+        arena with them."""
         q = self._inflight
         while q and q[0][0].finished:
             q.popleft()
@@ -479,7 +474,7 @@ class CopyEngine:
     def synchronize(self) -> None:
         """Block until every copy enqueued so far completed (GIL released)."""
         self._impl.synchronize()
-        self._prune()
+        self.prune()
 
     def stats(self) -> dict:
         """Per direction (d2h_*, h2d_*): bytes, copies, busy_s, bytes_submitted, GBps; plus

@@ -60,7 +60,7 @@ import torch
 
 from bagualu2.activations import ActivationRuntime, Frame, is_recomputing
 from bagualu2.activations.runtime import AttachedHook, checked_choices
-from bagualu2.activations.tracing import is_plain
+from bagualu2.activations.tracing import is_plain, reset_replay_depth
 from bagualu2.cost_model import SIZE, CostModel
 from bagualu2.errors import BudgetExceededError, InfeasibleBudgetError
 from bagualu2.moe import GateSpec, describe_unsupported, find_gates
@@ -690,6 +690,8 @@ class Provisioner:
     def _provisioned_forward(self, *args: Any, **kwargs: Any) -> Any:
         # Without grad (evaluation, inference mode) autograd saves nothing: there is nothing to
         # provision, and such a forward must not count as one the cost model learned from.
+        if torch._C._current_graph_task_id() == -1:
+            reset_replay_depth()  # no replay runs outside a backward pass: an interrupt left it
         if is_recomputing() or not self.enabled or not torch.is_grad_enabled():
             return self._forward(*args, **kwargs)
         self._count_stacking()

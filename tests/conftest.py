@@ -54,3 +54,13 @@ def gpu_backend() -> str:
     if not GPU_BACKENDS:
         pytest.skip("needs a CUDA/ROCm device and a compiled GPU backend")
     return GPU_BACKENDS[0]
+
+
+@pytest.fixture(autouse=True)
+def _grad_mode_left_as_found():
+    """A test that leaves torch's grad mode off errors here, instead of failing whichever test
+    the same process runs next."""
+    yield
+    if not torch.is_grad_enabled():
+        torch.set_grad_enabled(True)
+        pytest.fail("the test left torch's grad mode disabled")

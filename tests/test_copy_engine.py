@@ -176,6 +176,31 @@ def test_a_held_block_outlives_its_release_until_the_last_hold_drops(engine):
     assert arena.allocate(n) == t.host_ptr
 
 
+def test_a_ticket_dropped_without_release_gives_its_block_back_after_its_copies(engine):
+    # What an owner stopped before it could release (an interrupt right after offload()) leaves.
+    arena = engine.arena
+    n = arena.capacity  # one block is the whole arena: any reuse would be this block
+    src = rand_bytes(n, seed=5)
+    t = engine.offload(src.data_ptr(), n, 0)
+    t.wait()
+    view = t.host_view()
+    del t  # a host view keeps the ticket, so the block, until it drops
+    assert arena.allocate(256) is None and bytes(memoryview(view)[:64]) == src[:64].numpy().tobytes()
+    del view
+    assert arena.stats()["in_use"] == 0
+    producer = hooks.Stream("cpu")
+    gate = hooks.HostFence()
+    producer.wait_fence(gate)
+    t = engine.offload(src.data_ptr(), n, producer.handle)
+    host_ptr = t.host_ptr
+    del t  # the copy has not started: the block is freed, reused only after it ends
+    assert arena.allocate(256) is None, "block re-used before its offload copy ended"
+    gate.signal()
+    engine.synchronize()
+    assert arena.stats()["in_use"] == 0
+    assert arena.allocate(n) == host_ptr
+
+
 def test_a_host_view_needs_a_finished_unreleased_offload(engine):
     src = rand_bytes(MiB)
     producer = hooks.Stream("cpu")

@@ -55,6 +55,7 @@ from typing import Any, Callable, ContextManager, Deque, Dict, Iterator, List, M
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from bagualu2.activations.rerun import BlockRerun, RerunSaved, unrestorable
 from bagualu2.activations.tracing import (
@@ -498,8 +499,9 @@ class _OffloadStore:
         return self.alias
 
     def __del__(self) -> None:
-        # Its pins give their counts back as they die with it. An interrupt that cuts this
-        # short (at its first line even) leaves the block to ``ActivationRuntime.collect``.
+        # Its pins give their counts back as they die with it, and its handle's arena block is
+        # freed when the handle dies: an interrupt that cuts this short (at its first line even)
+        # leaves nothing held.
         try:
             start = time.perf_counter()
             if self.prefetched is not None:
@@ -658,11 +660,6 @@ class ActivationRuntime:
         self._told_unrestorable = False  # a block call that could not be rerun was warned of
         self._traced_blocks: Set[str] = set()  # outermost blocks seen traced: whether they issue collectives is known
         self._attachments: List["_Attachment"] = []  # module trees attached (``attach``)
-        # Every live offload store's arena handle, by the store's weak reference, whose callback
-        # (a C method: no bytecode an interrupt could stop) queues it in _dead_stores when the
-        # store dies: ``collect`` releases a block a finalizer cut short left allocated.
-        self._handles: Dict["weakref.ref[_OffloadStore]", Any] = {}
-        self._dead_stores: List["weakref.ref[_OffloadStore]"] = []
         # The thread and the Python frame of the ``with frame(...)`` running now: a frame whose
         # forward is no longer on that thread's stack was left by an interrupt (``_frame_left``).
         self._frame_owner: Optional[Tuple[int, Any]] = None
@@ -700,6 +697,7 @@ class ActivationRuntime:
                 "bagualu2: a provisioned forward started inside another one; enable bagualu2 on "
                 "the outer module only"
             )
+        self._clear_left_scopes()
         self.collect()
         _drain_graph()  # made before this frame's graph: see _drain_failed_backward
         self.mode.reset()
@@ -713,6 +711,7 @@ class ActivationRuntime:
         frame.stats.start_resident = self.ledger.resident
         self.ledger.reset_peak()
         tracing = self.mode if frame.traced else contextlib.nullcontext()
+        grad = torch.is_grad_enabled()
         try:
             pack = self._pack if frame.traced else self._pack_calm
             with tracing, torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
@@ -724,7 +723,22 @@ class ActivationRuntime:
             if frame.strict:
                 self._check_keys(frame)
         finally:
+            # The caller's grad mode, whatever an interrupt stopped inside the forward (the
+            # entry of a gate's ``torch.no_grad()``, after it switched grad off) left.
+            torch.set_grad_enabled(grad)
             self._close_frame(frame)
+
+    def _clear_left_scopes(self) -> None:
+        """Undo what an interrupt inside the entry of one of bagualu2's ``with`` statements left
+        on this thread: the entry had pushed its state, the ``with`` never owned it, so no exit
+        popped it. Called where a frame starts and ends, where none of them is in use."""
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        while hooks is not None and getattr(hooks[0], "__self__", None) is self:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        modes = _get_current_dispatch_mode_stack()
+        if modes and modes[-1] is self.mode:
+            self.mode.__exit__(None, None, None)
 
     def _close_frame(self, frame: Frame) -> None:
         """End ``frame``: the frame's own cleanup, and the repair of one an interrupt left open.
@@ -742,6 +756,7 @@ class ActivationRuntime:
         frame._recomputed = set()
         frame._rerun = None
         self.mode.reset()  # the frame's nodes, and the anchors they pin
+        self._clear_left_scopes()
         self._frame_owner = None
         self._frame = None
 
@@ -971,27 +986,22 @@ class ActivationRuntime:
 
     def collect(self) -> None:
         """Give back what an interrupt left held: a frame it left open (``frame``), ledger
-        counts of dead pins and arena blocks of dead offload stores whose finalizers it cut
-        short. Idempotent, and resumable after an interrupt of its own: an entry goes only once
-        what it held is given back."""
+        counts of dead pins, the arena blocks of offload stores that died while their copies
+        ran, and what a failed backward left queued. Idempotent, and resumable after an
+        interrupt of its own: an entry goes only once what it held is given back."""
         if self._frame is not None:
             self._close_left_frame()
-        self._collect_dead()
-        # Something still held outside a frame may be what a failed backward left queued.
-        if self._frame is None and (self.ledger.resident or self._handles) and _drain_failed_backward():
-            self._collect_dead()
-
-    def _collect_dead(self) -> None:
         self.ledger.collect()
-        dead, handles = self._dead_stores, self._handles
-        while dead:
-            ref = dead[-1]
-            if ref in handles:
-                handle = handles[ref]
-                if not handle.released:
-                    handle.release()
-                del handles[ref]
-            del dead[-1]
+        if self.engine is not None:
+            self.engine.prune()  # tickets of stores that died, kept while their copies ran
+        # Something still held outside a frame may be what a failed backward left queued.
+        if self._frame is None and (self.ledger.resident or self._arena_in_use()) and _drain_failed_backward():
+            self.ledger.collect()
+            if self.engine is not None:
+                self.engine.prune()
+
+    def _arena_in_use(self) -> int:
+        return self.engine.arena.stats()["in_use"] if self.engine is not None else 0
 
     @property
     def inflight_bytes(self) -> int:
@@ -1361,9 +1371,6 @@ class ActivationRuntime:
             except RuntimeError as e:  # the copy could not be submitted: the caller falls back
                 frame.stats.fallbacks.append(f"{key}: offload failed ({e})")
                 return None
-            if handle is None and self._dead_stores:  # blocks finalizers an interrupt cut short left
-                self.collect()
-                handle = self.engine.offload(source)
             if handle is None:
                 return None
             pin: Optional[_Pin] = None
@@ -1376,7 +1383,6 @@ class ActivationRuntime:
             nbytes = storage.nbytes()
             store = _OffloadStore(self.engine, handle, storage.device, nbytes, pin, frame, key,
                                   self.reload_in_place and storage.device.type == "cpu", self._copies)
-            self._handles[weakref.ref(store, self._dead_stores.append)] = handle
             if pin is not None:
                 self._inflight.append(weakref.ref(store))
             frame.stats.offloaded_storages += 1

@@ -79,23 +79,34 @@ def is_recomputing() -> bool:
 
 class _ReplayScope:
     """Where recipes replay: ``is_recomputing()`` true, no autograd, and no autocast (the
-    recorded ops already carry the dtypes autocast chose). Entered once per rebuilt chain."""
+    recorded ops already carry the dtypes autocast chose). Entered once per rebuilt chain.
 
-    __slots__ = ("_grad", "_autocast")
+    The exit restores the state the entry found (not one step back), so an interrupt that
+    stops the entry halfway leaves nothing behind once the exit runs; ``reset_replay_depth``
+    repairs the count where an interrupt stopped the entry before the ``with`` owned it."""
+
+    __slots__ = ("_depth", "_grad", "_autocast")
 
     def __enter__(self) -> None:
-        _STATE.replaying = getattr(_STATE, "replaying", 0) + 1
+        self._depth = getattr(_STATE, "replaying", 0)
         self._grad = torch.is_grad_enabled()
-        torch.set_grad_enabled(False)
         self._autocast = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+        _STATE.replaying = self._depth + 1
+        torch.set_grad_enabled(False)
         for device in self._autocast:
             torch.set_autocast_enabled(device, False)
 
     def __exit__(self, *exc: object) -> None:
+        _STATE.replaying = self._depth
+        torch.set_grad_enabled(self._grad)
         for device in self._autocast:
             torch.set_autocast_enabled(device, True)
-        torch.set_grad_enabled(self._grad)
-        _STATE.replaying -= 1
+
+
+def reset_replay_depth() -> None:
+    """Clear this thread's replay count: called where no replay can be running (a forward's
+    start), since an interrupt inside a replay's entry can leave it raised."""
+    _STATE.replaying = 0
 
 
 ViewMeta = Tuple[Tuple[int, ...], Tuple[int, ...], int, torch.dtype]

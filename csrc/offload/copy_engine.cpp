@@ -51,6 +51,22 @@ bool Ticket::released() const {
     return released_;
 }
 
+Ticket::~Ticket() {
+    // No lock: the last reference is gone, so no other thread can reach this ticket, and no
+    // hold is left (each keeps the ticket alive).
+    if (released_ || kind_ != Kind::kOffload) {
+        return;
+    }
+    if (done_ != nullptr) {
+        reads_.push_back(done_);
+    }
+    try {
+        free_block_locked();
+    } catch (...) {
+        // A destructor must not throw; the block is the arena's own, so this is unreachable.
+    }
+}
+
 void Ticket::release() {
     std::lock_guard<std::mutex> lock(mutex_);
     BAGUALU2_CHECK(!released_, "release() of a ticket that was already released");

@@ -19,10 +19,13 @@
 //      offload() was called (event recorded on it, copy stream waits). A reload writes its
 //      destination only after the consumer stream reached the reload call, and the consumer
 //      stream waits for the reload's completion (reload(wait=true) or wait_on()).
-//   2. A ticket's block is returned to the arena only by release(), and then only after the
-//      offload copy and every reload issued from it completed (its fences go to the arena)
-//      and every hold() on it was dropped (a host reader reads the block in place; release()
-//      while one is held defers the free to the last drop).
+//   2. A ticket's block is returned to the arena by release(), or when the last reference to
+//      an unreleased ticket dies (an owner that never runs its release, such as one an
+//      interrupt stopped between offload() and keeping the ticket, cannot leak the block);
+//      either way only after the offload copy and every reload issued from it completed (its
+//      fences go to the arena) and every hold() on it was dropped (a host reader reads the
+//      block in place; release() while one is held defers the free to the last drop; a hold
+//      keeps its ticket alive).
 //      The caller keeps the offload source alive until the ticket is done.
 //   3. Misuse throws bagualu2::Error (Python ValueError) and changes nothing: waiting on or
 //      querying a released ticket, releasing twice, reloading from a released ticket,
@@ -65,6 +68,11 @@ public:
            std::shared_ptr<EventFence> done)
         : kind_(kind), arena_(std::move(arena)), block_(block), nbytes_(nbytes),
           done_(std::move(done)) {}
+
+    /// Frees an unreleased offload ticket's block (invariant 2).
+    ~Ticket();
+    Ticket(const Ticket&) = delete;
+    Ticket& operator=(const Ticket&) = delete;
 
     /// Non-blocking completion query; throws after release().
     bool done();
