@@ -11,11 +11,11 @@ prov.disable()
 """
 
 from bagualu2 import _C
-from bagualu2.activations import is_recomputing
-from bagualu2.cost_model import CostModel
+from bagualu2.runtime import is_recomputing
+from bagualu2.plan.cost_model import CostModel
 from bagualu2.errors import BudgetExceededError, InfeasibleBudgetError
 from bagualu2.offload import CopyEngine, HostArena
-from bagualu2.planner import Candidate, Choice, Plan, PlanCache, Planner
+from bagualu2.plan.planner import Candidate, Choice, Plan, PlanCache, Planner
 from bagualu2.provisioner import POLICIES, Provisioner, enable, on_gating
 
 __version__ = "0.1.0"

@@ -58,13 +58,13 @@ from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-from bagualu2.activations import ActivationRuntime, Frame, is_recomputing
-from bagualu2.activations.runtime import AttachedHook, checked_choices
-from bagualu2.activations.tracing import is_plain, reset_replay_depth
-from bagualu2.cost_model import SIZE, CostModel
+from bagualu2.runtime import ActivationRuntime, Frame, is_recomputing
+from bagualu2.runtime.activations import AttachedHook, checked_choices
+from bagualu2.runtime.tracing import is_plain, reset_replay_depth
+from bagualu2.plan.cost_model import SIZE, CostModel
 from bagualu2.errors import BudgetExceededError, InfeasibleBudgetError
-from bagualu2.moe import GateSpec, describe_unsupported, find_gates
-from bagualu2.planner import Choice, Plan, PlanCache, Planner
+from bagualu2.runtime.gates import GateSpec, describe_unsupported, find_gates
+from bagualu2.plan.planner import Choice, Plan, PlanCache, Planner
 from bagualu2.telemetry import Decision, MicroBatch, Telemetry
 
 __all__ = ["Provisioner", "enable", "on_gating", "POLICIES"]
@@ -420,7 +420,7 @@ class Provisioner:
             module: the gate; its forward hook runs after routing, before the experts.
             num_experts: experts of this MoE layer.
             counts_fn: ``(module, args, output) -> int64 [num_experts]`` token slots per expert
-                (``bagualu2.moe.counts_from_indices`` / ``counts_from_logits`` cover the usual cases).
+                (``bagualu2.runtime.gates.counts_from_indices`` / ``counts_from_logits`` cover the usual cases).
             layer: MoE layer index; defaults to the next free one.
         """
         if not isinstance(num_experts, int) or num_experts < 1:
@@ -1046,7 +1046,7 @@ def enable(model: torch.nn.Module, budget: Union[str, int, float, None] = "auto"
     Args:
         model: the module whose ``forward`` is one micro-batch (a whole model or a pipeline
             stage; for a ``torch.compile`` wrapper, the module it wraps). Its MoE gates are
-            found automatically (see ``bagualu2.moe.find_gates``); register others with
+            found automatically (see ``bagualu2.runtime.gates.find_gates``); register others with
             ``Provisioner.register_gate`` or report loads with ``bagualu2.on_gating``.
         budget: ``"auto"`` (device memory minus what is resident now minus ``reserve_bytes``;
             no limit on CPU), an int of bytes, or a float fraction of device memory.
@@ -1070,7 +1070,7 @@ def enable(model: torch.nn.Module, budget: Union[str, int, float, None] = "auto"
             copies cost, and every other one that recomputes recomputing half of it, to
             measure rebuilds at two sizes; default 0, never),
             ``margin``, ``telemetry_path`` (JSON lines), ``gates`` (a list of
-            ``bagualu2.moe.GateSpec`` instead of discovery; ``[]`` when the model reports its
+            ``bagualu2.runtime.gates.GateSpec`` instead of discovery; ``[]`` when the model reports its
             routing through ``bagualu2.on_gating``).
 
     Returns:

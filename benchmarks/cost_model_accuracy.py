@@ -68,7 +68,7 @@ def memory_accuracy(model: MoETransformer, batches: List[torch.Tensor], spikes: 
     # is left is the error of the bytes model alone.
     routed: List[Dict[int, List[int]]] = []
 
-    def capture(spec: "bagualu2.moe.GateSpec"):
+    def capture(spec: "bagualu2.runtime.gates.GateSpec"):
         def hook(module, args, output) -> None:
             if not bagualu2.is_recomputing():
                 with torch.no_grad():

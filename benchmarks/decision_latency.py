@@ -23,8 +23,8 @@ from typing import Callable, Dict, List, Sequence
 
 import numpy as np
 
-from bagualu2.overlap import OverlapOp, OverlapScheduler, OverlapTask, TaskKind
-from bagualu2.planner import Candidate, Choice, PlanCache, Planner
+from bagualu2.plan.overlap import OverlapOp, OverlapScheduler, OverlapTask, TaskKind
+from bagualu2.plan.planner import Candidate, Choice, PlanCache, Planner
 
 
 def make_candidates(n: int, rng: np.random.Generator) -> List[Candidate]:

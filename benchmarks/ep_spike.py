@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 import bagualu2
-from bagualu2 import pipeline as pp
+from bagualu2.integrations import pipeline as pp
 from bagualu2.models import MoEConfig, MoETransformer
 
 POLICIES = ("plain", "keep_all", "recompute_all", "adaptive")

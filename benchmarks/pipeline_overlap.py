@@ -46,7 +46,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bagualu2 import pipeline as pp
+from bagualu2.integrations import pipeline as pp
 from bagualu2.models import MoEConfig, MoETransformer, synthetic_batches
 
 
@@ -77,7 +77,7 @@ TIMERS: dict[str, float] = collections.defaultdict(float)
 
 def _install_timers() -> bool:
     try:
-        from bagualu2.activations import runtime as rt
+        from bagualu2.runtime import runtime as rt
     except ImportError:
         return False
     cls = rt.ActivationRuntime

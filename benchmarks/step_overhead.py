@@ -61,7 +61,7 @@ import torch
 import torch.utils.checkpoint
 
 import bagualu2
-from bagualu2.activations import Frame
+from bagualu2.runtime import Frame
 from bagualu2.models import MoEConfig, MoETransformer, synthetic_batches
 
 

@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bagualu2 import pipeline as pp
+from bagualu2.integrations import pipeline as pp
 from bagualu2.models import MoEConfig, MoETransformer, synthetic_batches
 
 

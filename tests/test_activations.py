@@ -19,12 +19,12 @@ from hypothesis import strategies as st
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import bagualu2
-from bagualu2.activations import ActivationRuntime, Frame
-from bagualu2.activations import tracing
-from bagualu2.activations.tracing import call_key, module_of
+from bagualu2.runtime import ActivationRuntime, Frame
+from bagualu2.runtime import tracing
+from bagualu2.runtime.tracing import call_key, module_of
 from bagualu2.models import MoEConfig, MoETransformer
 from bagualu2.offload import CopyEngine, HostArena, OffloadHandle
-from bagualu2.planner import Choice
+from bagualu2.plan.planner import Choice
 
 SEED = 1234
 

@@ -25,12 +25,12 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import bagualu2
-from bagualu2.activations import ActivationRuntime, Frame
-from bagualu2.activations.tracing import _OpInfo
+from bagualu2.runtime import ActivationRuntime, Frame
+from bagualu2.runtime.tracing import _OpInfo
 from bagualu2.models import MoEConfig, MoETransformer
 from bagualu2.offload import CopyEngine, HostArena
-from bagualu2.pipeline import free_port, launch
-from bagualu2.planner import Choice
+from bagualu2.integrations.pipeline import free_port, launch
+from bagualu2.plan.planner import Choice
 
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 

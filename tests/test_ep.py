@@ -1,7 +1,7 @@
 """Real expert parallelism (reference model over gloo, 2 and 4 ranks): exactness, budget, no
 collective in backward, nothing resident after a step (invariants 1, 2, 3 and 6 on EP ranks).
 
-The multi-process tests start their own ranks (``bagualu2.pipeline.launch``). To keep the suite
+The multi-process tests start their own ranks (``bagualu2.integrations.pipeline.launch``). To keep the suite
 short, one launch per world size runs every scenario in sequence, each from a freshly built
 model (same seed), over the same trace of steps; each rank writes its results to its own file
 and each test below checks one invariant on them.
@@ -40,8 +40,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import bagualu2
-from bagualu2 import pipeline as pp
-from bagualu2.cost_model import SIZE
+from bagualu2.integrations import pipeline as pp
+from bagualu2.plan.cost_model import SIZE
 from bagualu2.models import MoEConfig, MoETransformer, load_imbalance
 
 SEED = 4321

@@ -1,7 +1,7 @@
 """bagualu2 on the reference model composed with FSDP2 and pipelining (gloo on 127.0.0.1):
 exactness, budget, no collective in backward, nothing resident (invariants 1, 2, 3 and 6).
 
-Three layouts, one launch each (``bagualu2.pipeline.launch``); every scenario of a launch builds
+Three layouts, one launch each (``bagualu2.integrations.pipeline.launch``); every scenario of a launch builds
 its model afresh from the same seed and runs the same trace of steps, so the run it is compared
 with has the same step history (FSDP2's first step on a model differs from the later ones: the
 lazy initialization). Each rank writes its results to its own file; the tests check them.
@@ -22,7 +22,7 @@ lazy initialization). Each rank writes its results to its own file; the tests ch
 - ``ep_pp``: EP x PP, 4 ranks, 1F1B. Pipelines {0, 2} and {1, 3} (stage 0 on ranks 0 and 1,
   stage 1 on ranks 2 and 3), EP groups {0, 1} and {2, 3}: each stage's two ranks hold half of
   that stage's experts each. Every rank creates every group in the same order. No change to
-  ``bagualu2.pipeline`` or the model was needed: ``build_pipeline(..., group=pipeline_group)``
+  ``bagualu2.integrations.pipeline`` or the model was needed: ``build_pipeline(..., group=pipeline_group)``
   carries the EP group inside the blocks (its shape pass runs every stage's blocks on every
   rank, so both ranks of an EP group exchange in step there too). ``gather_step_result``
   gathers over the whole world, not the pipeline group, so each rank writes its own results.
@@ -57,7 +57,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import bagualu2
-from bagualu2 import pipeline as pp
+from bagualu2.integrations import pipeline as pp
 from bagualu2.models import MoEConfig, MoETransformer
 
 SEED = 2468

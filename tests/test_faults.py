@@ -23,9 +23,9 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import bagualu2
-from bagualu2.activations.runtime import ResidencyLedger, _Pin
-from bagualu2.activations import tracing
-from bagualu2.activations.tracing import StorageNode, is_recomputing
+from bagualu2.runtime.activations import ResidencyLedger, _Pin
+from bagualu2.runtime import tracing
+from bagualu2.runtime.tracing import StorageNode, is_recomputing
 from bagualu2.models import MoEConfig, MoETransformer
 
 BATCH = (2, 32)
@@ -326,7 +326,7 @@ def test_finalizers_of_half_built_objects_do_not_raise() -> None:
         StorageNode.__new__(StorageNode).__del__()
         node = StorageNode.__new__(StorageNode)
         del node
-        from bagualu2.activations.runtime import _OffloadStore
+        from bagualu2.runtime.activations import _OffloadStore
 
         store = _OffloadStore.__new__(_OffloadStore)
         del store

@@ -1,4 +1,4 @@
-"""Gate discovery (bagualu2.moe): every known router family is found, and the counts its hook
+"""Gate discovery (bagualu2.runtime.gates): every known router family is found, and the counts its hook
 reports are exactly the token slots the experts then receive."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from bagualu2.models import MoEConfig, MoETransformer, load_imbalance
-from bagualu2.moe import (GateSpec, counts_from_indices, counts_from_logits,
+from bagualu2.runtime.gates import (GateSpec, counts_from_indices, counts_from_logits,
                           describe_unsupported, find_gates)
 
 BATCH, SEQ = 2, 12

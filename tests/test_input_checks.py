@@ -10,7 +10,7 @@ import torch
 
 import bagualu2
 from bagualu2.models import MoEConfig, MoETransformer
-from bagualu2.planner import Choice, Plan
+from bagualu2.plan.planner import Choice, Plan
 
 BATCH = (2, 32)
 

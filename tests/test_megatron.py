@@ -40,7 +40,7 @@ with warnings.catch_warnings():
 sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the helpers below
 
 import megatron_ranks as ranks  # noqa: E402
-from bagualu2.pipeline import launch  # noqa: E402
+from bagualu2.integrations.pipeline import launch  # noqa: E402
 
 POLICIES = ("keep_all", "offload_all", "recompute_all", "random_plan", "adaptive")
 
@@ -107,7 +107,7 @@ def one_rank():
     in the spawned ranks (module note)."""
     import torch.distributed as dist
 
-    from bagualu2.pipeline import free_port
+    from bagualu2.integrations.pipeline import free_port
 
     disabled = torch._dynamo.config.disable
     torch._dynamo.config.disable = True
@@ -129,7 +129,7 @@ def _tiny_model(**config_options):
 
 def test_megatron_gates_found_without_registration(one_rank: None) -> None:
     import bagualu2
-    from bagualu2.moe import find_gates
+    from bagualu2.runtime.gates import find_gates
 
     run = _tiny_model()
     specs = find_gates(run.model)

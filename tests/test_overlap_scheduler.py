@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bagualu2.overlap import (OverlapOp, OverlapScheduler, OverlapTask, Schedule, TaskKind,
+from bagualu2.plan.overlap import (OverlapOp, OverlapScheduler, OverlapTask, Schedule, TaskKind,
                               simulate)
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,6 +1,6 @@
 """Pipeline parallelism on torch.distributed.pipelining: bagualu2 per stage, gloo on CPU.
 
-The multi-process tests start their own ranks (``bagualu2.pipeline.launch``: spawned
+The multi-process tests start their own ranks (``bagualu2.integrations.pipeline.launch``: spawned
 processes, 127.0.0.1, a free port, a hard timeout). To keep the suite short, one launch per
 world size runs every scenario in sequence (each from a freshly built model, same seed) and
 rank 0 writes all results to one file; each test below checks one invariant on them.
@@ -30,7 +30,7 @@ import traceback
 import pytest
 import torch
 
-from bagualu2 import pipeline as pp
+from bagualu2.integrations import pipeline as pp
 from bagualu2.models import MoEConfig, MoETransformer, synthetic_batches
 
 SEED = 1234

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from bagualu2.planner import Candidate, Choice, Plan, PlanCache, Planner, load_bucket
+from bagualu2.plan.planner import Candidate, Choice, Plan, PlanCache, Planner, load_bucket
 
 
 def make_plan(tag: int) -> Plan:

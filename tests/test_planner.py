@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bagualu2.planner import Candidate, Choice, Plan, Planner
+from bagualu2.plan.planner import Candidate, Choice, Plan, Planner
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import bagualu2
-from bagualu2.activations.tracing import module_of
+from bagualu2.runtime.tracing import module_of
 from bagualu2.models import MoEConfig, MoETransformer
-from bagualu2.moe import counts_from_indices
+from bagualu2.runtime.gates import counts_from_indices
 
 BATCH = (2, 32)
 
@@ -617,7 +617,7 @@ def test_the_first_micro_batches_a_plan_may_release_from_measure_what_replays_co
     model = make_model(ep_size=4)
     plain = copy.deepcopy(model)
     prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.7), min_bytes=0, recalibrate_every=2)
-    frames: List[bagualu2.activations.Frame] = []
+    frames: List[bagualu2.runtime.Frame] = []
     prov.runtime.frame_observer = frames.append
     taken: Dict[int, Dict[str, Tuple[float, int, int, float, int]]] = {}  # micro-batch -> its backward's op replays
     take = prov.runtime.take_op_replay_times
@@ -660,7 +660,7 @@ def test_the_first_micro_batches_a_plan_may_release_from_measure_what_replays_co
     # replays as such.
     cost = prov.cost
 
-    def op_of(key: str) -> "bagualu2.cost_model.OpCost":
+    def op_of(key: str) -> "bagualu2.plan.cost_model.OpCost":
         return cost.ops.get(key) or cost.unsaved[key]
 
     known = {i: {k: v for k, v in times.items() if k in cost.ops or k in cost.unsaved} for i, times in taken.items()}
@@ -690,14 +690,14 @@ def test_the_first_micro_batches_a_plan_may_release_from_measure_what_replays_co
 
 
 def recalibrating(calibrate_frames: int) -> Tuple[MoETransformer, MoETransformer, "bagualu2.Provisioner",
-                                                List["bagualu2.activations.Frame"]]:
+                                                List["bagualu2.runtime.Frame"]]:
     """A model, its plain copy, and its provisioner under 70% of the all-keep peak that
     recalibrates after every micro-batch that may release, with the list its frames go to."""
     model = make_model(ep_size=4)
     plain = copy.deepcopy(model)
     prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.7), min_bytes=0,
                            calibrate_frames=calibrate_frames, recalibrate_every=1)
-    frames: List[bagualu2.activations.Frame] = []
+    frames: List[bagualu2.runtime.Frame] = []
     prov.runtime.frame_observer = frames.append
     return plain, model, prov, frames
 
@@ -874,7 +874,7 @@ def test_keep_all_traces_only_its_profiling_forwards_and_counts_every_byte() -> 
     traced = copy.deepcopy(model)
     prov = bagualu2.enable(model, budget=None, policy="keep_all", min_bytes=0)
     ref = bagualu2.enable(traced, budget=None, policy={}, min_bytes=0)  # an all-keep plan, traced
-    frames: List[bagualu2.activations.Frame] = []
+    frames: List[bagualu2.runtime.Frame] = []
     prov.runtime.frame_observer = frames.append
     for i, spike in enumerate([0.0, 0.0, 2.6, 0.0]):
         a, b, c = step(plain, i, spike), step(model, i, spike), step(traced, i, spike)
@@ -891,10 +891,10 @@ def test_calm_forwards_go_untraced_and_an_unannounced_spike_is_offloaded_under_t
     calm, spiked = keep_all_peak(model), keep_all_peak(model, spike=2.6)
     budget = (calm + spiked) // 2  # calm fits; a spike, and the worst routing, do not
     prov = bagualu2.enable(model, budget=budget, min_bytes=0, margin=0.0)
-    frames: List[bagualu2.activations.Frame] = []
+    frames: List[bagualu2.runtime.Frame] = []
     pre_hooks: List[int] = []  # on the model's modules as each forward starts
 
-    def observe(frame: bagualu2.activations.Frame) -> None:
+    def observe(frame: bagualu2.runtime.Frame) -> None:
         frames.append(frame)
         pre_hooks.append(sum(len(m._forward_pre_hooks) for m in model.modules()))
 
@@ -936,7 +936,7 @@ def test_a_run_of_spikes_is_planned_from_its_second_micro_batch_on() -> None:
     calm, spiked = keep_all_peak(model), keep_all_peak(model, spike=2.6)
     budget = (calm + spiked) // 2
     prov = bagualu2.enable(model, budget=budget, min_bytes=0, margin=0.0)
-    frames: List[bagualu2.activations.Frame] = []
+    frames: List[bagualu2.runtime.Frame] = []
     prov.runtime.frame_observer = frames.append
     trace = [0.0] * 6 + [2.6, 2.6, 0.0, 0.0]
     for i, spike in enumerate(trace):
@@ -975,7 +975,7 @@ def test_without_a_copy_engine_only_the_worst_routing_makes_a_forward_calm() -> 
     prov = bagualu2.enable(model, budget=budget, min_bytes=0, engine=None)
     prov.engine = None  # nothing could hold an untraced spike under the budget
     prov.runtime.engine = None
-    frames: List[bagualu2.activations.Frame] = []
+    frames: List[bagualu2.runtime.Frame] = []
     prov.runtime.frame_observer = frames.append
     for i in range(7):
         step(model, i)
@@ -985,7 +985,7 @@ def test_without_a_copy_engine_only_the_worst_routing_makes_a_forward_calm() -> 
 
 # -- cost model: what copies and recomputes really cost ------------------------------------------
 def test_cost_model_copies_on_cpu_are_never_hidden_and_pay_a_fixed_cost() -> None:
-    from bagualu2.cost_model import CostModel
+    from bagualu2.plan.cost_model import CostModel
 
     cost = CostModel({}, d2h_bandwidth=1e9, h2d_bandwidth=2e9, copy_fixed_s=(1e-4, 2e-4), copies_overlap=False)
     cost.observe({"a:op:0": (10**6, 1e-3, True, ())}, {}, forward_seconds=0.05)
@@ -1000,7 +1000,7 @@ def test_cost_model_copies_on_cpu_are_never_hidden_and_pay_a_fixed_cost() -> Non
 
 
 def test_cost_model_floor_is_what_no_plan_can_release() -> None:
-    from bagualu2.cost_model import CostModel
+    from bagualu2.plan.cost_model import CostModel
 
     cost = CostModel({0: "experts"})
     saved = {"small:op:0": (100, 1e-3, True, ()), "anchor:op:0": (4000, 1e-3, True, ()),
@@ -1023,7 +1023,7 @@ def test_cost_model_floor_is_what_no_plan_can_release() -> None:
 
 
 def test_cost_model_sizes_non_expert_operators_by_the_micro_batch_not_by_rounded_loads() -> None:
-    from bagualu2.cost_model import SIZE, CostModel
+    from bagualu2.plan.cost_model import SIZE, CostModel
 
     cost = CostModel({0: "experts"})
     cost.observe({"attn:op:0": (1000, 1e-3, True, ()), "experts.0:mm:0": (100, 1e-3, True, ())},
@@ -1057,7 +1057,7 @@ def test_high_water_prediction_follows_the_sequence_length() -> None:
 
 
 def test_cost_model_learns_recompute_cost_from_measured_replays() -> None:
-    from bagualu2.cost_model import CostModel
+    from bagualu2.plan.cost_model import CostModel
 
     cost = CostModel({})
     cost.observe({"a:op:0": (1000, 1e-3, True, ()), "b:op:0": (1000, 2e-3, True, ())}, {}, forward_seconds=0.01)
@@ -1078,7 +1078,7 @@ def test_cost_model_learns_recompute_cost_from_measured_replays() -> None:
 
 
 def test_cost_model_prices_an_op_s_replay_as_backward_measured_it() -> None:
-    from bagualu2.cost_model import CostModel
+    from bagualu2.plan.cost_model import CostModel
 
     cost = CostModel({0: "experts"})
     profiled = {"a:op:0": (1e-3, ()), "b:op:0": (2e-3, ()), "c:op:0": (4e-3, ("u:op:0",)), "experts.0:op:0": (1e-3, ())}
@@ -1127,7 +1127,7 @@ def test_the_per_micro_batch_rebuild_part_stays_near_zero_until_rebuilds_tell_it
     micro-batch, and prices a plan of one small rebuild at 25x its cost. With it the part stays
     near 0 and the plan is priced right. Where first and later rebuilds of the same size show
     it (0.15 ms), it is learned."""
-    from bagualu2.cost_model import REPLAY_FACTOR_FLOOR, REPLAY_FACTOR_SD, REPLAY_FRAME_SD, _CostFit
+    from bagualu2.plan.cost_model import REPLAY_FACTOR_FLOOR, REPLAY_FACTOR_SD, REPLAY_FRAME_SD, _CostFit
 
     def fit(zero_sd: Dict[int, float], rows: List[Tuple[Tuple[float, ...], float]]) -> _CostFit:
         out = _CostFit(4, relative=False, prior_sd=REPLAY_FACTOR_SD, floor=REPLAY_FACTOR_FLOOR, zero_sd=zero_sd)
@@ -1159,7 +1159,7 @@ def test_a_call_only_ever_replayed_first_in_its_rebuild_is_priced_as_it_measured
     """A call every plan so far replayed as its rebuild's first is timed there (apart from the
     walk that enters the rebuild), not priced from its profiled time: on the reference model a
     profiled time scaled as the other replays measured priced one 2.5x what it measured."""
-    from bagualu2.cost_model import CostModel
+    from bagualu2.plan.cost_model import CostModel
 
     cost = CostModel({})
     cost.observe({"a:op:0": (1000, 1e-3, True, ()), "b:op:0": (1000, 1e-3, True, ())}, {}, forward_seconds=0.01)
@@ -1179,7 +1179,7 @@ def test_a_rebuild_far_slower_than_its_last_ones_counts_as_a_bounded_one() -> No
     """A one-op rebuild that measured 1 to 1.2 ms five times, then 50 ms once (a preempted
     thread): the fit learns it as one of OUTLIER_RATIO times their median, as if it had measured
     that. Before three alike were seen, a rebuild is taken as it measured."""
-    from bagualu2.cost_model import OUTLIER_RATIO, CostModel
+    from bagualu2.plan.cost_model import OUTLIER_RATIO, CostModel
 
     def learned(times: List[float]) -> List[float]:
         cost = CostModel({})
@@ -1197,8 +1197,8 @@ def test_a_rebuild_far_slower_than_its_last_ones_counts_as_a_bounded_one() -> No
 
 
 def test_cost_model_learns_a_cost_per_micro_batch_that_rebuilds() -> None:
-    from bagualu2.cost_model import CostModel
-    from bagualu2.planner import Choice
+    from bagualu2.plan.cost_model import CostModel
+    from bagualu2.plan.planner import Choice
 
     cost = CostModel({})
     profiled = {"a:op:0": 1e-3, "b:op:0": 2e-3, "c:op:0": 4e-3}
@@ -1220,8 +1220,8 @@ def test_cost_model_learns_a_cost_per_micro_batch_that_rebuilds() -> None:
 def test_cost_model_learns_a_cost_per_rebuild_entered_and_none_for_a_key_rebuilt_inside_another() -> None:
     """RMSNorm's ``x * r`` then ``* weight``: with both recomputed, backward meets the second
     first and rebuilds the first inside it, so the plan enters one rebuild, not two."""
-    from bagualu2.cost_model import CostModel
-    from bagualu2.planner import Choice
+    from bagualu2.plan.cost_model import CostModel
+    from bagualu2.plan.planner import Choice
 
     cost = CostModel({})
     profiled = {"a:op:0": 1e-3, "b:op:0": 2e-3, "c:op:0": 4e-3}
@@ -1252,7 +1252,7 @@ def test_cost_model_learns_a_cost_per_rebuild_entered_and_none_for_a_key_rebuilt
 def test_cost_model_runs_an_op_call_once_for_all_its_recomputed_outputs() -> None:
     """Attention saves its output and its log-sum-exp, two outputs of one call: recomputing
     both replays the call once (the runtime caches every output of a replayed call)."""
-    from bagualu2.cost_model import CostModel
+    from bagualu2.plan.cost_model import CostModel
 
     cost = CostModel({})
     cost.observe({"attn:sdpa:0": (1000, 3e-3, True, (), ()), "attn:sdpa:0.1": (100, 3e-3, True, (), ()),
@@ -1268,7 +1268,7 @@ def test_cost_model_tells_a_cost_per_rebuild_from_a_factor_within_one_plan() -> 
     """Rebuilds of one plan differ in size, so the same plan observed again and again tells a
     fixed cost per rebuild (40 us) from a factor on the ops' time (1x) and predicts a key it has
     never rebuilt; the plan's total alone would put everything in the factor."""
-    from bagualu2.cost_model import CostModel
+    from bagualu2.plan.cost_model import CostModel
 
     cost = CostModel({})
     profiled = {"a:op:0": 1e-5, "c:op:0": 9e-5, "d:op:0": 3e-5}
@@ -1284,7 +1284,7 @@ def test_replay_fit_reproduces_the_large_rebuilds_a_plan_s_cost_is_made_of() -> 
     """Many one-op rebuilds with noisy timings (cold Python in backward) and one large rebuild
     per micro-batch: the shared fit is on the absolute error, so it reproduces the large one,
     which dominates a plan's total; a fit on the relative error lets the small ones decide."""
-    from bagualu2.cost_model import CostModel
+    from bagualu2.plan.cost_model import CostModel
 
     cost = CostModel({})
 
@@ -1307,7 +1307,7 @@ def test_replay_fit_learned_from_small_rebuilds_predicts_a_large_one() -> None:
     With the prior on the factor (1 unless the observations say otherwise), 513 to 566 us."""
     import random
 
-    from bagualu2.cost_model import CostModel
+    from bagualu2.plan.cost_model import CostModel
 
     rng = random.Random(0)
     for _ in range(20):
@@ -1325,8 +1325,8 @@ def test_replay_fit_learned_from_small_rebuilds_predicts_a_large_one() -> None:
 def test_cost_model_learns_what_each_key_s_rebuild_costs_beyond_the_shared_fit() -> None:
     """Two keys profiled alike whose rebuilds cost 100 us and 30 us: no shared fit tells them
     apart, each key's own correction does."""
-    from bagualu2.cost_model import CostModel
-    from bagualu2.planner import Choice
+    from bagualu2.plan.cost_model import CostModel
+    from bagualu2.plan.planner import Choice
 
     cost = CostModel({})
     cost.observe({"norm:mul:1": (1000, 1e-5, True, (), ()), "moe:index_select:0": (1000, 1e-5, True, (), ())},
@@ -1345,8 +1345,8 @@ def test_a_key_s_correction_holds_for_rebuilds_of_the_size_it_was_measured_at() 
     small replay's overhead). In a plan that recomputes everything, backward enters one rebuild
     there that replays the body too: a rebuild of another size, priced by the shared fit, not
     at 3x. Its correction holds once it has measured CORRECTION_SAMPLES rebuilds of that size."""
-    from bagualu2.cost_model import CORRECTION_SAMPLES, CostModel
-    from bagualu2.planner import Choice
+    from bagualu2.plan.cost_model import CORRECTION_SAMPLES, CostModel
+    from bagualu2.plan.planner import Choice
 
     cost = CostModel({})
     body = [f"body:op:{i}" for i in range(20)]
@@ -1370,8 +1370,8 @@ def test_a_key_s_correction_holds_for_rebuilds_of_the_size_it_was_measured_at() 
 
 
 def test_cost_model_counts_an_unsaved_input_once_per_plan() -> None:
-    from bagualu2.cost_model import CostModel
-    from bagualu2.planner import Choice
+    from bagualu2.plan.cost_model import CostModel
+    from bagualu2.plan.planner import Choice
 
     cost = CostModel({}, copies_overlap=False)
     saved = {"q:op:0": (1000, 1e-3, True, ("proj:mm:0",)), "k:op:0": (1000, 2e-3, True, ("proj:mm:0",)),
@@ -1401,7 +1401,7 @@ def _theil_sen(samples: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 6), st.floats(0.0, 1.0)), min_size=1, max_size=60))
 def test_a_timing_fit_is_the_theil_sen_line_of_its_window_refitted_once_an_eighth_is_new(samples) -> None:
-    from bagualu2.cost_model import FIT_WINDOW, _Fit
+    from bagualu2.plan.cost_model import FIT_WINDOW, _Fit
 
     fit = _Fit(robust=True)
     fitted: List[Tuple[float, float]] = []  # the window at the last refit
@@ -1418,7 +1418,7 @@ def test_a_timing_fit_is_the_theil_sen_line_of_its_window_refitted_once_an_eight
 
 
 def test_cost_model_timings_drop_the_cold_first_micro_batch_and_outliers() -> None:
-    from bagualu2.cost_model import CostModel
+    from bagualu2.plan.cost_model import CostModel
 
     cost = CostModel({0: "experts"})
     cost.observe({"attn:op:0": (100, 50e-3, True, ()), "experts.0:mm:0": (400, 40e-3, True, ())},
@@ -1432,8 +1432,8 @@ def test_cost_model_timings_drop_the_cold_first_micro_batch_and_outliers() -> No
 
 
 def test_cost_model_learns_what_offloads_cost() -> None:
-    from bagualu2.cost_model import CostModel
-    from bagualu2.planner import Choice
+    from bagualu2.plan.cost_model import CostModel
+    from bagualu2.plan.planner import Choice
 
     # A clock that stands still: refits take no time, all of learning is the per-offload part.
     cost = CostModel({}, d2h_bandwidth=1e9, h2d_bandwidth=1e9, copy_fixed_s=(1e-4, 1e-4), clock=lambda: 0.0)
@@ -1482,7 +1482,7 @@ def test_many_small_offloading_plans_do_not_erase_what_offloading_everything_tau
     each measurement is up to 10% off either way. Learned from the small plans alone, the parts
     are told apart by noise, and 64 offloads priced far from them: the fit forgets per offload
     count, so 100 small plans after the last calibration leave 64 priced as measured."""
-    from bagualu2.cost_model import CostModel
+    from bagualu2.plan.cost_model import CostModel
 
     cost = CostModel({}, d2h_bandwidth=1e9, h2d_bandwidth=1e9, clock=lambda: 0.0)
 
@@ -1603,7 +1603,7 @@ def test_learning_costs_its_refit_once_whatever_was_learned() -> None:
     """Learning from rebuilds of 100 op calls took 1.2 ms, of which refitting the shared fit
     (timed by the model's clock) took 0.1 ms: a plan whose rebuilds replay 10 op calls pays
     the refit whole and a tenth of the rest (0.21 ms), not a tenth of it all (0.12 ms)."""
-    from bagualu2.cost_model import CostModel
+    from bagualu2.plan.cost_model import CostModel
 
     now = [0.0]
 
@@ -1632,7 +1632,7 @@ def test_learning_costs_its_refit_once_whatever_was_learned() -> None:
        obs=st.lists(st.tuples(st.integers(1, 4), st.integers(0, 64), st.floats(1e-5, 1e-1)), min_size=1, max_size=12),
        noise=st.lists(st.floats(-0.5, 0.5), min_size=12, max_size=12))
 def test_cost_fit_reproduces_exact_costs_and_never_goes_negative(coef, obs, noise) -> None:
-    from bagualu2.cost_model import _CostFit
+    from bagualu2.plan.cost_model import _CostFit
 
     exact, noisy, anchored, bucketed = _CostFit(3), _CostFit(3), _CostFit(3, prior_sd=0.1), _CostFit(3)
     floored, noisy_floored = _CostFit(3, prior_sd=0.1, floor=0.5), _CostFit(3, floor=0.5)
@@ -1666,7 +1666,7 @@ def test_cost_fit_forgets_only_the_buckets_a_batch_observes() -> None:
     observed once, then 300 batches of one-op rebuilds alone (as budget plans replay) that
     cannot tell the per-op part from the per-rebuild part. In one bucket the large rebuild is
     forgotten (and predicted at 3.4x its cost); in buckets by size it stays known."""
-    from bagualu2.cost_model import _CostFit
+    from bagualu2.plan.cost_model import _CostFit
 
     def cost(ops: int, seconds: float) -> float:
         return 20e-6 * ops + 150e-6 + seconds
@@ -1692,7 +1692,7 @@ def test_relative_cost_fit_is_not_biased_low_by_noise(spread: float) -> None:
     ``spread`` in turn (mean on the mark), none forgotten. Weighed by the observed totals, the
     fit would come out 5% (20% spread) to 12% (30%) low, as low totals weigh most; weighed by
     the totals it expected, it stays on the mark."""
-    from bagualu2.cost_model import _CostFit
+    from bagualu2.plan.cost_model import _CostFit
 
     fit = _CostFit(2, memory=1.0)
     for i in range(300):
@@ -1708,7 +1708,7 @@ def test_replay_factor_keeps_its_floor_when_cheap_rebuilds_measure_flat() -> Non
     elementwise ops and gathers did on the benchmark model): fitted freely, the factor on the
     ops' time goes to 0.1 and a rebuild of every matmul (130 ms profiled) is predicted at a
     fraction of that; the replay fit's floor keeps it at half at least."""
-    from bagualu2.cost_model import REPLAY_FACTOR_FLOOR, REPLAY_FACTOR_SD, CostModel, _CostFit
+    from bagualu2.plan.cost_model import REPLAY_FACTOR_FLOOR, REPLAY_FACTOR_SD, CostModel, _CostFit
 
     rows = [((0.0, 1.0, 1.0, p), 280e-6 + 0.1 * p) for p in (40e-6, 120e-6, 400e-6, 600e-6)]
     free = _CostFit(4, relative=False, prior_sd=REPLAY_FACTOR_SD)

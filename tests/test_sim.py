@@ -182,7 +182,7 @@ def test_reads_the_provisioners_telemetry_records(tmp_path) -> None:
 
 # -- policies ------------------------------------------------------------------------------------
 def test_planner_is_the_runtime_planner() -> None:
-    import bagualu2.planner as runtime
+    import bagualu2.plan.planner as runtime
 
     assert planner_api()[0] is runtime.Planner and planner_api()[1] is runtime.PlanCache
 

@@ -37,7 +37,7 @@ with warnings.catch_warnings():
 sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the helpers below
 
 import torchtitan_ranks as ranks  # noqa: E402
-from bagualu2.pipeline import launch  # noqa: E402
+from bagualu2.integrations.pipeline import launch  # noqa: E402
 
 POLICIES = ("keep_all", "offload_all", "recompute_all", "random_plan", "adaptive", "adaptive_tight")
 
@@ -114,7 +114,7 @@ def _tiny_model() -> torch.nn.Module:
 @pytest.mark.filterwarnings("ignore:In CPU autocast")  # torchtitan's router asks for fp32 autocast
 def test_torchtitan_gates_found_without_registration() -> None:
     import bagualu2
-    from bagualu2.moe import find_gates
+    from bagualu2.runtime.gates import find_gates
 
     model = _tiny_model()
     specs = find_gates(model)

@@ -5,7 +5,7 @@ Contract
 --------
 ``bagualu2.enable(model)`` on a Megatron-Core ``GPTModel`` (or this rank's pipeline stage of one,
 or Megatron's ``DistributedDataParallel`` around it) provisions it with no registration:
-:func:`find_gates` is what ``bagualu2.moe.find_gates`` returns for it. With Megatron's pipeline
+:func:`find_gates` is what ``bagualu2.runtime.gates.find_gates`` returns for it. With Megatron's pipeline
 schedules, :func:`enable_pipeline` provisions the stage and returns the schedule function to
 call instead of ``get_forward_backward_func()``'s, which tells the planner where this rank is.
 
@@ -119,7 +119,7 @@ def _ep_size(moe: nn.Module) -> int:
 
 
 def find_gates(model: nn.Module) -> Optional[list]:
-    """The gates of a Megatron-Core model as ``bagualu2.moe.GateSpec``s (a forward pre-hook on
+    """The gates of a Megatron-Core model as ``bagualu2.runtime.gates.GateSpec``s (a forward pre-hook on
     each MoE layer's ``experts``), or None when ``model`` holds no Megatron-Core module.
 
     Raises:
@@ -128,7 +128,7 @@ def find_gates(model: nn.Module) -> Optional[list]:
     if not is_megatron_model(model):
         return None
     check_options(model)
-    from bagualu2.moe.gates import GateSpec
+    from bagualu2.runtime.gates import GateSpec
 
     specs = []
     for name, moe in _moe_layers(model):

@@ -5,7 +5,7 @@ Contract
 --------
 ``bagualu2.enable(model)`` on a torchtitan model (or a pipeline stage of one), after
 torchtitan's own ``parallelize_*`` / ``pipeline_llm``, provisions it with no registration:
-:func:`find_gates` is what ``bagualu2.moe.find_gates`` returns for it.
+:func:`find_gates` is what ``bagualu2.runtime.gates.find_gates`` returns for it.
 
 Where the load is read. torchtitan 0.3.0's ``MoE`` (``layers.<i>.moe``) routes in
 ``router`` (``TokenChoiceTopKRouter``: top-k scores, expert ids, all scores), then calls
@@ -100,7 +100,7 @@ def _ep_size(moe: nn.Module) -> int:
 
 
 def find_gates(model: nn.Module) -> Optional[list]:
-    """The gates of a torchtitan model as ``bagualu2.moe.GateSpec``s (a forward pre-hook on each
+    """The gates of a torchtitan model as ``bagualu2.runtime.gates.GateSpec``s (a forward pre-hook on each
     MoE layer's ``routed_experts.inner_experts``), or None when ``model`` is not a torchtitan
     model (other discovery applies then).
 
@@ -111,7 +111,7 @@ def find_gates(model: nn.Module) -> Optional[list]:
     if not is_torchtitan_model(model):
         return None
     check_options(model)
-    from bagualu2.moe.gates import GateSpec
+    from bagualu2.runtime.gates import GateSpec
 
     specs = []
     for name, moe in _moe_blocks(model):
@@ -194,7 +194,7 @@ def enable_pipeline(schedule: Any, model_parts: List[nn.Module], **options: Any)
     Raises:
         ValueError: more than one stage on this rank (interleaved and V schedules).
     """
-    from bagualu2.pipeline import PipelinePhaseTracker
+    from bagualu2.integrations.pipeline import PipelinePhaseTracker
     from bagualu2.provisioner import enable
 
     if len(model_parts) != 1:

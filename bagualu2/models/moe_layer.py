@@ -236,7 +236,7 @@ class ExpertDispatcher(nn.Module):
     ``forward(tokens_per_expert)`` takes this rank's routing (int64 [E], every expert of the
     layer) and returns int64 [ep_size, num_local_experts]: ``received[s, l]`` token slots that rank
     ``s`` sends to this rank's local expert ``l``. A module of its own so that a forward hook on it
-    (bagualu2's gate for EP layers, see ``bagualu2.moe.find_gates``) reads both this rank's routing
+    (bagualu2's gate for EP layers, see ``bagualu2.runtime.gates.find_gates``) reads both this rank's routing
     (its argument) and its experts' load (its output).
     """
 

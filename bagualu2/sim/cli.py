@@ -1,6 +1,6 @@
 """``bagualu2 simulate``: command-line front end of the cluster-scale simulator.
 
-Mounted by ``bagualu2/cli.py`` through :func:`add_arguments` and :func:`run`; also runnable as
+Mounted by ``bagualu2/cli/__init__.py`` through :func:`add_arguments` and :func:`run`; also runnable as
 ``python -m bagualu2.sim``. Example::
 
     bagualu2 simulate --model deepseek-v3-671b --cluster dcu-64g --tp 2 --pp 16 --vpp 2 \\

@@ -57,14 +57,14 @@ def planner_api():  # noqa: ANN201 - returns the module-level names of the runti
     """The runtime's planner classes ``(Planner, PlanCache, Candidate, Choice)``.
 
     The simulator never re-implements the planner: it imports the same facade the runtime uses
-    (``bagualu2.Planner`` when exported there, else ``bagualu2.planner``).
+    (``bagualu2.Planner`` when exported there, else ``bagualu2.plan.planner``).
     """
     import bagualu2
 
     names = ("Planner", "PlanCache", "Candidate", "Choice")
     if all(hasattr(bagualu2, n) for n in names):
         return tuple(getattr(bagualu2, n) for n in names)
-    from bagualu2 import planner as _p
+    from bagualu2.plan import planner as _p
 
     return tuple(getattr(_p, n) for n in names)
 

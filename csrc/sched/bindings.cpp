@@ -1,5 +1,5 @@
 // Python bindings of the sched component: Planner, PlanCache (and the overlap scheduler).
-// The Python facades (bagualu2/planner.py, bagualu2/overlap.py) are the public interface.
+// The Python facades (bagualu2/plan/planner.py, bagualu2/plan/overlap.py) are the public interface.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

@@ -87,8 +87,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from bagualu2.activations.tracing import call_key, module_of
-from bagualu2.planner import Candidate, Choice
+from bagualu2.runtime.tracing import call_key, module_of
+from bagualu2.plan.planner import Candidate, Choice
 
 __all__ = ["CostModel", "GROUPED", "OpCost", "SIZE"]
 

@@ -1,6 +1,6 @@
 """Planner and plan cache: which saved activations to keep, offload or recompute.
 
-Contract (docs/CONTRACTS.md, ``bagualu2.planner``):
+Contract (docs/CONTRACTS.md, ``bagualu2.plan.planner``):
 
 - ``Planner(quantum_bytes=None).solve(candidates, must_free_bytes, offload_window_s,
   reload_window_s, offload_setup_s=0.0) -> Plan`` picks one :class:`Choice` per

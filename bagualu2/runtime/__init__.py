@@ -1,7 +1,7 @@
 """Activation runtime: tracing of operators and per-storage keep / offload / recompute."""
 
-from bagualu2.activations.runtime import ActivationRuntime, Frame, FrameStats, ResidencyLedger
-from bagualu2.activations.tracing import StorageNode, TracingMode, is_recomputing
+from bagualu2.runtime.activations import ActivationRuntime, Frame, FrameStats, ResidencyLedger
+from bagualu2.runtime.tracing import StorageNode, TracingMode, is_recomputing
 
 __all__ = [
     "ActivationRuntime", "Frame", "FrameStats", "ResidencyLedger", "StorageNode", "TracingMode",

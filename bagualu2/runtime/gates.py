@@ -256,5 +256,5 @@ def describe_unsupported(model: nn.Module) -> str:
     return "\n".join([
         head + " Unrecognized modules that look like routers:", *lines,
         "Register one with prov.register_gate(module, num_experts=..., counts_fn=...) using "
-        "bagualu2.moe.counts_from_indices(num_experts) or counts_from_logits(num_experts, top_k), "
+        "bagualu2.runtime.gates.counts_from_indices(num_experts) or counts_from_logits(num_experts, top_k), "
         "or call bagualu2.on_gating(tokens_per_expert, layer=...) from the MoE layer's forward."])

@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from bagualu2.activations import tracing
+from bagualu2.runtime import tracing
 
 __all__ = ["BlockRerun", "RerunSaved", "unrestorable"]
 

@@ -1,111 +1,20 @@
-"""Move torch tensors to pinned host memory and back, asynchronously.
-
-Contract (docs/CONTRACTS.md, "bagualu2.offload"):
-
-    arena = HostArena(capacity_bytes, backend="cpu")        # reserved once, best-fit blocks inside
-    engine = CopyEngine(arena)                               # backend defaults to the arena's
-    h = engine.offload(t)            -> OffloadHandle | None  # None: the arena has no block that fits
-    h.nbytes; h.done(); h.wait(); h.release()
-    out = engine.reload(h, out=None, device=None)            # consumer stream waits for the copy
-    r = engine.reload_async(h, out=None, device=None); r.done(); r.wait() -> Tensor
-    engine.stats()
-
-Invariants kept here (the C++ ones are in csrc/offload/*.h):
-  * Round trips are bit-exact and preserve dtype, shape and strides. A tensor whose strides
-    cover its memory span densely (contiguous, transposed, channels-last, expanded, ...) is copied
-    as that span and rebuilt with the same strides; a view with large gaps is copied compacted
-    and rebuilt with `empty_strided(...).copy_()`.
-  * The source stays alive until its copy completed: host sources are held by the engine until
-    the copy is seen complete; device sources are handed to the caching allocator with
-    `record_stream` on the engine's D2H stream, so their memory is reusable as soon as the copy
-    ends without any Python call.
-  * Dropping an OffloadHandle releases its block (after the copies using it end), so host copies
-    live exactly as long as whatever holds the handle (for activations: the autograd graph).
-  * No threads are created per call; the per-call Python work is a few attribute reads.
-"""
+"""The Python facades over the C++ host arena and copy engine (csrc/offload): tensors in,
+handles out; the invariants are in this package's docstring."""
 from __future__ import annotations
 
 import collections
 import operator
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Union
 
 import torch
 
 from bagualu2 import _C
+from bagualu2.offload.backends import resolve_backend
 
-__all__ = ["HostArena", "CopyEngine", "OffloadHandle", "ReloadHandle", "backend_for_device",
-           "backend_status", "resolve_backend", "torch_gpu_backend"]
+__all__ = ["HostArena", "CopyEngine", "OffloadHandle", "ReloadHandle"]
 
 _SPAN = 0  # payload = the tensor's memory span, rebuilt with as_strided semantics
 _COMPACT = 1  # payload = tensor.contiguous(), rebuilt with empty_strided(...).copy_()
-
-
-def torch_gpu_backend() -> Optional[str]:
-    """The GPU backend that matches this torch when it sees a device (``"hip"`` on a ROCm
-    build, ``"cuda"`` on a CUDA build), else None."""
-    if not torch.cuda.is_available():
-        return None
-    return "hip" if getattr(torch.version, "hip", None) else "cuda"
-
-
-def backend_status() -> Dict[str, dict]:
-    """``{name: {"compiled", "usable", "reason", "library"}}`` for cpu, cuda and hip.
-
-    A GPU backend is usable when its runtime library loads and sees a device (the C++ side,
-    loading each library once per process) and it is the one this process's torch drives: a
-    backend copies torch's tensors on torch's streams, so it must match torch's build and torch
-    must see a device."""
-    status = {name: dict(entry) for name, entry in _C.backend_status().items()}
-    want = torch_gpu_backend()
-    for name in ("cuda", "hip"):
-        entry = status[name]
-        if not entry["usable"]:
-            continue
-        if want is None:
-            entry["usable"] = False
-            entry["reason"] = (f"{entry['library']} works, but this torch ({torch.__version__}) "
-                               f"sees no GPU: install a {'ROCm' if name == 'hip' else 'CUDA'} "
-                               f"build of torch")
-        elif want != name:
-            entry["usable"] = False
-            entry["reason"] = (f"this torch ({torch.__version__}) is a {want} build; its tensors "
-                               f"and streams are {want}'s")
-    return status
-
-
-def resolve_backend(backend: str) -> str:
-    """Validate a backend name; ``"auto"`` picks the GPU backend matching torch when torch sees
-    a device (else ``"cpu"``). A name not compiled in raises ValueError; a compiled GPU backend
-    that cannot run here raises RuntimeError with the reason (missing library, no device,
-    torch without a GPU or of the other vendor)."""
-    compiled = list(_C.backends())
-    if backend == "auto":
-        want = torch_gpu_backend()
-        if want is None or want not in compiled:
-            return "cpu"
-        backend = want
-    if backend not in compiled:
-        raise ValueError(
-            f"backend {backend!r} is not compiled into this build of bagualu2; "
-            f"compiled backends: {compiled} (rebuild with BAGUALU2_BACKEND=auto, cuda or hip)"
-        )
-    if backend != "cpu":
-        entry = backend_status()[backend]
-        if not entry["usable"]:
-            raise RuntimeError(f"backend {backend!r} is compiled in but not usable: {entry['reason']}")
-    return backend
-
-
-def backend_for_device(device: Union[str, torch.device]) -> str:
-    """The backend that copies tensors of ``device``: ``"cpu"`` for every non-GPU device (cpu,
-    meta, ...), the GPU backend matching torch for ``cuda`` devices."""
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return "cpu"
-    want = torch_gpu_backend()
-    if want is None:
-        raise RuntimeError(f"tensors on {dev} need a GPU, but this torch ({torch.__version__}) sees none")
-    return resolve_backend(want)
 
 
 def _stream_handle(stream: Any) -> int:

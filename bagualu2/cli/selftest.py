@@ -228,16 +228,16 @@ def check_budget(bench: _Bench, gpu: bool) -> Row:
 
 
 def check_bandwidth(out: Path, gpu: bool, max_copy: Optional[str]) -> Row:
-    from bagualu2 import bench_offload
+    from bagualu2.cli import bench
 
     parser = argparse.ArgumentParser()
-    bench_offload.add_arguments(parser)
+    bench.add_arguments(parser)
     top = max_copy or ("1G" if gpu else "16M")
     argv = ["--min-size", "1M", "--max-size", top, "--step", "4", "--quiet", "--no-plot",
             "--backend", "auto", "--out", str(out / "bandwidth")]
     argv += (["--min-time", "0.05", "--passes", "2"] if gpu else
              ["--min-time", "0.005", "--min-iters", "2", "--max-iters", "8", "--passes", "1"])
-    bench_offload.run(parser.parse_args(argv))
+    bench.run(parser.parse_args(argv))
     result = json.loads((out / "bandwidth.json").read_text())
     table = []
     for r in result["results"]:

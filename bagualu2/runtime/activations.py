@@ -57,11 +57,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from bagualu2.activations.rerun import BlockRerun, RerunSaved, unrestorable
-from bagualu2.activations.tracing import (
+from bagualu2.runtime.rerun import BlockRerun, RerunSaved, unrestorable
+from bagualu2.runtime.tracing import (
     Replayer, StorageNode, TracingMode, ViewMeta, is_plain, recipe_refs, step_inputs, view_meta, view_of,
 )
-from bagualu2.planner import Choice
+from bagualu2.plan.planner import Choice
 
 __all__ = ["ActivationRuntime", "AttachedHook", "Frame", "ResidencyLedger"]
 
@@ -323,7 +323,7 @@ class Frame:
         # key -> (bytes, seconds of its own ops, recomputable, unsaved inputs rebuilt first)
         self.saved_profile: Dict[str, Tuple[int, float, bool, Tuple[str, ...]]] = {}
         self.unsaved_seconds: Dict[str, float] = {}  # those unsaved inputs' own seconds
-        # Overlap scheduling (bagualu2.overlap.OverlapDriver): ``on_saved(key)`` is called once
+        # Overlap scheduling (bagualu2.plan.overlap.OverlapDriver): ``on_saved(key)`` is called once
         # per operator key, right after the first activation of that key is packed (the op has
         # run); with ``scheduled`` set, backward issues no reloads of its own beyond the one it
         # is waiting for: the schedule issues them.
@@ -641,7 +641,7 @@ class ActivationRuntime:
         self._frame: Optional[Frame] = None
         self._inflight: Deque["weakref.ref[_OffloadStore]"] = collections.deque()
         # Overlap scheduling: called with each frame as it starts, and with the operator key
-        # of every released activation backward unpacks (bagualu2.overlap.OverlapDriver).
+        # of every released activation backward unpacks (bagualu2.plan.overlap.OverlapDriver).
         self.frame_observer: Optional[Callable[[Frame], None]] = None
         self.unpack_observer: Optional[Callable[[str], None]] = None
         # Called as each backward pass that unpacks anything packed here ends (autograd's

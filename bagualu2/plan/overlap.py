@@ -23,7 +23,7 @@ The model (shared by the DP and by :func:`simulate`, the pure-Python reference):
   upper bound of the real makespan increase: a stall only gives later copies more time).
 
 :class:`OverlapDriver` makes the activation runtime follow such schedules on a pipeline rank
-(``bagualu2.pipeline.enable_bagualu2(pipe, overlap=True)``). For a forward ``F`` that runs
+(``bagualu2.integrations.pipeline.enable_bagualu2(pipe, overlap=True)``). For a forward ``F`` that runs
 right before the backward ``B`` of an earlier micro-batch, the op sequence is ``F``'s
 operators (the keys ``B``'s forward saved, in forward order, grouped into at most
 ``segments`` contiguous ops, with the cost model's times), the measured idle gap between them
@@ -65,7 +65,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from bagualu2 import _C
-from bagualu2.planner import Choice
+from bagualu2.plan.planner import Choice
 
 __all__ = ["TaskKind", "OverlapOp", "OverlapTask", "Schedule", "OverlapScheduler", "simulate",
            "OverlapDriver", "PairProblem"]

@@ -9,7 +9,7 @@ from typing import List, Optional
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``bagualu2`` console script."""
-    from bagualu2 import bench_offload, demo, selftest
+    from bagualu2.cli import bench, demo, selftest
     from bagualu2.sim import cli as sim_cli
 
     parser = argparse.ArgumentParser(
@@ -23,11 +23,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo.add_arguments(p)
     p.set_defaults(run=demo.run)
 
-    bench = commands.add_parser("bench", help="microbenchmarks")
-    benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    p = commands.add_parser("bench", help="microbenchmarks")
+    benches = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     p = benches.add_parser("offload", help="offload/reload bandwidth of the copy engine vs torch and memcpy")
-    bench_offload.add_arguments(p)
-    p.set_defaults(run=bench_offload.run)
+    bench.add_arguments(p)
+    p.set_defaults(run=bench.run)
 
     p = commands.add_parser("simulate", help="cluster-scale simulation of activation policies")
     sim_cli.add_arguments(p)

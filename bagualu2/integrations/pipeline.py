@@ -57,7 +57,7 @@ this rank executes, in order, and compares them with the schedule's own action l
 
 Two ways to read it, pick whichever suits the caller:
 
-* pull: ``bagualu2.pipeline.current_state()`` returns the state of the action running on this
+* pull: ``bagualu2.integrations.pipeline.current_state()`` returns the state of the action running on this
   thread (``None`` outside any tracked action), so a gate hook can read it at gating time
   with no reference to the tracker;
 * push: ``tracker.subscribe(fn)``; ``fn(event, state)`` is called with ``event`` in
@@ -936,7 +936,7 @@ def enable_bagualu2(pipe: Pipeline, overlap: bool = False, **kwargs: Any):
     them. Before each forward the provisioner learns the phase and how many other forwards
     will stack on this rank before its next backward (``Provisioner.set_pipeline_phase``); at
     the end of each schedule step ``Provisioner.step()`` is called. With ``overlap=True`` an
-    ``OverlapDriver`` (``bagualu2.overlap``) schedules each forward/backward pair: reloads of
+    ``OverlapDriver`` (``bagualu2.plan.overlap``) schedules each forward/backward pair: reloads of
     the coming backward are prefetched during the forward and the bubble, recomputes may run
     in the bubble; its counters are ``prov.report()["overlap"]``. Other keyword arguments go to
     ``bagualu2.enable`` (budget, policy, on_exceed, ...). ``pipe.close()`` undoes the wiring;
@@ -970,7 +970,7 @@ def enable_bagualu2(pipe: Pipeline, overlap: bool = False, **kwargs: Any):
 
     pipe._cleanups.append(pipe.tracker.subscribe(on_event))
     if overlap:
-        from bagualu2.overlap import OverlapDriver
+        from bagualu2.plan.overlap import OverlapDriver
 
         driver = OverlapDriver(prov.runtime, prov.cost, prov.budget, counts=prov.mean_counts)
         prov.overlap = driver
