@@ -10,9 +10,7 @@ after the router has produced its tokens per expert and before any expert runs, 
    actual load; later layers are assumed to see the same load pattern),
 2. adds what is already resident (the ledger: this and every other micro-batch in flight),
 3. if that exceeds the budget, asks the C++ ``Planner`` for the cheapest KEEP / OFFLOAD /
-   RECOMPUTE choice per remaining operator that frees the excess (through the ``PlanCache``
-   keyed by layer, quantized load, pipeline phase with whether the micro-batch has offloaded
-   yet, and quantized excess), and
+   RECOMPUTE choice per remaining operator that frees the excess, and
 4. installs the plan in the frame; the runtime applies it as the experts save activations.
 
 When calm, step 3 is skipped: the plan stays all-keep and the forward is not even traced (nor
@@ -64,7 +62,7 @@ from bagualu2.runtime.tracing import is_plain, reset_replay_depth
 from bagualu2.plan.cost_model import SIZE, CostModel
 from bagualu2.errors import BudgetExceededError, InfeasibleBudgetError
 from bagualu2.runtime.gates import GateSpec, describe_unsupported, find_gates
-from bagualu2.plan.planner import Choice, Plan, PlanCache, Planner
+from bagualu2.plan.planner import Choice, Plan, Planner
 from bagualu2.telemetry import Decision, MicroBatch, Telemetry
 
 __all__ = ["Provisioner", "enable", "on_gating", "POLICIES"]
@@ -311,8 +309,6 @@ class Provisioner:
         # model (benchmarks/decision_latency.py measures it); sizes are rounded the safe way, so
         # a plan frees what it must, at most a few percent more than an exact one.
         self.planner = Planner(max_cells=2048)
-        self.cache = PlanCache()
-        self._load_ids: Dict[Tuple[int, ...], int] = {}  # bucketed loads -> the cache's load key
         self.gates: List[GateSpec] = list(gates) if gates is not None else find_gates(model)
         self.cost = CostModel({g.layer: g.experts_path for g in self.gates}, *self._copy_costs(),
                               copies_overlap=self.device.type != "cpu")  # the cpu's copy threads hide nothing
@@ -517,12 +513,11 @@ class Provisioner:
         return self._peak_with_backward
 
     def report(self) -> Dict[str, Any]:
-        """A summary: micro-batches, peak vs budget, violations, plan mix, decision latency, cache.
+        """A summary: micro-batches, peak vs budget, violations, plan mix, decision latency.
         Counts and sums cover the whole run; the latency median, the decisions in memory."""
         self.runtime.collect()  # what an interrupt left held is given back before it is counted
         totals = self.telemetry.totals
         lat = sorted(d.latency_us for d in self.telemetry.decisions)
-        cache = self.cache.stats()
         arena = self.engine.arena.stats() if self.engine is not None else {}
         return {
             "policy": self.policy if isinstance(self.policy, str) else "static",
@@ -544,7 +539,6 @@ class Provisioner:
                 "p50": lat[len(lat) // 2] if lat else 0.0,
                 "max": totals.latency_us_max,
             },
-            "plan_cache": cache,
             "arena_in_use_bytes": arena.get("in_use", 0),
             "arena_capacity_bytes": arena.get("capacity", 0),  # host memory reserved for offloads
             "gates": [g.name for g in self.gates],
@@ -931,70 +925,37 @@ class Provisioner:
 
     def _decide(self, frame: Frame, layer: int, values: List[int]) -> Decision:
         cost = self.cost
-        # Later layers are assumed to route like this one; quantize up so a cached plan holds
-        # for every load in its bucket.
-        mean = max(1.0, sum(values) / len(values))
-        step = max(1, int(mean / 8))
-        bucketed = [int(math.ceil(v / step)) * step for v in values]
-        counts = {g.layer: (self._frame_counts.get(g.layer) if g.layer < layer else bucketed)
-                  for g in self.gates}
-        counts[layer] = bucketed
-        # Rounding each expert's load up must not grow the micro-batch: its size is what the
-        # first layer that fired routed, as when the cost model learned.
+        # Later layers are assumed to route like this one.
+        counts = {g.layer: (self._frame_counts.get(g.layer) if g.layer < layer else values) for g in self.gates}
+        counts[layer] = values
         counts[SIZE] = self._frame_counts.get(SIZE) or next(iter(self._frame_counts.values()), values)
         remaining = [k for k in cost.order if k not in frame.keys_seen]
-        predicted = cost.predict_total(remaining, counts)  # for planning: loads rounded up
+        predicted = cost.predict_total(remaining, counts)
         # In-flight offload sources are released as their copies complete.
         resident = self.runtime.ledger.resident - self.runtime.inflight_bytes
         target = int(self.budget * (1.0 - self.margin)) - self._reserve()
         must_free = resident + predicted - target
         if not self._frame_predicted:
-            exact = {g.layer: values for g in self.gates if g.layer >= layer}
-            exact.update({k: v for k, v in self._frame_counts.items() if k < layer})  # SIZE too
-            self._frame_predicted = resident + cost.predict_total(remaining, exact)
+            self._frame_predicted = resident + predicted
         imbalance = max(values) * len(values) / max(1, sum(values))
         record = Decision(self._step, frame.index, layer, imbalance, resident, resident + predicted,
-                          resident + predicted, self.budget, {"keep": len(remaining)}, 0.0, False)
+                          resident + predicted, self.budget, {"keep": len(remaining)}, 0.0)
         for key in remaining:  # a later gate may relax what an earlier one decided
             frame.choices.pop(key, None)
         if must_free <= 0:
             return record
-        quantum = max(1, target // 64)
-        must_bucket = int(math.ceil(must_free / quantum))
-        load_bucket = self._load_key(tuple(v // step for v in bucketed))
-        # A micro-batch's first offload costs more than its own copy (copy_setup_s): a plan made
-        # before the micro-batch offloaded anything is not the plan for after, nor the reverse.
-        offloading = frame.stats.offloaded_storages > 0
-        phase = (_PHASES[self._phase] * 64 + min(self._stacked, 63)) * 2 + offloading
-        plan = self.cache.get(layer, load_bucket, phase, must_bucket)
-        record.cache_hit = plan is not None
-        if plan is None:
-            anchors = [n.key for n in frame._anchors]
-            candidates, _ = cost.candidates(remaining, counts, self.min_bytes, self.engine is not None, anchors)
-            remaining_fraction = len(remaining) / max(1, len(cost.order))
-            offload_window, reload_window = cost.windows(remaining_fraction, self._stacked)
-            setup = 0.0 if offloading else cost.copy_setup_s
-            plan = self.planner.solve(candidates, must_bucket * quantum, offload_window, reload_window, setup)
-            self.cache.put(layer, load_bucket, phase, must_bucket, plan)
+        # A micro-batch's first offload costs more than its own copy (copy_setup_s).
+        setup = 0.0 if frame.stats.offloaded_storages else cost.copy_setup_s
+        anchors = [n.key for n in frame._anchors]
+        candidates, _ = cost.candidates(remaining, counts, self.min_bytes, self.engine is not None, anchors)
+        offload_window, reload_window = cost.windows(len(remaining) / max(1, len(cost.order)), self._stacked)
+        plan = self.planner.solve(candidates, must_free, offload_window, reload_window, setup)
         frame.choices.update(plan.choices)
         record.feasible = plan.feasible
         record.planned_bytes = resident + predicted - plan.freed_bytes
         record.mix = {c.name.lower(): n for c, n in plan.mix().items()}
         record.mix["keep"] += len(remaining) - len(plan.choices)
         return record
-
-    def _load_key(self, loads: Tuple[int, ...]) -> int:
-        """The plan cache's key for a layer's bucketed loads: one per distinct tuple (a hash
-        could give two loads one key, and one the other's plan). The numbering restarts, with
-        an empty cache, once it would outgrow what the cache can hold many times over."""
-        key = self._load_ids.get(loads)
-        if key is None:
-            if len(self._load_ids) >= 16 * self.cache.capacity:
-                self._load_ids.clear()
-                self.cache.clear()
-            key = self._load_ids[loads] = len(self._load_ids)
-        return key
-
 
 class _ProvisionedForward:
     """The provisioned forward bagualu2 puts on a model in place of its own.

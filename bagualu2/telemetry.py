@@ -24,7 +24,6 @@ class Decision:
     budget_bytes: Optional[int]
     mix: Dict[str, int]        # choice name -> number of operators
     latency_us: float
-    cache_hit: bool
     feasible: bool = True
     kind: str = "decision"
 

@@ -472,47 +472,6 @@ def test_unknown_moe_layers_via_on_gating_or_register_gate(use_on_gating: bool) 
         prov.register_gate(model.router, num_experts=0, counts_fn=counts_from_indices(4))
 
 
-def test_the_plan_cache_returns_a_plan_only_for_the_loads_it_was_solved_for() -> None:
-    model = make_model(ep_size=4)
-    budget = int(keep_all_peak(model) * 0.6)
-    prov = bagualu2.enable(model, budget=budget, min_bytes=0)
-    # Two loads whose Python hashes agree in the low 31 bits: they must not share a plan.
-    a, b = (13, 4, 11, 4, 19, 18, 7, 12), (17, 7, 12, 15, 13, 11, 5, 18)
-    assert hash(a) & 0x7FFFFFFF == hash(b) & 0x7FFFFFFF
-    assert prov._load_key(a) != prov._load_key(b)
-    assert prov._load_key(a) == prov._load_key(a)
-    # End to end: the same micro-batch again, from the same state and with the cost model
-    # settled, is answered from the cache with the plan solved the time before.
-    for _ in range(prov.profile_frames + prov.calibrate_frames):
-        step(model, 0)
-    step(model, 1)
-    n = len(prov.telemetry.decisions)
-    step(model, 1)
-    solved = prov.telemetry.decisions[n:]
-    assert solved and any(sum(d.mix.values()) > d.mix.get("keep", 0) for d in solved)
-    step(model, 1)
-    cached = prov.telemetry.decisions[n + len(solved):]
-    assert [d.cache_hit for d in cached] == [True] * len(solved)
-    assert [d.mix for d in cached] == [d.mix for d in solved]
-    # A micro-batch that has offloaded already pays no first-offload cost: a plan solved for it
-    # is not one solved before it offloaded, nor the reverse. At the first gate nothing had
-    # been offloaded so far; now the micro-batch starts as if something had.
-    def offloaded_before(frame) -> None:
-        frame.stats.offloaded_storages = 1
-    prov.runtime.frame_observer = offloaded_before
-    n = len(prov.telemetry.decisions)
-    step(model, 1)
-    step(model, 1)
-    first, again = prov.telemetry.decisions[n:n + len(solved)], prov.telemetry.decisions[n + len(solved):]
-    assert not first[0].cache_hit and [d.cache_hit for d in again] == [True] * len(solved)
-    prov.runtime.frame_observer = None
-    # The numbering restarts, with an empty cache, instead of growing without bound.
-    assert len(prov.cache) > 0
-    for i in range(16 * prov.cache.capacity):
-        prov._load_key((i,))
-    assert len(prov._load_ids) <= 16 * prov.cache.capacity and len(prov.cache) == 0
-
-
 def test_the_arena_is_reserved_for_offloads_once_profiling_shows_their_size(monkeypatch) -> None:
     """At enable the arena is small (how large activations get is not known yet); after the
     profiled micro-batches it holds the micro-batches in flight (two at least) at the worst
@@ -580,14 +539,14 @@ def test_report_telemetry_and_plot(tmp_path) -> None:
         step(model, i, spike)
     report = prov.report()
     for key in ("steps", "micro_batches", "peak_bytes", "budget_bytes", "saved_bytes_by_choice",
-                "decision_latency_us", "plan_cache", "violations"):
+                "decision_latency_us", "violations"):
         assert key in report
     lines = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
     kinds = {line["kind"] for line in lines}
     assert kinds == {"decision", "micro_batch"}
     decision = next(line for line in lines if line["kind"] == "decision")
     for key in ("step", "micro_batch", "layer", "imbalance", "predicted_bytes", "budget_bytes", "mix",
-                "latency_us", "cache_hit"):
+                "latency_us"):
         assert key in decision
     png = prov.plot(tmp_path / "memory.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -602,7 +561,7 @@ def test_telemetry_keeps_a_bounded_window_in_memory_and_totals_of_the_whole_run(
                            imbalance=1.0, bytes_by_choice={"keep": 1, "offload": 2, "recompute": 3},
                            violations=i % 2, fallbacks=1, forward_seconds=0.0, traced=i < 4, room_made_bytes=7))
         tel.add(Decision(step=i, micro_batch=i, layer=0, imbalance=1.0, resident_bytes=0, predicted_bytes=0,
-                         planned_bytes=0, budget_bytes=None, mix={}, latency_us=float(i), cache_hit=False))
+                         planned_bytes=0, budget_bytes=None, mix={}, latency_us=float(i)))
     assert 5 <= len(tel.micro_batches) < 10 and tel.micro_batches[-1].step == 22
     assert 5 <= len(tel.decisions) < 10
     t = tel.totals

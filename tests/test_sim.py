@@ -168,7 +168,7 @@ def test_reads_the_provisioners_telemetry_records(tmp_path) -> None:
     for mb, imb in ((0, 1.1), (1, 2.6)):
         tel.add(Decision(step=3, micro_batch=mb, layer=1, imbalance=imb, resident_bytes=0,
                          predicted_bytes=0, planned_bytes=0, budget_bytes=None, mix={},
-                         latency_us=1.0, cache_hit=False))
+                         latency_us=1.0))
         tel.add(MicroBatch(step=3, micro_batch=mb, peak_bytes=0, predicted_peak_bytes=0,
                            budget_bytes=None, imbalance=imb, bytes_by_choice={}, violations=0,
                            fallbacks=0, forward_seconds=0.1))

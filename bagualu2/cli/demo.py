@@ -42,7 +42,6 @@ class PolicyResult:
     final_loss: float
     losses_match_keep_all: Optional[bool]
     decision_latency_us: float
-    plan_cache_hit_rate: float
     traced_micro_batches: int
     seconds: float
 
@@ -225,7 +224,6 @@ def _summarize(policy: str, prov, times: List[float], batches, spikes, warmup: i
         final_loss=float("nan"),
         losses_match_keep_all=None,
         decision_latency_us=report["decision_latency_us"]["mean"],
-        plan_cache_hit_rate=report["plan_cache"].get("hit_rate", 0.0),
         traced_micro_batches=report["traced_micro_batches"],
         seconds=sum(times),
     )
@@ -257,7 +255,6 @@ def _ratios(results: Dict[str, PolicyResult]) -> Dict:
         lines.append(f"adaptive on calm micro-batches: {ratios['adaptive_calm_over_keep_all']:.1%} of keep_all")
     if a:
         lines.append(f"adaptive decision latency: {a.decision_latency_us:.0f} us mean, "
-                     f"plan cache hit rate {a.plan_cache_hit_rate:.0%}, "
                      f"{a.traced_micro_batches} micro-batches traced (the others were calm)")
     return {"ratios": ratios, "lines": lines}
 
