@@ -56,7 +56,7 @@ from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-from bagualu2.runtime import ActivationRuntime, Frame, is_recomputing
+from bagualu2.runtime import ActivationRuntime, Budget, Frame, is_recomputing
 from bagualu2.runtime.activations import AttachedHook, checked_choices
 from bagualu2.runtime.tracing import is_plain, reset_replay_depth
 from bagualu2.plan.cost_model import SIZE, CostModel
@@ -287,7 +287,7 @@ class Provisioner:
                                f"call disable() on the existing Provisioner first")
         self.model = model
         self.device = _device_of(model)
-        self.budget = _resolve_budget(budget, self.device, reserve_bytes)
+        self._budget = _resolve_budget(budget, self.device, reserve_bytes)
         self.policy = policy
         self.on_exceed = on_exceed
         self.min_bytes = min_bytes
@@ -300,7 +300,7 @@ class Provisioner:
         self._arena_chosen = engine is not None or arena_bytes is not None  # _reserve_arena leaves it
         adaptive = policy == "adaptive"
         self.runtime = ActivationRuntime(
-            self.engine, min_bytes=min_bytes, budget_bytes=self.budget, enforce_budget=adaptive,
+            self.engine, min_bytes=min_bytes, budget_bytes=self._budget, enforce_budget=adaptive,
             on_exceed=self._exceeded if on_exceed == "raise" else None,
         )
         self.runtime.backward_observer = self._learn
@@ -511,6 +511,22 @@ class Provisioner:
         own restarts as each forward begins, which then reads it first)."""
         self._peak_with_backward = max(self._peak_with_backward, self.runtime.ledger.peak)
         return self._peak_with_backward
+
+    @property
+    def budget(self) -> Optional[int]:
+        """The activation budget in bytes (None: none). Each adaptive micro-batch's forward is
+        held to it through its frame's ``Budget``, which also reserves room for micro-batches
+        stacking behind it; backward and other policies hold to it whole. Set it to change it
+        for the micro-batches to come."""
+        return self._budget
+
+    @budget.setter
+    def budget(self, value: Optional[int]) -> None:
+        if value is not None:
+            if isinstance(value, bool) or not hasattr(value, "__index__") or value < 0:
+                raise ValueError(f"budget={value!r}: use a number of bytes >= 0, or None for no budget")
+            value = int(value)
+        self._budget = self.runtime.budget_bytes = value
 
     def report(self) -> Dict[str, Any]:
         """A summary: micro-batches, peak vs budget, violations, plan mix, decision latency.
@@ -735,19 +751,14 @@ class Provisioner:
         self._frame_counts = {}
         self._frame_predicted = 0
         start = time.perf_counter()
-        # The provisioner's own budget, not the runtime's: an interrupt may have stopped the
-        # last forward before it restored the runtime's.
-        budget = self.runtime.budget_bytes = self.budget
-        self.runtime.pin_headroom = 0
-        adaptive = budget is not None and self.policy == "adaptive"
+        adaptive = self.budget is not None and self.policy == "adaptive"
         inputs = _input_bytes(args, kwargs) if adaptive or frame.traced else 0
         if adaptive:
             # Leave room for the floor of each micro-batch that stacks on this rank before its
             # next backward (pipeline warm-up), so the last of them still fits, and for what
             # recipes will pin that nothing can release (labels the loss reads at the very end):
             # it is charged when pinned.
-            self.runtime.budget_bytes = max(0, budget - self._reserve())
-            self.runtime.pin_headroom = self._pin_headroom(inputs)
+            frame.budget = Budget(self.budget, self._reserve(), self._pin_headroom(inputs))
         active = _active()
         try:
             active.append(self)
@@ -755,8 +766,6 @@ class Provisioner:
                 out = self._forward(*args, **kwargs)
                 anchored = sum(node.nbytes for node in frame._anchors)
         finally:
-            self.runtime.budget_bytes = budget
-            self.runtime.pin_headroom = 0
             while self in active:  # and above it, what an interrupt left there
                 active.pop()
         seconds = time.perf_counter() - start

@@ -161,7 +161,7 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     keep_peak = max(m.peak_bytes for m in planners[0].telemetry.micro_batches)
     counts = planners[0].mean_counts()
     for fraction, prov in zip(fractions, planners):
-        prov.budget = prov.runtime.budget_bytes = int(keep_peak * fraction)
+        prov.budget = int(keep_peak * fraction)
         seed = 100
         while seed < 100 + learn_steps or prov.telemetry.micro_batches[-1].calibrating:
             run_step(prov.model, batch, 0.0, seed)

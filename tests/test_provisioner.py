@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import bagualu2
+from bagualu2.runtime import ActivationRuntime, Budget, Frame
 from bagualu2.runtime.tracing import module_of
 from bagualu2.models import MoEConfig, MoETransformer
 from bagualu2.runtime.gates import counts_from_indices
@@ -119,6 +120,43 @@ def test_budget_never_exceeded_with_micro_batches_in_flight(steps: Sequence[Sequ
     for mb in prov.telemetry.micro_batches:
         assert mb.peak_bytes <= budget and mb.violations == 0, mb
     assert prov.report()["resident_bytes"] == 0
+
+
+def test_the_budget_has_one_owner_and_each_forward_carries_its_share() -> None:
+    """The provisioner owns the budget; a forward never changes the runtime's (it hands its
+    frame a ``Budget``: the limit, the reserve for micro-batches stacking behind it, the pin
+    headroom), so nothing is restored after it, even when a forward raises."""
+    model = make_model(ep_size=4)
+    budget = int(keep_all_peak(model, spike=2.6) * 0.6)
+    prov = bagualu2.enable(model, budget=budget, min_bytes=0)
+    seen = []
+    prov.runtime.frame_observer = lambda frame: seen.append((frame.budget, prov.runtime.budget_bytes))
+    for i, spikes in enumerate([[0.0, 2.6, 0.0], [2.6]]):
+        accumulate(model, i, spikes)
+        assert prov.runtime.budget_bytes == budget
+    assert all(b is not None and b.limit == budget and rt == budget for b, rt in seen)
+    assert any(b.reserve > 0 for b, _ in seen), "micro-batches stacked behind the first ones"
+    with pytest.raises(ValueError, match="budget=-1"):
+        prov.budget = -1
+    prov.budget = budget // 2
+    assert prov.runtime.budget_bytes == budget // 2
+
+
+@pytest.mark.parametrize("limit_over_bytes, reserve_over_bytes, violations",
+                         [(2.0, 2.0, 0), (1.5, 0.0, 0), (0.5, 0.0, 1), (0.5, 1.0, 1)])
+def test_a_forward_violates_only_its_limit_not_its_reserve(limit_over_bytes, reserve_over_bytes, violations) -> None:
+    """Releases aim at the limit less the reserve; only crossing the limit itself is a violation
+    (an input saved from outside the forward, which nothing can release, decides here)."""
+    x = torch.randn(4096, requires_grad=True)
+    nbytes = x.untyped_storage().nbytes()
+    rt = ActivationRuntime(budget_bytes=None)
+    frame = Frame()
+    frame.budget = Budget(int(limit_over_bytes * nbytes), int(reserve_over_bytes * nbytes))
+    with rt.frame(frame):
+        y = (x * x).sum()
+    assert frame.stats.violations == violations
+    y.backward()
+    assert torch.equal(x.grad, 2 * x.detach())
 
 
 @pytest.mark.parametrize("policy", ["recompute_all", "offload_all", "adaptive"])
@@ -525,7 +563,7 @@ def test_calm_micro_batches_count_the_inputs_they_save() -> None:
     assert inputs == tokens_for(model, 0).nbytes  # the token ids the embedding saves
     # Room for the last routing's activations, but not with the inputs as well.
     recent = prov._last_bytes
-    prov.budget = prov.runtime.budget_bytes = int((recent + inputs // 2) / (1 - prov.margin)) + 1
+    prov.budget = int((recent + inputs // 2) / (1 - prov.margin)) + 1
     assert prov._worst_bytes > recent + inputs
     step(model, 4)
     assert prov.telemetry.micro_batches[-1].traced, "taken for calm: the inputs were not counted"
@@ -1002,8 +1040,6 @@ def test_high_water_prediction_follows_the_sequence_length() -> None:
     torch.manual_seed(0)
     model = MoETransformer(MoEConfig.tiny(dropout=0.0, ep_size=4))
     prov = bagualu2.enable(model, budget=1 << 40, min_bytes=0)
-    prov.runtime.budget_bytes = None  # nothing is released: the ledger's peak is the truth
-    prov.budget = 1 << 40
     lengths = [32, 32, 16, 48, 24, 40, 8, 32]
     for i, length in enumerate(lengths):
         model.zero_grad(set_to_none=True)
@@ -1471,7 +1507,7 @@ def test_plans_pay_the_cost_a_micro_batch_s_first_offload_adds_once() -> None:
     for i in range(prov.profile_frames):
         step(model, i)
     keep_peak = max(m.peak_bytes for m in prov.telemetry.micro_batches)
-    prov.budget = prov.runtime.budget_bytes = int(0.6 * keep_peak)
+    prov.budget = int(0.6 * keep_peak)
     for i in range(prov.calibrate_frames):  # recompute all they can: the cost model measures replays
         step(model, 96 + i)
     assert all(m.calibrating for m in prov.telemetry.micro_batches[-3:])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import List, Optional
 
 
@@ -41,6 +40,3 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     return int(args.run(args) or 0)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

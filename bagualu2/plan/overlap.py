@@ -573,8 +573,7 @@ class OverlapDriver:
             j = pair.reloads[pair.next_reload]
             if pair.schedule.issue_after[j] > op:
                 break
-            budget = self.runtime.budget_bytes
-            if budget is not None and self.runtime.ledger.resident + pair.problem.tasks[j].nbytes > budget:
+            if self.runtime.would_cross(pair.problem.tasks[j].nbytes):
                 self.stats["reloads_deferred"] += 1
                 break  # no room now (the plan's estimate was short): retry at the next point
             pair.next_reload += 1
@@ -603,8 +602,7 @@ class OverlapDriver:
         torch.set_num_threads(threads)
         for j in pair.early:
             for node, state in pair.problem.targets[j]:
-                budget = self.runtime.budget_bytes
-                if budget is not None and self.runtime.ledger.resident + node.nbytes > budget:
+                if self.runtime.would_cross(node.nbytes):
                     return  # this and the later ones are recomputed by backward when needed
                 try:
                     pair.pins.append(self.runtime.recompute_ahead(node, state))

@@ -287,6 +287,27 @@ def checked_choices(choices: Mapping[str, Choice]) -> Dict[str, Choice]:
     return out
 
 
+@dataclass(frozen=True)
+class Budget:
+    """What one micro-batch's forward holds its saved activations to, in device bytes.
+
+    ``limit`` is the budget: only crossing it is a violation. Releases aim lower, at the
+    ``target``: ``reserve`` is left for the micro-batches that will stack on this rank before
+    this one's backward (pipeline warm-up), and ``pin_headroom`` within the rest for what
+    recipes pin and nothing can release (the forward's inputs, labels the loss reads at the
+    end), which only those pins may use.
+    """
+
+    limit: int
+    reserve: int = 0
+    pin_headroom: int = 0
+
+    def target(self, pins: bool = False) -> int:
+        """Where releases aim: the limit less the reserve, less the pin headroom unless the
+        bytes are ``pins`` it is left for."""
+        return max(0, self.limit - self.reserve - (0 if pins else self.pin_headroom))
+
+
 class Frame:
     """One micro-batch's forward through a provisioned module.
 
@@ -313,6 +334,8 @@ class Frame:
         self.rerun_blocks = False
         self._rerun: Optional[BlockRerun] = None  # the block running untraced now
         self.strict = strict  # a key in ``choices`` that names no op of the forward is an error
+        # What the forward is held to; None: the runtime's ``budget_bytes``, all of it.
+        self.budget: Optional[Budget] = None
         # False: no tracing, saved tensors are only counted and kept. For forwards that cannot
         # need a release (an ample budget): they then cost about what the saved-tensor hooks cost.
         self.traced = True
@@ -606,7 +629,8 @@ class ActivationRuntime:
     Args:
         engine: a ``bagualu2.CopyEngine`` for OFFLOAD, or None (OFFLOAD then falls back).
         min_bytes: storages smaller than this are kept, unless keeping one would cross the budget.
-        budget_bytes: the activation budget the ledger is held to, or None for no budget.
+        budget_bytes: the activation budget the ledger is held to, or None for no budget; a
+            frame with a ``Budget`` of its own is held to that while its forward runs.
         enforce_budget: release (offload, else recompute) a storage that would exceed the budget
             instead of keeping it. Static baselines turn this off to show what they would do.
         on_exceed: called with (resident, budget, key) when the budget is exceeded anyway; it may
@@ -629,9 +653,6 @@ class ActivationRuntime:
         self.min_bytes = min_bytes
         self.budget_bytes = budget_bytes
         self.enforce_budget = enforce_budget
-        # Part of the budget saves leave free for what recipes pin and nothing can release
-        # (inputs from outside the forward); a pin that crosses the budget itself is a violation.
-        self.pin_headroom = 0
         self.on_exceed = on_exceed
         self.prefetch_bytes = prefetch_bytes
         self.reload_in_place = reload_in_place
@@ -1034,7 +1055,7 @@ class ActivationRuntime:
 
     def _room(self, storage: torch.UntypedStorage) -> bool:
         """Whether backward may hold ``storage`` for more readers within the budget."""
-        return not self._over_budget(storage, reserved=False)
+        return not self._over_budget(storage, pins=True)
 
     def _charge(self, storage: torch.UntypedStorage) -> Optional[_Pin]:
         """Count a storage backward rebuilt and would hold for more readers (the recompute
@@ -1051,14 +1072,8 @@ class ActivationRuntime:
         frame.stats.leaf_bytes += storage.nbytes()
         if storage._cdata not in self.mode.nodes:
             frame.stats.outside_bytes += storage.nbytes()
-        budget = self.budget_bytes
-        if budget is not None and self.ledger.resident + storage.nbytes() > budget:
-            if not self._make_room(frame, storage.nbytes()):  # nothing can release it: the budget is crossed
-                pin = _Pin(self.ledger, storage)
-                frame.stats.violations += 1
-                if self.on_exceed is not None:
-                    self.on_exceed(self.ledger.resident, budget, f"a tensor of shape {tuple(t.shape)} a recipe holds")
-                return pin
+        if self._crosses(storage.nbytes(), pins=True) and not self._make_room(frame, storage.nbytes()):
+            self._count_violation(frame, storage.nbytes(), f"a tensor of shape {tuple(t.shape)} a recipe holds")
         return _Pin(self.ledger, storage)
 
     # -- pack -------------------------------------------------------------------------------
@@ -1125,12 +1140,12 @@ class ActivationRuntime:
         node = self.mode.nodes.get(storage._cdata)
         if node is None:
             # From outside the traced forward: no recipe, and not this frame's to release. It is
-            # what pin_headroom leaves room for, so only the budget itself bounds it.
+            # what the pin headroom is left for, so only the target itself bounds it.
             if not self.ledger.holds(storage):
                 stats.outside_bytes += storage.nbytes()
-            if self._over_budget(storage, reserved=False):
+            if self._over_budget(storage, pins=True):
                 self.settle(wait=True)
-                if self._over_budget(storage, reserved=False):
+                if self._over_budget(storage, pins=True):
                     return self._violate(frame, t, f"a saved input of shape {tuple(t.shape)}")
             return self._keep(frame, t)
         nbytes = node.nbytes
@@ -1245,26 +1260,47 @@ class ActivationRuntime:
             node = src_node
         return False, None
 
-    def _over_budget(self, storage: torch.UntypedStorage, reserved: bool = True) -> bool:
-        """Whether holding ``storage`` crosses the budget, less ``pin_headroom`` (unless it is
-        one of the storages the headroom is ``reserved`` for)."""
-        return not self.ledger.holds(storage) and self._crosses(storage.nbytes(), reserved)
+    def limit(self) -> Optional[int]:
+        """The budget crossing which is a violation now: the running frame's, else
+        ``budget_bytes``."""
+        frame = self._frame
+        return frame.budget.limit if frame is not None and frame.budget is not None else self.budget_bytes
 
-    def _crosses(self, nbytes: int, reserved: bool = True) -> bool:
-        """Whether ``nbytes`` more resident crosses the budget (less ``pin_headroom`` unless
-        ``reserved`` is false)."""
-        budget = self.budget_bytes
-        return budget is not None and self.ledger.resident + nbytes > budget - (self.pin_headroom if reserved else 0)
+    def target(self, pins: bool = False) -> Optional[int]:
+        """Where releases aim now (``Budget.target`` of the running frame, else
+        ``budget_bytes``); None without a budget."""
+        frame = self._frame
+        return frame.budget.target(pins) if frame is not None and frame.budget is not None else self.budget_bytes
+
+    def would_cross(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more resident would cross where releases aim now, the room kept
+        for pins included (what the overlap driver asks before a reload or early recompute)."""
+        return self._crosses(nbytes, pins=True)
+
+    def _over_budget(self, storage: torch.UntypedStorage, pins: bool = False) -> bool:
+        """Whether holding ``storage`` crosses the target (``pins``: one of the storages the
+        pin headroom is left for)."""
+        return not self.ledger.holds(storage) and self._crosses(storage.nbytes(), pins)
+
+    def _crosses(self, nbytes: int, pins: bool = False) -> bool:
+        """Whether ``nbytes`` more resident crosses the target."""
+        target = self.target(pins)
+        return target is not None and self.ledger.resident + nbytes > target
 
     def _violate(self, frame: Frame, t: torch.Tensor, key: str) -> Any:
-        """Keep ``t`` although that crosses the budget, unless kept storages can make room."""
-        if self._make_room(frame, t.untyped_storage().nbytes()):
-            return self._keep(frame, t)
-        frame.stats.violations += 1
-        packed = self._keep(frame, t)
-        if self.on_exceed is not None:
-            self.on_exceed(self.ledger.resident, self.budget_bytes or 0, key)
-        return packed
+        """Keep ``t`` although that crosses the target, unless kept storages can make room; a
+        violation where it crosses the limit."""
+        nbytes = t.untyped_storage().nbytes()
+        if not self._make_room(frame, nbytes):
+            self._count_violation(frame, nbytes, key)
+        return self._keep(frame, t)
+
+    def _count_violation(self, frame: Frame, nbytes: int, key: str) -> None:
+        limit = self.limit()
+        if limit is not None and self.ledger.resident + nbytes > limit:
+            frame.stats.violations += 1
+            if self.on_exceed is not None:
+                self.on_exceed(self.ledger.resident + nbytes, limit, key)
 
     def _keep(self, frame: Frame, t: torch.Tensor, storage: Optional[torch.UntypedStorage] = None) -> _Kept:
         if storage is None:
@@ -1279,7 +1315,7 @@ class ActivationRuntime:
         kept = _Kept(t, _Pin(self.ledger, storage), node)
         if node is not None:
             node.kept[node.state] = (weakref.ref(t), t._version)
-        if self.budget_bytes is not None and self.enforce_budget and self.engine is not None:
+        if self.target() is not None and self.enforce_budget and self.engine is not None:
             entry = self._kept.get(storage._cdata)
             if entry is None:
                 if len(self._kept) >= self._kept_limit:
@@ -1292,7 +1328,7 @@ class ActivationRuntime:
     def _movable(self) -> List[Tuple[int, int, int, List[_Kept]]]:
         """Kept storages ``_make_room`` may offload, in the order it would: (frame index,
         -bytes, cdata, the kept saves), those of earlier frames first, larger first."""
-        if self.budget_bytes is None or not self.enforce_budget or self.engine is None:
+        if self.target() is None or not self.enforce_budget or self.engine is None:
             return []
         out = []
         for cdata, (index, saves) in self._live_kept().items():
@@ -1325,7 +1361,7 @@ class ActivationRuntime:
         them), larger first; a storage goes only when kept saves are all that hold it, unchanged
         since (only with a copy engine, and when the budget is enforced). True when ``need``
         fits, after in-flight offloads have settled."""
-        budget = self.budget_bytes
+        budget = self.target(pins=True)
         if budget is None:
             return True
         self.settle(wait=True)
@@ -1537,7 +1573,7 @@ class ActivationRuntime:
         while cursor >= 0:
             other = frame._offloads[cursor]()
             if other is not None:
-                if frame._prefetch_pending + other.nbytes > self.prefetch_bytes or self._crosses(other.nbytes, False):
+                if frame._prefetch_pending + other.nbytes > self.prefetch_bytes or self._crosses(other.nbytes, pins=True):
                     break
                 other.prefetch(self.ledger)
             cursor -= 1
