@@ -15,7 +15,7 @@ from bagualu2.runtime import is_recomputing
 from bagualu2.plan.cost_model import CostModel
 from bagualu2.errors import BudgetExceededError, InfeasibleBudgetError
 from bagualu2.offload import CopyEngine, HostArena
-from bagualu2.plan.planner import Candidate, Choice, Plan, PlanCache, Planner
+from bagualu2.plan.planner import Candidate, Choice, Plan, Planner
 from bagualu2.provisioner import POLICIES, Provisioner, enable, on_gating
 
 __version__ = "0.1.0"
@@ -30,7 +30,6 @@ __all__ = [
     "InfeasibleBudgetError",
     "POLICIES",
     "Plan",
-    "PlanCache",
     "Planner",
     "Provisioner",
     "backend_status",

@@ -1,4 +1,4 @@
-"""Decision latency of the planner (cold), the plan cache (hits) and the overlap scheduler.
+"""Decision latency of the planner and of the overlap scheduler.
 
 Cold decisions: Planner.solve on random MoE-like candidate sets of 8..256 operators, timed
 through the Python facade and through the bare C++ binding (columns prebuilt), and with an
@@ -7,7 +7,8 @@ exposed time: the recompute-only bound usually rules out a plan without offloads
 (10x: the plan without offloads is solved too, a second DP). Baselines in
 the same run: a pure-Python brute force (only where 3^n is small) and a pure-Python greedy;
 the table gives their time as a ratio to the DP and their exposed time against the DP's.
-Cached decisions: PlanCache.get hits from Python, and the cache's own C++ lookup mean.
+The provisioner solves the planner at every decision (nothing is reused between decisions);
+its ``report()["decision_latency_us"]`` measures whole decisions in a run.
 
     python benchmarks/decision_latency.py --out decision_latency.json
 """
@@ -24,7 +25,7 @@ from typing import Callable, Dict, List, Sequence
 import numpy as np
 
 from bagualu2.plan.overlap import OverlapOp, OverlapScheduler, OverlapTask, TaskKind
-from bagualu2.plan.planner import Candidate, Choice, PlanCache, Planner
+from bagualu2.plan.planner import Candidate, Choice, Planner
 
 
 def make_candidates(n: int, rng: np.random.Generator) -> List[Candidate]:
@@ -149,22 +150,6 @@ def main() -> None:
               f"{row['large_setup_median_us']:>15.1f} {row['greedy_median_us']:>10.1f} "
               f"{row['greedy_over_dp_time']:>9.1f} {row['greedy_gap_pct']:>9.2f}% {brute}")
 
-    # cached decisions: hits on a warm cache keyed like the provisioner keys it
-    cache = PlanCache(capacity=4096)
-    plan = Planner().solve(make_candidates(64, rng), 1 << 28, 1e-3, 1e-3)
-    for layer, bucket, phase, budget in itertools.product(range(16), range(8), range(3), range(4)):
-        cache.put(layer, bucket, phase, budget, plan)
-    keys = [(int(rng.integers(16)), int(rng.integers(8)), int(rng.integers(3)),
-             int(rng.integers(4))) for _ in range(20000)]
-    cache.reset_stats()
-    t0 = time.perf_counter()
-    for k in keys:
-        cache.get(*k)
-    py_us = (time.perf_counter() - t0) / len(keys) * 1e6
-    stats = cache.stats()
-    print(f"\ncached lookup (PlanCache.get hit, 64-op plan): {py_us:.2f} us from Python, "
-          f"{stats['mean_lookup_us']:.3f} us inside C++, hit rate {stats['hit_rate']:.2f}")
-
     # overlap scheduler: a 1F1B steady-state step (forward of A, bubble, backward of B)
     ops = [OverlapOp(1e-3, 1 << 30) for _ in range(16)] + [OverlapOp(2e-3, 0, bubble=True)] + \
           [OverlapOp(2e-3, 1 << 30) for _ in range(16)]
@@ -175,13 +160,12 @@ def main() -> None:
     ov = timed(lambda: sch.schedule(ops, tasks, (1 << 30) + (320 << 20)), max(5, args.reps // 5))
     s = sch.schedule(ops, tasks, (1 << 30) + (320 << 20))
     hit = timed(lambda: sch.schedule(ops, tasks, 0, cache_key=(0, 0, 1, 5)), args.reps)
-    print(f"overlap scheduler, {len(ops)} ops / {len(tasks)} tasks: "
+    print(f"\noverlap scheduler, {len(ops)} ops / {len(tasks)} tasks: "
           f"{statistics.median(ov) * 1e6:.0f} us cold (exposed {s.exposed_s * 1e3:.2f} ms, "
           f"feasible {s.feasible}), {statistics.median(hit[1:]) * 1e6:.1f} us cached")
 
     result = dict(machine=platform.platform(), processor=platform.processor(), reps=args.reps,
                   planner=rows,
-                  cache=dict(python_get_us=py_us, **stats),
                   overlap=dict(ops=len(ops), tasks=len(tasks),
                                cold_median_us=statistics.median(ov) * 1e6,
                                cached_median_us=statistics.median(hit[1:]) * 1e6,

@@ -184,7 +184,7 @@ def test_reads_the_provisioners_telemetry_records(tmp_path) -> None:
 def test_planner_is_the_runtime_planner() -> None:
     import bagualu2.plan.planner as runtime
 
-    assert planner_api()[0] is runtime.Planner and planner_api()[1] is runtime.PlanCache
+    assert planner_api() == (runtime.Planner, runtime.Candidate, runtime.Choice)
 
 
 @FAST
@@ -247,7 +247,6 @@ def test_planner_called_and_plan_mix_follows_the_load() -> None:
         assert res.policies["adaptive"].summary["oom_count"] == 0
     released = {k: v["offload"] + v["recompute"] for k, v in mixes.items()}
     assert released["spiky"] > released["calm"]
-    assert sim.run(spiky, ["adaptive"]).policies["adaptive"].cache["hits"] > 0
 
 
 def test_simulation_is_deterministic_from_the_seed() -> None:

@@ -191,7 +191,7 @@ class OverlapScheduler:
 
     def cache_stats(self) -> Dict[str, float]:
         """``{"hits", "misses", "hit_rate", "mean_lookup_us", "evictions", "size", "capacity"}``
-        (the same figures as ``PlanCache.stats()``)."""
+        of the schedule cache (csrc/sched/lru_cache.h)."""
         return self._impl.cache_stats()
 
     def clear_cache(self) -> None:

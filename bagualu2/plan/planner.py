@@ -1,4 +1,4 @@
-"""Planner and plan cache: which saved activations to keep, offload or recompute.
+"""Planner: which saved activations to keep, offload or recompute.
 
 Contract (docs/CONTRACTS.md, ``bagualu2.plan.planner``):
 
@@ -17,9 +17,6 @@ Contract (docs/CONTRACTS.md, ``bagualu2.plan.planner``):
   ``exposed_s`` itself is exact. When even releasing every releasable op is not enough,
   ``plan.feasible`` is False, ``plan.shortfall_bytes`` says by how much, and the plan releases
   every releasable op (the best effort) at the least exposed time.
-- ``PlanCache(capacity)``: bounded LRU keyed by (layer, load bucket, phase, budget bucket),
-  thread-safe, with hit/miss/latency stats. A stored plan must hold for the whole bucket, so
-  solve for the bucket's worst case (largest load, smallest budget) before ``put``.
 """
 from __future__ import annotations
 
@@ -30,7 +27,7 @@ from typing import Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 from bagualu2 import _C
 
-__all__ = ["Choice", "Candidate", "Plan", "Planner", "PlanCache"]
+__all__ = ["Choice", "Candidate", "Plan", "Planner"]
 
 
 class Choice(enum.IntEnum):
@@ -271,64 +268,3 @@ def _recompute_bound(candidates: Sequence[Candidate], need: int) -> float:
         if need <= 0:
             return bound
     return math.inf
-
-
-class PlanCache:
-    """Bounded, thread-safe LRU cache of plans (C++).
-
-    Keyed by ``(layer, load_bucket, phase, budget_bucket)``, integers of the caller's choosing
-    (e.g. ``load_bucket = math.ceil(imbalance / 0.1)``; a stored plan must be valid for the
-    whole bucket). ``get`` hits and ``put`` both refresh an entry; a full cache evicts the least
-    recently used one.
-
-    Args:
-        capacity: maximum number of stored plans (``>= 1``).
-    """
-
-    __slots__ = ("_impl",)
-
-    def __init__(self, capacity: int = 4096) -> None:
-        self._impl = _C.PlanCache(int(capacity))
-
-    @property
-    def capacity(self) -> int:
-        return self._impl.capacity
-
-    def __len__(self) -> int:
-        return len(self._impl)
-
-    def get(self, layer: int, load_bucket: int, phase: int, budget_bucket: int) -> Optional[Plan]:
-        """Stored plan for this context, or None (counted as a miss)."""
-        return self._impl.get(layer, load_bucket, phase, budget_bucket)
-
-    def put(self, layer: int, load_bucket: int, phase: int, budget_bucket: int, plan: Plan) -> None:
-        """Store ``plan`` for this context (replacing any previous one)."""
-        if not isinstance(plan, Plan):
-            raise TypeError(f"PlanCache.put expects a Plan, got {type(plan).__name__}")
-        self._impl.put(layer, load_bucket, phase, budget_bucket, plan)
-
-    def contains(self, layer: int, load_bucket: int, phase: int, budget_bucket: int) -> bool:
-        """Whether a plan is stored for this context (does not touch stats or LRU order)."""
-        return self._impl.contains(layer, load_bucket, phase, budget_bucket)
-
-    def clear(self) -> None:
-        """Drop every stored plan (stats are kept)."""
-        self._impl.clear()
-
-    def stats(self) -> dict:
-        """``{"hits", "misses", "hit_rate", "mean_lookup_us", "evictions", "size", "capacity"}``."""
-        return self._impl.stats()
-
-    def reset_stats(self) -> None:
-        """Zero hits, misses, evictions and the latency sum; entries stay."""
-        self._impl.reset_stats()
-
-
-def load_bucket(imbalance: float, step: float = 0.1) -> int:
-    """Bucket index of a load imbalance (max / mean tokens), rounded up so that the bucket's
-    plan, solved for ``bucket * step``, covers every load in it."""
-    if not (imbalance >= 0 and math.isfinite(imbalance)):
-        raise ValueError(f"imbalance must be finite and >= 0, got {imbalance!r}")
-    if not step > 0:
-        raise ValueError(f"step must be > 0, got {step!r}")
-    return int(math.ceil(imbalance / step))

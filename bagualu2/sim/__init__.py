@@ -10,7 +10,7 @@ result = sim.run(generate_trace(1000, layout.m, len(sim.moe_units), ep=layout.ep
 print(result.table())
 ```
 
-The simulator calls the runtime's ``bagualu2.Planner`` / ``bagualu2.PlanCache``; see
+The simulator calls the runtime's ``bagualu2.Planner``; see
 ``docs/simulator.md`` for the model, the calibration and the predicted-vs-published ablation.
 """
 from bagualu2.sim.clusters import CLUSTER_PRESETS, ClusterSpec, get_cluster

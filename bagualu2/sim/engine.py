@@ -13,9 +13,9 @@ How a 12,288-accelerator job becomes cheap to simulate
    driven timeline are evaluated for a block of steps at once, as numpy vectors over the step
    axis (steps are independent: activation memory is empty between steps).
 3. **Layers that behave alike share decisions.** Units of the same kind (all MoE layers, say)
-   have the same candidate table; the planner is called through ``bagualu2.PlanCache`` keyed by
-   (unit kind, load bucket, phase, budget bucket), so a decision solved once is reused by every
-   layer, micro-batch, stage and step that falls in the same bucket.
+   have the same candidate table; the planner solves each (unit kind, load bucket, phase,
+   budget bucket) once, for the bucket's worst case, and every layer, micro-batch, stage and
+   step that falls in the same bucket takes that decision.
 
 Policies
 --------
@@ -54,14 +54,14 @@ PLANNED = ("static", "adaptive", "adaptive_overlap")
 
 
 def planner_api():  # noqa: ANN201 - returns the module-level names of the runtime planner
-    """The runtime's planner classes ``(Planner, PlanCache, Candidate, Choice)``.
+    """The runtime's planner classes ``(Planner, Candidate, Choice)``.
 
     The simulator never re-implements the planner: it imports the same facade the runtime uses
     (``bagualu2.Planner`` when exported there, else ``bagualu2.plan.planner``).
     """
     import bagualu2
 
-    names = ("Planner", "PlanCache", "Candidate", "Choice")
+    names = ("Planner", "Candidate", "Choice")
     if all(hasattr(bagualu2, n) for n in names):
         return tuple(getattr(bagualu2, n) for n in names)
     from bagualu2.plan import planner as _p
@@ -144,7 +144,6 @@ class PolicyResult:
     infeasible: np.ndarray         # decisions without a feasible plan, [steps]
     mix: Dict[str, int]            # op choices over all decisions
     timeline: Dict[str, list] = field(default_factory=dict)  # showcase step memory timeline
-    cache: Dict[str, float] = field(default_factory=dict)
     summary: Dict[str, float] = field(default_factory=dict)
 
 
@@ -179,8 +178,8 @@ class Simulator:
         checkpoint_interval: steps between checkpoints (what an OOM loses).
         restart_s: cold restart cost; ``None`` takes the cluster's (284 s by default).
         static_imbalance: worst case the static plan is solved for (``None``: the trace max).
-        load_quantum: width of a load bucket for the plan cache.
-        budget_buckets: budget buckets per unit's full size for the plan cache.
+        load_quantum: width of a load bucket (decisions are solved once per bucket).
+        budget_buckets: budget buckets per unit's full size (likewise).
         calm_imbalance: load that future micro-batches are assumed to bring when the online
             policies reserve room for them (the calm ceiling of the trace).
         measured: optional per-kind override tables (see :mod:`bagualu2.sim.measured`).
@@ -279,7 +278,7 @@ class Simulator:
 
     def _solve(self, planner, table: KindTable, f: float, must: float,  # noqa: ANN001
                overlap: bool) -> Tuple[object, Effect]:
-        _, _, Candidate, Choice = planner_api()
+        _, Candidate, Choice = planner_api()
         cands = table.candidates(f, Candidate)
         wf = table.fwd(f) if overlap else 0.0
         wb = table.bwd(f) if overlap else 0.0
@@ -298,7 +297,7 @@ class Simulator:
             max_load: highest load the trace can bring (sizes the transient reserve and the
                 static plan's worst case).
             showcase: step index (within the block) whose memory timeline is recorded.
-            state: dict carried across blocks (planner, plan cache, effects, static plans).
+            state: dict carried across blocks (planner, effects, static plans).
             on_stage: called with ``steps / pp`` after each stage (progress reporting).
         """
         if policy not in POLICIES:
@@ -313,9 +312,8 @@ class Simulator:
         trace_mem: Dict[str, list] = {}
         overlap = policy == "adaptive_overlap"
         if policy in PLANNED and "planner" not in state:
-            Planner, PlanCache, _, _ = planner_api()
+            Planner, _, _ = planner_api()
             state["planner"] = Planner(quantum_bytes=self.planner_quantum)
-            state["cache"] = PlanCache(capacity=65536)
             state["effects"] = {}
         for s in range(self.pp):
             budget = self.budget(s, max_load)
@@ -394,9 +392,7 @@ class Simulator:
         makespan, _ = self.timeline.run(dur, self.send_s)
         step_time = makespan + max(self.dp_s)
         oom = (peak > self.cluster.device_memory).any(axis=0)
-        cache = state["cache"].stats() if "cache" in state else {}
-        return PolicyResult(policy, step_time, oom, peak, infeasible, dict(mix), trace_mem,
-                            dict(cache))
+        return PolicyResult(policy, step_time, oom, peak, infeasible, dict(mix), trace_mem)
 
     def _static_plans(self, stage: int, max_load: float, state: dict) -> Dict[int, Effect]:
         """AdaPipe-style plans of one stage: every in-flight micro-batch at the worst case."""
@@ -424,7 +420,7 @@ class Simulator:
 
     def _decide(self, state: dict, t: KindTable, f: np.ndarray, base: np.ndarray,
                 w_rel: float, overlap: bool):  # noqa: ANN202
-        """Plans for the steps where the unit must release bytes, via the plan cache.
+        """Plans for the steps where the unit must release bytes, one solve per bucket.
 
         The unit must free ``(base + full(f)) * w_rel``: ``base`` is resident bytes plus the
         calm size of the chunk's later units minus the limit, ``w_rel`` this unit's share.
@@ -451,15 +447,13 @@ class Simulator:
         kind_id = self.kind_names.index(t.kind)
         phase = 1 if overlap else 0
         effects: List[Effect] = []
-        cache, memo = state["cache"], state["effects"]
+        memo = state["effects"]  # (kind, load bucket, phase, budget bucket) -> Effect
         for k in uniq.tolist():
             lbk, mbk = divmod(int(k), 1 << 32)
             ck = (kind_id, lbk, phase, mbk)
-            plan = cache.get(*ck)
-            eff = memo.get(ck) if plan is not None else None
+            eff = memo.get(ck)
             if eff is None:
-                plan, eff = self._solve(state["planner"], t, lbk * q, mbk * bq, overlap)
-                cache.put(*ck, plan)
+                _, eff = self._solve(state["planner"], t, lbk * q, mbk * bq, overlap)
                 memo[ck] = eff
             effects.append(eff)
         idx[hot] = inv.reshape(-1)
@@ -542,7 +536,7 @@ class Simulator:
                 p, np.concatenate([x.step_time for x in parts]),
                 np.concatenate([x.oom for x in parts]),
                 np.concatenate([x.peak for x in parts], axis=1),
-                np.concatenate([x.infeasible for x in parts]), parts[-1].mix, {}, parts[-1].cache)
+                np.concatenate([x.infeasible for x in parts]), parts[-1].mix, {})
         # showcase: the step and stage with the highest peak of the first policy (keep_all when
         # simulated: the spike that crashes it); every policy's memory timeline is recorded there
         first = results[policies[0]]
@@ -610,8 +604,6 @@ class Simulator:
             "total_s": total,
             "peak_gib": float(r.peak.max() / 2**30),
             "infeasible_decisions": int(r.infeasible.sum()),
-            "plan_cache_hit_rate": (float(r.cache.get("hit_rate", float("nan"))) if r.cache
-                                    else float("nan")),
         }
 
 

@@ -71,7 +71,7 @@ def to_json(result: SimResult) -> Dict[str, object]:
         "policies": {
             p: {**{k: clean(v) for k, v in r.summary.items()},
                 **{k: clean(v) for k, v in ratios[p].items()},
-                "plan_mix": r.mix, "plan_cache": r.cache,
+                "plan_mix": r.mix,
                 "peak_bytes_per_stage": [float(x) for x in r.peak.max(axis=1)],
                 "memory_timeline": r.timeline.get(str(result.showcase_stage), [])}
             for p, r in result.policies.items()},

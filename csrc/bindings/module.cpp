@@ -9,7 +9,7 @@
 namespace py = pybind11;
 
 PYBIND11_MODULE(_C, m) {
-    m.doc() = "bagualu2 C++ runtime: host arena, copy engine, planner, plan cache";
+    m.doc() = "bagualu2 C++ runtime: host arena, copy engine, planner, overlap scheduler";
     py::register_exception<bagualu2::Error>(m, "Error", PyExc_ValueError);
     py::register_exception<bagualu2::RuntimeError>(m, "RuntimeError", PyExc_RuntimeError);
     m.def("backends", &bagualu2::gpu::compiled_backends,

@@ -1,4 +1,4 @@
-// Python bindings of the sched component: Planner, PlanCache (and the overlap scheduler).
+// Python bindings of the sched component: Planner and the overlap scheduler.
 // The Python facades (bagualu2/plan/planner.py, bagualu2/plan/overlap.py) are the public interface.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -8,8 +8,8 @@
 
 #include "bindings/registry.h"
 #include "common/check.h"
+#include "sched/lru_cache.h"
 #include "sched/overlap_scheduler.h"
-#include "sched/plan_cache.h"
 #include "sched/planner.h"
 
 namespace py = pybind11;
@@ -46,9 +46,7 @@ py::tuple plan_to_tuple(const Plan& p) {
                           p.bound_s, p.quantum_bytes, p.offload_quantum_s, p.reload_quantum_s);
 }
 
-using PyPlanCache = PlanCache<py::object>;
-
-py::dict cache_stats_dict(const PlanCacheStats& s) {
+py::dict cache_stats_dict(const CacheStats& s) {
     py::dict d;
     d["hits"] = s.hits;
     d["misses"] = s.misses;
@@ -84,37 +82,6 @@ void register_sched(py::module_& m) {
         .def_property_readonly("time_quantum_s", &Planner::time_quantum_s)
         .def_property_readonly("max_cells", &Planner::max_cells);
 
-    py::class_<PyPlanCache>(m, "PlanCache", "Bounded LRU plan cache (see plan_cache.h).")
-        .def(py::init<std::int64_t>(), py::arg("capacity") = 4096)
-        .def(
-            "get",
-            [](PyPlanCache& self, std::int64_t layer, std::int64_t load_bucket,
-               std::int64_t phase, std::int64_t budget_bucket) -> py::object {
-                auto v = self.get(PlanKey{layer, load_bucket, phase, budget_bucket});
-                return v ? *v : py::none();
-            },
-            py::arg("layer"), py::arg("load_bucket"), py::arg("phase"), py::arg("budget_bucket"))
-        .def(
-            "put",
-            [](PyPlanCache& self, std::int64_t layer, std::int64_t load_bucket,
-               std::int64_t phase, std::int64_t budget_bucket, py::object plan) {
-                self.put(PlanKey{layer, load_bucket, phase, budget_bucket}, std::move(plan));
-            },
-            py::arg("layer"), py::arg("load_bucket"), py::arg("phase"), py::arg("budget_bucket"),
-            py::arg("plan"))
-        .def(
-            "contains",
-            [](const PyPlanCache& self, std::int64_t layer, std::int64_t load_bucket,
-               std::int64_t phase, std::int64_t budget_bucket) {
-                return self.contains(PlanKey{layer, load_bucket, phase, budget_bucket});
-            },
-            py::arg("layer"), py::arg("load_bucket"), py::arg("phase"), py::arg("budget_bucket"))
-        .def("clear", &PyPlanCache::clear)
-        .def("reset_stats", &PyPlanCache::reset_stats)
-        .def("__len__", &PyPlanCache::size)
-        .def_property_readonly("capacity", &PyPlanCache::capacity)
-        .def("stats", [](const PyPlanCache& self) { return cache_stats_dict(self.stats()); });
-
     py::class_<OverlapScheduler>(m, "OverlapScheduler",
                                  "Overlap scheduler DP (see csrc/sched/overlap_scheduler.h).")
         .def(py::init<std::int64_t, bool>(), py::arg("cache_capacity") = 256,
@@ -144,11 +111,11 @@ void register_sched(py::module_& m) {
                     tasks[i] = OverlapTask{static_cast<TaskKind>(kind[i]), op[i], earliest[i],
                                            duration[i], nbytes[i]};
                 }
-                std::optional<PlanKey> pk;
+                std::optional<CacheKey> pk;
                 if (key) {
                     BAGUALU2_CHECK(key->size() == 4, "cache key needs 4 integers, got ",
                                    key->size());
-                    pk = PlanKey{(*key)[0], (*key)[1], (*key)[2], (*key)[3]};
+                    pk = CacheKey{(*key)[0], (*key)[1], (*key)[2], (*key)[3]};
                 }
                 // the facade looked the key up already (cached()); only store here
                 const Schedule s = self.schedule(ops, tasks, budget_bytes);
@@ -162,7 +129,7 @@ void register_sched(py::module_& m) {
             "cached",
             [](OverlapScheduler& self, std::int64_t a, std::int64_t b, std::int64_t c,
                std::int64_t d) -> py::object {
-                const auto s = self.cached(PlanKey{a, b, c, d});
+                const auto s = self.cached(CacheKey{a, b, c, d});
                 if (!s) return py::none();
                 return py::make_tuple(s->issue_after, s->early, s->feasible, s->exposed_s,
                                       s->peak_bytes, s->merged_ops, s->cache_hit);

@@ -57,7 +57,7 @@ OverlapScheduler::OverlapScheduler(std::int64_t cache_capacity, bool merge)
 
 Schedule OverlapScheduler::schedule(const std::vector<OverlapOp>& ops,
                                     const std::vector<OverlapTask>& tasks,
-                                    std::int64_t budget_bytes, const std::optional<PlanKey>& key) {
+                                    std::int64_t budget_bytes, const std::optional<CacheKey>& key) {
     if (key) {
         if (auto hit = cached(*key)) return *hit;
     }
@@ -290,6 +290,6 @@ Schedule OverlapScheduler::solve(const std::vector<OverlapOp>& ops,
     return out;
 }
 
-template class PlanCache<Schedule>;
+template class LruCache<Schedule>;
 
 }  // namespace bagualu2

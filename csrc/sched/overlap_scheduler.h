@@ -37,7 +37,7 @@
 #include <optional>
 #include <vector>
 
-#include "sched/plan_cache.h"
+#include "sched/lru_cache.h"
 
 namespace bagualu2 {
 
@@ -79,19 +79,19 @@ public:
     // \param[in] key           optional cache key (budget state); a hit skips the DP.
     // \return issue points, predicted exposed time and peak bytes (see the model above).
     Schedule schedule(const std::vector<OverlapOp>& ops, const std::vector<OverlapTask>& tasks,
-                      std::int64_t budget_bytes, const std::optional<PlanKey>& key = std::nullopt);
+                      std::int64_t budget_bytes, const std::optional<CacheKey>& key = std::nullopt);
 
     // \param[in] key  cache key. \return the stored schedule (a hit) or nothing (a miss).
-    std::optional<Schedule> cached(const PlanKey& key) {
+    std::optional<Schedule> cached(const CacheKey& key) {
         auto hit = cache_.get(key);
         if (hit) hit->cache_hit = true;
         return hit;
     }
 
     // \param[in] key, s  store a schedule under a key (schedule() does this itself).
-    void store(const PlanKey& key, const Schedule& s) { cache_.put(key, s); }
+    void store(const CacheKey& key, const Schedule& s) { cache_.put(key, s); }
 
-    PlanCacheStats cache_stats() const { return cache_.stats(); }
+    CacheStats cache_stats() const { return cache_.stats(); }
     void clear_cache() { cache_.clear(); }
 
 private:
@@ -101,7 +101,7 @@ private:
     // configuration
     bool merge_;
     // cached schedules
-    PlanCache<Schedule> cache_;
+    LruCache<Schedule> cache_;
 };
 
 }  // namespace bagualu2

@@ -1,18 +1,16 @@
-// PlanCache: bounded LRU map from a decision context to a stored plan.
+// LruCache: bounded LRU map from a decision context to a stored value (the overlap
+// scheduler's schedule cache, csrc/sched/overlap_scheduler.h).
 //
-// Design note (invariants; tests in tests/test_plan_cache.py):
-//  1. Key = (layer, load bucket, pipeline phase, budget bucket), all integers chosen by the
-//     caller. A stored plan must be valid for the whole bucket: the caller solves for the
-//     bucket's worst case (largest load, smallest budget) before put().
+// Design note (invariants; keys, hits and stats are tested through the overlap scheduler in
+// tests/test_overlap_scheduler.py):
+//  1. Key = (stage, load bucket, pipeline phase, budget bucket), all integers chosen by the
+//     caller, who must make the key cover everything the stored value depends on.
 //  2. Bounded: never more than `capacity` entries; put() on a full cache evicts the least
 //     recently used entry (get() hits and put() both count as use).
 //  3. Thread-safe: one mutex, held only for the map operation itself; values are copied out
 //     under the lock, never referenced after it is released.
 //  4. Stats: hits, misses, evictions, and the mean latency of get() measured inside the call
 //     (lock included). reset_stats() zeroes them without touching the entries.
-//
-// The cache is generic over the stored value so the C++ core can hold C++ plans and the
-// Python binding can hold Python Plan objects (pybind11 holds the GIL around every call).
 #pragma once
 
 #include <chrono>
@@ -27,22 +25,22 @@
 
 namespace bagualu2 {
 
-struct PlanKey {
-    std::int64_t layer = 0;
+struct CacheKey {
+    std::int64_t stage = 0;
     std::int64_t load_bucket = 0;
     std::int64_t phase = 0;
     std::int64_t budget_bucket = 0;
 
-    bool operator==(const PlanKey& o) const {
-        return layer == o.layer && load_bucket == o.load_bucket && phase == o.phase &&
+    bool operator==(const CacheKey& o) const {
+        return stage == o.stage && load_bucket == o.load_bucket && phase == o.phase &&
                budget_bucket == o.budget_bucket;
     }
 };
 
-struct PlanKeyHash {
-    std::size_t operator()(const PlanKey& k) const noexcept {
+struct CacheKeyHash {
+    std::size_t operator()(const CacheKey& k) const noexcept {
         std::uint64_t h = 1469598103934665603ULL;  // FNV-1a over the four fields
-        for (std::int64_t v : {k.layer, k.load_bucket, k.phase, k.budget_bucket}) {
+        for (std::int64_t v : {k.stage, k.load_bucket, k.phase, k.budget_bucket}) {
             h ^= static_cast<std::uint64_t>(v);
             h *= 1099511628211ULL;
             h ^= h >> 29;
@@ -51,7 +49,7 @@ struct PlanKeyHash {
     }
 };
 
-struct PlanCacheStats {
+struct CacheStats {
     std::int64_t hits = 0;
     std::int64_t misses = 0;
     std::int64_t evictions = 0;
@@ -62,17 +60,17 @@ struct PlanCacheStats {
 };
 
 template <typename Value>
-class PlanCache {
+class LruCache {
 public:
-    // \param[in] capacity  maximum number of stored plans (>= 1).
-    explicit PlanCache(std::int64_t capacity) : capacity_(capacity) {
-        BAGUALU2_CHECK(capacity >= 1, "PlanCache capacity must be >= 1, got ", capacity);
+    // \param[in] capacity  maximum number of stored values (>= 1).
+    explicit LruCache(std::int64_t capacity) : capacity_(capacity) {
+        BAGUALU2_CHECK(capacity >= 1, "LruCache capacity must be >= 1, got ", capacity);
         map_.reserve(static_cast<std::size_t>(capacity));
     }
 
     // \param[in] key  decision context.
     // \return a copy of the stored value, or nothing (a miss).
-    std::optional<Value> get(const PlanKey& key) {
+    std::optional<Value> get(const CacheKey& key) {
         const auto t0 = std::chrono::steady_clock::now();
         std::optional<Value> out;
         {
@@ -93,8 +91,8 @@ public:
     }
 
     // \param[in] key    decision context.
-    // \param[in] value  plan to store (replaces an existing entry of the same key).
-    void put(const PlanKey& key, Value value) {
+    // \param[in] value  value to store (replaces an existing entry of the same key).
+    void put(const CacheKey& key, Value value) {
         std::lock_guard<std::mutex> lock(mu_);
         auto it = map_.find(key);
         if (it != map_.end()) {
@@ -111,8 +109,8 @@ public:
         map_.emplace(key, lru_.begin());
     }
 
-    // \param[in] key  decision context. \return whether a plan was stored (no stats change).
-    bool contains(const PlanKey& key) const {
+    // \param[in] key  decision context. \return whether a value is stored (no stats change).
+    bool contains(const CacheKey& key) const {
         std::lock_guard<std::mutex> lock(mu_);
         return map_.count(key) != 0;
     }
@@ -123,9 +121,9 @@ public:
         lru_.clear();
     }
 
-    PlanCacheStats stats() const {
+    CacheStats stats() const {
         std::lock_guard<std::mutex> lock(mu_);
-        PlanCacheStats s;
+        CacheStats s;
         s.hits = hits_;
         s.misses = misses_;
         s.evictions = evictions_;
@@ -151,14 +149,14 @@ public:
     }
 
 private:
-    using Entry = std::pair<PlanKey, Value>;
+    using Entry = std::pair<CacheKey, Value>;
 
     // configuration
     std::int64_t capacity_;
     // entries: LRU list (front = most recent) and an index into it
     mutable std::mutex mu_;
     std::list<Entry> lru_;
-    std::unordered_map<PlanKey, typename std::list<Entry>::iterator, PlanKeyHash> map_;
+    std::unordered_map<CacheKey, typename std::list<Entry>::iterator, CacheKeyHash> map_;
     // stats
     std::int64_t hits_ = 0;
     std::int64_t misses_ = 0;
