@@ -619,8 +619,8 @@ class Provisioner:
                 # And every other recalibration that recomputes keeps half (every other key in
                 # save order, the two halves in turn): rebuilds and learning from them are then
                 # measured at two sizes of plan, which tells the part that grows with a plan
-                # from the part that does not (measured at the largest alone, learning from
-                # the rebuilds of 16 op calls was priced at 0.12 ms, and took 0.47).
+                # from the part that does not (one size alone cannot separate them, and prices
+                # learning from small plans far below what it takes).
                 recomputing = recal // 2 if self.engine is not None else recal
                 if not offloads and recal >= 0 and recomputing % 2 == 1:
                     half = (recomputing // 2) % 2

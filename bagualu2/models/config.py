@@ -15,14 +15,14 @@ class MoEConfig:
     Three presets cover the uses in this project; each accepts keyword overrides, e.g.
     ``MoEConfig.tiny(dropout=0.1)``. Derive variants with ``dataclasses.replace``.
 
-    Measured fp32 forward + backward, one CPU thread (two threads take roughly 0.6x as long):
+    Sizes, from fastest to slowest:
 
-    - :meth:`tiny`: unit tests; batch 2 x seq 16 in about 7 ms.
-    - :meth:`small`: demos; batch 4 x seq 64 in about 75 ms.
-    - :meth:`bench`: benchmarks; batch 8 x seq 256 in about 1.9 s.
+    - :meth:`tiny`: unit tests (batch 2 x seq 16, milliseconds per step on a CPU);
+    - :meth:`small`: demos (batch 4 x seq 64);
+    - :meth:`bench`: benchmarks (batch 8 x seq 256, seconds per step on a CPU).
 
-    bf16 (``model.to(torch.bfloat16)``) is exact and deterministic but about 15x slower on
-    CPUs without native bf16 matrix units.
+    bf16 (``model.to(torch.bfloat16)``) is exact and deterministic, but slow on CPUs without
+    native bf16 matrix units.
     """
 
     vocab_size: int = 512

@@ -49,11 +49,8 @@ time. The rebuild fit forgets per rebuild size (ops to a power of two): a batch 
 decays only the earlier ones of its sizes, so that the one-op rebuilds budget plans make every
 micro-batch do not erase the few large ones that tell the per-op part from the per-rebuild part;
 the copy fit forgets per micro-batch offload count the same way, for the same reason.
-What no timer of the runtime sees is not priced: on the reference model's 2-core cpu steps, a
-micro-batch that offloads anything costs the step 0.1 to 0.15 ms beyond the copies and the
-learning measured (fitted per micro-batch in two runs over nine plans of 1 to 66 offloaded
-storages, whose residuals were 0.04 to 0.41 ms; ``benchmarks/offload_cost_structure.py``), with
-the collector off, malloc's trimming off, one or two threads, in place or copied back alike.
+What no timer of the runtime sees is not priced (``benchmarks/offload_cost_structure.py``
+measures what a micro-batch that offloads costs the step beyond the copies and the learning).
 A rebuild that replayed an op call again (backward could not keep what it made under the
 budget until read) is not learned from: the model prices one replay per op. One that took more
 than ``OUTLIER_RATIO`` times the median of the same key's last rebuilds of its size counts as
@@ -70,9 +67,8 @@ A plan's recomputed keys fall into rebuilds: each key backward meets first (no o
 key reads it) enters one, and rebuilds inside it the recomputed keys and unsaved storages it
 reads. On top of the shared fit, each key that enters a rebuild learns its own correction for
 each rebuild size (the median ratio of what its rebuilds of that many op calls measured to what
-the current fit predicts for them): the same few ops cost very different amounts to replay in
-backward (an RMSNorm's ``* weight`` measured 60-150 us, an index_select pair 25-55 us, on
-similar profiled times).
+the current fit predicts for them): ops with similar profiled forward times can cost very
+different amounts to replay in backward (benchmarks/cost_model_accuracy.py shows by how much).
 
 Overlap: offload traffic hides behind the forward compute that follows it, reload traffic
 behind backward compute (taken as twice the forward); during pipeline warm-up the forwards of
@@ -107,27 +103,24 @@ the layer's tokens, summed, drive it."""
 REPLAY_FACTOR_SD = 0.02
 # ... and never below this (``_CostFit.floor``): a rebuild's time holds its ops' replays, whose
 # times are measurements of the same ops, noisy but not by half. The rebuilds of cheap ops alone
-# leave the factor free to trade against the per-op and per-rebuild parts: on the benchmark
-# model (0.4 s steps) such plans fitted it at 0.09 to 0.4 (against profiled op times), and a
-# plan recomputing every matmul was then predicted at 18% to 68% of its measured time.
+# leave the factor free to trade against the per-op and per-rebuild parts, which then fits it far
+# below 1 and underprices every plan that recomputes expensive ops.
 REPLAY_FACTOR_FLOOR = 0.5
 # The part of a rebuild's time paid once per micro-batch (landing in backward's first rebuild)
 # is taken to be 0 give or take this, until rebuilds tell it apart from the per-op and
 # per-rebuild parts (``_CostFit.zero_sd``). Recomputing everything, the first rebuild replays
 # nearly every op, and only the plans' small first rebuilds tell the parts apart: from
-# calibrations alone, the fit had put 2.6 ms per micro-batch (what the 147 ops cost beyond
-# their replay times) on every plan that rebuilds anything. Where plans told it apart on the
-# reference model it measured 50 to 180 us.
+# calibrations alone, the fit puts what all the ops cost beyond their replay times on every plan
+# that rebuilds anything. The prior keeps it near what the plans that tell it apart measure.
 REPLAY_FRAME_SD = 200e-6
 # A rebuild measured more than this many times the median of the same key's last rebuilds of
-# its size counts as that much (``observe_replays``): a preempted thread, a collection pause. On
-# the reference model, in 200 micro-batches, rebuilds of two ops that measured 0.14 to 0.5 ms
-# measured 4.0 and 9.4 ms once each; the least-squares fit would take each in full.
+# its size counts as that much (``observe_replays``): a preempted thread, a collection pause
+# makes a rebuild take many times its usual time once, and the least-squares fit would take it
+# in full.
 OUTLIER_RATIO = 4.0
 # A key's correction of the shared fit for rebuilds of one size (``replay_ratio``) holds once
-# it has measured this many of them: on the reference model, one rebuild of an expert's four
-# ops, measured in a calibration that recomputed every other key, set a correction of 0.16 (and
-# 0.66 in another run) for a rebuild whose next ones measured 0.86x the shared fit.
+# it has measured this many of them: one rebuild, measured in a calibration that recomputed
+# every other key, can set a correction far from what its next rebuilds measure.
 CORRECTION_SAMPLES = 3
 # Samples a fit of one op's bytes or seconds against its tokens keeps (the latest).
 FIT_WINDOW = 32
@@ -138,9 +131,8 @@ class _Fit:
     """``a + b * tokens`` from the last ``FIT_WINDOW`` (tokens, value) samples: least squares
     (exact data such as bytes), or ``robust`` (timings): median for one token count, Theil-Sen
     otherwise. A robust fit is refitted once an eighth of its samples are new (each sample,
-    below 8): its O(n^2) slopes cost 40 us in Python at 32 samples, and a micro-batch that
-    rebuilds adds a sample to each of its replayed ops' fits (135 on the reference model); one
-    sample in 32 moves the median little."""
+    below 8): its O(n^2) slopes are costly in Python, a micro-batch that rebuilds adds a sample
+    to each of its replayed ops' fits, and one sample in an eighth moves the median little."""
 
     robust: bool = False
     samples: List[Tuple[float, float]] = field(default_factory=list)  # (tokens, value)
@@ -681,10 +673,8 @@ class CostModel:
         # Where backward could not keep what it rebuilt under the budget, it rebuilt it again
         # (a call replayed more often than there were micro-batches): the rebuilds that
         # replayed such a call are not the ones priced here (each op once), and teach nothing
-        # of them. Recomputing all, under a quarter of the all-keep peak, replayed every op 9
-        # times over and took 10x as long on the reference model; under 60%, the plans made
-        # there replayed 14 of their 28 op calls up to 7 times (3 of the 14 storages backward
-        # rebuilt found no room in the budget to be kept for their next reader).
+        # of them: under a tight budget one rebuilt storage that finds no room to be kept for
+        # its next reader makes every later reader replay its chain again.
         micro_batches = max(n for _, n in known.values())
         skip = cold | {call for call, n in call_replays.items() if n > micro_batches}
         rows, sizes = [], []  # sizes: the rebuilds' size classes (ops, to a power of two)
@@ -744,13 +734,12 @@ class CostModel:
         (``_CostFit``). A copy's own work on the training thread (its store, the reload's fresh
         buffer, the hooks) does not scale with its bytes; what its bytes cost depends on how
         much of the copy the thread waits for; and a micro-batch that offloads anything pays a
-        part once (on a 2-core cpu, micro-batches of 3 to 66 offloads measured 0.35 ms plus
-        35 us per offload). The copy engine's own busy time is not a cost: a GPU's copy
+        part once (benchmarks/offload_cost_structure.py measures the three parts). The copy
+        engine's own busy time is not a cost: a GPU's copy
         engines run beside compute, and the cpu backend copies on the submitting thread when
         its stream is idle (queued copies run on threads at idle priority, which take only
-        cycles compute leaves), so the step pays a copy where the thread runs or waits for it
-        (on the reference model's 2-core cpu steps, offloading everything cost the step 5% less
-        than these seconds, in two runs). Like the rebuilds' fit, this one forgets per size (its
+        cycles compute leaves), so the step pays a copy where the thread runs or waits for it.
+        Like the rebuilds' fit, this one forgets per size (its
         offloads to a power of two): the few micro-batches that offload everything are not
         erased by the many small plans between them, which alone cannot tell the per-offload
         part from the per-micro-batch part and the factor."""
@@ -784,9 +773,7 @@ class CostModel:
         against the op calls its rebuilds replayed, or ``"copies"`` (``observe_copies``),
         against its offloads. This work is part of what releasing costs. Refitting the shared
         fit (timed there with ``clock``) costs the same whatever was released, the rest grows
-        with it: on the reference model's 2-core steps, learning from rebuilds of 16 op calls
-        took 0.48 ms, and of 153, 1.03 ms, of which the refit took 0.2 ms either way; from any
-        number of offloads, 0.1 ms, nearly all of it the refit."""
+        with it."""
         if kind not in self._learning:
             raise ValueError(f"kind={kind!r} must be one of {sorted(self._learning)}")
         refit = min(max(self._refit_s[kind], 0.0), float(seconds))

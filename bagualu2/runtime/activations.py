@@ -37,7 +37,9 @@ Invariants:
   backward holds stays within the budget beside what the forward left (a rerun block's
   captured saves excepted: one rerun makes them all).
 * Fallbacks never lose data: an offload the arena cannot take becomes a recompute (or a keep),
-  a recompute that cannot be replayed becomes an offload (or a keep), and each is recorded.
+  a recompute that cannot be replayed becomes an offload (or a keep), an offload whose copy
+  fails keeps its device source (``_OffloadStore.settle``), and each is recorded. A reload that
+  fails raises, naming the activation.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from bagualu2 import _C
 from bagualu2.runtime.rerun import BlockRerun, RerunSaved, unrestorable
 from bagualu2.runtime.tracing import (
     Replayer, StorageNode, TracingMode, ViewMeta, is_plain, recipe_refs, step_inputs, view_meta, view_of,
@@ -826,8 +829,8 @@ class ActivationRuntime:
 
         The hooks are on ``root``'s modules only from a traced frame's start to the next
         untraced frame's: an untraced forward calls its modules with no hooks of bagualu2's, on
-        torch's fast path (a module with a hook takes the slow one: on the demo's model at
-        4 x 64 tokens the hooks took 1.4% of a calm step, which needs none of them). Each
+        torch's fast path (a module with a hook takes the slow one, a cost a calm step, which
+        needs none of them, should not pay). Each
         module's pre-hook is installed ahead of the module's other pre-hooks and its forward
         hook behind its other forward hooks, so the module's path names what its own hooks run,
         and a rerun block is called with the arguments its call had before any pre-hook changed
@@ -1089,7 +1092,7 @@ class ActivationRuntime:
         self.mode.suspended += 1  # the runtime's own ops are not part of the model
         try:
             # ... and on a plain tensor they skip Python dispatch altogether: through the mode,
-            # even suspended, each op (a detach, an offload's byte view) cost 10 to 20 us more.
+            # even suspended, each op (a detach, an offload's byte view) pays a Python call.
             # A subclass's ops keep their own dispatch.
             with torch._C._DisableTorchDispatch() if is_plain(t) else contextlib.nullcontext():
                 seen = len(frame.keys_seen)

@@ -747,9 +747,9 @@ class Replayer:
         stack: List[Tuple[StorageNode, int, bool]] = [(root, root_state, False)]
         # Each op call inside the chain is timed from the previous one's end (its share of the
         # walk: the lookups and bookkeeping between them, reloads aside) to its own. The
-        # rebuild's first (its inputs made before the rebuild, in cpu caches or not: on the
-        # reference model, alone it measured up to twice what it does inside a chain) is timed
-        # apart, from its own start: the walk down to it is entering the rebuild.
+        # rebuild's first (its inputs made before the rebuild, in cpu caches or not, so it
+        # costs more alone than inside a chain) is timed apart, from its own start: the walk
+        # down to it is entering the rebuild.
         timed = self._times
         lead = True
         mark, reloaded = 0.0, 0.0
