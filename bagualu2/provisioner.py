@@ -46,7 +46,6 @@ import collections
 import copy
 import itertools
 import math
-import os
 import statistics
 import threading
 import time
@@ -58,9 +57,13 @@ import torch
 
 from bagualu2.runtime import ActivationRuntime, Budget, Frame, is_recomputing
 from bagualu2.runtime.activations import AttachedHook, checked_choices
-from bagualu2.runtime.tracing import is_plain, reset_replay_depth
+from bagualu2.runtime.tracing import reset_replay_depth
 from bagualu2.plan.cost_model import SIZE, CostModel
 from bagualu2.errors import BudgetExceededError, InfeasibleBudgetError
+from bagualu2.inputs import (
+    check_int, check_materialized, checked_counts, checked_plan, device_of, host_memory_bytes, input_bytes,
+    local_processes, resolve_budget, token_slots,
+)
 from bagualu2.runtime.gates import GateSpec, describe_unsupported, find_gates
 from bagualu2.plan.planner import Choice, Plan, Planner
 from bagualu2.telemetry import Decision, MicroBatch, Telemetry
@@ -92,157 +95,6 @@ _ARENA_START_BYTES = 64 << 20
 _ARENA_AHEAD_BYTES = 8 << 30
 
 
-def _host_memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # not a POSIX host
-        return 16 << 30
-
-
-def _local_processes() -> int:
-    """Processes sharing this host's memory: torchrun's LOCAL_WORLD_SIZE, else 1."""
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
-
-
-def _check_int(name: str, value: Any, low: int, also: str = "") -> None:
-    """A numeric option: an int (not a bool) of at least ``low``; the error names it."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r} must be an int >= {low}{also}")
-    if value < low:
-        raise ValueError(f"{name}={value} must be >= {low}{also}")
-
-
-def _check_materialized(model: torch.nn.Module) -> None:
-    """Refuse a model whose parameters hold no data yet: on the meta device, or lazy."""
-    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-        if isinstance(p, torch.nn.parameter.UninitializedTensorMixin):
-            raise ValueError(f"enable(): {name} is uninitialized (a lazy module): run one forward of the model "
-                             f"without bagualu2 to initialize it, then enable")
-        if p.device.type == "meta":
-            raise ValueError(f"enable(): {name} is on the meta device (no data): materialize the model first "
-                             f"(model.to_empty(device=...) and initialize its weights), then enable")
-
-
-def _checked_plan(plan: Mapping[str, Choice], model: torch.nn.Module) -> Dict[str, Choice]:
-    """A fixed plan's entries: every choice a ``Choice``, every key of the form
-    ``'<module path>:<aten op>:<occurrence>'`` naming a module of ``model`` and an op torch has."""
-    import difflib
-
-    choices = checked_choices(plan)
-    modules = [name for name, _ in model.named_modules()]
-    known = set(modules)
-    for key in choices:
-        if not isinstance(key, str) or key.count(":") < 2:
-            raise ValueError(f"plan key {key!r} is not an operator key '<module path>:<aten op>:<occurrence>' "
-                             f"(see Frame.keys_seen or Provisioner.last_plan)")
-        path, op, occurrence = key.rsplit(":", 2)
-        module = path.partition("#")[0]
-        if module not in known:
-            hint = difflib.get_close_matches(module, modules, n=1)
-            raise ValueError(f"plan key {key!r}: the model has no module {module!r}"
-                             + (f" (did you mean {hint[0]!r}?)" if hint else ""))
-        namespace, _, rest = op.partition(".")
-        name, _, overload = rest.partition(".")
-        packet = getattr(getattr(torch.ops, namespace, None), name, None) if name else None
-        if packet is None or not hasattr(packet, overload or "default") or not occurrence.partition(".")[0].isdigit():
-            raise ValueError(f"plan key {key!r}: {op!r} is not an op torch knows (keys look like "
-                             f"'layers.0.attn:aten.mm.default:0')")
-    return choices
-
-
-def _checked_counts(counts: Any, what: str, num_experts: Optional[int] = None,
-                    limit: Optional[int] = None) -> List[int]:
-    """Tokens per expert as reported by ``what`` (a gate's counts_fn, or on_gating): a 1-D
-    tensor or sequence of finite non-negative integers, ``num_experts`` long where known, and
-    no more token slots than ``limit`` where known; the error names ``what`` and the value."""
-    if isinstance(counts, torch.Tensor):
-        if counts.dim() != 1:
-            raise ValueError(f"{what} returned a tensor of shape {tuple(counts.shape)}: tokens per expert must be "
-                             f"1-D [num_experts]")
-        if counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool:
-            raise TypeError(f"{what} returned a {counts.dtype} tensor: tokens per expert must be integers "
-                            f"(torch.int64), got {counts.tolist()[:8]}")
-        values = counts.tolist()
-    elif isinstance(counts, (list, tuple)):
-        values = []
-        for c in counts:
-            if isinstance(c, torch.Tensor) and c.dim() == 0 and not c.is_floating_point():
-                c = c.item()
-            if isinstance(c, bool) or not isinstance(c, int):
-                raise TypeError(f"{what} returned {list(counts)[:8]}: tokens per expert must be integers, got {c!r}")
-            values.append(c)
-    else:
-        raise TypeError(f"{what} returned {counts!r}: it must return tokens per expert, an int64 tensor "
-                        f"[num_experts] or a sequence of ints")
-    if not values or (num_experts is not None and len(values) != num_experts):
-        raise ValueError(f"{what} returned {len(values)} counts {values[:8]}, the gate has "
-                         f"{num_experts if num_experts is not None else 'at least 1'} experts")
-    low = min(values)
-    if low < 0:
-        raise ValueError(f"{what} returned a negative count ({low}) in {values[:8]}")
-    if limit is not None and sum(values) > limit:
-        raise ValueError(f"{what} returned {sum(values)} token slots in all ({values[:8]}), more than the "
-                         f"{limit} the gate's tokens times its top-k can route")
-    return values
-
-
-def _slots(spec: GateSpec, args: tuple) -> Optional[int]:
-    """The most token slots a gate can route, where known: the tokens its input holds (the
-    rows of a float hidden-state tensor) times its top-k, times the ranks whose tokens its
-    experts receive. None for a gate hooked before its module (its input is not the tokens)
-    or without a top-k."""
-    if not spec.top_k or spec.pre_hook or not args or not isinstance(args[0], torch.Tensor):
-        return None
-    x = args[0]
-    if not x.is_floating_point() or x.dim() < 2:
-        return None
-    return x.numel() // max(1, x.shape[-1]) * spec.top_k * max(1, spec.ep_size)
-
-
-def _device_of(model: torch.nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
-def _resolve_budget(budget: Union[str, int, float, None], device: torch.device, reserve: int) -> Optional[int]:
-    if isinstance(budget, bool):
-        raise TypeError(f"budget must be 'auto', an int of bytes or a float fraction, got {budget!r}")
-    if budget is None:
-        return None
-    if isinstance(budget, str):
-        if budget != "auto":
-            raise ValueError(f"budget={budget!r}: use 'auto', an int of bytes or a float in (0, 1]")
-        if device.type != "cuda":
-            return None  # no device limit on CPU: nothing to hold to
-        free, total = torch.cuda.mem_get_info(device)
-        return max(0, total - torch.cuda.memory_allocated(device) - reserve)
-    if isinstance(budget, float):
-        if not 0.0 < budget <= 1.0:
-            raise ValueError(f"budget={budget} as a fraction must be in (0, 1]; pass bytes as an int")
-        if device.type == "cuda":
-            total = torch.cuda.get_device_properties(device).total_memory
-        else:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return int(total * budget)
-    if isinstance(budget, int):
-        if budget <= 0:
-            raise ValueError(f"budget={budget} bytes must be positive")
-        return budget
-    raise TypeError(f"budget must be 'auto', an int of bytes or a float fraction, got {type(budget).__name__}")
-
-
-def _input_bytes(args: tuple, kwargs: dict) -> int:
-    """Bytes of the distinct storages of a forward's tensor arguments."""
-    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-                for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                if isinstance(t, torch.Tensor) and is_plain(t)}
-    return sum(storages.values())
-
-
 class Provisioner:
     """Keeps a model's saved activations under a device budget, one micro-batch at a time.
 
@@ -271,23 +123,23 @@ class Provisioner:
             raise ValueError(f"on_exceed={on_exceed!r}: use 'record' or 'raise'")
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0.0 <= margin < 0.5:
             raise ValueError(f"margin={margin!r} must be a number in [0, 0.5)")
-        _check_int("profile_frames", profile_frames, 1)
-        _check_int("calibrate_frames", calibrate_frames, 0)
-        _check_int("recalibrate_every", recalibrate_every, 0, " (0: never)")
-        _check_int("min_bytes", min_bytes, 0)
-        _check_int("reserve_bytes", reserve_bytes, 0)
+        check_int("profile_frames", profile_frames, 1)
+        check_int("calibrate_frames", calibrate_frames, 0)
+        check_int("recalibrate_every", recalibrate_every, 0, " (0: never)")
+        check_int("min_bytes", min_bytes, 0)
+        check_int("reserve_bytes", reserve_bytes, 0)
         for name, value in (("arena_bytes", arena_bytes), ("arena_max_bytes", arena_max_bytes)):
             if value is not None:
-                _check_int(name, value, 1, " or None")
+                check_int(name, value, 1, " or None")
         if arena_bytes is not None and arena_max_bytes is not None and arena_max_bytes < arena_bytes:
             raise ValueError(f"arena_max_bytes={arena_max_bytes} must be >= arena_bytes={arena_bytes}")
-        _check_materialized(model)
+        check_materialized(model)
         if "forward" in model.__dict__ and not _plain_forward(model):
             raise RuntimeError(f"{type(model).__name__} already has bagualu2 (or another forward wrapper) enabled; "
                                f"call disable() on the existing Provisioner first")
         self.model = model
-        self.device = _device_of(model)
-        self._budget = _resolve_budget(budget, self.device, reserve_bytes)
+        self.device = device_of(model)
+        self._budget = resolve_budget(budget, self.device, reserve_bytes)
         self.policy = policy
         self.on_exceed = on_exceed
         self.min_bytes = min_bytes
@@ -358,9 +210,9 @@ class Provisioner:
         self._last_choices: Optional[Dict[str, Choice]] = None  # what the last one that planned ran
         self._since_calibration = 0  # micro-batches that may have to release since the last one
         if isinstance(policy, Plan):
-            self._static = _checked_plan(policy.choices, model)
+            self._static = checked_plan(policy.choices, model)
         elif not isinstance(policy, str):
-            self._static = _checked_plan(policy, model)
+            self._static = checked_plan(policy, model)
         self.enabled = True
 
     # -- setup ------------------------------------------------------------------------------
@@ -372,7 +224,7 @@ class Provisioner:
             arena_bytes = _ARENA_START_BYTES
         if arena_max_bytes is None:
             # Grow on demand up to half of this process's share of host memory.
-            arena_max_bytes = max(arena_bytes, _host_memory_bytes() // (2 * _local_processes()))
+            arena_max_bytes = max(arena_bytes, host_memory_bytes() // (2 * local_processes()))
         device = self.device if backend != "cpu" else None  # the model's GPU, not the current one
         return CopyEngine(HostArena(arena_bytes, backend, max_capacity=arena_max_bytes), backend, device)
 
@@ -516,16 +368,14 @@ class Provisioner:
     def budget(self) -> Optional[int]:
         """The activation budget in bytes (None: none). Each adaptive micro-batch's forward is
         held to it through its frame's ``Budget``, which also reserves room for micro-batches
-        stacking behind it; backward and other policies hold to it whole. Set it to change it
+        stacking behind it; backward and other policies hold to it whole. Set it (bytes, a
+        fraction of the device's memory, "auto" or None, as ``enable`` takes it) to change it
         for the micro-batches to come."""
         return self._budget
 
     @budget.setter
-    def budget(self, value: Optional[int]) -> None:
-        if value is not None:
-            if isinstance(value, bool) or not hasattr(value, "__index__") or value < 0:
-                raise ValueError(f"budget={value!r}: use a number of bytes >= 0, or None for no budget")
-            value = int(value)
+    def budget(self, value: Union[str, int, float, None]) -> None:
+        value = resolve_budget(value, self.device, 0)
         self._budget = self.runtime.budget_bytes = value
 
     def report(self) -> Dict[str, Any]:
@@ -752,7 +602,7 @@ class Provisioner:
         self._frame_predicted = 0
         start = time.perf_counter()
         adaptive = self.budget is not None and self.policy == "adaptive"
-        inputs = _input_bytes(args, kwargs) if adaptive or frame.traced else 0
+        inputs = input_bytes(args, kwargs) if adaptive or frame.traced else 0
         if adaptive:
             # Leave room for the floor of each micro-batch that stacks on this rank before its
             # next backward (pipeline warm-up), so the last of them still fits, and for what
@@ -896,7 +746,7 @@ class Provisioner:
             with self.runtime.untraced(), torch.no_grad():
                 counts = spec.counts_fn(module, args, output)
                 size = spec.size_fn(module, args, output) if spec.size_fn is not None else None
-            self._on_gate(spec.layer, _checked_counts(counts, what, spec.num_experts, _slots(spec, args)), size)
+            self._on_gate(spec.layer, checked_counts(counts, what, spec.num_experts, token_slots(spec, args)), size)
 
         what = f"counts_fn of gate {spec.name!r} (layer {spec.layer})"
 
@@ -1072,6 +922,6 @@ def on_gating(tokens_per_expert: Union[torch.Tensor, Sequence[int]], layer: int)
     if prov is None:
         return
     spec = next((g for g in prov.gates if g.layer == layer), None)
-    values = _checked_counts(tokens_per_expert, f"on_gating(layer={layer})", spec.num_experts if spec else None)
+    values = checked_counts(tokens_per_expert, f"on_gating(layer={layer})", spec.num_experts if spec else None)
     with prov.runtime.untraced(), torch.no_grad():
         prov._on_gate(layer, values)

@@ -136,7 +136,7 @@ def test_the_budget_has_one_owner_and_each_forward_carries_its_share() -> None:
         assert prov.runtime.budget_bytes == budget
     assert all(b is not None and b.limit == budget and rt == budget for b, rt in seen)
     assert any(b.reserve > 0 for b, _ in seen), "micro-batches stacked behind the first ones"
-    with pytest.raises(ValueError, match="budget=-1"):
+    with pytest.raises(ValueError, match="budget=-1 bytes"):
         prov.budget = -1
     prov.budget = budget // 2
     assert prov.runtime.budget_bytes == budget // 2

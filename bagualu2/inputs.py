@@ -1,0 +1,165 @@
+"""What users hand bagualu2, checked where it enters: numeric options, models, fixed plans, the
+tokens per expert gates report, and budgets (resolved to bytes). Every error names the argument,
+the gate or the callback, and the bad value."""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Mapping, Optional, Union
+
+import torch
+
+from bagualu2.plan.planner import Choice
+from bagualu2.runtime.activations import checked_choices
+from bagualu2.runtime.gates import GateSpec
+from bagualu2.runtime.tracing import is_plain
+
+
+def host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not a POSIX host
+        return 16 << 30
+
+
+def local_processes() -> int:
+    """Processes sharing this host's memory: torchrun's LOCAL_WORLD_SIZE, else 1."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def check_int(name: str, value: Any, low: int, also: str = "") -> None:
+    """A numeric option: an int (not a bool) of at least ``low``; the error names it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r} must be an int >= {low}{also}")
+    if value < low:
+        raise ValueError(f"{name}={value} must be >= {low}{also}")
+
+
+def check_materialized(model: torch.nn.Module) -> None:
+    """Refuse a model whose parameters hold no data yet: on the meta device, or lazy."""
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        if isinstance(p, torch.nn.parameter.UninitializedTensorMixin):
+            raise ValueError(f"enable(): {name} is uninitialized (a lazy module): run one forward of the model "
+                             f"without bagualu2 to initialize it, then enable")
+        if p.device.type == "meta":
+            raise ValueError(f"enable(): {name} is on the meta device (no data): materialize the model first "
+                             f"(model.to_empty(device=...) and initialize its weights), then enable")
+
+
+def checked_plan(plan: Mapping[str, Choice], model: torch.nn.Module) -> Dict[str, Choice]:
+    """A fixed plan's entries: every choice a ``Choice``, every key of the form
+    ``'<module path>:<aten op>:<occurrence>'`` naming a module of ``model`` and an op torch has."""
+    import difflib
+
+    choices = checked_choices(plan)
+    modules = [name for name, _ in model.named_modules()]
+    known = set(modules)
+    for key in choices:
+        if not isinstance(key, str) or key.count(":") < 2:
+            raise ValueError(f"plan key {key!r} is not an operator key '<module path>:<aten op>:<occurrence>' "
+                             f"(see Frame.keys_seen or Provisioner.last_plan)")
+        path, op, occurrence = key.rsplit(":", 2)
+        module = path.partition("#")[0]
+        if module not in known:
+            hint = difflib.get_close_matches(module, modules, n=1)
+            raise ValueError(f"plan key {key!r}: the model has no module {module!r}"
+                             + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+        namespace, _, rest = op.partition(".")
+        name, _, overload = rest.partition(".")
+        packet = getattr(getattr(torch.ops, namespace, None), name, None) if name else None
+        if packet is None or not hasattr(packet, overload or "default") or not occurrence.partition(".")[0].isdigit():
+            raise ValueError(f"plan key {key!r}: {op!r} is not an op torch knows (keys look like "
+                             f"'layers.0.attn:aten.mm.default:0')")
+    return choices
+
+
+def checked_counts(counts: Any, what: str, num_experts: Optional[int] = None,
+                    limit: Optional[int] = None) -> List[int]:
+    """Tokens per expert as reported by ``what`` (a gate's counts_fn, or on_gating): a 1-D
+    tensor or sequence of finite non-negative integers, ``num_experts`` long where known, and
+    no more token slots than ``limit`` where known; the error names ``what`` and the value."""
+    if isinstance(counts, torch.Tensor):
+        if counts.dim() != 1:
+            raise ValueError(f"{what} returned a tensor of shape {tuple(counts.shape)}: tokens per expert must be "
+                             f"1-D [num_experts]")
+        if counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool:
+            raise TypeError(f"{what} returned a {counts.dtype} tensor: tokens per expert must be integers "
+                            f"(torch.int64), got {counts.tolist()[:8]}")
+        values = counts.tolist()
+    elif isinstance(counts, (list, tuple)):
+        values = []
+        for c in counts:
+            if isinstance(c, torch.Tensor) and c.dim() == 0 and not c.is_floating_point():
+                c = c.item()
+            if isinstance(c, bool) or not isinstance(c, int):
+                raise TypeError(f"{what} returned {list(counts)[:8]}: tokens per expert must be integers, got {c!r}")
+            values.append(c)
+    else:
+        raise TypeError(f"{what} returned {counts!r}: it must return tokens per expert, an int64 tensor "
+                        f"[num_experts] or a sequence of ints")
+    if not values or (num_experts is not None and len(values) != num_experts):
+        raise ValueError(f"{what} returned {len(values)} counts {values[:8]}, the gate has "
+                         f"{num_experts if num_experts is not None else 'at least 1'} experts")
+    low = min(values)
+    if low < 0:
+        raise ValueError(f"{what} returned a negative count ({low}) in {values[:8]}")
+    if limit is not None and sum(values) > limit:
+        raise ValueError(f"{what} returned {sum(values)} token slots in all ({values[:8]}), more than the "
+                         f"{limit} the gate's tokens times its top-k can route")
+    return values
+
+
+def token_slots(spec: GateSpec, args: tuple) -> Optional[int]:
+    """The most token slots a gate can route, where known: the tokens its input holds (the
+    rows of a float hidden-state tensor) times its top-k, times the ranks whose tokens its
+    experts receive. None for a gate hooked before its module (its input is not the tokens)
+    or without a top-k."""
+    if not spec.top_k or spec.pre_hook or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    x = args[0]
+    if not x.is_floating_point() or x.dim() < 2:
+        return None
+    return x.numel() // max(1, x.shape[-1]) * spec.top_k * max(1, spec.ep_size)
+
+
+def device_of(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def resolve_budget(budget: Union[str, int, float, None], device: torch.device, reserve: int) -> Optional[int]:
+    if isinstance(budget, bool):
+        raise TypeError(f"budget must be 'auto', an int of bytes or a float fraction, got {budget!r}")
+    if budget is None:
+        return None
+    if isinstance(budget, str):
+        if budget != "auto":
+            raise ValueError(f"budget={budget!r}: use 'auto', an int of bytes or a float in (0, 1]")
+        if device.type != "cuda":
+            return None  # no device limit on CPU: nothing to hold to
+        free, total = torch.cuda.mem_get_info(device)
+        return max(0, total - torch.cuda.memory_allocated(device) - reserve)
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"budget={budget} as a fraction must be in (0, 1]; pass bytes as an int")
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+        else:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return int(total * budget)
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise ValueError(f"budget={budget} bytes must be positive")
+        return budget
+    raise TypeError(f"budget must be 'auto', an int of bytes or a float fraction, got {type(budget).__name__}")
+
+
+def input_bytes(args: tuple, kwargs: dict) -> int:
+    """Bytes of the distinct storages of a forward's tensor arguments."""
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor) and is_plain(t)}
+    return sum(storages.values())
