@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any, Dict, List, Tuple
@@ -45,8 +46,13 @@ import torch
 import torch.distributed as dist
 
 import bagualu2
-from bagualu2.integrations import pipeline as pp
 from bagualu2.models import MoEConfig, MoETransformer
+
+# The tests' multi-process harness (spawned gloo ranks on 127.0.0.1, a free port, hard timeouts);
+# the spawned ranks find it on the sys.path they inherit.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+from pipeline_harness import launch  # noqa: E402
 
 POLICIES = ("plain", "keep_all", "recompute_all", "adaptive")
 SEED = 0
@@ -163,7 +169,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, out_path: str) -
 def run_world(world: int, args: argparse.Namespace) -> List[Dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ranks.json")
-        pp.launch(_rank_main, world, args, path, timeout_s=args.timeout)
+        launch(_rank_main, world, args, path, timeout_s=args.timeout)
         with open(path) as f:
             return json.load(f)
 

@@ -49,6 +49,12 @@ import torch.distributed as dist
 from bagualu2.integrations import pipeline as pp
 from bagualu2.models import MoEConfig, MoETransformer, synthetic_batches
 
+# The tests' multi-process harness (spawned gloo ranks on 127.0.0.1, a free port, hard timeouts);
+# the spawned ranks find it on the sys.path they inherit.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+from pipeline_harness import launch  # noqa: E402
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -240,7 +246,7 @@ def main(argv=None) -> None:
     print(f"pipeline_overlap: {args.ranks} ranks, {args.schedule}, {args.microbatches} micro-batches of "
           f"{args.microbatch_size}x{args.seq}, {'small' if args.small else 'bench'} model, gloo/CPU", flush=True)
     t0 = time.perf_counter()
-    pp.launch(_rank_main, args.ranks, args, tmp, timeout_s=args.timeout)
+    launch(_rank_main, args.ranks, args, tmp, timeout_s=args.timeout)
     with open(tmp) as f:
         rows = json.load(f)
     os.remove(tmp)

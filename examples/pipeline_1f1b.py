@@ -6,12 +6,15 @@ every micro-batch on every rank, which saved activations to keep, offload or rec
 rank stays under its activation budget even when a routing spike hits during the 1F1B
 warm-up, when stage s already holds (stages - s) micro-batches.
 
-Run it on CPU, two local processes talking over gloo (nothing else needed):
+Each rank is one process launched by torchrun, which sets RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT; the script only calls ``torch.distributed.init_process_group``. On CPU, two
+local processes talking over gloo (nothing else needed):
 
-    python examples/pipeline_1f1b.py --nproc 2
+    torchrun --standalone --nproc-per-node 2 examples/pipeline_1f1b.py
 
-On GPUs, one process per device, launched by torchrun; "nccl" is NCCL on NVIDIA and RCCL on
-AMD/Hygon (ROCm builds of torch use the same name):
+or ``python examples/pipeline_1f1b.py --nproc 2``, which runs that same torchrun command for
+you. On GPUs, one process per device; "nccl" is NCCL on NVIDIA and RCCL on AMD/Hygon (ROCm
+builds of torch use the same name):
 
     torchrun --nproc-per-node 4 examples/pipeline_1f1b.py --backend nccl --budget auto
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 import time
 
 import torch
@@ -35,7 +39,8 @@ from bagualu2.models import MoEConfig, MoETransformer, synthetic_batches
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=2, help="local processes to start when not under torchrun")
+    p.add_argument("--nproc", type=int, default=2,
+                   help="without torchrun: run under torchrun --standalone with this many local processes")
     p.add_argument("--backend", default="gloo", help="gloo (CPU), nccl (NVIDIA NCCL / AMD RCCL)")
     p.add_argument("--schedule", default="1f1b", choices=sorted(pp.SCHEDULES))
     p.add_argument("--steps", type=int, default=20)
@@ -136,23 +141,23 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     pipe.close()
 
 
-def _entry(rank: int, world_size: int, args: argparse.Namespace) -> None:
-    train(rank, world_size, args)
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        # Under torchrun: the process group comes from the environment.
-        dist.init_process_group(args.backend)
-        try:
-            train(dist.get_rank(), dist.get_world_size(), args)
-        finally:
-            dist.destroy_process_group()
-    else:
-        # Stand-alone: start --nproc local processes (127.0.0.1, a free port).
-        pp.launch(_entry, args.nproc, args, backend=args.backend, timeout_s=3600,
-                  threads=max(1, (os.cpu_count() or 2) // args.nproc))
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        # Not under torchrun: rerun this script under it, --nproc local processes on one node
+        # (--standalone: a local rendezvous on a free port).
+        from torch.distributed.run import main as torchrun
+
+        argv = sys.argv[1:] if argv is None else list(argv)
+        # "--": everything after it is the script and its arguments, not torchrun's options.
+        torchrun(["--standalone", f"--nproc-per-node={args.nproc}", "--", os.path.abspath(__file__), *argv])
+        return
+    # Under torchrun: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT come from the environment.
+    dist.init_process_group(args.backend)
+    try:
+        train(dist.get_rank(), dist.get_world_size(), args)
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

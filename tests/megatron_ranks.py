@@ -1,7 +1,7 @@
 """Per-rank code of the Megatron-Core tests (tests/test_megatron.py): build a tiny Megatron MoE
 GPTModel (local spec, CPU shims from tests/megatron_shims.py), train it through Megatron's own
 ``get_forward_backward_func()`` schedule, and compare steps with and without bagualu2. Run in
-processes started by ``bagualu2.integrations.pipeline.launch``."""
+processes started by ``pipeline_harness.launch``."""
 from __future__ import annotations
 
 import json

@@ -13,6 +13,7 @@ import contextlib
 import copy
 import json
 import random
+import sys
 from pathlib import Path
 from typing import List
 
@@ -29,8 +30,11 @@ from bagualu2.runtime import ActivationRuntime, Frame
 from bagualu2.runtime.tracing import _OpInfo
 from bagualu2.models import MoEConfig, MoETransformer
 from bagualu2.offload import CopyEngine, HostArena
-from bagualu2.integrations.pipeline import free_port, launch
 from bagualu2.plan.planner import Choice
+
+sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the helpers below
+
+from pipeline_harness import free_port, launch  # noqa: E402
 
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 

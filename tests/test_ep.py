@@ -1,7 +1,7 @@
 """Real expert parallelism (reference model over gloo, 2 and 4 ranks): exactness, budget, no
 collective in backward, nothing resident after a step (invariants 1, 2, 3 and 6 on EP ranks).
 
-The multi-process tests start their own ranks (``bagualu2.integrations.pipeline.launch``). To keep the suite
+The multi-process tests start their own ranks (``pipeline_harness.launch``). To keep the suite
 short, one launch per world size runs every scenario in sequence, each from a freshly built
 model (same seed), over the same trace of steps; each rank writes its results to its own file
 and each test below checks one invariant on them.
@@ -31,7 +31,9 @@ import contextlib
 import gc
 import os
 import random
+import sys
 import traceback
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import pytest
@@ -40,9 +42,12 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import bagualu2
-from bagualu2.integrations import pipeline as pp
 from bagualu2.plan.cost_model import SIZE
 from bagualu2.models import MoEConfig, MoETransformer, load_imbalance
+
+sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the helpers below
+
+import pipeline_harness as harness  # noqa: E402
 
 SEED = 4321
 BATCH, SEQ = 2, 16
@@ -214,7 +219,7 @@ def _rank_main(rank: int, world_size: int, jobs: tuple, out_dir: str) -> None:
 def _launch(world_size: int, jobs: tuple, tmp_path_factory) -> List[Dict[str, Any]]:
     out_dir = str(tmp_path_factory.mktemp(f"ep{world_size}"))
     try:
-        pp.launch(_rank_main, world_size, jobs, out_dir, timeout_s=LAUNCH_TIMEOUT_S, grace_s=20)
+        harness.launch(_rank_main, world_size, jobs, out_dir, timeout_s=LAUNCH_TIMEOUT_S, grace_s=20)
     except Exception:  # noqa: BLE001 - the raise scenario ends the launch; each job's outcome is on file
         if not jobs[-1].endswith("_raise"):
             raise

@@ -1,7 +1,7 @@
 """bagualu2 on the reference model composed with FSDP2 and pipelining (gloo on 127.0.0.1):
 exactness, budget, no collective in backward, nothing resident (invariants 1, 2, 3 and 6).
 
-Three layouts, one launch each (``bagualu2.integrations.pipeline.launch``); every scenario of a launch builds
+Three layouts, one launch each (``pipeline_harness.launch``); every scenario of a launch builds
 its model afresh from the same seed and runs the same trace of steps, so the run it is compared
 with has the same step history (FSDP2's first step on a model differs from the later ones: the
 lazy initialization). Each rank writes its results to its own file; the tests check them.
@@ -24,7 +24,7 @@ lazy initialization). Each rank writes its results to its own file; the tests ch
   that stage's experts each. Every rank creates every group in the same order. No change to
   ``bagualu2.integrations.pipeline`` or the model was needed: ``build_pipeline(..., group=pipeline_group)``
   carries the EP group inside the blocks (its shape pass runs every stage's blocks on every
-  rank, so both ranks of an EP group exchange in step there too). ``gather_step_result``
+  rank, so both ranks of an EP group exchange in step there too). ``pipeline_harness.gather_step_result``
   gathers over the whole world, not the pipeline group, so each rank writes its own results.
 
 The spike: with EP, EP rank 0's tokens pick both of the last two experts of EP rank 1 (every
@@ -48,7 +48,9 @@ import contextlib
 import gc
 import os
 import random
+import sys
 import traceback
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import pytest
@@ -59,6 +61,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import bagualu2
 from bagualu2.integrations import pipeline as pp
 from bagualu2.models import MoEConfig, MoETransformer
+
+sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the helpers below
+
+import pipeline_harness as harness  # noqa: E402
 
 SEED = 2468
 BATCH, SEQ = 2, 16
@@ -296,7 +302,7 @@ def _launch(layout: str, world_size: int, jobs: tuple, tmp_path_factory) -> List
     out_dir = str(tmp_path_factory.mktemp(layout))
     failure: Optional[BaseException] = None
     try:
-        pp.launch(_rank_main, world_size, layout, jobs, out_dir, timeout_s=LAUNCH_TIMEOUT_S, grace_s=20)
+        harness.launch(_rank_main, world_size, layout, jobs, out_dir, timeout_s=LAUNCH_TIMEOUT_S, grace_s=20)
     except Exception as e:  # noqa: BLE001 - the per-rank files say which job failed and why
         failure = e
     results = []

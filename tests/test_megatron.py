@@ -40,7 +40,7 @@ with warnings.catch_warnings():
 sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the helpers below
 
 import megatron_ranks as ranks  # noqa: E402
-from bagualu2.integrations.pipeline import launch  # noqa: E402
+from pipeline_harness import free_port, launch  # noqa: E402
 
 POLICIES = ("keep_all", "offload_all", "recompute_all", "random_plan", "adaptive")
 
@@ -106,8 +106,6 @@ def one_rank():
     """A one-rank gloo group for Megatron's parallel state in this process, and dynamo off as
     in the spawned ranks (module note)."""
     import torch.distributed as dist
-
-    from bagualu2.integrations.pipeline import free_port
 
     disabled = torch._dynamo.config.disable
     torch._dynamo.config.disable = True

@@ -1,6 +1,6 @@
 """Pipeline parallelism on torch.distributed.pipelining: bagualu2 per stage, gloo on CPU.
 
-The multi-process tests start their own ranks (``bagualu2.integrations.pipeline.launch``: spawned
+The multi-process tests start their own ranks (``pipeline_harness.launch``: spawned
 processes, 127.0.0.1, a free port, a hard timeout). To keep the suite short, one launch per
 world size runs every scenario in sequence (each from a freshly built model, same seed) and
 rank 0 writes all results to one file; each test below checks one invariant on them.
@@ -25,13 +25,19 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
 
 from bagualu2.integrations import pipeline as pp
 from bagualu2.models import MoEConfig, MoETransformer, synthetic_batches
+
+sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the helpers below
+
+import pipeline_harness as harness  # noqa: E402
 
 SEED = 1234
 SEQ = 16
@@ -136,7 +142,7 @@ def _run_job(rank: int, world_size: int, job: dict, budgets: dict) -> dict | Non
         report = prov.report()
         extra["report"] = {k: report.get(k) for k in REPORT_KEYS}
         extra["told"] = told
-    result = pp.gather_step_result(pipe, losses, extra=extra)
+    result = harness.gather_step_result(pipe, losses, extra=extra)
     if prov is not None:
         prov.disable()
     pipe.close()
@@ -216,7 +222,7 @@ def _launch(world_size: int, schedules, tmp_path_factory, raise_schedule: str | 
             if os.path.exists(f"{out}.fail{r}"):
                 os.remove(f"{out}.fail{r}")
         try:
-            pp.launch(_rank_main, world_size, jobs, out, timeout_s=LAUNCH_TIMEOUT_S)
+            harness.launch(_rank_main, world_size, jobs, out, timeout_s=LAUNCH_TIMEOUT_S)
             break
         except Exception as e:  # noqa: BLE001 - a rank failed or the launch timed out
             fails = {}

@@ -37,7 +37,7 @@ with warnings.catch_warnings():
 sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the helpers below
 
 import torchtitan_ranks as ranks  # noqa: E402
-from bagualu2.integrations.pipeline import launch  # noqa: E402
+from pipeline_harness import launch  # noqa: E402
 
 POLICIES = ("keep_all", "offload_all", "recompute_all", "random_plan", "adaptive", "adaptive_tight")
 

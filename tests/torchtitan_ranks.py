@@ -1,6 +1,6 @@
 """Per-rank code of the torchtitan tests (tests/test_torchtitan.py): build a tiny torchtitan MoE
 model, parallelize it with torchtitan's own functions, and compare training steps with and
-without bagualu2. Run in processes started by ``bagualu2.integrations.pipeline.launch``."""
+without bagualu2. Run in processes started by ``pipeline_harness.launch``."""
 from __future__ import annotations
 
 import json

@@ -22,7 +22,10 @@ Schedules
 stages are placed (``loop``: rank r holds r, r+W, ...; ``v``: rank r holds r and 2W-1-r).
 ``build_pipeline(model, schedule, ...)`` builds this rank's ``PipelineStage`` objects (with
 static shapes, so no hidden metadata-inference forward ever reaches a provisioned module) and
-the schedule, and returns a ``Pipeline``.
+the schedule, and returns a ``Pipeline``: ``pipe.train_step(tokens, targets)`` runs one
+schedule step and returns this rank's per-micro-batch losses (on the last stage's rank).
+The caller launches the ranks and creates the process group, as for any
+``torch.distributed`` job (torchrun: examples/pipeline_1f1b.py).
 
 Phase tracking (the interface the provisioner consumes)
 -------------------------------------------------------
@@ -77,26 +80,12 @@ frame) while the ledger is shared. The tracker calls
 ``Provisioner.set_pipeline_phase(phase, stacked_forwards - 1)`` before each forward (the
 provisioner counts the *other* forwards that stack) and ``Provisioner.step()`` at the end of
 each schedule step. ``pipe.close()`` undoes the wiring; ``prov.disable()`` removes bagualu2.
-
-Harness
--------
-``Pipeline.train_step(tokens, targets)`` runs one schedule step and returns this rank's
-losses; ``gather_step_result(pipeline, losses)`` collects the per-micro-batch losses and
-every parameter gradient (keyed ``"stage{i}.{name}"``) on rank 0 as a ``StepResult`` so two
-runs can be compared bit for bit. ``launch(fn, world_size, ...)`` starts ``world_size`` local
-processes on 127.0.0.1 with a free port, gloo by default; when a rank fails the others get a
-grace period to notice (gloo fails their next operation at once) and exit on their own;
-whatever is left at the timeout is killed.
 """
 from __future__ import annotations
 
 import contextvars
 import dataclasses
-import datetime
 import enum
-import os
-import socket
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -127,10 +116,6 @@ __all__ = [
     "PipelineState",
     "PipelinePhaseTracker",
     "current_state",
-    "StepResult",
-    "gather_step_result",
-    "launch",
-    "free_port",
     "enable_bagualu2",
     "RankStages",
     "StageEntry",
@@ -618,7 +603,7 @@ class PipelinePhaseTracker:
 
 
 # ---------------------------------------------------------------------------------------------
-# Pipeline construction and the training-step harness
+# Pipeline construction
 # ---------------------------------------------------------------------------------------------
 
 
@@ -757,135 +742,6 @@ def build_pipeline(
         num_stages,
         n_microbatches,
     )
-
-
-@dataclasses.dataclass
-class StepResult:
-    """Everything one step produced across ranks, gathered on rank 0."""
-
-    losses: list[torch.Tensor]
-    grads: dict[str, torch.Tensor]
-    extra: dict[int, Any]
-
-    def bitwise_equal(self, other: "StepResult") -> tuple[bool, list[str]]:
-        """(equal, names that differ) comparing losses and gradients bit for bit."""
-        diffs = []
-        if len(self.losses) != len(other.losses) or any(
-            not torch.equal(a, b) for a, b in zip(self.losses, other.losses)
-        ):
-            diffs.append("losses")
-        for k in sorted(set(self.grads) | set(other.grads)):
-            a, b = self.grads.get(k), other.grads.get(k)
-            if a is None or b is None or a.dtype != b.dtype or not torch.equal(a, b):
-                diffs.append(k)
-        return not diffs, diffs
-
-
-def gather_step_result(
-    pipeline: Pipeline, losses: Sequence[torch.Tensor], extra: Any = None, dst: int = 0
-) -> StepResult | None:
-    """Collect losses and every local parameter gradient on rank ``dst`` (None elsewhere)."""
-    grads = {}
-    for m in pipeline.modules:
-        for name, p in m.named_parameters():
-            if p.grad is not None:
-                grads[f"stage{m.stage_index}.{name}"] = p.grad.detach().clone()
-    payload = {
-        "losses": [l.detach().clone() for l in losses],
-        "grads": grads,
-        "extra": extra,
-    }
-    out: list[Any] | None = [None] * pipeline.world_size if pipeline.rank == dst else None
-    dist.gather_object(payload, out, dst=dst)
-    if pipeline.rank != dst:
-        return None
-    result = StepResult([], {}, {})
-    for r, p in enumerate(out):
-        result.losses.extend(p["losses"])
-        result.grads.update(p["grads"])
-        result.extra[r] = p["extra"]
-    return result
-
-
-# ---------------------------------------------------------------------------------------------
-# Local multi-process launcher
-# ---------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch_entry(rank, fn, world_size, port, backend, timeout_s, threads, args):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(threads)
-    dist.init_process_group(
-        backend,
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-    try:
-        fn(rank, world_size, *args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def launch(
-    fn: Callable[..., None],
-    world_size: int,
-    *args: Any,
-    backend: str = "gloo",
-    timeout_s: float = 120.0,
-    threads: int = 1,
-    grace_s: float = 15.0,
-) -> None:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes joined in one group.
-
-    Processes are spawned (not forked) and talk over 127.0.0.1 on a free port. When one rank
-    fails, the others get ``grace_s`` seconds to notice (gloo fails their next operation with
-    the broken peer) and exit on their own; whatever is still alive then, or at ``timeout_s``,
-    is killed, and the first failure is raised here. ``fn`` must be importable (module
-    level). Results travel back however ``fn`` chooses (a file is simplest).
-    """
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(
-        _launch_entry,
-        args=(fn, world_size, free_port(), backend, timeout_s, threads, args),
-        nprocs=world_size,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + timeout_s
-    timed_out = False
-    try:
-        # Poll instead of ctx.join(), which kills every peer as soon as one rank fails.
-        while any(p.is_alive() for p in ctx.processes):
-            if any(p.exitcode not in (None, 0) for p in ctx.processes):
-                deadline = min(deadline, time.monotonic() + grace_s)
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
-            time.sleep(0.1)
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    failed = any(p.exitcode != 0 for p in ctx.processes)
-    if failed:
-        ctx.join(timeout=1)  # raises the first rank's exception (with its traceback) or exit code
-    if timed_out:
-        raise TimeoutError(f"pipeline ranks did not finish within {timeout_s:.0f} s")
 
 
 # ---------------------------------------------------------------------------------------------

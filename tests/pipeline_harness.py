@@ -1,0 +1,150 @@
+"""Local multi-process harness for the gloo tests and benchmarks (not part of bagualu2).
+
+``launch(fn, world_size, ...)`` starts ``world_size`` spawned processes joined in one process
+group on 127.0.0.1 with a free port, gloo by default; when a rank fails the others get a grace
+period to notice (gloo fails their next operation at once) and exit on their own; whatever is
+left at the timeout is killed. ``gather_step_result(pipeline, losses)`` collects a pipeline
+step's per-micro-batch losses and every parameter gradient (keyed ``"stage{i}.{name}"``) on
+rank 0 as a ``StepResult``, so two runs can be compared bit for bit.
+
+Tests import it as a sibling module (``import pipeline_harness``; the spawned ranks find it on
+the sys.path they inherit); benchmarks put this directory on ``sys.path`` first. Programs
+outside the repository launch their ranks with torchrun instead (examples/pipeline_1f1b.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bagualu2.integrations.pipeline import Pipeline
+
+__all__ = ["StepResult", "gather_step_result", "launch", "free_port"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Gathering one step's results
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class StepResult:
+    """Everything one step produced across ranks, gathered on rank 0."""
+
+    losses: list[torch.Tensor]
+    grads: dict[str, torch.Tensor]
+    extra: dict[int, Any]
+
+
+def gather_step_result(
+    pipeline: Pipeline, losses: Sequence[torch.Tensor], extra: Any = None, dst: int = 0
+) -> StepResult | None:
+    """Collect losses and every local parameter gradient on rank ``dst`` (None elsewhere)."""
+    grads = {}
+    for m in pipeline.modules:
+        for name, p in m.named_parameters():
+            if p.grad is not None:
+                grads[f"stage{m.stage_index}.{name}"] = p.grad.detach().clone()
+    payload = {
+        "losses": [l.detach().clone() for l in losses],
+        "grads": grads,
+        "extra": extra,
+    }
+    out: list[Any] | None = [None] * pipeline.world_size if pipeline.rank == dst else None
+    dist.gather_object(payload, out, dst=dst)
+    if pipeline.rank != dst:
+        return None
+    result = StepResult([], {}, {})
+    for r, p in enumerate(out):
+        result.losses.extend(p["losses"])
+        result.grads.update(p["grads"])
+        result.extra[r] = p["extra"]
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Local multi-process launcher
+# ---------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch_entry(rank, fn, world_size, port, backend, timeout_s, threads, args):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        fn(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(
+    fn: Callable[..., None],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+    threads: int = 1,
+    grace_s: float = 15.0,
+) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes joined in one group.
+
+    Processes are spawned (not forked) and talk over 127.0.0.1 on a free port. When one rank
+    fails, the others get ``grace_s`` seconds to notice (gloo fails their next operation with
+    the broken peer) and exit on their own; whatever is still alive then, or at ``timeout_s``,
+    is killed, and the first failure is raised here. ``fn`` must be importable (module
+    level). Results travel back however ``fn`` chooses (a file is simplest).
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(
+        _launch_entry,
+        args=(fn, world_size, free_port(), backend, timeout_s, threads, args),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout_s
+    timed_out = False
+    try:
+        # Poll instead of ctx.join(), which kills every peer as soon as one rank fails.
+        while any(p.is_alive() for p in ctx.processes):
+            if any(p.exitcode not in (None, 0) for p in ctx.processes):
+                deadline = min(deadline, time.monotonic() + grace_s)
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.1)
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    failed = any(p.exitcode != 0 for p in ctx.processes)
+    if failed:
+        ctx.join(timeout=1)  # raises the first rank's exception (with its traceback) or exit code
+    if timed_out:
+        raise TimeoutError(f"ranks did not finish within {timeout_s:.0f} s")
