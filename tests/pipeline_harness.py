@@ -5,7 +5,8 @@ group on 127.0.0.1 with a free port, gloo by default; when a rank fails the othe
 period to notice (gloo fails their next operation at once) and exit on their own; whatever is
 left at the timeout is killed. ``gather_step_result(pipeline, losses)`` collects a pipeline
 step's per-micro-batch losses and every parameter gradient (keyed ``"stage{i}.{name}"``) on
-rank 0 as a ``StepResult``, so two runs can be compared bit for bit.
+rank 0 as a ``StepResult``, so two runs can be compared bit for bit. ``CollectiveCounter`` counts the collectives dispatched
+inside it (what bagualu2 must never issue from backward).
 
 Tests import it as a sibling module (``import pipeline_harness``; the spawned ranks find it on
 the sys.path they inherit); benchmarks put this directory on ``sys.path`` first. Programs
@@ -23,10 +24,26 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bagualu2.integrations.pipeline import Pipeline
 
-__all__ = ["StepResult", "gather_step_result", "launch", "free_port"]
+__all__ = ["CollectiveCounter", "StepResult", "gather_step_result", "launch", "free_port"]
+
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the collective ops (c10d, functional collectives) dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in COLLECTIVE_NAMESPACES:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 # ---------------------------------------------------------------------------------------------

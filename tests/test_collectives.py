@@ -23,7 +23,6 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import bagualu2
 from bagualu2.runtime import ActivationRuntime, Frame
@@ -34,9 +33,7 @@ from bagualu2.plan.planner import Choice
 
 sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the helpers below
 
-from pipeline_harness import free_port, launch  # noqa: E402
-
-_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+from pipeline_harness import CollectiveCounter, free_port, launch  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,19 +48,6 @@ def one_rank_group():
         yield
     finally:
         dist.destroy_process_group()
-
-
-class CountCollectives(TorchDispatchMode):
-    """Counts the collective ops that run under it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in _COLLECTIVE_NAMESPACES:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 class AllToAllBlock(torch.nn.Module):
@@ -116,7 +100,7 @@ class Blocks(torch.nn.Module):
 
 def _loss_and_grads(model: torch.nn.Module, loss: torch.Tensor, count: bool = False):
     model.zero_grad(set_to_none=True)
-    counter = CountCollectives()
+    counter = CollectiveCounter()
     with counter if count else contextlib.nullcontext():
         loss.backward()
     return loss.detach().clone(), [p.grad.clone() for p in model.parameters()], counter.count
@@ -316,7 +300,7 @@ def _fsdp_rank(rank: int, world: int, out: str, order: str, seed: int) -> None:
                 loss = m(x)
         for p in m.parameters():
             p.grad = None
-        counter = CountCollectives()
+        counter = CollectiveCounter()
         with counter:
             loss.backward()
         return loss.detach(), [p.grad.to_local().clone() for p in m.parameters()], counter.count

@@ -39,7 +39,6 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import bagualu2
 from bagualu2.plan.cost_model import SIZE
@@ -56,7 +55,6 @@ TRACE = (False, False, False, True, True, False)  # steps with the spike (a run 
 ACCUM = ((False, False), (False, True), (True, False))  # gradient accumulation: 2 micro-batches a step
 ORACLE_TOL = dict(rtol=1e-4, atol=1e-6)
 LAUNCH_TIMEOUT_S = 240
-COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 # Wider experts than tiny()'s: the expert share of the activations (what the spike moves) is large.
 CFG = MoEConfig.tiny(expert_hidden_size=128)
 OPTIONS = dict(min_bytes=0, arena_bytes=16 << 20, calibrate_frames=1)
@@ -64,19 +62,6 @@ OPTIONS = dict(min_bytes=0, arena_bytes=16 << 20, calibrate_frames=1)
 JOBS_2 = ("plain", "plain_repeat", "keep_all_calm", "keep_all", "offload_all", "recompute_all", "adaptive",
           "random_plan", "accum_plain", "accum_keep_all_calm", "accum_adaptive", "keep_all_raise")
 JOBS_4 = ("plain", "keep_all_calm", "recompute_all", "adaptive")
-
-
-class CollectiveCounter(TorchDispatchMode):
-    """Counts the collective ops (c10d, functional collectives) dispatched inside it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in COLLECTIVE_NAMESPACES:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,7 +145,7 @@ def _run_job(rank: int, world_size: int, job: str, budgets: Dict[str, int]) -> D
                 out["received"].append([layer.moe.dispatcher.last_received.sum(0).tolist()
                                         if layer.moe.dispatcher is not None else None for layer in model.layers])
                 out["routed"].append([layer.moe.router.last_tokens_per_expert.tolist() for layer in model.layers])
-            with CollectiveCounter() as counter:
+            with harness.CollectiveCounter() as counter:
                 for loss in losses:
                     loss.backward()
         out["losses"].append(torch.stack([loss.detach() for loss in losses]))

@@ -56,7 +56,6 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import bagualu2
 from bagualu2.integrations import pipeline as pp
@@ -73,7 +72,6 @@ TRACE = (False, False, False, True, True, False)  # FSDP layouts: steps with the
 PP_TRACE = (False, False, True, False)  # pipeline steps (4 micro-batches each) with the spike
 PP_MICROBATCHES = 4
 LAUNCH_TIMEOUT_S = 300
-COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 OPTIONS = dict(min_bytes=0, arena_bytes=16 << 20, calibrate_frames=1)
 # fsdp: the one-process view of EP rank 0 (experts 0-3 here): a spike on them grows this rank's
 # activations. Wider experts than tiny()'s: the expert share (what the spike moves) is large.
@@ -89,19 +87,6 @@ JOBS_FSDP = ("plain", "plain_repeat") + tuple(
     f"{order}/{p}" for order in ORDERS for p in ("keep_all_calm",) + POLICIES)
 JOBS_EP_FSDP = ("plain", "plain_repeat", "keep_all_calm") + POLICIES
 JOBS_EP_PP = ("plain", "plain_repeat", "keep_all_calm") + PP_POLICIES
-
-
-class CollectiveCounter(TorchDispatchMode):
-    """Counts the collective ops (c10d, functional collectives) dispatched inside it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in COLLECTIVE_NAMESPACES:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,7 +178,7 @@ def _fsdp_job(rank: int, job: str, budgets: Dict[str, int], ep: bool) -> Dict[st
             spike = model.routing_spike(SPIKE, experts=DP_TARGETS)
         with spike:  # backward inside the spike too: recompute reruns the router
             loss = model(tokens)
-            with CollectiveCounter() as counter:
+            with harness.CollectiveCounter() as counter:
                 loss.backward()
         out["losses"].append(loss.detach().clone())
         out["grads"].append([_local(p.grad) for p in model.parameters()])
@@ -241,7 +226,7 @@ def _pp_job(rank: int, job: str, budgets: Dict[str, int], groups) -> Dict[str, A
     inner = stage.backward_one_chunk
 
     def counted_backward(*args, **kwargs):
-        with CollectiveCounter() as counter:
+        with harness.CollectiveCounter() as counter:
             result = inner(*args, **kwargs)
         backward_collectives[-1] += counter.count
         return result
