@@ -156,7 +156,6 @@ class Provisioner:
             on_exceed=self._exceeded if on_exceed == "raise" else None,
         )
         self.runtime.backward_observer = self._learn
-        self.runtime.set_parameters(list(model.parameters()) + list(model.buffers()))
         # A fixed number of byte cells per candidate bounds a decision's time whatever the
         # model (benchmarks/decision_latency.py measures it); sizes are rounded the safe way, so
         # a plan frees what it must, at most a few percent more than an exact one.
