@@ -133,11 +133,13 @@ class OffloadHandle:
         self._span = span
 
     def done(self) -> bool:
-        """Whether the offload copy completed (the source may be reused). Raises after release."""
+        """Whether the offload copy completed (the source may be reused). Raises after release,
+        and RuntimeError once the copy ended failed (the source holds the only copy then)."""
         return self._ticket.done()
 
     def wait(self) -> None:
-        """Block until the offload copy completed (GIL released). Raises after release."""
+        """Block until the offload copy completed (GIL released). Raises after release, and
+        RuntimeError when the copy failed."""
         self._ticket.wait()
         self._engine.prune()
 
@@ -386,8 +388,9 @@ class CopyEngine:
         self.prune()
 
     def stats(self) -> dict:
-        """Per direction (d2h_*, h2d_*): bytes, copies, busy_s, bytes_submitted, GBps; plus
-        in_flight (host tensors still held for running copies)."""
+        """Per direction (d2h_*, h2d_*): bytes, copies, busy_s, bytes_submitted, failed (copies
+        that failed, counted in nothing else), GBps; plus in_flight (host tensors still held for
+        running copies)."""
         s = self._impl.stats()
         s["in_flight"] = len(self._inflight)
         return s

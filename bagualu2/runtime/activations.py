@@ -397,15 +397,25 @@ class _OffloadStore:
     they would share the storage without offloading, and one changed in place is an error for
     the next reader, as autograd's own check makes it without hooks. The ledger charges the
     bytes exactly as a reloaded copy.
+
+    A copy that fails after submission (the engine's ticket raises at ``done``/``wait``) is
+    survived here: while it runs the store holds the device ``source`` itself (and its ledger
+    count), so when ``settle`` finds it failed the store keeps that source for good (a recorded
+    fallback: the offload became a keep) and serves every use from it in place, as with
+    ``in_place``; the arena block goes back at once. Should the storage have been written in
+    place since (its node's state moved on), its saved bytes are gone and a use raises instead
+    of reading newer ones. A reload that fails raises, naming the activation.
     """
 
     __slots__ = ("engine", "handle", "device", "nbytes", "in_place", "alias", "alias_version", "pin",
                  "prefetched", "prefetch_pin", "frame", "index", "key", "refs", "task", "unpacked", "held",
-                 "held_version", "held_pin", "copies", "__weakref__")
+                 "held_version", "held_pin", "copies", "source", "source_node", "source_state", "failed",
+                 "__weakref__")
 
     def __init__(self, engine: Any, handle: Any, device: torch.device, nbytes: int,
                  pin: Optional[_Pin], frame: Frame, key: str, in_place: bool = False,
-                 copies: Optional[List[Any]] = None) -> None:
+                 copies: Optional[List[Any]] = None, source: Optional[torch.Tensor] = None,
+                 node: Optional[StorageNode] = None) -> None:
         self.engine = engine
         self.handle = handle
         self.device = device
@@ -415,6 +425,12 @@ class _OffloadStore:
         self.alias_version = 0
         self.key = key
         self.pin: Optional[_Pin] = pin  # device source held until the copy completes
+        # With ``pin``: the source itself (uint8 over its storage), kept for good if the copy
+        # fails; and its traced node's state then, which must not move on for it to be read.
+        self.source = source if pin is not None else None
+        self.source_node = weakref.ref(node) if node is not None else None
+        self.source_state = node.state if node is not None else 0
+        self.failed = False  # the copy failed: ``source`` serves every use (``_keep_source``)
         self.prefetched: Any = None
         self.prefetch_pin: Optional[_Pin] = None  # the prefetch's device buffer, until used
         self.refs = 0  # saved tensors that read this store at unpack
@@ -429,23 +445,50 @@ class _OffloadStore:
         frame._offloads.append(weakref.ref(self))
 
     def settle(self, wait: bool = False) -> bool:
-        """Drop the device source once the copy is done; True when it is."""
-        if self.pin is None:
+        """Drop the device source once the copy is done; True when it is. A copy that failed
+        keeps the source instead (``_keep_source``): it is done with too."""
+        if self.pin is None or self.failed:
             return True
-        if wait:
-            self.handle.wait()
-        elif not self.handle.done():
-            return False
+        try:
+            if wait:
+                self.handle.wait()
+            elif not self.handle.done():
+                return False
+        except _C.RuntimeError as e:  # the copy failed after it was submitted
+            self._keep_source(e)
+            return True
         self.pin.drop()
         self.pin = None
+        self.source = None
         return True
+
+    def _keep_source(self, error: Exception) -> None:
+        """The offload copy failed: keep the device source (still pinned, so still charged) as
+        the copy every use reads in place, give the arena block back, record the fallback."""
+        if self.source is None:  # not reachable through _start_offload, which always passes it
+            raise RuntimeError(f"the offload copy of activation {self.key} failed and its source "
+                               f"was not kept: {error}") from error
+        self.failed = True
+        self.in_place = True
+        self.alias = self.source
+        self.alias_version = self.source._version
+        self.frame.stats.fallbacks.append(f"{self.key}: offload copy failed ({error}); kept on {self.device}")
+        if not self.handle.released:
+            self.handle.release()
 
     def prefetch(self, ledger: ResidencyLedger) -> bool:
         """Start reloading into a new device buffer, charged to ``ledger`` until used; False
-        when a prefetch is pending or the device copy is held already."""
+        when a prefetch is pending or the device copy is held already (or the reload could
+        not be submitted: the use reloads then)."""
+        if self.pin is not None:
+            self.settle()  # an offload found failed is read in place: nothing to prefetch
         if self.in_place or self.prefetched is not None or self.held is not None:
             return False
-        self.prefetched = self.engine.reload_async(self.handle, device=self.device)
+        try:
+            self.prefetched = self.engine.reload_async(self.handle, device=self.device)
+        except _C.RuntimeError as e:
+            self.frame.stats.fallbacks.append(f"{self.key}: prefetch failed ({e}); reloaded when used")
+            return False
         self.prefetch_pin = _Pin(ledger, self.prefetched.destination.untyped_storage())
         self.frame._prefetch_pending += self.nbytes
         return True
@@ -500,20 +543,33 @@ class _OffloadStore:
             self.held_pin = None
 
     def storage(self) -> torch.UntypedStorage:
-        """The device copy: the held one, else the pending prefetch, else a reload now."""
+        """The device copy: the held one, else the pending prefetch, else a reload now (the
+        source kept in place where the offload copy failed); a reload that fails raises,
+        naming the activation."""
         held = self._held()
         if held is not None:
             return held.untyped_storage()
-        if self.prefetched is not None:
-            buffer = self.prefetched.wait()
-            self.prefetched = None
-            self.prefetch_pin.drop()
-            self.prefetch_pin = None
-            self.frame._prefetch_pending -= self.nbytes
-        elif self.in_place:
-            buffer = self._in_place()
-        else:
-            buffer = self.engine.reload(self.handle, device=self.device)
+        if self.pin is not None:
+            self.settle()  # a copy found failed keeps its source: nothing to reload
+        try:
+            if self.prefetched is not None:
+                prefetched, self.prefetched = self.prefetched, None
+                self.prefetch_pin.drop()
+                self.prefetch_pin = None
+                self.frame._prefetch_pending -= self.nbytes
+                buffer = prefetched.wait()
+            elif self.in_place:
+                buffer = self._in_place()
+            else:
+                buffer = self.engine.reload(self.handle, device=self.device)
+        except _C.RuntimeError as e:
+            # Issued while the offload ran, a reload fails with it: which of the two failed?
+            if self.pin is not None:
+                self.settle(wait=True)
+            if not self.failed:
+                raise RuntimeError(f"reloading offloaded activation {self.key} ({self.nbytes} bytes) "
+                                   f"failed: {e}") from e
+            buffer = self._in_place()  # the offload's: read its kept source
         return buffer.untyped_storage()
 
     def _in_place(self) -> torch.Tensor:
@@ -522,6 +578,11 @@ class _OffloadStore:
             self.alias_version = self.alias._version
         elif self.alias._version != self.alias_version:
             raise _modified_error(f"offloaded activation {self.key}", self.alias_version, self.alias._version)
+        node = self.source_node() if self.failed and self.source_node is not None else None
+        if node is not None and node.state != self.source_state:
+            raise RuntimeError(f"the offload copy of activation {self.key} failed and its storage was "
+                               f"written in place since (state {self.source_state} -> {node.state}): "
+                               f"the saved bytes are lost")
         return self.alias
 
     def __del__(self) -> None:
@@ -532,7 +593,10 @@ class _OffloadStore:
             start = time.perf_counter()
             if self.prefetched is not None:
                 self.frame._prefetch_pending -= self.nbytes
-                self.prefetched.wait()
+                try:
+                    self.prefetched.wait()
+                except _C.RuntimeError:  # a failed reload: it ended all the same
+                    pass
             if not self.handle.released:  # a cycle's collector may have finalized the handle first
                 self.handle.release()
             if self.copies is not None:  # part of what the offload cost the thread
@@ -1416,12 +1480,18 @@ class ActivationRuntime:
             if self._over_budget(storage):
                 self.settle(wait=True)
             if self._over_budget(storage):
-                handle.wait()  # no room even while the copy runs: copy synchronously
+                try:
+                    handle.wait()  # no room even while the copy runs: copy synchronously
+                except _C.RuntimeError as e:  # the copy failed: the caller falls back
+                    frame.stats.fallbacks.append(f"{key}: offload failed ({e})")
+                    handle.release()
+                    return None
             else:
                 pin = _Pin(self.ledger, storage)
             nbytes = storage.nbytes()
             store = _OffloadStore(self.engine, handle, storage.device, nbytes, pin, frame, key,
-                                  self.reload_in_place and storage.device.type == "cpu", self._copies)
+                                  self.reload_in_place and storage.device.type == "cpu", self._copies,
+                                  source, self.mode.nodes.get(storage._cdata))
             if pin is not None:
                 self._inflight.append(weakref.ref(store))
             frame.stats.offloaded_storages += 1

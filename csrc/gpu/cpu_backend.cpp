@@ -15,6 +15,19 @@
 // order holds. Each record of an event is a fresh completion flag with a timestamp, which is
 // all event_query / event_synchronize / event_elapsed_ms need. Every copy thread runs at the
 // OS's idle priority (start_copy_thread): copies take only the cycles compute leaves.
+//
+// Failed copies (test-only). memcpy cannot fail, so a failure is injected through the copy
+// fault switch of gpu/copy_faults.h, whose state lives here and which only the test module
+// tests/test_hooks.cpp can set (its note says how it reaches it; the Python API cannot). A
+// copy failed at submission throws bagualu2::RuntimeError from memcpy_async and enqueues
+// nothing. A copy failed at execution is enqueued as an operation that copies nothing and
+// marks its stream failed with a message; the next event record executed on that stream takes
+// the message (and clears it), so that record's completion is complete *and* failed:
+// event_query and event_synchronize of it throw bagualu2::RuntimeError with the message, as a
+// device runtime reports a failed asynchronous copy at the next query of an event behind it.
+// Later copies on the stream run normally. A wait (stream_wait_event) on a failed record ends
+// like one on a good record: failures do not travel through waits (the copy engine tracks the
+// one dependency it has, a reload on its offload, itself), and no waiter ever hangs.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -25,6 +38,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <unordered_set>
 #include <vector>
@@ -35,6 +49,7 @@
 #endif
 
 #include "common/check.h"
+#include "gpu/copy_faults.h"
 #include "gpu/gpu.h"
 
 namespace bagualu2::gpu {
@@ -196,16 +211,19 @@ private:
 // completes; the event points at its latest one. A wait captures the Completion current at the
 // call, so re-recording the event later (even on another stream) never satisfies or delays an
 // earlier wait: the semantics of cudaEventRecord / cudaStreamWaitEvent.
+// A record that completes failed (a failed copy ran before it on its stream) carries why.
 struct Completion {
     std::mutex mutex;
     std::condition_variable cv;
     bool done = false;
     Clock::time_point when{};
+    std::string error;  // nonempty: completed failed
 
-    void complete() {
+    void complete(std::string why = {}) {
         std::lock_guard<std::mutex> lock(mutex);
         done = true;
         when = Clock::now();
+        error = std::move(why);
         cv.notify_all();
     }
 
@@ -217,6 +235,16 @@ struct Completion {
     bool ready() {
         std::lock_guard<std::mutex> lock(mutex);
         return done;
+    }
+
+    // Throws bagualu2::RuntimeError when the record completed failed.
+    void check() {
+        std::string why;
+        {
+            std::lock_guard<std::mutex> lock(mutex);
+            why = error;
+        }
+        BAGUALU2_RUNTIME_CHECK(why.empty(), why);
     }
 };
 
@@ -288,6 +316,20 @@ public:
         done_cv_.wait(lock, [&] { return executed_ >= target; });
     }
 
+    // A failed copy's operation marks the stream failed; the next event record's operation
+    // takes the message. Only operations call these, and they run one at a time, in order
+    // (the stream's mutex orders them), so error_ needs no lock of its own.
+    void fail(std::string why) {
+        if (error_.empty()) {
+            error_ = std::move(why);
+        }
+    }
+    std::string take_error() {
+        std::string why;
+        why.swap(error_);  // leaves error_ empty (a moved-from string need not be)
+        return why;
+    }
+
 private:
     static void run(std::function<void()>& op) {
         try {
@@ -333,6 +375,8 @@ private:
     bool idle_ = false;     // the worker is waiting for work
     bool running_ = false;  // an operation is executing (on the worker or inline)
     bool stopping_ = false;
+    // Set by a failed copy's operation, taken by the next event record's (see fail()).
+    std::string error_;
     // The worker (declared last: it starts after the fields above exist).
     std::thread thread_;
 };
@@ -420,18 +464,27 @@ public:
             completion->complete();
             return;
         }
-        static_cast<CpuStream*>(stream)->submit([completion] { completion->complete(); }, true);
+        auto* s = static_cast<CpuStream*>(stream);
+        s->submit([completion, s] { completion->complete(s->take_error()); }, true);
     }
 
     bool event_query(Event event) override {
         auto c = static_cast<CpuEvent*>(event)->current();
-        return c == nullptr || c->ready();
+        if (c == nullptr) {
+            return true;
+        }
+        if (!c->ready()) {
+            return false;
+        }
+        c->check();  // a record behind a failed copy: throws its message
+        return true;
     }
 
     void event_synchronize(Event event) override {
         auto c = static_cast<CpuEvent*>(event)->current();
         if (c != nullptr) {
             c->wait();
+            c->check();
         }
     }
 
@@ -455,6 +508,22 @@ public:
 
     void memcpy_async(void* dst, const void* src, std::size_t bytes, Stream stream) override {
         if (bytes == 0) {
+            return;
+        }
+        const CopyFault fault = claim_copy_fault();  // test-only: kNone unless a test armed it
+        BAGUALU2_RUNTIME_CHECK(fault != CopyFault::kSubmit, "cpu memcpy_async of ", bytes,
+                               " bytes failed at submission: injected fault (test switch)");
+        BAGUALU2_RUNTIME_CHECK(fault != CopyFault::kExecute || stream != nullptr, "cpu copy of ",
+                               bytes, " bytes on the calling thread failed: injected fault (test "
+                               "switch)");
+        if (fault == CopyFault::kExecute) {
+            auto* s = static_cast<CpuStream*>(stream);
+            s->submit(
+                [s, bytes] {
+                    s->fail("cpu copy of " + std::to_string(bytes) +
+                            " bytes failed at execution: injected fault (test switch)");
+                },
+                true);
             return;
         }
         if (stream == nullptr) {
@@ -486,4 +555,64 @@ Runtime& cpu_runtime() {
     return *rt;
 }
 
+// ---------------------------------------------------------------------------------------------
+// The test-only copy fault switch (gpu/copy_faults.h). `armed` is the fast path of every copy;
+// the rest is read and changed under the mutex.
+namespace {
+
+struct FaultSwitch {
+    std::atomic<bool> armed{false};
+    std::mutex mutex;
+    CopyFault mode = CopyFault::kNone;
+    long long after = 0;  // copies still let through before the faults
+    long long count = 0;  // faults still to inject
+};
+
+FaultSwitch& fault_switch() {
+    static FaultSwitch* state = new FaultSwitch();  // leaked: copies may run at exit
+    return *state;
+}
+
+}  // namespace
+
+CopyFault claim_copy_fault() {
+    FaultSwitch& f = fault_switch();
+    if (!f.armed.load(std::memory_order_acquire)) {
+        return CopyFault::kNone;
+    }
+    std::lock_guard<std::mutex> lock(f.mutex);
+    if (f.count == 0) {
+        return CopyFault::kNone;
+    }
+    if (f.after > 0) {
+        --f.after;
+        return CopyFault::kNone;
+    }
+    if (--f.count == 0) {
+        f.armed.store(false, std::memory_order_release);
+    }
+    return f.mode;
+}
+
 }  // namespace bagualu2::gpu
+
+extern "C" int bagualu2_test_set_copy_faults(int mode, long long count, long long after) {
+    using bagualu2::gpu::CopyFault;
+    if (mode < 0 || mode > 2 || count < 0 || after < 0) {
+        return -1;
+    }
+    auto& f = bagualu2::gpu::fault_switch();
+    std::lock_guard<std::mutex> lock(f.mutex);
+    const bool arm = mode != 0 && count > 0;
+    f.mode = arm ? static_cast<CopyFault>(mode) : CopyFault::kNone;
+    f.count = arm ? count : 0;
+    f.after = arm ? after : 0;
+    f.armed.store(arm, std::memory_order_release);
+    return 0;
+}
+
+extern "C" long long bagualu2_test_copy_faults_left() {
+    auto& f = bagualu2::gpu::fault_switch();
+    std::lock_guard<std::mutex> lock(f.mutex);
+    return f.count;
+}

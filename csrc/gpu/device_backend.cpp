@@ -6,13 +6,24 @@
 // the runtime's own description. A backend is usable when its library loaded, initialised,
 // and sees at least one device; runtime("cuda") / runtime("hip") of an unusable one throws
 // with the reason, and backend_status() reports it without throwing.
+//
+// The test-only copy fault switch (gpu/copy_faults.h) is honoured as the cpu backend honours
+// it, in host bookkeeping: a copy failed at submission throws from memcpy_async without
+// calling the runtime; one failed at execution is not enqueued, its stream is marked, and the
+// next event recorded on that stream is marked failed, so event_query (once the event is
+// complete) and event_synchronize throw. The marks are consulted only once a fault was
+// injected in this process (one atomic load otherwise).
 #include <dlfcn.h>
 
+#include <atomic>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "common/check.h"
+#include "gpu/copy_faults.h"
 #include "gpu/device_api.h"
 #include "gpu/gpu.h"
 
@@ -86,6 +97,7 @@ public:
 
     void stream_destroy(Stream stream) override {
         check(api_.stream_destroy(stream), "stream_destroy");
+        forget(stream, nullptr);
     }
 
     void stream_synchronize(Stream stream) override {
@@ -104,10 +116,24 @@ public:
         return event;
     }
 
-    void event_destroy(Event event) override { check(api_.event_destroy(event), "event_destroy"); }
+    void event_destroy(Event event) override {
+        check(api_.event_destroy(event), "event_destroy");
+        forget(nullptr, event);
+    }
 
     void event_record(Event event, Stream stream) override {
         check(api_.event_record(event, stream), "event_record");
+        if (faults_seen_.load(std::memory_order_acquire)) {
+            // The record takes the failure of a copy injected before it on the stream.
+            std::lock_guard<std::mutex> lock(faults_mutex_);
+            auto it = failed_streams_.find(stream);
+            if (it != failed_streams_.end()) {
+                failed_events_[event] = std::move(it->second);
+                failed_streams_.erase(it);
+            } else {
+                failed_events_.erase(event);
+            }
+        }
     }
 
     bool event_query(Event event) override {
@@ -116,11 +142,13 @@ public:
             return false;
         }
         check(status, "event_query");
+        check_injected(event);
         return true;
     }
 
     void event_synchronize(Event event) override {
         check(api_.event_synchronize(event), "event_synchronize");
+        check_injected(event);
     }
 
     double event_elapsed_ms(Event start, Event end) override {
@@ -132,6 +160,19 @@ public:
     void memcpy_async(void* dst, const void* src, std::size_t bytes, Stream stream) override {
         if (bytes == 0) {
             return;
+        }
+        const CopyFault fault = claim_copy_fault();  // test-only: kNone unless a test armed it
+        BAGUALU2_RUNTIME_CHECK(fault != CopyFault::kSubmit, api_.name, " memcpy_async of ", bytes,
+                               " bytes failed at submission: injected fault (test switch)");
+        if (fault == CopyFault::kExecute) {
+            std::lock_guard<std::mutex> lock(faults_mutex_);
+            std::string& why = failed_streams_[stream];
+            if (why.empty()) {
+                why = std::string(api_.name) + " copy of " + std::to_string(bytes) +
+                      " bytes failed at execution: injected fault (test switch)";
+            }
+            faults_seen_.store(true, std::memory_order_release);
+            return;  // not enqueued
         }
         check(api_.memcpy_async(dst, src, bytes, stream), "memcpy_async of ", bytes, " bytes");
     }
@@ -149,8 +190,44 @@ private:
                                api_.describe(status), " (", api_.library, ")");
     }
 
+    // Throws the injected failure an event's record took (test switch only).
+    void check_injected(Event event) {
+        if (!faults_seen_.load(std::memory_order_acquire)) {
+            return;
+        }
+        std::string why;
+        {
+            std::lock_guard<std::mutex> lock(faults_mutex_);
+            auto it = failed_events_.find(event);
+            if (it != failed_events_.end()) {
+                why = it->second;
+            }
+        }
+        BAGUALU2_RUNTIME_CHECK(why.empty(), why);
+    }
+
+    // Drops the marks of a destroyed stream or event (its handle may be reused).
+    void forget(Stream stream, Event event) {
+        if (!faults_seen_.load(std::memory_order_acquire)) {
+            return;
+        }
+        std::lock_guard<std::mutex> lock(faults_mutex_);
+        if (stream != nullptr) {
+            failed_streams_.erase(stream);
+        }
+        if (event != nullptr) {
+            failed_events_.erase(event);
+        }
+    }
+
     // The loaded library's table (static storage of its loader).
     const DeviceApi& api_;
+    // Injected execution failures (gpu/copy_faults.h), consulted once faults_seen_: streams
+    // whose next record fails, and the records that did.
+    std::atomic<bool> faults_seen_{false};
+    std::mutex faults_mutex_;
+    std::unordered_map<Stream, std::string> failed_streams_;
+    std::unordered_map<Event, std::string> failed_events_;
 };
 
 #if defined(BAGUALU2_WITH_CUDA) || defined(BAGUALU2_WITH_HIP)

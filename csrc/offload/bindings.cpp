@@ -77,6 +77,7 @@ py::dict engine_stats_dict(CopyEngine& engine) {
         d[(p + "_copies").c_str()] = dirs[i].copies;
         d[(p + "_busy_s").c_str()] = dirs[i].busy_s;
         d[(p + "_bytes_submitted").c_str()] = dirs[i].bytes_submitted;
+        d[(p + "_failed").c_str()] = dirs[i].failed;
         d[(p + "_GBps").c_str()] =
             dirs[i].busy_s > 0 ? static_cast<double>(dirs[i].bytes) / dirs[i].busy_s / 1e9 : 0.0;
     }
@@ -160,8 +161,10 @@ void register_offload(py::module_& m) {
         .def_property_readonly("nbytes", [](const HostView& v) { return v.nbytes; });
 
     py::class_<Ticket, std::shared_ptr<Ticket>>(m, "Ticket", "One asynchronous copy.")
-        .def("done", &Ticket::done)
-        .def("wait", &Ticket::wait, py::call_guard<py::gil_scoped_release>())
+        .def("done", &Ticket::done,
+             "Whether the copy completed; raises RuntimeError once it ended failed.")
+        .def("wait", &Ticket::wait, py::call_guard<py::gil_scoped_release>(),
+             "Block until the copy completed (GIL released); raises RuntimeError if it failed.")
         .def("release", &Ticket::release)
         .def(
             "host_view", [](Ticket& t) { return HostView{t.hold(), t.nbytes()}; },
@@ -179,7 +182,19 @@ void register_offload(py::module_& m) {
                 auto fence = t.fence();
                 return fence == nullptr || fence->ready();
             },
-            "Whether the copy completed; unlike done() also answers after release().");
+            "Whether the copy completed (failed included); unlike done() also answers after "
+            "release().")
+        .def_property_readonly(
+            "failure",
+            [](const Ticket& t) -> std::optional<std::string> {
+                std::string why = t.failure();
+                if (why.empty()) {
+                    return std::nullopt;
+                }
+                return why;
+            },
+            "Why the copy failed (what done() and wait() raise), or None while it runs or when "
+            "it succeeded.");
 
     py::class_<CopyEngine, std::shared_ptr<CopyEngine>>(m, "CopyEngine",
                                                         "Async D2H/H2D copies into a HostArena.")

@@ -31,7 +31,14 @@ bool Ticket::done() {
         BAGUALU2_CHECK(!released_, "done() on a released ticket (use after release)");
         fence = done_;
     }
-    return fence == nullptr || fence->ready();
+    if (fence == nullptr) {
+        return true;
+    }
+    if (!fence->ready()) {
+        return false;
+    }
+    check_failure();
+    return true;
 }
 
 void Ticket::wait() {
@@ -43,7 +50,35 @@ void Ticket::wait() {
     }
     if (fence != nullptr) {
         fence->wait();
+        check_failure();
     }
+}
+
+std::string Ticket::failure() const {
+    // done_ and source_ never change after construction: no lock needed.
+    if (done_ == nullptr || !done_->ready()) {
+        return {};
+    }
+    const char* what = kind_ == Kind::kOffload ? "offload copy (device to host) of "
+                                               : "reload copy (host to device) of ";
+    std::string why = done_->failure();
+    if (!why.empty()) {
+        return what + std::to_string(nbytes_) + " bytes failed: " + why;
+    }
+    // A reload's stream waited for its offload, so that ended before the reload did.
+    if (source_ != nullptr && source_->ready()) {
+        why = source_->failure();
+        if (!why.empty()) {
+            return what + std::to_string(nbytes_) + " bytes failed: the offload it reads failed: " +
+                   why;
+        }
+    }
+    return {};
+}
+
+void Ticket::check_failure() const {
+    const std::string why = failure();
+    BAGUALU2_RUNTIME_CHECK(why.empty(), why);
 }
 
 bool Ticket::released() const {
@@ -93,6 +128,7 @@ std::shared_ptr<void> Ticket::hold() {
     BAGUALU2_CHECK(!released_, "hold() on a released ticket (use after release)");
     BAGUALU2_CHECK(done_ == nullptr || done_->ready(),
                    "hold() before the offload copy completed: wait() first");
+    check_failure();  // the block holds no copy
     ++holds_;
     // The token owns a reference to the ticket, so the last drop can free the block.
     std::shared_ptr<Ticket> self = shared_from_this();
@@ -204,7 +240,8 @@ TicketPtr CopyEngine::offload(std::uintptr_t src, std::int64_t nbytes,
         done = enqueue_copy(d2h_dir_, block, reinterpret_cast<const void*>(src), n);
         record(false, block, n);
     } catch (...) {
-        arena_->free(block);  // nothing was enqueued that could still touch it
+        drain(d2h_dir_);      // chunks enqueued before the failure may still write the block
+        arena_->free(block);  // nothing enqueued can touch it any more
         throw;
     }
     return std::make_shared<Ticket>(Ticket::Kind::kOffload, arena_, block, n, std::move(done));
@@ -230,22 +267,37 @@ TicketPtr CopyEngine::reload(const TicketPtr& from, std::uintptr_t dst, std::int
     if (n == 0) {
         return std::make_shared<Ticket>(Ticket::Kind::kReload, arena_, nullptr, 0, nullptr);
     }
+    // An offload known to have failed left nothing in its block to reload (invariant 7).
+    const bool source_ended = from->done_->ready();
+    if (source_ended) {
+        const std::string why = from->done_->failure();
+        BAGUALU2_RUNTIME_CHECK(why.empty(), "reload of ", n,
+                               " bytes from an offload whose copy failed: ", why);
+    }
     std::shared_ptr<EventFence> done;
     {
         gpu::DeviceGuard guard(rt_, device_);
         std::lock_guard<std::mutex> lock(submit_mutex_);
-        if (!from->done_->ready()) {
-            rt_.stream_wait_event(h2d_, from->done_->event());
-        }
-        wait_for_stream(h2d_dir_, as_stream(consumer_stream));
-        done = enqueue_copy(h2d_dir_, reinterpret_cast<void*>(dst), from->block_, n);
-        record(true, from->block_, n);
-        if (consumer_waits && !(consumer_stream == 0 && rt_.is_host())) {
-            rt_.stream_wait_event(as_stream(consumer_stream), done->event());
+        try {
+            if (!source_ended) {
+                rt_.stream_wait_event(h2d_, from->done_->event());
+            }
+            wait_for_stream(h2d_dir_, as_stream(consumer_stream));
+            done = enqueue_copy(h2d_dir_, reinterpret_cast<void*>(dst), from->block_, n);
+            record(true, from->block_, n);
+            if (consumer_waits && !(consumer_stream == 0 && rt_.is_host())) {
+                rt_.stream_wait_event(as_stream(consumer_stream), done->event());
+            }
+        } catch (...) {
+            // Chunks enqueued before the failure may still write dst (the caller frees it when
+            // this throws) or read the block (no fence of theirs is registered): drain them.
+            drain(h2d_dir_);
+            throw;
         }
     }
     from->reads_.push_back(done);
-    return std::make_shared<Ticket>(Ticket::Kind::kReload, arena_, from->block_, n, std::move(done));
+    return std::make_shared<Ticket>(Ticket::Kind::kReload, arena_, from->block_, n, std::move(done),
+                                    from->done_);
 }
 
 void CopyEngine::record(bool h2d, const void* host, std::size_t nbytes) {
@@ -294,8 +346,19 @@ void CopyEngine::wait_on(const TicketPtr& ticket, std::uintptr_t stream) {
     if (fence == nullptr) {
         return;
     }
+    ticket->check_failure();  // a copy known to have failed is not handed to a consumer
     gpu::DeviceGuard guard(rt_, device_);
     rt_.stream_wait_event(as_stream(stream), fence->event());
+    ticket->check_failure();  // ... nor one found failed by now (the host thread waited on cpu)
+}
+
+void CopyEngine::drain(Direction& dir) noexcept {
+    try {
+        gpu::DeviceGuard guard(rt_, device_);
+        rt_.stream_synchronize(dir.stream);
+    } catch (...) {
+        // A runtime that cannot synchronize has failed as a whole: nothing of it still runs.
+    }
 }
 
 void CopyEngine::synchronize() {
@@ -307,9 +370,13 @@ void CopyEngine::synchronize() {
 void CopyEngine::account(Direction& dir) {
     while (!dir.timings.empty() && dir.timings.front().end->ready()) {
         Timing& t = dir.timings.front();
-        dir.stats.busy_s += rt_.event_elapsed_ms(t.start->event(), t.end->event()) / 1e3;
-        dir.stats.bytes += t.bytes;
-        dir.stats.copies += 1;
+        if (!t.end->failure().empty()) {
+            dir.stats.failed += 1;  // moved nothing: its time and bytes are not bandwidth
+        } else {
+            dir.stats.busy_s += rt_.event_elapsed_ms(t.start->event(), t.end->event()) / 1e3;
+            dir.stats.bytes += t.bytes;
+            dir.stats.copies += 1;
+        }
         dir.timings.pop_front();
     }
 }

@@ -38,6 +38,24 @@
 //   6. Trace: while tracing, every submitted copy is appended (under the submission lock, so in
 //      the exact order copies enter their streams) with its direction, host block, size and
 //      submission time; the overlap scheduler's tests read it to check issue order.
+//   7. Failed copies (tests/test_copy_faults.py injects them through the test-only switch of
+//      gpu/copy_faults.h) are survivable and never silent:
+//      * At submission (the backend throws while enqueueing): offload() / reload() throw
+//        bagualu2::RuntimeError (Python RuntimeError) and leave nothing behind: a chunk
+//        already enqueued is drained first, then the offload's block goes back to the arena
+//        (a reload's destination and source are no longer touched when it throws).
+//      * At execution (the copy was enqueued, its completion reports failure): the ticket's
+//        fence is complete and failed (offload/fence.h). done() returns false while the copy
+//        runs and, once it ended failed, throws bagualu2::RuntimeError naming the direction
+//        and the bytes, as wait() does (no query answers "done" for a copy that did not
+//        happen); failure() says the same without throwing. A reload of a failed offload
+//        fails the same way: reload() throws when the offload is known to have failed, else
+//        the reload ticket's done()/wait() do once both ended. hold() and wait_on() throw for
+//        a known failure too.
+//      * A failed ticket is still released normally, or frees its block when its last
+//        reference dies (invariant 2): its fence counts as complete, so the block is reusable
+//        at once. Other waiters on the fence return (nothing hangs), stats count the copy in
+//        `failed` (not in bytes, copies or busy time), and later copies run normally.
 // Blocking calls (Ticket::wait, synchronize) and the copies' submission (offload, reload: a
 // copy may run on the calling thread) are bound with the GIL released.
 #pragma once
@@ -64,21 +82,28 @@ class Ticket : public std::enable_shared_from_this<Ticket> {
 public:
     enum class Kind { kOffload, kReload };
 
+    /// \param[in] source  for a reload: its offload's fence, whose failure is the reload's too.
     Ticket(Kind kind, std::shared_ptr<HostArena> arena, void* block, std::size_t nbytes,
-           std::shared_ptr<EventFence> done)
+           std::shared_ptr<EventFence> done, std::shared_ptr<EventFence> source = nullptr)
         : kind_(kind), arena_(std::move(arena)), block_(block), nbytes_(nbytes),
-          done_(std::move(done)) {}
+          done_(std::move(done)), source_(std::move(source)) {}
 
     /// Frees an unreleased offload ticket's block (invariant 2).
     ~Ticket();
     Ticket(const Ticket&) = delete;
     Ticket& operator=(const Ticket&) = delete;
 
-    /// Non-blocking completion query; throws after release().
+    /// Non-blocking completion query; throws after release(), and RuntimeError once the copy
+    /// ended failed (invariant 7).
     bool done();
 
-    /// Block until the copy completed; throws after release().
+    /// Block until the copy completed; throws after release(), and RuntimeError when the copy
+    /// failed (invariant 7).
     void wait();
+
+    /// Why the copy failed, as done() and wait() report it: "" while it runs or when it
+    /// succeeded. Non-blocking; answers after release() too.
+    std::string failure() const;
 
     /// Give the ticket up. For an offload ticket this frees its block, which the arena reuses
     /// only after the offload copy and every reload from it completed, and once no hold()
@@ -107,6 +132,10 @@ private:
     void* block_;
     std::size_t nbytes_;
     std::shared_ptr<EventFence> done_;
+    std::shared_ptr<EventFence> source_;  // a reload's offload (nullptr for offloads)
+
+    // Throws RuntimeError with failure() when the copy is known to have failed.
+    void check_failure() const;
 
     // Frees the block with the fences saved by release(); mutex_ held.
     void free_block_locked();
@@ -135,6 +164,7 @@ struct DirectionStats {
     std::uint64_t copies = 0;
     double busy_s = 0.0;
     std::uint64_t bytes_submitted = 0;
+    std::uint64_t failed = 0;  // copies that ended failed (not in bytes, copies, busy_s)
 };
 
 class CopyEngine {
@@ -225,6 +255,9 @@ private:
     // submit_mutex_ held.
     std::shared_ptr<EventFence> enqueue_copy(Direction& dir, void* dst, const void* src,
                                              std::size_t nbytes);
+    // Blocks until `dir`'s stream ran everything enqueued on it, swallowing runtime errors:
+    // a submission that failed half-way drains what it enqueued before the memory goes.
+    void drain(Direction& dir) noexcept;
     // Appends a submitted copy to the trace when tracing. submit_mutex_ held.
     void record(bool h2d, const void* host, std::size_t nbytes);
     // Makes dir's stream wait for `stream`'s current tail (skipped for the host thread).

@@ -12,10 +12,22 @@
 // "in flight" deterministically.
 // A fence is shared (std::shared_ptr) between the ticket that created it and every freed block
 // that must wait for it. ready() never blocks; wait() blocks (callers release the GIL).
+//
+// Failure. The work behind an EventFence may fail (a copy that failed at execution: its
+// runtime's event_query / event_synchronize throw bagualu2::RuntimeError). Such a fence is
+// complete, not pending: ready() returns true and wait() returns, so nothing waits for it
+// forever and the arena reuses the block it guarded (the work ended; on a device a failed
+// asynchronous copy leaves the context in error, so nothing else runs into the block either),
+// and failure() keeps the runtime's message from the first query that saw it. The owner of the
+// work reports the failure (Ticket::done() / wait() throw it: copy_engine.h).
 #pragma once
 
+#include <atomic>
 #include <memory>
+#include <mutex>
+#include <string>
 
+#include "common/check.h"
 #include "gpu/gpu.h"
 
 namespace bagualu2 {
@@ -38,16 +50,59 @@ public:
     /// \param[in] timing  whether elapsed time may be measured against this event.
     EventFence(gpu::Runtime& rt, bool timing) : rt_(rt), event_(rt, timing) {}
 
-    bool ready() override { return rt_.event_query(event_.get()); }
-    void wait() override { rt_.event_synchronize(event_.get()); }
+    /// True once the work completed, failed included (see failure()).
+    bool ready() override {
+        if (failed_.load(std::memory_order_acquire)) {
+            return true;
+        }
+        try {
+            return rt_.event_query(event_.get());
+        } catch (const RuntimeError& e) {
+            fail(e.what());
+            return true;
+        }
+    }
+
+    /// Returns once the work completed, failed included (see failure()).
+    void wait() override {
+        if (failed_.load(std::memory_order_acquire)) {
+            return;
+        }
+        try {
+            rt_.event_synchronize(event_.get());
+        } catch (const RuntimeError& e) {
+            fail(e.what());
+        }
+    }
+
+    /// Why the work failed: "" unless a ready() or wait() found it completed failed.
+    std::string failure() const {
+        if (!failed_.load(std::memory_order_acquire)) {
+            return {};
+        }
+        std::lock_guard<std::mutex> lock(mutex_);
+        return failure_;
+    }
 
     /// The wrapped event handle (owned by this fence).
     gpu::Event event() const { return event_.get(); }
 
 private:
+    void fail(const char* why) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!failed_.load(std::memory_order_relaxed)) {
+            failure_ = why;
+            failed_.store(true, std::memory_order_release);
+        }
+    }
+
     // Runtime and the event it created.
     gpu::Runtime& rt_;
     gpu::UniqueEvent event_;
+    // The failure, once seen: failed_ is set after failure_ is written (under mutex_).
+    std::atomic<bool> failed_{false};
+    mutable std::mutex mutex_;
+    std::string failure_;
 };
 
 using FencePtr = std::shared_ptr<Fence>;
