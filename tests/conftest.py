@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
 
 from bagualu2 import backend_status
 
@@ -57,10 +58,19 @@ def gpu_backend() -> str:
 
 
 @pytest.fixture(autouse=True)
-def _grad_mode_left_as_found():
-    """A test that leaves torch's grad mode off errors here, instead of failing whichever test
-    the same process runs next."""
+def _thread_state_left_as_found():
+    """A test that leaves torch's grad mode off, saved-tensor hooks or a dispatch mode on the
+    thread errors here (and they are cleared), instead of failing whichever test the same
+    process runs next."""
     yield
+    left = []
     if not torch.is_grad_enabled():
         torch.set_grad_enabled(True)
-        pytest.fail("the test left torch's grad mode disabled")
+        left.append("grad mode disabled")
+    while torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        left.append("saved-tensor hooks")
+    while _get_current_dispatch_mode_stack():
+        left.append(f"dispatch mode {type(_pop_mode()).__name__}")
+    if left:
+        pytest.fail(f"the test left on the thread: {', '.join(left)}")

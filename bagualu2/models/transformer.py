@@ -216,9 +216,9 @@ class MoETransformer(nn.Module):
                 chosen = []  # another rank's tokens spike; this rank routes as it would
         routers = dict(self.gates())
         previous = {i: routers[i].spike for i in chosen}
-        for i in chosen:
-            routers[i].spike = RoutingSpike(float(imbalance), experts)
-        try:
+        try:  # an interrupt while the spikes are set still restores them all
+            for i in chosen:
+                routers[i].spike = RoutingSpike(float(imbalance), experts)
             yield
         finally:
             for i, spike in previous.items():

@@ -57,7 +57,7 @@ from typing import Any, Callable, ContextManager, Deque, Dict, Iterator, List, M
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
 
 from bagualu2 import _C
 from bagualu2.runtime.rerun import BlockRerun, RerunSaved, unrestorable
@@ -826,7 +826,10 @@ class ActivationRuntime:
             hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
         modes = _get_current_dispatch_mode_stack()
         if modes and modes[-1] is self.mode:
-            self.mode.__exit__(None, None, None)
+            try:
+                self.mode.__exit__(None, None, None)
+            except IndexError:  # its own exit was cut short after it popped its flags
+                _pop_mode()
 
     def _close_frame(self, frame: Frame) -> None:
         """End ``frame``: the frame's own cleanup, and the repair of one an interrupt left open.
