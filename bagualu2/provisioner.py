@@ -95,6 +95,34 @@ _ARENA_START_BYTES = 64 << 20
 _ARENA_AHEAD_BYTES = 8 << 30
 
 
+# What a calibrating micro-batch releases (``Provisioner._new_frame``). The first
+# ``calibrate_frames`` after profiling, where a plan may have to release, recompute all they
+# can: their backward passes measure what replaying each op costs
+# (``CostModel.observe_op_replays``) and what rebuilds cost, before any plan relies on them (a
+# profiled forward's op times stand for a replay's only in part: ``CostModel``'s note). The
+# first replays run cold; the next replace them, and plans refine both as they rebuild.
+# Recalibrations (one every ``recalibrate_every``) then go round a cycle:
+# - with a copy engine, every other one offloads everything: the copies' cost
+#   (``CostModel.observe_copies``) is then learned from many offloads of every size, beside the
+#   plans' few, and priced right for plans that offload more than those did (what a copy costs
+#   apart from its bytes, and per byte, is otherwise one factor);
+# - every other one that recomputes keeps half of the keys (every other key in save order, the
+#   two halves in turn): rebuilds are then measured at two sizes of plan, which tells the part
+#   that grows with a plan from the part that does not (one size alone cannot separate them).
+_RECALIBRATIONS = ("recompute all", "recompute half 0", "recompute all", "recompute half 1")
+_RECALIBRATIONS_WITH_COPIES = tuple(k for kind in _RECALIBRATIONS for k in ("offload", kind))
+
+
+def _calibration(recalibration: int, can_offload: bool) -> str:
+    """What calibrating micro-batch ``recalibration`` releases (negative: one of the first
+    ``calibrate_frames``): ``"recompute all"``, ``"recompute half 0"``/``"recompute half 1"``
+    (the keys at even/odd places in save order are kept) or ``"offload"``."""
+    if recalibration < 0:
+        return "recompute all"
+    cycle = _RECALIBRATIONS_WITH_COPIES if can_offload else _RECALIBRATIONS
+    return cycle[recalibration % len(cycle)]
+
+
 class Provisioner:
     """Keeps a model's saved activations under a device budget, one micro-batch at a time.
 
@@ -140,7 +168,7 @@ class Provisioner:
         self.model = model
         self.device = device_of(model)
         self._budget = resolve_budget(budget, self.device, reserve_bytes)
-        self.policy = policy
+        self._policy = policy
         self.on_exceed = on_exceed
         self.min_bytes = min_bytes
         self.margin = margin
@@ -212,6 +240,7 @@ class Provisioner:
             self._static = checked_plan(policy.choices, model)
         elif not isinstance(policy, str):
             self._static = checked_plan(policy, model)
+            self._policy = Plan(self._static)
         self.enabled = True
 
     # -- setup ------------------------------------------------------------------------------
@@ -328,30 +357,31 @@ class Provisioner:
         and untraced (calm) micro-batches do not plan."""
         return None if self._last_choices is None else Plan(dict(self._last_choices))
 
-    def use_plan(self, plan: Union[Plan, Mapping[str, Choice]]) -> None:
-        """Run the forwards from the next one on with the fixed ``plan`` (a ``Plan`` or a mapping
-        of operator keys to ``Choice``; an operator not in it is kept) instead of the fixed plan
-        this provisioner has: plans compared on one model and one runtime, nothing else changed
-        between them (two copies of a model differ in where their memory lies, and so in speed).
+    @property
+    def policy(self) -> Union[str, Plan]:
+        """The policy: ``"adaptive"``, ``"keep_all"``, ``"recompute_all"``, ``"offload_all"``, or
+        the fixed :class:`Plan` it runs (an operator not in it is kept).
+
+        A fixed plan can be replaced by another (a ``Plan`` or a mapping of operator keys to
+        ``Choice``) from the next forward on: plans compared on one model and one runtime,
+        nothing else changed between them (two copies of a model differ in where their memory
+        lies, and so in speed).
 
         Raises:
-            ValueError: the provisioner's policy is not a fixed plan (adaptive, or a static
-                policy by name, plans in its own way).
-            TypeError: an entry of ``plan`` is not a ``bagualu2.Choice``.
+            ValueError: set on a provisioner whose policy is not a fixed plan (adaptive, or a
+                static policy by name, plans in its own way).
+            TypeError: an entry of the new plan is not a ``bagualu2.Choice``.
         """
+        return self._policy
+
+    @policy.setter
+    def policy(self, plan: Union[Plan, Mapping[str, Choice]]) -> None:
         if self._static is None:
-            raise ValueError(f"use_plan() switches between fixed plans, and this provisioner's policy is "
-                             f"{self.policy!r}: enable it with policy=bagualu2.Plan(...) to compare plans")
+            raise ValueError(f"only a fixed plan can be replaced, and this provisioner's policy is "
+                             f"{self._policy!r}: enable it with policy=bagualu2.Plan(...) to compare plans")
         choices = checked_choices(plan.choices if isinstance(plan, Plan) else plan)
         self._static = choices
-        self.policy = plan if isinstance(plan, Plan) else Plan(choices)
-
-    def predicted_overhead(self, plan: Plan, counts: Mapping[int, Sequence[int]]) -> float:
-        """The cost model's step-time overhead of a whole micro-batch under ``plan`` (seconds):
-        like the plan's ``exposed_s``, but a common unsaved input of several recomputed keys is
-        counted once, as the runtime rebuilds it once."""
-        offload_window, reload_window = self.cost.windows(1.0, self._stacked)
-        return self.cost.plan_seconds(plan.choices, counts, offload_window, reload_window)
+        self._policy = plan if isinstance(plan, Plan) else Plan(choices)
 
     def step(self) -> None:
         """Mark the end of a training step (optional; numbers the telemetry records)."""
@@ -450,29 +480,10 @@ class Provisioner:
         frame.profile = self.cost.frames < self.profile_frames
         if not frame.profile and self._calibrates():
             if self._calibrations < self.calibrate_frames or 0 < self.recalibrate_every <= self._since_calibration:
-                # The first micro-batches after profiling that a plan may have to release from
-                # (and one every ``recalibrate_every`` after them) recompute all they can: their
-                # backward passes measure what replaying each op costs
-                # (``CostModel.observe_op_replays``) and what rebuilds cost, before any plan
-                # relies on them (a profiled forward's op times stand for a replay's only in
-                # part: ``CostModel``'s note). The first replays run cold: the next replace
-                # them. Plans refine both as they rebuild.
-                # Every other recalibration with a copy engine offloads everything instead:
-                # the copies' cost (``CostModel.observe_copies``) is then learned from a
-                # micro-batch of many offloads of every size, beside the plans' few, and
-                # priced right for plans that offload more than those did (what a copy costs
-                # apart from its bytes, and per byte, is otherwise one factor).
-                recal = self._calibrations - self.calibrate_frames
-                offloads = self.engine is not None and recal >= 0 and recal % 2 == 0
-                frame.default = Choice.OFFLOAD if offloads else Choice.RECOMPUTE
-                # And every other recalibration that recomputes keeps half (every other key in
-                # save order, the two halves in turn): rebuilds and learning from them are then
-                # measured at two sizes of plan, which tells the part that grows with a plan
-                # from the part that does not (one size alone cannot separate them, and prices
-                # learning from small plans far below what it takes).
-                recomputing = recal // 2 if self.engine is not None else recal
-                if not offloads and recal >= 0 and recomputing % 2 == 1:
-                    half = (recomputing // 2) % 2
+                kind = _calibration(self._calibrations - self.calibrate_frames, self.engine is not None)
+                frame.default = Choice.OFFLOAD if kind == "offload" else Choice.RECOMPUTE
+                if kind.startswith("recompute half"):
+                    half = int(kind[-1])
                     frame.choices.update({k: Choice.KEEP for i, k in enumerate(self.cost.order) if i % 2 == half})
                 self._calibrating.add(frame.index)
                 self._calibrations += 1

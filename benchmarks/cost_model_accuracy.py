@@ -11,10 +11,10 @@
    plans: everything offloaded, everything recomputable recomputed (what the provisioner's
    calibrating micro-batches do), and, never measured as such, only the experts' operators or
    only the others recomputed, priced by the loosest budget's provisioner; and all-keep again,
-   A/A, the measurement's own error), the predicted
-   overhead (``Provisioner.predicted_overhead``) is compared with the measured step-time
-   overhead over a (traced) all-keep plan on the same batch, every plan run on one model through
-   one provisioner (``Provisioner.use_plan``): in each of ``--repeats`` rounds
+   A/A, the measurement's own error), the predicted overhead (the provisioner's
+   ``CostModel.plan_seconds``) is compared with the measured step-time overhead over a (traced)
+   all-keep plan on the same batch, every plan run on one model through one provisioner (a
+   fixed plan set as ``Provisioner.policy``): in each of ``--repeats`` rounds
    every plan's step runs between two all-keep steps, and the overhead is the median over
    rounds of the plan's step minus each of its neighbours (with its 95% bootstrap interval:
    what the machine's noise leaves of the measurement). Also
@@ -198,9 +198,9 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     predictions: List[List[float]] = [[] for _ in plans]
     split: List[List[tuple]] = [[] for _ in plans]  # (rebuild, copy, learning) predicted per round
     # Every plan runs on one model through one provisioner, switched between them step by step
-    # (``use_plan``): two copies of the model differ in where their memory lies, and on this
-    # machine that moved a copy's step by -0.3 to +0.5 ms (the A/A row of runs that gave each
-    # plan its own copy), as much as the smaller plans' overheads differed from predictions.
+    # (setting ``prov.policy``): two copies of the model differ in where their memory lies, which
+    # moves a copy's step by as much as the smaller plans' overheads differ from predictions
+    # (the A/A row shows it when each plan is given its own copy).
     shared = copy.deepcopy(model)
     prov = bagualu2.enable(shared, budget=None, policy=bagualu2.Plan({}), min_bytes=0)
     for i in range(prov.profile_frames + 1):  # the profiling forwards time every op; then one warm-up
@@ -256,7 +256,7 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
         for planner in planners:
             run_step(planner.model, batch, 0.0, 200 + r)
         for plan, planner, out, parts in zip(plans, predictors, predictions, split):
-            out.append(planner.predicted_overhead(plan, counts))
+            out.append(planner.cost.plan_seconds(plan.choices, counts, *planner.cost.windows(1.0)))
             recomputed, offloaded = (only(plan, c) for c in (bagualu2.Choice.RECOMPUTE, bagualu2.Choice.OFFLOAD))
             learning = [planner.cost.learning_seconds("replays", planner.cost.rebuild_profile(recomputed, counts)[0])
                         if recomputed else 0.0,
@@ -269,7 +269,7 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
             sequence += [i, 0]
         seconds, in_hooks = [], []
         for i in sequence:
-            prov.use_plan(policies[i])
+            prov.policy = policies[i]
             hooks[:] = [0.0, 0.0]
             start = time.perf_counter()
             run_step(shared, batch, 0.0, r)

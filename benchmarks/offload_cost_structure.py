@@ -8,7 +8,7 @@ round. For each plan it reports:
 
 * what it offloads: storages, saved tensors that read them (each costs a pack and an unpack
   call), and bytes;
-* the cost model's predicted overhead (``Provisioner.predicted_overhead``), learned as in
+* the cost model's predicted overhead (``CostModel.plan_seconds``), learned as in
   training from every plan this provisioner ran;
 * the mechanism: the seconds the runtime measured copying (offloading, reloading, releasing the
   host copies) and the provisioner learning from them, per step;
@@ -106,13 +106,13 @@ def measure(repeats: int, seed: int) -> Dict:
     order = random.Random(seed)
     for r in range(repeats):
         for name in names:
-            predicted[name].append(prov.predicted_overhead(plans[name], counts))
+            predicted[name].append(prov.cost.plan_seconds(plans[name].choices, counts, *prov.cost.windows(1.0)))
         sequence = [None]
         for name in order.sample(names, len(names)):
             sequence += [name, None]
         seconds = []
         for name in sequence:
-            prov.use_plan(keep if name is None else plans[name])
+            prov.policy = keep if name is None else plans[name]
             measured[:], saves[0] = [0.0, 0, 0], 0
             start = time.perf_counter()
             run_step(model, batch, 0.0, r)

@@ -202,7 +202,7 @@ def run_case(rank: int, world: int, case: Dict[str, Any], out: str) -> None:
                                        policy=bagualu2.Plan({}), min_bytes=0)
     first = sequence(STATIC[:1], fb)  # profiled, all kept
     pick = random.Random(case.get("plan_seed", 0))
-    prov.use_plan({key: pick.choice(list(bagualu2.Choice)) for key in prov.cost.order})
+    prov.policy = {key: pick.choice(list(bagualu2.Choice)) for key in prov.cost.order}
     record("random_plan", first + sequence(STATIC[1:], fb, start=1), prov.report())
     prov.disable()
 

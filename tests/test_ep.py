@@ -130,7 +130,7 @@ def _run_job(rank: int, world_size: int, job: str, budgets: Dict[str, int]) -> D
         steps = tuple(tuple(False for _ in s) for s in steps)
     for i, spikes in enumerate(steps):
         if prov is not None and policy == "random_plan" and i == prov.profile_frames:
-            prov.use_plan(_random_plan(prov))
+            prov.policy = _random_plan(prov)
         model.zero_grad(set_to_none=True)
         torch.manual_seed(SEED + i)
         losses = []

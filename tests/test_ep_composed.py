@@ -36,7 +36,7 @@ inside the spike (recompute reruns the router).
 Scenarios: ``plain`` (no bagualu2; ``plain_repeat``: twice, or exactness proves nothing),
 ``keep_all_calm`` (the budgets), ``keep_all``, ``offload_all``, ``recompute_all``, ``adaptive``
 (under the budget) and ``random_plan`` (a seeded random per-operator plan over the keys the
-profiled steps saw, installed with ``use_plan`` after them; frames are not strict).
+profiled steps saw, installed by setting ``prov.policy`` after them; frames are not strict).
 
 Whether a spike needs a release is judged within one run (keep_all's spiked steps against its
 calm ones): with ``enable`` before ``fully_shard`` the ledger's count of the same steps differs
@@ -165,7 +165,7 @@ def _fsdp_job(rank: int, job: str, budgets: Dict[str, int], ep: bool) -> Dict[st
     trace = tuple(False for _ in TRACE) if job.endswith("_calm") else TRACE
     for i, spiked in enumerate(trace):
         if prov is not None and policy == "random_plan" and i == prov.profile_frames:
-            prov.use_plan(_random_plan(prov))
+            prov.policy = _random_plan(prov)
         model.zero_grad(set_to_none=True)
         torch.manual_seed(SEED + i)
         g = torch.Generator().manual_seed(SEED + 1000 * rank + i)

@@ -822,7 +822,7 @@ def test_last_plan_is_what_the_last_planning_micro_batch_ran() -> None:
         assert got == ran
 
 
-def test_use_plan_switches_a_fixed_plan_from_the_next_forward_and_refuses_other_policies() -> None:
+def test_setting_the_policy_switches_a_fixed_plan_from_the_next_forward_and_refuses_other_policies() -> None:
     model = make_model(ep_size=4)
     plain = copy.deepcopy(model)
     prov = bagualu2.enable(model, budget=None, policy=bagualu2.Plan({}), min_bytes=0)
@@ -832,19 +832,20 @@ def test_use_plan_switches_a_fixed_plan_from_the_next_forward_and_refuses_other_
     offload = bagualu2.Plan({k: bagualu2.Choice.OFFLOAD for k in cost.ops})
     recompute = {k: bagualu2.Choice.RECOMPUTE for k, op in cost.ops.items() if op.recomputable}  # a mapping
     for i, (plan, released) in enumerate([(offload, "offload"), (recompute, "recompute"), ({}, None)], start=5):
-        prov.use_plan(plan)
+        prov.policy = plan
         ref, got = step(plain, i), step(model, i)
         assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
         ran = prov.telemetry.micro_batches[-1].bytes_by_choice
         assert {c for c in ("offload", "recompute") if ran[c] > 0} == ({released} if released else set())
     assert prov.report()["policy"] == "static"
     with pytest.raises(TypeError, match="'experts.0.fc1'.*not a bagualu2.Choice"):
-        prov.use_plan({"experts.0.fc1": "offload"})
+        prov.policy = {"experts.0.fc1": "offload"}
     assert prov.policy.choices == {}  # a refused plan changes nothing
     for policy in ("adaptive", "keep_all"):
         other = bagualu2.enable(make_model(ep_size=4), budget=None, policy=policy)
-        with pytest.raises(ValueError, match=f"use_plan.*'{policy}'.*policy=bagualu2.Plan"):
-            other.use_plan(offload)
+        with pytest.raises(ValueError, match=f"only a fixed plan.*'{policy}'.*policy=bagualu2.Plan"):
+            other.policy = offload
+        assert other.policy == policy
         other.disable()
 
 

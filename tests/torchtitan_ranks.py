@@ -229,7 +229,7 @@ def run_case(rank: int, world: int, case: Dict[str, Any], out: str) -> None:
     first = sequence(STATIC[:1])  # profiled, all kept
     choices = list(bagualu2.Choice)
     pick = random.Random(case.get("plan_seed", 0))
-    prov.use_plan({key: pick.choice(choices) for key in prov.cost.order})
+    prov.policy = {key: pick.choice(choices) for key in prov.cost.order}
     record("random_plan", first + sequence(STATIC[1:], start=1), prov.report())
     prov.disable()
 
