@@ -347,7 +347,7 @@ class Provisioner:
         total = self.cost.predict_total(self.cost.order, counts)
         offload_window, reload_window = self.cost.windows(1.0, self._stacked)
         return self.planner.solve(candidates, total - int(self.budget * (1.0 - self.margin)),
-                                  offload_window, reload_window, self.cost.copy_setup_s)
+                                  offload_window, reload_window, self.cost.copy_frame_s)
 
     @property
     def last_plan(self) -> Optional[Plan]:
@@ -586,20 +586,15 @@ class Provisioner:
         # At the last forward's routing (the one backward ran last, outside a pipeline; rounded
         # means would move a size-driven op's token count and bend its time's fit).
         routed = self._frame_counts or self.mean_counts()
-        start = time.perf_counter()
         op_replays = self.runtime.take_op_replay_times()
         if op_replays:
             self.cost.observe_op_replays(op_replays, routed)
         replays = self.runtime.take_replay_times()
         if replays:
             self.cost.observe_replays(replays, routed)
-        learned = time.perf_counter()
-        if replays:
-            self.cost.observe_learning("replays", learned - start)
         seconds, copies, nbytes = self.runtime.take_copy_times()
         if copies:  # ... and to offload and reload
             self.cost.observe_copies(seconds, copies, nbytes)
-            self.cost.observe_learning("copies", time.perf_counter() - learned)
 
     def _run_frame(self, args: tuple, kwargs: dict, conservative: bool) -> Any:
         # The model's parameters now, not at enable: a wrapper applied since (FSDP2's
@@ -813,8 +808,8 @@ class Provisioner:
             frame.choices.pop(key, None)
         if must_free <= 0:
             return record
-        # A micro-batch's first offload costs more than its own copy (copy_setup_s).
-        setup = 0.0 if frame.stats.offloaded_storages else cost.copy_setup_s
+        # A micro-batch's first offload costs more than its own copy (copy_frame_s).
+        setup = 0.0 if frame.stats.offloaded_storages else cost.copy_frame_s
         anchors = [n.key for n in frame._anchors]
         candidates, _ = cost.candidates(remaining, counts, self.min_bytes, self.engine is not None, anchors)
         offload_window, reload_window = cost.windows(len(remaining) / max(1, len(cost.order)), self._stacked)

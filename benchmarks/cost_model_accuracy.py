@@ -196,7 +196,7 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     # calibrations (recomputing all) keep what they rebuild, as the plans do without a budget.
     predictors = planners + [planners[0]] * (len(plans) - len(planners))
     predictions: List[List[float]] = [[] for _ in plans]
-    split: List[List[tuple]] = [[] for _ in plans]  # (rebuild, copy, learning) predicted per round
+    split: List[List[tuple]] = [[] for _ in plans]  # (rebuild, copy) predicted per round
     # Every plan runs on one model through one provisioner, switched between them step by step
     # (setting ``prov.policy``): two copies of the model differ in where their memory lies, which
     # moves a copy's step by as much as the smaller plans' overheads differ from predictions
@@ -214,7 +214,7 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     # What the runtime measured, as the provisioner takes it to learn from (as each backward
     # ends), and how long learning took.
     measured = [0.0, 0.0, 0.0]
-    take_replays, take_copies, learn = prov.runtime.take_replay_times, prov.runtime.take_copy_times, prov.cost.observe_learning
+    take_replays, take_copies, learn = prov.runtime.take_replay_times, prov.runtime.take_copy_times, prov.runtime.backward_observer
 
     def replays_noted() -> Dict[str, tuple]:
         times = take_replays()
@@ -226,13 +226,14 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
         measured[1] += times[0]
         return times
 
-    def learning_noted(kind: str, seconds: float) -> None:
-        measured[2] += seconds
-        learn(kind, seconds)
+    def learning_noted() -> None:
+        start = time.perf_counter()
+        learn()
+        measured[2] += time.perf_counter() - start
 
     prov.runtime.take_replay_times = replays_noted
     prov.runtime.take_copy_times = copies_noted
-    prov.cost.observe_learning = learning_noted
+    prov.runtime.backward_observer = learning_noted
     # Seconds in the saved-tensor hooks (pack, unpack) this step: what of a plan's overhead
     # runs inside the hooks, and what outside every one of them.
     hooks = [0.0, 0.0]
@@ -257,12 +258,8 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
             run_step(planner.model, batch, 0.0, 200 + r)
         for plan, planner, out, parts in zip(plans, predictors, predictions, split):
             out.append(planner.cost.plan_seconds(plan.choices, counts, *planner.cost.windows(1.0)))
-            recomputed, offloaded = (only(plan, c) for c in (bagualu2.Choice.RECOMPUTE, bagualu2.Choice.OFFLOAD))
-            learning = [planner.cost.learning_seconds("replays", planner.cost.rebuild_profile(recomputed, counts)[0])
-                        if recomputed else 0.0,
-                        planner.cost.learning_seconds("copies", len(offloaded)) if offloaded else 0.0]
-            parts.append(tuple(planner.cost.plan_seconds(only(plan, choice), counts) - learned for choice, learned in
-                               zip((bagualu2.Choice.RECOMPUTE, bagualu2.Choice.OFFLOAD), learning)) + (sum(learning),))
+            parts.append(tuple(planner.cost.plan_seconds(only(plan, choice), counts)
+                               for choice in (bagualu2.Choice.RECOMPUTE, bagualu2.Choice.OFFLOAD)))
         # The plans in an order drawn anew each round, each between two all-keep steps.
         sequence = [0]
         for i in order.sample(range(1, len(policies)), len(policies) - 1):
@@ -303,7 +300,6 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
                      "measured_mechanism_s": statistics.median(mech),
                      "predicted_rebuild_s": statistics.median(p[0] for p in parts),
                      "predicted_copy_s": statistics.median(p[1] for p in parts),
-                     "predicted_learning_s": statistics.median(p[2] for p in parts),
                      "measured_rebuild_s": statistics.median(m[0] for m in mech_parts),
                      "measured_copy_s": statistics.median(m[1] for m in mech_parts),
                      "measured_learning_s": statistics.median(m[2] for m in mech_parts),
@@ -373,11 +369,11 @@ def main() -> None:
               f"{error_range(r['predicted_overhead_s'], r['measured_ci95_s']):>16}"
               f"{r['measured_mechanism_s'] * 1e3:>14.1f}{mech}")
     print(f"\n{'plan':>10}{'rebuild ms: predicted':>23}{'measured':>10}{'copy ms: predicted':>20}{'measured':>10}"
-          f"{'learning ms: predicted':>24}{'measured':>10}{'fallbacks/step':>16}")
+          f"{'learning ms (unpriced)':>24}{'fallbacks/step':>16}")
     for r in rows:
         print(f"{r['plan']:>10}{r['predicted_rebuild_s'] * 1e3:>23.2f}{r['measured_rebuild_s'] * 1e3:>10.2f}"
               f"{r['predicted_copy_s'] * 1e3:>20.2f}{r['measured_copy_s'] * 1e3:>10.2f}"
-              f"{r['predicted_learning_s'] * 1e3:>24.2f}{r['measured_learning_s'] * 1e3:>10.2f}{r['fallbacks_per_step']:>16.1f}")
+              f"{r['measured_learning_s'] * 1e3:>24.2f}{r['fallbacks_per_step']:>16.1f}")
     print(f"\n{'plan':>10}{'pack hooks ms':>15}{'unpack hooks ms':>17}{'outside hooks ms':>18}")
     for r in rows:
         print(f"{r['plan']:>10}{r['pack_hooks_delta_s'] * 1e3:>15.2f}{r['unpack_hooks_delta_s'] * 1e3:>17.2f}"

@@ -77,16 +77,17 @@ def measure(repeats: int, seed: int) -> Dict:
     # saved tensors packed as offloads.
     measured = [0.0, 0, 0]  # seconds, storages offloaded, their bytes
     saves = [0]
-    take_copies, learn, pack = prov.runtime.take_copy_times, prov.cost.observe_learning, prov.runtime._pack
+    take_copies, learn, pack = prov.runtime.take_copy_times, prov.runtime.backward_observer, prov.runtime._pack
 
     def copies_noted() -> tuple:
         times = take_copies()
         measured[:] = [measured[0] + times[0], measured[1] + times[1], measured[2] + times[2]]
         return times
 
-    def learning_noted(kind: str, seconds: float) -> None:
-        measured[0] += seconds
-        learn(kind, seconds)
+    def learning_noted() -> None:
+        start = time.perf_counter()
+        learn()
+        measured[0] += time.perf_counter() - start
 
     def pack_counted(t: torch.Tensor):
         out = pack(t)
@@ -94,7 +95,7 @@ def measure(repeats: int, seed: int) -> Dict:
         return out
 
     prov.runtime.take_copy_times = copies_noted
-    prov.cost.observe_learning = learning_noted
+    prov.runtime.backward_observer = learning_noted
     prov.runtime._pack = pack_counted  # (read as each frame begins)
 
     keep = bagualu2.Plan({})

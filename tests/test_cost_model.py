@@ -438,8 +438,7 @@ def test_cost_model_learns_what_offloads_cost() -> None:
     from bagualu2.plan.cost_model import CostModel
     from bagualu2.plan.planner import Choice
 
-    # A clock that stands still: refits take no time, all of learning is the per-offload part.
-    cost = CostModel({}, d2h_bandwidth=1e9, h2d_bandwidth=1e9, copy_fixed_s=(1e-4, 1e-4), clock=lambda: 0.0)
+    cost = CostModel({}, d2h_bandwidth=1e9, h2d_bandwidth=1e9, copy_fixed_s=(1e-4, 1e-4))
     cost.observe({"a:op:0": (10**6, 1e-3, True, ())}, {}, forward_seconds=0.05)
     (cand,), _ = cost.candidates(["a:op:0"], {}, min_bytes=0, can_offload=True)
     assert cand.offload_s == pytest.approx(1e-4 + 1e-3)  # nothing measured: the engine's figures
@@ -464,18 +463,7 @@ def test_cost_model_learns_what_offloads_cost() -> None:
     cost.observe({"b:op:0": (10**6, 1e-3, True, ())}, {}, forward_seconds=0.05)
     plan = {"a:op:0": Choice.OFFLOAD, "b:op:0": Choice.OFFLOAD}
     assert cost.plan_seconds(plan, {}) == pytest.approx(observed(2, 2 * 10**6))
-    # ... and learning from its copies, as it took for micro-batches of as many offloads
-    # (the last observed offloaded 1, and learning from it took 1.5e-4 s; before, 10: 6e-4 s)
-    cost.observe_copies(observed(10, 10**5), copies=10, nbytes=10**5)
-    cost.observe_learning("copies", 6e-4)
-    cost.observe_copies(observed(1, 4 * 10**6), copies=1, nbytes=4 * 10**6)
-    cost.observe_learning("copies", 1.5e-4)
-    assert cost.learning_seconds("copies", 2) == pytest.approx(2e-4)
-    assert cost.copy_setup_s == pytest.approx(3e-4 + 1e-4)
-    assert cost.plan_seconds(plan, {}) == pytest.approx(observed(2, 2 * 10**6) + 2e-4)
     assert cost.plan_seconds({"a:op:0": Choice.RECOMPUTE}, {}) == pytest.approx(cost.recompute_seconds("a:op:0", {}))
-    with pytest.raises(ValueError, match="kind='rebuilds' must be one of"):
-        cost.observe_learning("rebuilds", 1e-4)
     cost.observe_copies(0.0, copies=3, nbytes=10)  # nothing measured: ignored
     assert cost.copy_factor == pytest.approx(1.5)
 
@@ -487,7 +475,7 @@ def test_many_small_offloading_plans_do_not_erase_what_offloading_everything_tau
     count, so 100 small plans after the last calibration leave 64 priced as measured."""
     from bagualu2.plan.cost_model import CostModel
 
-    cost = CostModel({}, d2h_bandwidth=1e9, h2d_bandwidth=1e9, clock=lambda: 0.0)
+    cost = CostModel({}, d2h_bandwidth=1e9, h2d_bandwidth=1e9)
 
     def observed(copies: int, nbytes: int) -> float:
         return 3e-4 + copies * 5e-5 + 1.5 * 2 * nbytes / 1e9
@@ -505,34 +493,6 @@ def test_many_small_offloading_plans_do_not_erase_what_offloading_everything_tau
 
     assert priced(64, 10**7) == pytest.approx(observed(64, 10**7), rel=0.05)
     assert priced(5, 2 * 10**6) == pytest.approx(observed(5, 2 * 10**6), rel=0.05)
-
-
-def test_learning_costs_its_refit_once_whatever_was_learned() -> None:
-    """Learning from rebuilds of 100 op calls took 1.2 ms, of which refitting the shared fit
-    (timed by the model's clock) took 0.1 ms: a plan whose rebuilds replay 10 op calls pays
-    the refit whole and a tenth of the rest (0.21 ms), not a tenth of it all (0.12 ms)."""
-    from bagualu2.plan.cost_model import CostModel
-
-    now = [0.0]
-
-    def clock() -> float:  # each reading 0.1 ms after the last: a refit between two takes 0.1 ms
-        now[0] += 1e-4
-        return now[0]
-
-    cost = CostModel({}, clock=clock)
-    assert cost.learning_seconds("replays", 10) == 0.0  # nothing learned yet
-    cost.observe({"a:op:0": (1000, 1e-3, True, ())}, {}, forward_seconds=0.05)
-    for _ in range(3):
-        cost.observe_replays({"a:op:0": (1e-3, 1)}, {})
-        cost._observed["replays"] = 100  # as if its rebuilds had replayed 100 op calls
-        cost.observe_learning("replays", 1.2e-3)
-    assert cost.learning_seconds("replays", 100) == pytest.approx(1.2e-3)
-    assert cost.learning_seconds("replays", 10) == pytest.approx(1e-4 + 1.1e-3 / 10)
-    # The refit is the part of what learning took that it measured, never more.
-    cost.observe_copies(1e-3, copies=2, nbytes=10**6)
-    cost.observe_learning("copies", 5e-5)
-    assert cost.learning_seconds("copies", 2) == pytest.approx(5e-5)
-    assert cost.learning_seconds("copies", 0) == pytest.approx(5e-5)
 
 
 @settings(max_examples=200, deadline=None)

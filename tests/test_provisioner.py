@@ -400,7 +400,7 @@ def test_disable_restores_the_model() -> None:
     loss = model(tokens_for(model, 0))
     prov.disable()
     loss.backward()
-    assert prov.runtime.take_replay_times() and prov.cost.learning_seconds("replays", 100) == 0.0
+    assert prov.runtime.take_replay_times()
 
 
 class _OOMOnce(torch.nn.Module):
@@ -701,7 +701,7 @@ def recalibrating(calibrate_frames: int) -> Tuple[MoETransformer, MoETransformer
 
 def test_every_other_recomputing_recalibration_recomputes_half_so_rebuilds_are_learned_at_two_sizes() -> None:
     """Recalibrations that recompute replay all they can, then half of it (every other key in
-    save order, the two halves in turn), so that what rebuilds and learning from them cost is
+    save order, the two halves in turn), so that what rebuilds cost is
     measured at two sizes of plan, not only at the largest, from which the smaller plans' part
     that does not shrink with them cannot be told."""
     plain, model, prov, frames = recalibrating(calibrate_frames=0)
@@ -718,8 +718,6 @@ def test_every_other_recomputing_recalibration_recomputes_half_so_rebuilds_are_l
     kept = [{k for k, c in f.choices.items() if c == bagualu2.Choice.KEEP} for f in recomputing]
     assert kept == [set(), set(order[0::2]), set(), set(order[1::2])]
     assert all(f.stats.bytes_by_choice["keep"] > 0 for f in (recomputing[1], recomputing[3]))
-    # Learning from their rebuilds was measured at both sizes.
-    assert len({x for x, _ in prov.cost._learning["replays"].samples}) >= 2
 
 
 def test_recalibrations_recompute_and_offload_all_they_can_in_turn_and_teach_the_copy_costs() -> None:
@@ -1078,7 +1076,7 @@ def test_runtime_measures_rebuilds_and_copies_and_the_provisioner_feeds_the_cost
     # Adaptive under a budget the worst routing would not fit recomputes (its calibrating
     # micro-batches all they can, whatever the timings: under 80% of the peak without
     # rebuilding anything twice); as each backward ends, the provisioner hands the measured
-    # rebuilds to the cost model, and how long learning them took (the step pays for it).
+    # rebuilds to the cost model.
     model = make_model()
     adaptive = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.8), min_bytes=0)
     for i in range(adaptive.profile_frames + adaptive.calibrate_frames):
@@ -1086,7 +1084,6 @@ def test_runtime_measures_rebuilds_and_copies_and_the_provisioner_feeds_the_cost
         assert adaptive.runtime.take_replay_times() == {} and adaptive.runtime.take_copy_times()[1] == 0
     assert adaptive.report()["saved_bytes_by_choice"]["recompute"] > 0
     assert adaptive.cost._op_replays and adaptive.cost._replay_fit.observed
-    assert adaptive.cost.learning_seconds("replays", 10) > 0
     offloading = bagualu2.enable(make_model(), budget=None, policy="offload_all", min_bytes=0)
     offloading.runtime.backward_observer = None
     step(offloading.model, 0)
@@ -1094,7 +1091,7 @@ def test_runtime_measures_rebuilds_and_copies_and_the_provisioner_feeds_the_cost
     assert seconds > 0 and copies > 0 and nbytes >= copies
     offloading.runtime.backward_observer = offloading._learn
     step(offloading.model, 1)
-    assert offloading.runtime.take_copy_times()[1] == 0 and offloading.cost.learning_seconds("copies", copies) > 0
+    assert offloading.runtime.take_copy_times()[1] == 0 and offloading.cost._copy_fit.observed
 
 
 def test_offloads_run_their_own_ops_past_the_dispatch_mode(monkeypatch: pytest.MonkeyPatch) -> None:

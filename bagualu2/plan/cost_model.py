@@ -54,14 +54,13 @@ measures what a micro-batch that offloads costs the step beyond the copies and t
 A rebuild that replayed an op call again (backward could not keep what it made under the
 budget until read) is not learned from: the model prices one replay per op. One that took more
 than ``OUTLIER_RATIO`` times the median of the same key's last rebuilds of its size counts as
-that much (a preempted thread). Learning is itself work the step pays for, once per
-micro-batch that recomputes or offloads anything: the provisioner learns as each backward pass
-ends and tells the model how long that took (``observe_learning``). Of that, the shared fit's
-refit costs the same whatever was learned: the model times it apart, as a cost per micro-batch,
-and fits the rest against the op calls the rebuilds replayed or the storages offloaded
-(``learning_seconds``). A budget's plans and its calibrations (recomputing everything) rebuild
-few sizes of plan, and the rest alone, fitted through one size, extrapolates to the others
-without the part that does not shrink with them.
+that much (a preempted thread).
+
+The model does not price its own learning (the provisioner's refits as each backward ends,
+which the step pays for). A fit of that cost against what was learned used to be part of every
+plan's price; it was removed because no test of plans, decisions or budgets got worse without
+it, and a model that models its own bookkeeping must earn its place that way. What learning
+takes per step is shown, unpriced, by ``benchmarks/cost_model_accuracy.py``.
 
 A plan's recomputed keys fall into rebuilds: each key backward meets first (no other recomputed
 key reads it) enters one, and rebuilds inside it the recomputed keys and unsaved storages it
@@ -79,9 +78,8 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from bagualu2.runtime.tracing import call_key, module_of
 from bagualu2.plan.planner import Candidate, Choice
@@ -390,13 +388,11 @@ class CostModel:
             windows (a GPU's copy engines). The cpu backend's copy threads run at the OS's idle
             priority beside compute: what a copy costs there is what the training thread waits
             for it, measured as such, and the windows are zero.
-        clock: what the refits made while learning are timed with (``observe_learning``);
-            seconds, as ``time.perf_counter``.
     """
 
     def __init__(self, expert_prefixes: Mapping[int, str], d2h_bandwidth: float = 10e9,
                  h2d_bandwidth: float = 10e9, copy_fixed_s: Tuple[float, float] = (0.0, 0.0),
-                 copies_overlap: bool = True, clock: Callable[[], float] = time.perf_counter) -> None:
+                 copies_overlap: bool = True) -> None:
         if d2h_bandwidth <= 0 or h2d_bandwidth <= 0:
             raise ValueError(f"bandwidths must be > 0, got {d2h_bandwidth=}, {h2d_bandwidth=}")
         if min(copy_fixed_s) < 0:
@@ -406,7 +402,6 @@ class CostModel:
         self.h2d_bandwidth = h2d_bandwidth
         self.copy_fixed_s = (float(copy_fixed_s[0]), float(copy_fixed_s[1]))
         self.copies_overlap = copies_overlap
-        self.clock = clock
         self.ops: Dict[str, OpCost] = {}
         self.unsaved: Dict[str, OpCost] = {}  # ops whose outputs nothing saves (rebuilt as inputs)
         # Per rebuild: first of its micro-batch, replayed ops, 1, the ops' replay seconds ->
@@ -425,14 +420,6 @@ class CostModel:
         self._first_only: set = set()  # ("chain" or "lead", call) of fits holding only cold first replays
         self._cold_calls: set = set()  # calls first replayed in the last observe_op_replays
         self._call_replays: Dict[str, int] = {}  # ... and each call's replays there
-        # What learning from a micro-batch's rebuilds and from its copies took (observe_learning):
-        # refitting the shared fit, and the rest, against the op calls they replayed and the
-        # storages it offloaded ...
-        self._learning_refit: Dict[str, _Fit] = {"replays": _Fit(robust=True), "copies": _Fit(robust=True)}
-        self._learning: Dict[str, _Fit] = {"replays": _Fit(robust=True), "copies": _Fit(robust=True)}
-        # ... in the last observe_replays, observe_copies
-        self._observed = {"replays": 0, "copies": 0}
-        self._refit_s = {"replays": 0.0, "copies": 0.0}
         self.order: List[str] = []           # keys in the order a micro-batch first saves them
         self.forward_seconds = 0.0           # measured forward time of one micro-batch
         self.frames = 0
@@ -644,10 +631,9 @@ class CostModel:
         return self._corrections(key).get(ops, 1.0)
 
     def _rebuild_seconds(self, keys: Iterable[str], counts: Mapping[int, Sequence[int]]) -> float:
-        """What rebuilding ``keys`` together costs: its rebuilds, and learning from them."""
-        found = self.rebuilds(keys, counts)
-        return (sum(self.replay_ratio(entry, ops) * self._fitted(ops, seconds) for entry, _, ops, seconds in found)
-                + self.learning_seconds("replays", sum(r[2] for r in found)))
+        """What rebuilding ``keys`` together costs: the sum over its rebuilds."""
+        return sum(self.replay_ratio(entry, ops) * self._fitted(ops, seconds)
+                   for entry, _, ops, seconds in self.rebuilds(keys, counts))
 
     def observe_replays(self, replays: Mapping[str, Tuple[float, int]],
                         counts: Mapping[int, Sequence[int]]) -> None:
@@ -679,7 +665,6 @@ class CostModel:
         skip = cold | {call for call, n in call_replays.items() if n > micro_batches}
         rows, sizes = [], []  # sizes: the rebuilds' size classes (ops, to a power of two)
         found = self.rebuilds(known, counts)
-        self._observed["replays"] = sum(r[2] for r in found)
         for i, (entry, members, n_ops, seconds) in enumerate(found):
             measured = sum(known[k][0] / known[k][1] for k in members)
             if measured <= 0 or (skip and self._replays_any(members, skip)):
@@ -694,7 +679,7 @@ class CostModel:
             samples.append((measured, first, n_ops, seconds))
             if len(samples) > 16:
                 del samples[0]
-        self._refit("replays", self._replay_fit, rows, sizes)
+        self._replay_fit.add(rows, sizes)
         self._replay_version += 1
 
     def _replays_any(self, members: Iterable[str], calls: set) -> bool:
@@ -744,10 +729,8 @@ class CostModel:
         erased by the many small plans between them, which alone cannot tell the per-offload
         part from the per-micro-batch part and the factor."""
         transfer = nbytes / self.d2h_bandwidth + nbytes / self.h2d_bandwidth
-        self._refit("copies", self._copy_fit,
-                    [((1.0, float(copies), copies * (self.copy_fixed_s[0] + self.copy_fixed_s[1]) + transfer), seconds)],
-                    [copies.bit_length()])
-        self._observed["copies"] = copies
+        self._copy_fit.add([((1.0, float(copies), copies * (self.copy_fixed_s[0] + self.copy_fixed_s[1]) + transfer), seconds)],
+                           [copies.bit_length()])
 
     @property
     def copy_frame_s(self) -> float:
@@ -758,40 +741,6 @@ class CostModel:
     def copy_overhead_s(self) -> float:
         """Learned training-thread seconds per offloaded storage (offload and reload together)."""
         return self._copy_fit.coef[1]
-
-    def _refit(self, kind: str, fit: _CostFit, rows: Sequence[Tuple[Sequence[float], float]],
-               buckets: Sequence[Any]) -> None:
-        """Add ``rows`` to the shared ``fit`` of ``kind`` and refit it, timed with ``clock``:
-        the part of learning that costs the same whatever was learned (``observe_learning``)."""
-        start = self.clock()
-        fit.add(rows, buckets)
-        self._refit_s[kind] = self.clock() - start
-
-    def observe_learning(self, kind: str, seconds: float) -> None:
-        """Learn what learning costs: ``seconds`` spent learning from the micro-batch last
-        observed, of ``kind``: ``"replays"`` (``observe_op_replays`` and ``observe_replays``),
-        against the op calls its rebuilds replayed, or ``"copies"`` (``observe_copies``),
-        against its offloads. This work is part of what releasing costs. Refitting the shared
-        fit (timed there with ``clock``) costs the same whatever was released, the rest grows
-        with it."""
-        if kind not in self._learning:
-            raise ValueError(f"kind={kind!r} must be one of {sorted(self._learning)}")
-        refit = min(max(self._refit_s[kind], 0.0), float(seconds))
-        self._refit_s[kind] = 0.0
-        self._learning_refit[kind].add(0.0, refit)
-        self._learning[kind].add(float(self._observed[kind]), float(seconds) - refit)
-
-    def learning_seconds(self, kind: str, items: int) -> float:
-        """Predicted seconds of learning from a micro-batch whose rebuilds replay ``items`` op
-        calls (``"replays"``) or that offloads ``items`` storages (``"copies"``): the refit's,
-        and the rest's fit at ``items``; 0 before any ``observe_learning`` of that kind."""
-        return self._learning_refit[kind](0.0) + self._learning[kind](float(items))
-
-    @property
-    def copy_setup_s(self) -> float:
-        """Seconds a micro-batch pays once when it offloads anything, whatever it offloads:
-        ``copy_frame_s`` and learning from its copies (the fit's part for no offloads)."""
-        return self.copy_frame_s + self.learning_seconds("copies", 0)
 
     @property
     def copy_factor(self) -> float:
@@ -822,8 +771,7 @@ class CostModel:
                      offload_window: float = 0.0, reload_window: float = 0.0) -> float:
         """Predicted step-time overhead of a plan (key -> Choice): its recomputes rebuilt
         together, plus the copy time the windows do not hide (``replay_frame_s`` or
-        ``copy_frame_s`` once where it recomputes or offloads anything), plus learning from
-        its rebuilds and copies (``learning_seconds``)."""
+        ``copy_frame_s`` once where it recomputes or offloads anything)."""
         recompute = [k for k, c in choices.items() if c == Choice.RECOMPUTE and k in self.ops]
         offload = [k for k, c in choices.items() if c == Choice.OFFLOAD and k in self.ops]
         seconds = 0.0
@@ -835,7 +783,7 @@ class CostModel:
             out += self.offload_seconds(nbytes)
             back += self.reload_seconds(nbytes)
         if offload:
-            seconds += self.copy_frame_s + self.learning_seconds("copies", len(offload))
+            seconds += self.copy_frame_s
         return seconds + max(0.0, out - offload_window) + max(0.0, back - reload_window)
 
     @staticmethod
