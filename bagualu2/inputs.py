@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 import torch
 
 from bagualu2.plan.planner import Choice
-from bagualu2.runtime.activations import checked_choices
+from bagualu2.runtime.frame import checked_choices
 from bagualu2.runtime.gates import GateSpec
 from bagualu2.runtime.tracing import is_plain
 

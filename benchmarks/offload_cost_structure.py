@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 import bagualu2
-from bagualu2.runtime.activations import _Offloaded
+from bagualu2.runtime.stores import _Offloaded
 from bagualu2.models import MoEConfig, MoETransformer, synthetic_batches
 from cost_model_accuracy import median_ci, run_step
 

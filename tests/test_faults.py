@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import bagualu2
-from bagualu2.runtime.activations import ResidencyLedger, _Pin
+from bagualu2.runtime.ledger import ResidencyLedger, _Pin
 from bagualu2.runtime import tracing
 from bagualu2.runtime.tracing import StorageNode, is_recomputing
 from bagualu2.models import MoEConfig, MoETransformer
@@ -329,7 +329,7 @@ def test_finalizers_of_half_built_objects_do_not_raise() -> None:
         StorageNode.__new__(StorageNode).__del__()
         node = StorageNode.__new__(StorageNode)
         del node
-        from bagualu2.runtime.activations import _OffloadStore
+        from bagualu2.runtime.stores import _OffloadStore
 
         store = _OffloadStore.__new__(_OffloadStore)
         del store

@@ -1,6 +1,8 @@
 """Activation runtime: tracing of operators and per-storage keep / offload / recompute."""
 
-from bagualu2.runtime.activations import ActivationRuntime, Budget, Frame, FrameStats, ResidencyLedger
+from bagualu2.runtime.activations import ActivationRuntime
+from bagualu2.runtime.frame import Budget, Frame, FrameStats
+from bagualu2.runtime.ledger import ResidencyLedger
 from bagualu2.runtime.tracing import StorageNode, TracingMode, is_recomputing
 
 __all__ = [

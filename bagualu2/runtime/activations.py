@@ -16,6 +16,12 @@ from the frame's plan:
   whole blocks (``Frame.rerun_blocks``) runs them untraced instead and reruns each in backward
   (``BlockRerun``).
 
+This module owns the deciding half: frames (and closing what an interrupt left open), the
+module hooks that name operators and run blocks untraced, and the pack hook. Carrying the
+choices out (the ledger, the budget, kept storages, offloads, the unpack hook) is its base,
+``Residency`` (``bagualu2.runtime.residency``), which states the accounting and budget
+invariants; what a save becomes is in ``bagualu2.runtime.stores``.
+
 Invariants:
 
 * Exactness: the tensor unpack returns is bitwise equal to, and has the same size, strides,
@@ -23,19 +29,12 @@ Invariants:
 * Nothing lost: data is freed only with the packed objects that own it. Autograd drops those
   when the graph dies (after backward, or when the graph is discarded without one), so a packed
   activation may be unpacked any number of times (``retain_graph``) or never.
-* Exact accounting: ``ResidencyLedger`` counts the device bytes of every storage the runtime
-  holds (kept tensors, offload sources still in flight, leaves pinned by recipes; in backward,
-  reloaded copies and rebuilt storages while it holds them for more readers), once per
-  storage, whichever frames hold it. Parameters and buffers are not activations and are not
-  counted.
 * Budget: with ``enforce_budget`` set, a storage that would push the ledger over the budget is
   offloaded or recomputed instead of kept (waiting for in-flight offloads first); what cannot be
   released is a violation, reported through ``on_exceed``. An untraced frame (one whose plan was
-  not expected to release anything) has no recipes, so there such a storage is offloaded. In
-  backward, a copy or rebuilt storage that more readers need is held for them only within the
-  budget (else each reader reloads or rebuilds its own), and prefetches stop at it: what
-  backward holds stays within the budget beside what the forward left (a rerun block's
-  captured saves excepted: one rerun makes them all).
+  not expected to release anything) has no recipes, so there such a storage is offloaded.
+  A rerun block's captured saves are the one exception to backward holding within the budget
+  (``Residency``): one rerun makes them all.
 * Fallbacks never lose data: an offload the arena cannot take becomes a recompute (or a keep),
   a recompute that cannot be replayed becomes an offload (or a keep), an offload whose copy
   fails keeps its device source (``_OffloadStore.settle``), and each is recorded. A reload that
@@ -44,29 +43,28 @@ Invariants:
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import sys
 import threading
 import time
 import warnings
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Deque, Dict, Iterator, List, Mapping, Optional, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
 
-from bagualu2 import _C
-from bagualu2.runtime.rerun import BlockRerun, RerunSaved, unrestorable
-from bagualu2.runtime.tracing import (
-    Replayer, StorageNode, TracingMode, ViewMeta, is_plain, recipe_refs, step_inputs, view_meta, view_of,
-)
 from bagualu2.plan.planner import Choice
+from bagualu2.runtime.frame import Frame, check_keys, profile_saves
+from bagualu2.runtime.ledger import _drain_failed_backward, _drain_graph, _Pin
+from bagualu2.runtime.rerun import BlockRerun, unrestorable
+from bagualu2.runtime.residency import Residency
+from bagualu2.runtime.stores import _Offloaded, _Recomputed, _uncounted, regeneration_source
+from bagualu2.runtime.tracing import StorageNode, ViewMeta, is_plain, recipe_refs, view_meta
 
-__all__ = ["ActivationRuntime", "AttachedHook", "Frame", "ResidencyLedger"]
+__all__ = ["ActivationRuntime", "AttachedHook"]
 
 
 def _unattached(*args: Any, **kwargs: Any) -> None:
@@ -100,570 +98,6 @@ class AttachedHook:
         return _detached, ()
 
 
-# Creating ops whose output is only a dtype cast or copy of their one tensor input: when that
-# input is already stored, the output is regenerated from it instead of being stored twice.
-_CAST_OPS = frozenset({"aten._to_copy.default", "aten.clone.default", "aten._to_dtype.default"})
-
-
-class ResidencyLedger:
-    """Device bytes held for activations, counted once per storage.
-
-    A count is held by a ``_Pin`` (``acquire``) and given back by ``release`` or by the pin's
-    death; ``resident`` is the sum of the sizes of storages with a positive count, ``peak`` its
-    high-water mark.
-
-    Interrupt safety: an interrupt (KeyboardInterrupt from a signal handler) lands between
-    bytecodes where the interpreter checks for one (function entry, loop jumps, after calls), so
-    it may land at the first line of a finalizer, which then never runs (Python reports it as
-    "Exception ignored" and drops it). So a pin has no finalizer: its death is noticed by a
-    weak reference whose callback is a C method (``list.append``), which runs no bytecode and
-    cannot be interrupted, and its count is given back at the next read of the ledger
-    (``collect``). Inside ``acquire`` and ``release`` the count and the registration of the
-    pin change together, with no call between them: an interrupt sees both or neither.
-    """
-
-    def __init__(self) -> None:
-        # Reentrant: a collection can run a finalizer that drops a pin while a call holds it.
-        self._lock = threading.RLock()
-        # cdata -> [count, nbytes, weak handle]; the weak handle keeps the address from being
-        # reused by another storage while it is a key here
-        self._held: Dict[int, List[Any]] = {}
-        self._pins: Dict["weakref.ref[_Pin]", int] = {}  # a live pin's weak reference -> its storage
-        self._dead: List["weakref.ref[_Pin]"] = []  # weak references of pins that died, not yet collected
-        # Held here: releases run at interpreter exit too, when module globals may be gone.
-        self._free_weak_ref = torch.UntypedStorage._free_weak_ref
-        self._resident = 0
-        self.peak = 0
-
-    @property
-    def resident(self) -> int:
-        if self._dead:
-            self.collect()
-        return self._resident
-
-    def acquire(self, storage: torch.UntypedStorage, pin: "_Pin") -> None:
-        """Count ``storage`` for ``pin``'s life (or until ``release(pin._ref)``)."""
-        cdata = storage._cdata
-        ref = weakref.ref(pin, self._dead.append)
-        nbytes = storage.nbytes()
-        held = self._held
-        with self._lock:
-            if self._dead:
-                self._collect_locked()
-            if cdata in held:
-                held[cdata][0] += 1
-            else:
-                weak = storage._weak_ref()
-                # From here on no calls: the count and the pin's registration change together.
-                held[cdata] = [1, nbytes, weak]
-                self._resident += nbytes
-                if self._resident > self.peak:
-                    self.peak = self._resident
-            self._pins[ref] = cdata
-            pin._ref = ref
-
-    def release(self, ref: "weakref.ref[_Pin]") -> None:
-        """Give back the count a pin holds (its ``_ref``); nothing when it was given back."""
-        pins, held = self._pins, self._held
-        with self._lock:
-            if ref in pins:
-                cdata = pins[ref]
-                del pins[ref]
-                entry = held[cdata]
-                entry[0] -= 1
-                if not entry[0]:
-                    del held[cdata]
-                    self._resident -= entry[1]
-                    self._free_weak_ref(entry[2])
-
-    def collect(self) -> None:
-        """Give back the counts of pins that died (their weak references' callbacks queued them)."""
-        with self._lock:
-            self._collect_locked()
-
-    def _collect_locked(self) -> None:
-        dead, pins, held = self._dead, self._pins, self._held
-        while dead:
-            ref = dead[-1]
-            if ref in pins:  # as in release, inline: no call between unregistering and counting
-                cdata = pins[ref]
-                del pins[ref]
-                entry = held[cdata]
-                entry[0] -= 1
-                if not entry[0]:
-                    del held[cdata]
-                    self._resident -= entry[1]
-                    self._free_weak_ref(entry[2])
-            del dead[-1]
-
-    def holds(self, storage: torch.UntypedStorage) -> bool:
-        if self._dead:
-            self.collect()
-        return storage._cdata in self._held
-
-    def count(self, cdata: int) -> Optional[Tuple[int, int]]:
-        """(counts, bytes) held on the storage at ``cdata``, or None when it is not held."""
-        if self._dead:
-            self.collect()
-        entry = self._held.get(cdata)
-        return None if entry is None else (entry[0], entry[1])
-
-    def reset_peak(self) -> None:
-        self.peak = self.resident
-
-
-_THREAD = threading.local()
-
-
-def _drain_graph() -> Tuple[torch.Tensor, torch.Tensor]:
-    """This thread's drain graph (a leaf and a clone of it), made at its first call."""
-    graph = getattr(_THREAD, "drain", None)
-    if graph is None:
-        with torch.enable_grad(), torch.autograd.graph.disable_saved_tensors_hooks("bagualu2: drain graph"):
-            leaf = torch.zeros((), requires_grad=True)
-            graph = _THREAD.drain = (leaf, leaf.clone())  # clone saves nothing
-    return graph
-
-
-def _drain_failed_backward() -> bool:
-    """Free what a failed backward pass on this thread left queued; whether it ran.
-
-    When a backward pass on the cpu raises (an interrupt, an error in a hook), torch leaves the
-    tasks it had queued in the calling thread's ready queue, each holding its node and so the
-    saved activations of the graph below it, and a later backward pass on that thread leaves
-    them there too: it stops once its own graph is done, and the queue serves nodes made later
-    first. A backward pass through a graph made before them (``_drain_graph``, made before the
-    thread's first frame) ends only after the queue has served them, and it drops each one whose
-    pass is gone. It costs a backward pass of one node (tens of microseconds), so it runs only
-    where something is still held between frames; never inside a backward pass."""
-    if torch._C._current_graph_task_id() != -1 or torch.is_inference_mode_enabled():
-        return False
-    leaf, out = _drain_graph()
-    torch.autograd.grad(out, leaf, retain_graph=True)
-    return True
-
-
-class _Pin:
-    """Holds one ledger count on a storage for as long as this object lives (or until
-    ``drop``). No finalizer: the ledger notices its death (``ResidencyLedger``'s note)."""
-
-    __slots__ = ("_ledger", "_ref", "__weakref__")
-
-    def __init__(self, ledger: ResidencyLedger, storage: torch.UntypedStorage) -> None:
-        self._ledger = ledger
-        self._ref: Optional["weakref.ref[_Pin]"] = None
-        ledger.acquire(storage, self)
-
-    def drop(self) -> None:
-        ref = self._ref
-        if ref is not None:
-            self._ref = None
-            self._ledger.release(ref)
-
-
-@dataclass
-class FrameStats:
-    """What one frame (micro-batch forward) did with its saved activations."""
-
-    packed: int = 0
-    bytes_by_choice: Dict[str, int] = field(default_factory=lambda: {"keep": 0, "offload": 0, "recompute": 0})
-    offloaded_storages: int = 0
-    shared_bytes: int = 0       # re-saves of a storage already held: stored once
-    regenerated_bytes: int = 0  # casts/copies of a stored activation, rebuilt from it
-    fallbacks: List[str] = field(default_factory=list)
-    violations: int = 0
-    leaf_bytes: int = 0         # storages recipes pin as they are (inputs, storages written in place)
-    outside_bytes: int = 0      # storages from outside the forward it holds, saved or pinned
-    room_made_bytes: int = 0    # kept storages (of it or earlier frames) offloaded to make room
-    peak_resident: int = 0      # ledger high-water mark while this frame's forward ran
-    rerun_blocks: int = 0       # block calls run untraced, to be rerun whole in backward
-    start_resident: int = 0
-
-
-def checked_choices(choices: Mapping[str, Choice]) -> Dict[str, Choice]:
-    """A copy of ``choices`` (operator key -> ``Choice``); TypeError naming any entry that is not
-    a ``Choice``."""
-    out = dict(choices)
-    for key, choice in out.items():
-        if not isinstance(choice, Choice):
-            raise TypeError(f"plan entry {key!r}: {choice!r} is not a bagualu2.Choice")
-    return out
-
-
-@dataclass(frozen=True)
-class Budget:
-    """What one micro-batch's forward holds its saved activations to, in device bytes.
-
-    ``limit`` is the budget: only crossing it is a violation. Releases aim lower, at the
-    ``target``: ``reserve`` is left for the micro-batches that will stack on this rank before
-    this one's backward (pipeline warm-up), and ``pin_headroom`` within the rest for what
-    recipes pin and nothing can release (the forward's inputs, labels the loss reads at the
-    end), which only those pins may use.
-    """
-
-    limit: int
-    reserve: int = 0
-    pin_headroom: int = 0
-
-    def target(self, pins: bool = False) -> int:
-        """Where releases aim: the limit less the reserve, less the pin headroom unless the
-        bytes are ``pins`` it is left for."""
-        return max(0, self.limit - self.reserve - (0 if pins else self.pin_headroom))
-
-
-class Frame:
-    """One micro-batch's forward through a provisioned module.
-
-    ``choices`` maps operator keys to a ``Choice``; keys not in it get ``default``. The
-    provisioner may update ``choices`` while the forward runs (at MoE gating): a storage's
-    choice is taken when it is first saved.
-    """
-
-    def __init__(self, choices: Optional[Mapping[str, Choice]] = None, default: Choice = Choice.KEEP,
-                 index: int = 0, strict: bool = False) -> None:
-        self.choices: Dict[str, Choice] = checked_choices(choices or {})
-        self.default = default
-        # The choice for operators first saved after an outermost block has run, outside every
-        # block (a transformer's final norm, output layer and loss); None: ``default`` there too.
-        # The runtime enters it in ``choices`` as each such key is saved.
-        self.after_blocks: Optional[Choice] = None
-        self.past_blocks = False  # set by the runtime: an outermost block ended, none has begun
-        # True: every outermost block recomputes all it saves, by rerunning the block in
-        # backward (``BlockRerun``, as torch.utils.checkpoint does); the blocks run untraced, so
-        # ``choices`` and ``keys_seen`` hold only the operators outside them. Blocks holding
-        # running statistics (batch norm), which a rerun would update twice, are traced and
-        # recomputed op by op (``default``) instead, and so are block calls with an argument
-        # that is neither a tensor nor a plain value (a KV cache the forward appends to).
-        self.rerun_blocks = False
-        self._rerun: Optional[BlockRerun] = None  # the block running untraced now
-        self.strict = strict  # a key in ``choices`` that names no op of the forward is an error
-        # What the forward is held to; None: the runtime's ``budget_bytes``, all of it.
-        self.budget: Optional[Budget] = None
-        # False: no tracing, saved tensors are only counted and kept. For forwards that cannot
-        # need a release (an ample budget): they then cost about what the saved-tensor hooks cost.
-        self.traced = True
-        self.index = index
-        self.stats = FrameStats()
-        self.keys_seen: Dict[str, int] = {}  # operator key -> storage bytes, first save
-        self.profile = False  # time every op, and fill ``saved_profile`` when the forward ends
-        # key -> (bytes, seconds of its own ops, recomputable, unsaved inputs rebuilt first)
-        self.saved_profile: Dict[str, Tuple[int, float, bool, Tuple[str, ...]]] = {}
-        self.unsaved_seconds: Dict[str, float] = {}  # those unsaved inputs' own seconds
-        # Overlap scheduling (bagualu2.plan.overlap.OverlapDriver): ``on_saved(key)`` is called once
-        # per operator key, right after the first activation of that key is packed (the op has
-        # run); with ``scheduled`` set, backward issues no reloads of its own beyond the one it
-        # is waiting for: the schedule issues them.
-        self.on_saved: Optional[Callable[[str], None]] = None
-        self.scheduled = False
-        self._offloads: List["weakref.ref[_OffloadStore]"] = []
-        self._prefetch_cursor = 1 << 62  # next store index backward may prefetch (lazy issue)
-        self._prefetch_task = -1  # the backward pass the cursor belongs to
-        self._prefetch_pending = 0  # bytes prefetched and not used yet
-        # released by recompute; recorded only while an overlap driver observes frames
-        self._recomputes: List[Tuple[str, "weakref.ref[StorageNode]", int]] = []
-        self._anchors: List[StorageNode] = []
-        # Untraced frames, while the forward runs: storages offloaded without a node
-        # (address -> the storage's weak ref, its version, the store's weak ref)
-        self._untraced_offloads: Dict[int, Tuple[StorageWeakRef, int, "weakref.ref[_OffloadStore]"]] = {}
-        self._recomputed: Set[Tuple[int, int]] = set()  # (id(node), state) of storages released by recompute
-
-    def choice(self, key: str) -> Choice:
-        return self.choices.get(key, self.default)
-
-    def offload_stores(self) -> List["_OffloadStore"]:
-        """This frame's host copies still alive, in pack (forward) order."""
-        return [s for s in (ref() for ref in self._offloads) if s is not None]
-
-    def recompute_nodes(self) -> List[Tuple[str, StorageNode, int]]:
-        """``(key, node, state)`` of the storages this frame released by recompute and that
-        are still needed (their packed objects alive), in forward order."""
-        return [(k, n, st) for k, n, st in ((k, ref(), st) for k, ref, st in self._recomputes) if n is not None]
-
-
-class _OffloadStore:
-    """One storage's copy in the host arena, shared by every saved view of it.
-
-    Several saved tensors may read one storage (the per-expert slices of a permuted token
-    buffer, the q/k/v thirds of a fused projection, casts regenerated from it), each unpacked by
-    a different backward node. ``refs`` counts them; the first use in a backward pass reloads the
-    storage, and the device copy is then held, charged to the ledger, until the last of them has
-    been used in that pass: the storage crosses the bus once per pass, not once per reader. A
-    held copy modified in place through a view handed out is not handed out again: the next use
-    reloads the saved bytes.
-
-    With ``in_place`` (a cpu storage, whose "device" is host memory) nothing is copied back:
-    every use reads the bytes where they lie in the arena (``OffloadHandle.host_view``), as
-    ``save_on_cpu`` hands back its host copy on cpu. All readers then share those bytes, as
-    they would share the storage without offloading, and one changed in place is an error for
-    the next reader, as autograd's own check makes it without hooks. The ledger charges the
-    bytes exactly as a reloaded copy.
-
-    A copy that fails after submission (the engine's ticket raises at ``done``/``wait``) is
-    survived here: while it runs the store holds the device ``source`` itself (and its ledger
-    count), so when ``settle`` finds it failed the store keeps that source for good (a recorded
-    fallback: the offload became a keep) and serves every use from it in place, as with
-    ``in_place``; the arena block goes back at once. Should the storage have been written in
-    place since (its node's state moved on), its saved bytes are gone and a use raises instead
-    of reading newer ones. A reload that fails raises, naming the activation.
-    """
-
-    __slots__ = ("engine", "handle", "device", "nbytes", "in_place", "alias", "alias_version", "pin",
-                 "prefetched", "prefetch_pin", "frame", "index", "key", "refs", "task", "unpacked", "held",
-                 "held_version", "held_pin", "copies", "source", "source_node", "source_state", "failed",
-                 "__weakref__")
-
-    def __init__(self, engine: Any, handle: Any, device: torch.device, nbytes: int,
-                 pin: Optional[_Pin], frame: Frame, key: str, in_place: bool = False,
-                 copies: Optional[List[Any]] = None, source: Optional[torch.Tensor] = None,
-                 node: Optional[StorageNode] = None) -> None:
-        self.engine = engine
-        self.handle = handle
-        self.device = device
-        self.nbytes = nbytes
-        self.in_place = in_place
-        self.alias: Optional[torch.Tensor] = None  # with in_place: uint8 tensor over the block
-        self.alias_version = 0
-        self.key = key
-        self.pin: Optional[_Pin] = pin  # device source held until the copy completes
-        # With ``pin``: the source itself (uint8 over its storage), kept for good if the copy
-        # fails; and its traced node's state then, which must not move on for it to be read.
-        self.source = source if pin is not None else None
-        self.source_node = weakref.ref(node) if node is not None else None
-        self.source_state = node.state if node is not None else 0
-        self.failed = False  # the copy failed: ``source`` serves every use (``_keep_source``)
-        self.prefetched: Any = None
-        self.prefetch_pin: Optional[_Pin] = None  # the prefetch's device buffer, until used
-        self.refs = 0  # saved tensors that read this store at unpack
-        self.task = -2  # the backward pass (graph task id) that ``unpacked`` counts for
-        self.unpacked = 0
-        self.held: Optional[torch.Tensor] = None  # uint8 tensor over the reloaded storage
-        self.held_version = 0  # its version when it was made: any change means an in-place write
-        self.held_pin: Optional[_Pin] = None
-        self.frame = frame  # kept alive by its stores: backward prefetches from its list
-        self.copies = copies  # the runtime's copy seconds, which releasing the block adds to
-        self.index = len(frame._offloads)
-        frame._offloads.append(weakref.ref(self))
-
-    def settle(self, wait: bool = False) -> bool:
-        """Drop the device source once the copy is done; True when it is. A copy that failed
-        keeps the source instead (``_keep_source``): it is done with too."""
-        if self.pin is None or self.failed:
-            return True
-        try:
-            if wait:
-                self.handle.wait()
-            elif not self.handle.done():
-                return False
-        except _C.RuntimeError as e:  # the copy failed after it was submitted
-            self._keep_source(e)
-            return True
-        self.pin.drop()
-        self.pin = None
-        self.source = None
-        return True
-
-    def _keep_source(self, error: Exception) -> None:
-        """The offload copy failed: keep the device source (still pinned, so still charged) as
-        the copy every use reads in place, give the arena block back, record the fallback."""
-        if self.source is None:  # not reachable through _start_offload, which always passes it
-            raise RuntimeError(f"the offload copy of activation {self.key} failed and its source "
-                               f"was not kept: {error}") from error
-        self.failed = True
-        self.in_place = True
-        self.alias = self.source
-        self.alias_version = self.source._version
-        self.frame.stats.fallbacks.append(f"{self.key}: offload copy failed ({error}); kept on {self.device}")
-        if not self.handle.released:
-            self.handle.release()
-
-    def prefetch(self, ledger: ResidencyLedger) -> bool:
-        """Start reloading into a new device buffer, charged to ``ledger`` until used; False
-        when a prefetch is pending or the device copy is held already (or the reload could
-        not be submitted: the use reloads then)."""
-        if self.pin is not None:
-            self.settle()  # an offload found failed is read in place: nothing to prefetch
-        if self.in_place or self.prefetched is not None or self.held is not None:
-            return False
-        try:
-            self.prefetched = self.engine.reload_async(self.handle, device=self.device)
-        except _C.RuntimeError as e:
-            self.frame.stats.fallbacks.append(f"{self.key}: prefetch failed ({e}); reloaded when used")
-            return False
-        self.prefetch_pin = _Pin(ledger, self.prefetched.destination.untyped_storage())
-        self.frame._prefetch_pending += self.nbytes
-        return True
-
-    def take(self, ledger: ResidencyLedger, need: bool = True,
-             room: Optional[Callable[[torch.UntypedStorage], bool]] = None) -> Optional[torch.UntypedStorage]:
-        """One reader's use in the running backward pass: the device copy, held (and charged
-        to ``ledger``) while more of the ``refs`` readers are due, unless ``room`` says holding
-        it would cross the budget (each reader then gets a copy of its own). A reader that
-        found what it needed elsewhere passes ``need=False``: it is counted, nothing is
-        reloaded, and None is returned."""
-        task = torch._C._current_graph_task_id()
-        if task != self.task:
-            self.task, self.unpacked = task, 0
-        self.unpacked += 1
-        if not need:
-            if self.unpacked >= self.refs:
-                self._release_hold()
-            return None
-        storage = self.storage()
-        if self.unpacked >= self.refs:
-            self._release_hold()
-        elif self.held is None and (room is None or room(storage)):
-            self.held = self.alias if self.in_place else (
-                torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage))
-            self.held_version = self.held._version
-            self.held_pin = _Pin(ledger, storage)
-        return storage
-
-    def unpack(self, meta: ViewMeta, ledger: ResidencyLedger,
-               room: Optional[Callable[[torch.UntypedStorage], bool]] = None) -> torch.Tensor:
-        """A tensor with ``meta``'s geometry over this storage's device copy."""
-        storage = self.take(ledger, room=room)
-        held = self.alias if self.in_place else self.held
-        if held is None or not held.numel():  # the pass's last (or only) reader of a copy
-            return view_of(storage, meta)
-        # A view of the held copy (or of the block): the tensors handed out share its version
-        # counter.
-        size, stride, offset, dtype = meta
-        return held.view(dtype).as_strided(size, stride, offset)
-
-    def _held(self) -> Optional[torch.Tensor]:
-        if self.held is None or self.held._version == self.held_version:
-            return self.held
-        self._release_hold()  # changed in place through a view handed out: reload the saved bytes
-        return None
-
-    def _release_hold(self) -> None:
-        self.held = None
-        if self.held_pin is not None:
-            self.held_pin.drop()
-            self.held_pin = None
-
-    def storage(self) -> torch.UntypedStorage:
-        """The device copy: the held one, else the pending prefetch, else a reload now (the
-        source kept in place where the offload copy failed); a reload that fails raises,
-        naming the activation."""
-        held = self._held()
-        if held is not None:
-            return held.untyped_storage()
-        if self.pin is not None:
-            self.settle()  # a copy found failed keeps its source: nothing to reload
-        try:
-            if self.prefetched is not None:
-                prefetched, self.prefetched = self.prefetched, None
-                self.prefetch_pin.drop()
-                self.prefetch_pin = None
-                self.frame._prefetch_pending -= self.nbytes
-                buffer = prefetched.wait()
-            elif self.in_place:
-                buffer = self._in_place()
-            else:
-                buffer = self.engine.reload(self.handle, device=self.device)
-        except _C.RuntimeError as e:
-            # Issued while the offload ran, a reload fails with it: which of the two failed?
-            if self.pin is not None:
-                self.settle(wait=True)
-            if not self.failed:
-                raise RuntimeError(f"reloading offloaded activation {self.key} ({self.nbytes} bytes) "
-                                   f"failed: {e}") from e
-            buffer = self._in_place()  # the offload's: read its kept source
-        return buffer.untyped_storage()
-
-    def _in_place(self) -> torch.Tensor:
-        if self.alias is None:
-            self.alias = self.handle.host_view()
-            self.alias_version = self.alias._version
-        elif self.alias._version != self.alias_version:
-            raise _modified_error(f"offloaded activation {self.key}", self.alias_version, self.alias._version)
-        node = self.source_node() if self.failed and self.source_node is not None else None
-        if node is not None and node.state != self.source_state:
-            raise RuntimeError(f"the offload copy of activation {self.key} failed and its storage was "
-                               f"written in place since (state {self.source_state} -> {node.state}): "
-                               f"the saved bytes are lost")
-        return self.alias
-
-    def __del__(self) -> None:
-        # Its pins give their counts back as they die with it, and its handle's arena block is
-        # freed when the handle dies: an interrupt that cuts this short (at its first line even)
-        # leaves nothing held.
-        try:
-            start = time.perf_counter()
-            if self.prefetched is not None:
-                self.frame._prefetch_pending -= self.nbytes
-                try:
-                    self.prefetched.wait()
-                except _C.RuntimeError:  # a failed reload: it ended all the same
-                    pass
-            if not self.handle.released:  # a cycle's collector may have finalized the handle first
-                self.handle.release()
-            if self.copies is not None:  # part of what the offload cost the thread
-                self.copies[0] += time.perf_counter() - start
-        except Exception:  # a finalizer must not raise (interpreter teardown, a failed copy)
-            pass
-
-
-def _modified_error(what: str, saved: int, now: int) -> RuntimeError:
-    # Autograd's own version check does not run for tensors packed by hooks, so do it here.
-    return RuntimeError(
-        f"one of the variables needed for gradient computation has been modified by an inplace "
-        f"operation: {what} was saved at version {saved} and is now at version {now}"
-    )
-
-
-class _Kept:
-    """A saved tensor held as it is; ``moved`` once offloaded later to make room (``_make_room``)."""
-
-    __slots__ = ("tensor", "pin", "version", "node", "state", "moved", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor, pin: Optional[_Pin], node: Optional[StorageNode] = None) -> None:
-        self.tensor: Optional[torch.Tensor] = tensor
-        self.pin = pin
-        self.version = tensor._version
-        self.node = node  # the traced storage it holds, and that storage's state at the save
-        self.state = node.state if node is not None else 0
-        self.moved: Optional[_Offloaded] = None
-
-
-def _uncounted(t: torch.Tensor) -> _Kept:
-    """``t`` held as it is and charged to nothing: a parameter (or a view of one), or a tensor
-    the ledger cannot count. An op's saved output is detached (holding its grad_fn would be a
-    reference cycle)."""
-    return _Kept(t if t.grad_fn is None else t.detach(), None)
-
-
-class _Offloaded:
-    """A saved view of an offloaded storage. In-place changes after the save are seen through
-    the storage's node (``state``: its mutations) or, in untraced frames, through the saved
-    tensor while it lives (``state``: its version)."""
-
-    __slots__ = ("store", "meta", "node", "state", "watch")
-
-    def __init__(self, store: _OffloadStore, meta: ViewMeta, node: Optional[StorageNode], state: int,
-                 watch: Optional[torch.Tensor] = None) -> None:
-        self.store = store
-        store.refs += 1
-        self.meta = meta
-        self.node = weakref.ref(node) if node is not None else None
-        self.watch = weakref.ref(watch) if watch is not None else None
-        self.state = state
-
-
-class _Recomputed:
-    __slots__ = ("node", "state", "meta", "source")
-
-    def __init__(self, node: StorageNode, state: int, meta: ViewMeta,
-                 source: Optional[_OffloadStore] = None) -> None:
-        self.node = node
-        self.state = state
-        self.meta = meta
-        self.source = source  # the offloaded storage a regenerated cast is rebuilt from
-        if source is not None:
-            source.refs += 1
-
-
 class _Attachment:
     """One module tree's hooks (``ActivationRuntime.attach``): installed while traced frames
     run, and ``remove()`` takes them off for good."""
@@ -690,8 +124,9 @@ class _Attachment:
             self._runtime._attachments.remove(self)
 
 
-class ActivationRuntime:
-    """Applies per-operator KEEP / OFFLOAD / RECOMPUTE choices to saved activations.
+class ActivationRuntime(Residency):
+    """Applies per-operator KEEP / OFFLOAD / RECOMPUTE choices to saved activations: picks each
+    save's choice here; its base ``Residency`` holds, counts and serves back what was picked.
 
     Args:
         engine: a ``bagualu2.CopyEngine`` for OFFLOAD, or None (OFFLOAD then falls back).
@@ -714,37 +149,11 @@ class ActivationRuntime:
                  prefetch_bytes: int = 64 << 20, reload_in_place: bool = True) -> None:
         if min_bytes < 0:
             raise ValueError(f"min_bytes={min_bytes} must be >= 0")
-        if budget_bytes is not None and budget_bytes < 0:
-            raise ValueError(f"budget_bytes={budget_bytes} must be >= 0 or None")
-        self.engine = engine
+        super().__init__(engine, budget_bytes=budget_bytes, enforce_budget=enforce_budget, on_exceed=on_exceed,
+                         prefetch_bytes=prefetch_bytes, reload_in_place=reload_in_place)
         self.min_bytes = min_bytes
-        self.budget_bytes = budget_bytes
-        self.enforce_budget = enforce_budget
-        self.on_exceed = on_exceed
-        self.prefetch_bytes = prefetch_bytes
-        self.reload_in_place = reload_in_place
-        self.ledger = ResidencyLedger()
-        self.mode = TracingMode(self._pin_leaf, self._charge)
-        self._params: Set[int] = set()
-        self._frame: Optional[Frame] = None
-        self._inflight: Deque["weakref.ref[_OffloadStore]"] = collections.deque()
-        # Overlap scheduling: called with each frame as it starts, and with the operator key
-        # of every released activation backward unpacks (bagualu2.plan.overlap.OverlapDriver).
+        # Overlap scheduling: called with each frame as it starts (bagualu2.plan.overlap.OverlapDriver).
         self.frame_observer: Optional[Callable[[Frame], None]] = None
-        self.unpack_observer: Optional[Callable[[str], None]] = None
-        # Called as each backward pass that unpacks anything packed here ends (autograd's
-        # final callback of the pass, on the thread that ran it).
-        self.backward_observer: Optional[Callable[[], None]] = None
-        # key -> [seconds, micro-batches, id of the last one's recompute cache] of backward rebuilds
-        self._replays: Dict[str, List[Any]] = {}
-        self._op_replays: Dict[str, List[float]] = {}  # key -> its op's replay times (Replayer)
-        self._copies: List[Any] = [0.0, 0, 0]  # caller seconds, offloads, bytes (take_copy_times)
-        self.backward_passes = 0  # backward passes that unpacked anything packed here
-        self._last_task = -1
-        # Storages kept under a budget, by storage (cdata -> (frame index, its _Kept saves)):
-        # what _make_room may offload when something nothing else can release needs room.
-        self._kept: Dict[int, Tuple[int, List["weakref.ref[_Kept]"]]] = {}
-        self._kept_limit = 1024  # registry size at which entries of dead saves are dropped
         self._told_unrestorable = False  # a block call that could not be rerun was warned of
         self._traced_blocks: Set[str] = set()  # outermost blocks seen traced: whether they issue collectives is known
         self._attachments: List["_Attachment"] = []  # module trees attached (``attach``)
@@ -756,10 +165,6 @@ class ActivationRuntime:
     @property
     def active_frame(self) -> Optional[Frame]:
         return self._frame
-
-    def set_parameters(self, tensors: Iterator[torch.Tensor]) -> None:
-        """Storages that are not activations (parameters, buffers): never offloaded or counted."""
-        self._params = {t.untyped_storage()._cdata for t in tensors}
 
     def frame(self, frame: Frame) -> ContextManager[Frame]:
         """Trace and provision one micro-batch's forward (``with runtime.frame(f): ...``).
@@ -809,7 +214,7 @@ class ActivationRuntime:
                     if frame._rerun is not None:  # the block raised: its forward hook did not run
                         self._close_rerun(frame)
             if frame.strict:
-                self._check_keys(frame)
+                check_keys(frame, self.mode.nodes.values())
         finally:
             # The caller's grad mode, whatever an interrupt stopped inside the forward (the
             # entry of a gate's ``torch.no_grad()``, after it switched grad off) left.
@@ -837,7 +242,7 @@ class ActivationRuntime:
         running one, for ``_close_left_frame`` to close again, until the last step."""
         frame.stats.peak_resident = max(frame.stats.peak_resident, self.ledger.peak)
         if frame.profile and not frame.saved_profile:
-            frame.saved_profile, frame.unsaved_seconds = self._profile(frame)
+            frame.saved_profile, frame.unsaved_seconds = profile_saves(frame, self.mode.nodes.values())
         self.settle()
         for node in frame._anchors:
             if node.offloaded:
@@ -882,6 +287,23 @@ class ActivationRuntime:
         self._close_frame(frame)
         return True
 
+    def collect(self) -> None:
+        """Give back what an interrupt left held: a frame it left open (``frame``), ledger
+        counts of dead pins, the arena blocks of offload stores that died while their copies
+        ran, and what a failed backward left queued. Idempotent, and resumable after an
+        interrupt of its own: an entry goes only once what it held is given back."""
+        if self._frame is not None:
+            self._close_left_frame()
+        self.ledger.collect()
+        if self.engine is not None:
+            self.engine.prune()  # tickets of stores that died, kept while their copies ran
+        # Something still held outside a frame may be what a failed backward left queued.
+        if self._frame is None and (self.ledger.resident or self._arena_in_use()) and _drain_failed_backward():
+            self.ledger.collect()
+            if self.engine is not None:
+                self.engine.prune()
+
+    # -- module hooks -----------------------------------------------------------------------
     def attach(self, root: torch.nn.Module) -> List[Any]:
         """Name operators by module path and anchor block inputs, through module hooks that
         traced frames install.
@@ -1000,152 +422,6 @@ class ActivationRuntime:
             if outermost and (not anchors or anchors[-1] < node.position):
                 anchors.append(node.position)
 
-    def _check_keys(self, frame: Frame) -> None:
-        known = {node.key for node in self.mode.nodes.values()}
-        unknown = sorted(set(frame.choices) - known)
-        if unknown:
-            import difflib
-
-            hints = [difflib.get_close_matches(k, known, n=1) for k in unknown[:3]]
-            raise ValueError(
-                f"the plan names {len(unknown)} operator key(s) that no op of this forward has, e.g. "
-                + ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in zip(unknown, hints))
-                + "; keys look like '<module path>:<aten op>:<occurrence>', see Frame.keys_seen"
-            )
-
-    def _profile(self, frame: Frame) -> Tuple[Dict[str, Tuple[int, float, bool, Tuple[str, ...], Tuple[str, ...]]],
-                                               Dict[str, float]]:
-        """Per saved key: bytes, seconds of its own ops, whether it can be rebuilt, the
-        storages nothing saved (freed after the forward) that rebuilding it must rebuild first,
-        up to saved storages and block inputs, and the saved storages that rebuild reads; and
-        the unsaved storages' own seconds."""
-        by_key = {node.key: node for node in self.mode.nodes.values()}
-        saved = frame.keys_seen
-        unsaved: Dict[str, float] = {}
-        chains: Dict[int, Tuple[str, ...]] = {}
-
-        def own_seconds(node: StorageNode) -> float:
-            return node.creator.seconds + sum(m.seconds for m in node.mutations)
-
-        def chain(root: StorageNode) -> Tuple[str, ...]:
-            # Depth-first, inputs before the storages that read them, without recursion: a
-            # chain of unsaved storages can be as long as the forward.
-            inputs: Dict[int, List[StorageNode]] = {}
-            stack: List[StorageNode] = [root]
-            while stack:
-                node = stack[-1]
-                if id(node) in chains:
-                    stack.pop()
-                    continue
-                if id(node) not in inputs:
-                    inputs[id(node)] = [n for step in (node.creator,) + node.mutations for n in step_inputs(step)
-                                        if n is not node and n.key not in saved and n.anchor is None]
-                    stack.extend(n for n in inputs[id(node)] if id(n) not in chains)
-                    continue
-                stack.pop()
-                keys: Dict[str, None] = {}
-                for n in inputs[id(node)]:
-                    unsaved[n.key] = own_seconds(n)
-                    keys[n.key] = None
-                    keys.update(dict.fromkeys(chains[id(n)]))
-                chains[id(node)] = tuple(keys)
-            return chains[id(root)]
-
-        def reads(root: StorageNode, unsaved_inputs: Tuple[str, ...]) -> Tuple[str, ...]:
-            keys: Dict[str, None] = {}
-            for node in [root] + [by_key[k] for k in unsaved_inputs]:
-                for step in (node.creator,) + node.mutations:
-                    keys.update((n.key, None) for n in step_inputs(step) if n.key in saved and n is not root)
-            return tuple(keys)
-
-        out: Dict[str, Tuple[int, float, bool, Tuple[str, ...], Tuple[str, ...]]] = {}
-        for key, nbytes in saved.items():
-            node = by_key.get(key)
-            if node is not None:
-                inputs = chain(node)
-                out[key] = (nbytes, own_seconds(node), node.rebuildable(node.state), inputs, reads(node, inputs))
-        return out, unsaved
-
-    @contextlib.contextmanager
-    def untraced(self) -> Iterator[None]:
-        """Run bagualu2's own bookkeeping ops (gating callbacks) without tracing them."""
-        self.mode.suspended += 1
-        try:
-            yield
-        finally:
-            self.mode.suspended -= 1
-
-    def collect(self) -> None:
-        """Give back what an interrupt left held: a frame it left open (``frame``), ledger
-        counts of dead pins, the arena blocks of offload stores that died while their copies
-        ran, and what a failed backward left queued. Idempotent, and resumable after an
-        interrupt of its own: an entry goes only once what it held is given back."""
-        if self._frame is not None:
-            self._close_left_frame()
-        self.ledger.collect()
-        if self.engine is not None:
-            self.engine.prune()  # tickets of stores that died, kept while their copies ran
-        # Something still held outside a frame may be what a failed backward left queued.
-        if self._frame is None and (self.ledger.resident or self._arena_in_use()) and _drain_failed_backward():
-            self.ledger.collect()
-            if self.engine is not None:
-                self.engine.prune()
-
-    def _arena_in_use(self) -> int:
-        return self.engine.arena.stats()["in_use"] if self.engine is not None else 0
-
-    @property
-    def inflight_bytes(self) -> int:
-        """Device bytes held only until their offload copies complete."""
-        return sum(s.nbytes for s in (ref() for ref in self._inflight) if s is not None and s.pin is not None)
-
-    def settle(self, wait: bool = False) -> None:
-        """Release device sources of completed offloads (all of them with ``wait``). Offloads
-        complete in the order they started (one copy stream), so this stops at the first one
-        still copying: a pack while many are in flight costs one query, not one per copy."""
-        inflight = self._inflight
-        while inflight:
-            store = inflight[0]()
-            if store is not None and not store.settle(wait):
-                return
-            inflight.popleft()
-
-    # -- parameters and leaves --------------------------------------------------------------
-    def _is_parameter(self, t: torch.Tensor) -> bool:
-        # A plain Tensor is never a Parameter: it skips the Parameter metaclass's isinstance (in
-        # Python, and called for every save).
-        if type(t) is not torch.Tensor and isinstance(t, torch.nn.Parameter):
-            return True
-        # A view of a parameter the model did not hold when ``set_parameters`` ran (FSDP2's
-        # unsharded parameters, registered around each module's forward and freed after it).
-        base = t._base
-        if base is not None and type(base) is not torch.Tensor and isinstance(base, torch.nn.Parameter):
-            return True
-        return is_plain(t) and t.untyped_storage()._cdata in self._params
-
-    def _room(self, storage: torch.UntypedStorage) -> bool:
-        """Whether backward may hold ``storage`` for more readers within the budget."""
-        return not self._over_budget(storage, pins=True)
-
-    def _charge(self, storage: torch.UntypedStorage) -> Optional[_Pin]:
-        """Count a storage backward rebuilt and would hold for more readers (the recompute
-        cache's), for the pin's life; None, and it is not held, where that crosses the budget."""
-        return _Pin(self.ledger, storage) if self._room(storage) else None
-
-    def _pin_leaf(self, t: torch.Tensor) -> Optional[_Pin]:
-        if not is_plain(t) or self._is_parameter(t):
-            return None
-        storage = t.untyped_storage()
-        frame = self._frame
-        if frame is None or self.ledger.holds(storage):
-            return _Pin(self.ledger, storage)
-        frame.stats.leaf_bytes += storage.nbytes()
-        if storage._cdata not in self.mode.nodes:
-            frame.stats.outside_bytes += storage.nbytes()
-        if self._crosses(storage.nbytes(), pins=True) and not self._make_room(frame, storage.nbytes()):
-            self._count_violation(frame, storage.nbytes(), f"a tensor of shape {tuple(t.shape)} a recipe holds")
-        return _Pin(self.ledger, storage)
-
     # -- pack -------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:
         frame = self._frame
@@ -1228,7 +504,7 @@ class ActivationRuntime:
         if store is not None:
             stats.shared_bytes += nbytes
             return _Offloaded(store, meta, node, state)
-        regenerable, source = self._regeneration_source(node, state)
+        regenerable, source = regeneration_source(node, state)
         if regenerable:
             stats.regenerated_bytes += nbytes
             self._add_reader(node, state)
@@ -1312,345 +588,3 @@ class ActivationRuntime:
                 ref.node.cache.add_reader(ref.node.position, ref.state)
                 if self._available(ref.node, ref.state) is None:
                     stack.append((ref.node, ref.state))
-
-    def _regeneration_source(self, node: StorageNode, state: int) -> Tuple[bool, Optional[_OffloadStore]]:
-        """Whether the storage is a cast/copy (or chain of them) of a stored activation with
-        nothing applied afterwards, and the offloaded store it is then rebuilt from (None when
-        the source is kept)."""
-        while node.creator.name in _CAST_OPS and not node.mutations and node.recomputable:
-            source = node.creator.args[0] if node.creator.args else None
-            src_node = getattr(source, "node", None)
-            if not isinstance(src_node, StorageNode):
-                return False, None
-            store = src_node.offloaded.get(source.state)
-            if store is not None:
-                return True, store
-            if self._kept_tensor(src_node, source.state) is not None:
-                return True, None
-            node = src_node
-        return False, None
-
-    def limit(self) -> Optional[int]:
-        """The budget crossing which is a violation now: the running frame's, else
-        ``budget_bytes``."""
-        frame = self._frame
-        return frame.budget.limit if frame is not None and frame.budget is not None else self.budget_bytes
-
-    def target(self, pins: bool = False) -> Optional[int]:
-        """Where releases aim now (``Budget.target`` of the running frame, else
-        ``budget_bytes``); None without a budget."""
-        frame = self._frame
-        return frame.budget.target(pins) if frame is not None and frame.budget is not None else self.budget_bytes
-
-    def would_cross(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more resident would cross where releases aim now, the room kept
-        for pins included (what the overlap driver asks before a reload or early recompute)."""
-        return self._crosses(nbytes, pins=True)
-
-    def _over_budget(self, storage: torch.UntypedStorage, pins: bool = False) -> bool:
-        """Whether holding ``storage`` crosses the target (``pins``: one of the storages the
-        pin headroom is left for)."""
-        return not self.ledger.holds(storage) and self._crosses(storage.nbytes(), pins)
-
-    def _crosses(self, nbytes: int, pins: bool = False) -> bool:
-        """Whether ``nbytes`` more resident crosses the target."""
-        target = self.target(pins)
-        return target is not None and self.ledger.resident + nbytes > target
-
-    def _violate(self, frame: Frame, t: torch.Tensor, key: str) -> Any:
-        """Keep ``t`` although that crosses the target, unless kept storages can make room; a
-        violation where it crosses the limit."""
-        nbytes = t.untyped_storage().nbytes()
-        if not self._make_room(frame, nbytes):
-            self._count_violation(frame, nbytes, key)
-        return self._keep(frame, t)
-
-    def _count_violation(self, frame: Frame, nbytes: int, key: str) -> None:
-        limit = self.limit()
-        if limit is not None and self.ledger.resident + nbytes > limit:
-            frame.stats.violations += 1
-            if self.on_exceed is not None:
-                self.on_exceed(self.ledger.resident + nbytes, limit, key)
-
-    def _keep(self, frame: Frame, t: torch.Tensor, storage: Optional[torch.UntypedStorage] = None) -> _Kept:
-        if storage is None:
-            storage = t.untyped_storage()
-        if self.ledger.holds(storage):
-            frame.stats.shared_bytes += storage.nbytes()
-        else:
-            frame.stats.bytes_by_choice["keep"] += storage.nbytes()
-        if t.grad_fn is not None:
-            t = t.detach()  # an op's saved output: holding its grad_fn would be a reference cycle
-        node = self.mode.nodes.get(storage._cdata) if frame.traced else None
-        kept = _Kept(t, _Pin(self.ledger, storage), node)
-        if node is not None:
-            node.kept[node.state] = (weakref.ref(t), t._version)
-        if self.target() is not None and self.enforce_budget and self.engine is not None:
-            entry = self._kept.get(storage._cdata)
-            if entry is None:
-                if len(self._kept) >= self._kept_limit:
-                    self._live_kept()
-                    self._kept_limit = max(1024, 2 * len(self._kept))
-                entry = self._kept[storage._cdata] = (frame.index, [])
-            entry[1].append(weakref.ref(kept))
-        return kept
-
-    def _movable(self) -> List[Tuple[int, int, int, List[_Kept]]]:
-        """Kept storages ``_make_room`` may offload, in the order it would: (frame index,
-        -bytes, cdata, the kept saves), those of earlier frames first, larger first."""
-        if self.target() is None or not self.enforce_budget or self.engine is None:
-            return []
-        out = []
-        for cdata, (index, saves) in self._live_kept().items():
-            held = self.ledger.count(cdata)
-            if held is not None and held[0] == len(saves) and all(k.tensor._version == k.version for k in saves):
-                out.append((index, -held[1], cdata, saves))
-        out.sort(key=lambda c: (c[0], c[1]))
-        return out
-
-    def movable_bytes(self) -> int:
-        """Resident bytes that kept storages offloaded to make room would free."""
-        return -sum(c[1] for c in self._movable())
-
-    def _live_kept(self) -> Dict[int, Tuple[int, List[_Kept]]]:
-        """The registry's storages with kept saves still alive and not moved (dropping the rest)."""
-        out = {}
-        for cdata, (index, refs) in list(self._kept.items()):
-            saves = [k for k in (ref() for ref in refs) if k is not None and k.moved is None and k.pin is not None]
-            if saves and self.ledger.count(cdata) is not None:
-                out[cdata] = (index, saves)
-            else:
-                del self._kept[cdata]
-        return out
-
-    def _make_room(self, frame: Frame, need: int) -> bool:
-        """Offload kept storages until ``need`` more bytes fit the budget: the last resort when
-        something no plan releases (an input from outside the forward, what a recipe pins)
-        would cross it, typically because more micro-batches are in flight than their plans
-        foresaw. Storages of earlier micro-batches go first (their forwards no longer use
-        them), larger first; a storage goes only when kept saves are all that hold it, unchanged
-        since (only with a copy engine, and when the budget is enforced). True when ``need``
-        fits, after in-flight offloads have settled."""
-        budget = self.target(pins=True)
-        if budget is None:
-            return True
-        self.settle(wait=True)
-        for _, _, cdata, saves in self._movable():
-            if self.ledger.resident + need <= budget:
-                break
-            store = self._start_offload(frame, saves[0].tensor.untyped_storage(), "kept")
-            if store is None:
-                break  # the arena is full
-            store.settle(wait=True)  # at the budget: the copy cannot run beside the source
-            for k in saves:
-                t = k.tensor
-                if k.node is None:  # an in-place change is seen while another tensor of it lives
-                    k.moved = _Offloaded(store, view_meta(t), None, k.version, t)
-                else:  # ... or through the traced storage; its recipes find it offloaded
-                    k.moved = _Offloaded(store, view_meta(t), k.node, k.state)
-                    k.node.kept.pop(k.state, None)
-                    k.node.offloaded.setdefault(k.state, store)
-                k.tensor = None
-                k.pin.drop()
-            del self._kept[cdata]
-            frame.stats.room_made_bytes += store.nbytes
-            frame.stats.fallbacks.append(f"kept {store.nbytes} bytes offloaded to make room")
-        return self.ledger.resident + need <= budget
-
-    def _offload(self, frame: Frame, node: StorageNode, storage: torch.UntypedStorage, state: int,
-                 meta: ViewMeta) -> Optional[_Offloaded]:
-        store = self._start_offload(frame, storage, node.key)
-        if store is None:
-            return None
-        node.offloaded[state] = store
-        return _Offloaded(store, meta, node, state)
-
-    def _start_offload(self, frame: Frame, storage: torch.UntypedStorage, key: str) -> Optional[_OffloadStore]:
-        """Copy ``storage`` into the arena; None when there is no engine or no room there."""
-        if self.engine is None:
-            return None
-        start = time.perf_counter()
-        try:
-            source = torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage)
-            try:
-                handle = self.engine.offload(source)
-            except RuntimeError as e:  # the copy could not be submitted: the caller falls back
-                frame.stats.fallbacks.append(f"{key}: offload failed ({e})")
-                return None
-            if handle is None:
-                return None
-            pin: Optional[_Pin] = None
-            if self._over_budget(storage):
-                self.settle(wait=True)
-            if self._over_budget(storage):
-                try:
-                    handle.wait()  # no room even while the copy runs: copy synchronously
-                except _C.RuntimeError as e:  # the copy failed: the caller falls back
-                    frame.stats.fallbacks.append(f"{key}: offload failed ({e})")
-                    handle.release()
-                    return None
-            else:
-                pin = _Pin(self.ledger, storage)
-            nbytes = storage.nbytes()
-            store = _OffloadStore(self.engine, handle, storage.device, nbytes, pin, frame, key,
-                                  self.reload_in_place and storage.device.type == "cpu", self._copies,
-                                  source, self.mode.nodes.get(storage._cdata))
-            if pin is not None:
-                self._inflight.append(weakref.ref(store))
-            frame.stats.offloaded_storages += 1
-            frame.stats.bytes_by_choice["offload"] += nbytes
-            self._copies[1] += 1
-            self._copies[2] += nbytes
-            return store
-        finally:
-            self._copies[0] += time.perf_counter() - start
-
-    # -- unpack -----------------------------------------------------------------------------
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        task = torch._C._current_graph_task_id()
-        if task != self._last_task:
-            self._last_task = task
-            self.backward_passes += 1
-            if self.backward_observer is not None and task >= 0:  # -1: not inside a backward pass
-                torch.autograd.Variable._execution_engine.queue_callback(self.backward_observer)
-        if isinstance(packed, torch.Tensor):
-            return packed
-        if isinstance(packed, RerunSaved):  # a frame's module hooks skip the rerun's module calls
-            return packed.record.take(packed.index, self.untraced)
-        if isinstance(packed, _Kept):
-            if packed.moved is not None:
-                return self._unpack(packed.moved)
-            if packed.tensor._version != packed.version:
-                raise _modified_error(f"a tensor of shape {tuple(packed.tensor.shape)}", packed.version,
-                                      packed.tensor._version)
-            return packed.tensor
-        if isinstance(packed, _Offloaded):
-            node = packed.node() if packed.node is not None else None
-            if node is not None and node.state != packed.state:
-                raise _modified_error(f"activation {node.key}", packed.state, node.state)
-            watched = packed.watch() if packed.watch is not None else None
-            if watched is not None and watched._version != packed.state:
-                raise _modified_error(f"a tensor of shape {tuple(watched.shape)}", packed.state, watched._version)
-            store = packed.store
-            if self.unpack_observer is not None:
-                self.unpack_observer(store.key)
-            start = time.perf_counter()
-            if not store.frame.scheduled and not store.in_place:
-                self._prefetch_before(store.frame, store)
-            out = store.unpack(packed.meta, self.ledger, self._room)
-            self._copies[0] += time.perf_counter() - start
-            return out
-        node = packed.node
-        if node.state != packed.state:
-            raise _modified_error(f"activation {node.key}", packed.state, node.state)
-        if self.unpack_observer is not None:
-            self.unpack_observer(node.key)
-        start = time.perf_counter()
-        node.cache.bind_to_backward()
-        node.cache.evict_after(node.position)
-        source = packed.source
-        taken: List[torch.UntypedStorage] = []
-
-        def available(n: StorageNode, s: int) -> Optional[torch.UntypedStorage]:
-            # a cast regenerated from an offloaded storage is one of that store's readers
-            if source is None or n.offloaded.get(s) is not source:
-                return self._available(n, s)
-            if not taken:
-                taken.append(source.take(self.ledger, room=self._room))
-            return taken[0]
-
-        replayer = Replayer(available, self._op_replays)
-        out = view_of(replayer.storage(node, packed.state), packed.meta)
-        if source is not None and not taken:
-            source.take(self.ledger, need=False)
-        node.cache.served(node.position, packed.state)
-        entry = self._replays.get(node.key)
-        if entry is None:
-            entry = self._replays[node.key] = [0.0, 0, None]
-        # Reloads of offloaded inputs count as the copies' time, not the rebuild's.
-        entry[0] += time.perf_counter() - start - replayer.reload_seconds
-        self._copies[0] += replayer.reload_seconds
-        if entry[2] != id(node.cache):  # a micro-batch's first rebuild of this key
-            entry[1] += 1
-            entry[2] = id(node.cache)
-        return out
-
-    def take_copy_times(self) -> Tuple[float, int, int]:
-        """Seconds the calling thread spent offloading (submitting, waiting for room),
-        reloading (submitting, waiting, prefetching; for a rebuild's offloaded inputs too) and
-        releasing the host copies (their arena blocks, as backward drops them), with
-        the number and bytes of offloads, since the last call."""
-        out = (self._copies[0], self._copies[1], self._copies[2])
-        self._copies[:] = [0.0, 0, 0]  # in place: the live stores add their release to it
-        return out
-
-    def take_replay_times(self) -> Dict[str, Tuple[float, int]]:
-        """Per operator key, since the last call: seconds its backward unpacks spent rebuilding
-        (what recomputing really cost: the op, inputs rebuilt first, the replay's own work;
-        several saved views of one storage are rebuilt once; reloads of offloaded inputs count
-        in ``take_copy_times``) and the number of micro-batches that rebuilt it."""
-        out = {k: (v[0], v[1]) for k, v in self._replays.items()}
-        self._replays.clear()
-        return out
-
-    def take_op_replay_times(self) -> Dict[str, Tuple[float, int, int, float, int]]:
-        """Per operator key (unsaved storages' included), since the last call: seconds backward
-        spent replaying the op call that makes its storage (and the in-place ops on it) inside
-        a chain, its inputs already at hand, with the walk since the previous call, and how
-        many such replays it timed; how many replays it made in all; and the seconds and
-        number of its replays as a rebuild's first call, timed apart (its inputs made before
-        the rebuild: ``Replayer``). What one replay of that op costs, whatever rebuild it was
-        part of, and whether backward rebuilt a storage more often than once per micro-batch."""
-        out = {k: (v[0], int(v[1]), int(v[2]), v[3], int(v[4])) for k, v in self._op_replays.items()}
-        self._op_replays.clear()
-        return out
-
-    def recompute_ahead(self, node: StorageNode, state: int) -> _Pin:
-        """Rebuild a released storage now, before backward needs it, into its frame's recompute
-        cache (where backward's unpack finds it). For the overlap scheduler's early recomputes,
-        run while the device would otherwise idle; any thread may call it while no forward or
-        backward of the same frame runs. Returns the ledger charge for the rebuilt storage:
-        ``drop()`` it once backward has used it."""
-        return _Pin(self.ledger, Replayer(self._available).storage(node, state))
-
-    def prefetch(self, store: "_OffloadStore") -> bool:
-        """Start reloading an offloaded storage now (charged to the ledger until backward
-        uses it); False when one is already pending."""
-        return store.prefetch(self.ledger)
-
-    @staticmethod
-    def _kept_tensor(node: StorageNode, state: int) -> Optional[torch.Tensor]:
-        entry = node.kept.get(state)
-        if entry is None:
-            return None
-        kept = entry[0]()
-        return kept if kept is not None and kept._version == entry[1] else None
-
-    def _available(self, node: StorageNode, state: int) -> Optional[torch.UntypedStorage]:
-        if node.anchor is not None and node.anchor[1] == state:
-            return node.anchor[0].untyped_storage()
-        kept = self._kept_tensor(node, state)
-        if kept is not None:
-            return kept.untyped_storage()
-        store = node.offloaded.get(state)
-        if store is not None:
-            return store.storage()
-        return None
-
-    def _prefetch_before(self, frame: Frame, store: _OffloadStore) -> None:
-        # Backward meets a frame's stores in about reverse pack order: keep up to
-        # ``prefetch_bytes`` of reloads pending below the one being unpacked. A cursor makes
-        # this O(1) amortized per unpack; a new backward pass (retain_graph) starts it again.
-        task = torch._C._current_graph_task_id()
-        cursor = frame._prefetch_cursor
-        if cursor > store.index - 1 or task != frame._prefetch_task:
-            cursor = store.index - 1
-            frame._prefetch_task = task
-        while cursor >= 0:
-            other = frame._offloads[cursor]()
-            if other is not None:
-                if frame._prefetch_pending + other.nbytes > self.prefetch_bytes or self._crosses(other.nbytes, pins=True):
-                    break
-                other.prefetch(self.ledger)
-            cursor -= 1
-        frame._prefetch_cursor = cursor

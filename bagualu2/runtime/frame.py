@@ -1,0 +1,219 @@
+"""A frame: one micro-batch's forward through a provisioned module, and what it is held to.
+
+Owns ``Frame`` (the plan a forward runs under and the per-frame state the runtime keeps while
+its activations live), ``FrameStats`` (what the forward did with them), ``Budget`` (the bytes
+it is held to), ``checked_choices`` (the one check a plan's entries get wherever a plan
+enters), and what a forward's traced nodes say about its plan and saves once it ends
+(``check_keys``, ``profile_saves``). The runtime (``bagualu2.runtime.activations``) drives a
+frame; nothing here touches autograd or the device.
+
+Invariants: a storage's choice is read when it is first saved, so a plan may still change
+while the forward runs (the provisioner fills it in at MoE gating); a frame outlives its
+forward for as long as its host copies do, because backward prefetches from its list of them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
+
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from bagualu2.plan.planner import Choice
+from bagualu2.runtime.rerun import BlockRerun
+from bagualu2.runtime.tracing import StorageNode, step_inputs
+
+if TYPE_CHECKING:
+    from bagualu2.runtime.stores import _OffloadStore
+
+__all__ = ["Budget", "Frame", "FrameStats", "check_keys", "checked_choices", "profile_saves"]
+
+
+@dataclass
+class FrameStats:
+    """What one frame (micro-batch forward) did with its saved activations."""
+
+    packed: int = 0
+    bytes_by_choice: Dict[str, int] = field(default_factory=lambda: {"keep": 0, "offload": 0, "recompute": 0})
+    offloaded_storages: int = 0
+    shared_bytes: int = 0       # re-saves of a storage already held: stored once
+    regenerated_bytes: int = 0  # casts/copies of a stored activation, rebuilt from it
+    fallbacks: List[str] = field(default_factory=list)
+    violations: int = 0
+    leaf_bytes: int = 0         # storages recipes pin as they are (inputs, storages written in place)
+    outside_bytes: int = 0      # storages from outside the forward it holds, saved or pinned
+    room_made_bytes: int = 0    # kept storages (of it or earlier frames) offloaded to make room
+    peak_resident: int = 0      # ledger high-water mark while this frame's forward ran
+    rerun_blocks: int = 0       # block calls run untraced, to be rerun whole in backward
+    start_resident: int = 0
+
+
+def checked_choices(choices: Mapping[str, Choice]) -> Dict[str, Choice]:
+    """A copy of ``choices`` (operator key -> ``Choice``); TypeError naming any entry that is not
+    a ``Choice``."""
+    out = dict(choices)
+    for key, choice in out.items():
+        if not isinstance(choice, Choice):
+            raise TypeError(f"plan entry {key!r}: {choice!r} is not a bagualu2.Choice")
+    return out
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What one micro-batch's forward holds its saved activations to, in device bytes.
+
+    ``limit`` is the budget: only crossing it is a violation. Releases aim lower, at the
+    ``target``: ``reserve`` is left for the micro-batches that will stack on this rank before
+    this one's backward (pipeline warm-up), and ``pin_headroom`` within the rest for what
+    recipes pin and nothing can release (the forward's inputs, labels the loss reads at the
+    end), which only those pins may use.
+    """
+
+    limit: int
+    reserve: int = 0
+    pin_headroom: int = 0
+
+    def target(self, pins: bool = False) -> int:
+        """Where releases aim: the limit less the reserve, less the pin headroom unless the
+        bytes are ``pins`` it is left for."""
+        return max(0, self.limit - self.reserve - (0 if pins else self.pin_headroom))
+
+
+class Frame:
+    """One micro-batch's forward through a provisioned module.
+
+    ``choices`` maps operator keys to a ``Choice``; keys not in it get ``default``. The
+    provisioner may update ``choices`` while the forward runs (at MoE gating): a storage's
+    choice is taken when it is first saved.
+    """
+
+    def __init__(self, choices: Optional[Mapping[str, Choice]] = None, default: Choice = Choice.KEEP,
+                 index: int = 0, strict: bool = False) -> None:
+        self.choices: Dict[str, Choice] = checked_choices(choices or {})
+        self.default = default
+        # The choice for operators first saved after an outermost block has run, outside every
+        # block (a transformer's final norm, output layer and loss); None: ``default`` there too.
+        # The runtime enters it in ``choices`` as each such key is saved.
+        self.after_blocks: Optional[Choice] = None
+        self.past_blocks = False  # set by the runtime: an outermost block ended, none has begun
+        # True: every outermost block recomputes all it saves, by rerunning the block in
+        # backward (``BlockRerun``, as torch.utils.checkpoint does); the blocks run untraced, so
+        # ``choices`` and ``keys_seen`` hold only the operators outside them. Blocks holding
+        # running statistics (batch norm), which a rerun would update twice, are traced and
+        # recomputed op by op (``default``) instead, and so are block calls with an argument
+        # that is neither a tensor nor a plain value (a KV cache the forward appends to).
+        self.rerun_blocks = False
+        self._rerun: Optional[BlockRerun] = None  # the block running untraced now
+        self.strict = strict  # a key in ``choices`` that names no op of the forward is an error
+        # What the forward is held to; None: the runtime's ``budget_bytes``, all of it.
+        self.budget: Optional[Budget] = None
+        # False: no tracing, saved tensors are only counted and kept. For forwards that cannot
+        # need a release (an ample budget): they then cost about what the saved-tensor hooks cost.
+        self.traced = True
+        self.index = index
+        self.stats = FrameStats()
+        self.keys_seen: Dict[str, int] = {}  # operator key -> storage bytes, first save
+        self.profile = False  # time every op, and fill ``saved_profile`` when the forward ends
+        # key -> (bytes, seconds of its own ops, recomputable, unsaved inputs rebuilt first)
+        self.saved_profile: Dict[str, Tuple[int, float, bool, Tuple[str, ...]]] = {}
+        self.unsaved_seconds: Dict[str, float] = {}  # those unsaved inputs' own seconds
+        # Overlap scheduling (bagualu2.plan.overlap.OverlapDriver): ``on_saved(key)`` is called once
+        # per operator key, right after the first activation of that key is packed (the op has
+        # run); with ``scheduled`` set, backward issues no reloads of its own beyond the one it
+        # is waiting for: the schedule issues them.
+        self.on_saved: Optional[Callable[[str], None]] = None
+        self.scheduled = False
+        self._offloads: List["weakref.ref[_OffloadStore]"] = []
+        self._prefetch_cursor = 1 << 62  # next store index backward may prefetch (lazy issue)
+        self._prefetch_task = -1  # the backward pass the cursor belongs to
+        self._prefetch_pending = 0  # bytes prefetched and not used yet
+        # released by recompute; recorded only while an overlap driver observes frames
+        self._recomputes: List[Tuple[str, "weakref.ref[StorageNode]", int]] = []
+        self._anchors: List[StorageNode] = []
+        # Untraced frames, while the forward runs: storages offloaded without a node
+        # (address -> the storage's weak ref, its version, the store's weak ref)
+        self._untraced_offloads: Dict[int, Tuple[StorageWeakRef, int, "weakref.ref[_OffloadStore]"]] = {}
+        self._recomputed: Set[Tuple[int, int]] = set()  # (id(node), state) of storages released by recompute
+
+    def choice(self, key: str) -> Choice:
+        return self.choices.get(key, self.default)
+
+    def offload_stores(self) -> List["_OffloadStore"]:
+        """This frame's host copies still alive, in pack (forward) order."""
+        return [s for s in (ref() for ref in self._offloads) if s is not None]
+
+    def recompute_nodes(self) -> List[Tuple[str, StorageNode, int]]:
+        """``(key, node, state)`` of the storages this frame released by recompute and that
+        are still needed (their packed objects alive), in forward order."""
+        return [(k, n, st) for k, n, st in ((k, ref(), st) for k, ref, st in self._recomputes) if n is not None]
+
+
+def check_keys(frame: Frame, nodes: Iterable[StorageNode]) -> None:
+    """ValueError naming the keys of ``frame.choices`` that no traced op of its forward has (what a
+    ``strict`` frame checks as its forward ends), with the nearest known key of each."""
+    known = {node.key for node in nodes}
+    unknown = sorted(set(frame.choices) - known)
+    if unknown:
+        import difflib
+
+        hints = [difflib.get_close_matches(k, known, n=1) for k in unknown[:3]]
+        raise ValueError(
+            f"the plan names {len(unknown)} operator key(s) that no op of this forward has, e.g. "
+            + ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in zip(unknown, hints))
+            + "; keys look like '<module path>:<aten op>:<occurrence>', see Frame.keys_seen"
+        )
+
+
+def profile_saves(frame: Frame, nodes: Iterable[StorageNode]
+                  ) -> Tuple[Dict[str, Tuple[int, float, bool, Tuple[str, ...], Tuple[str, ...]]], Dict[str, float]]:
+    """Per saved key: bytes, seconds of its own ops, whether it can be rebuilt, the
+    storages nothing saved (freed after the forward) that rebuilding it must rebuild first,
+    up to saved storages and block inputs, and the saved storages that rebuild reads; and
+    the unsaved storages' own seconds."""
+    by_key = {node.key: node for node in nodes}
+    saved = frame.keys_seen
+    unsaved: Dict[str, float] = {}
+    chains: Dict[int, Tuple[str, ...]] = {}
+
+    def own_seconds(node: StorageNode) -> float:
+        return node.creator.seconds + sum(m.seconds for m in node.mutations)
+
+    def chain(root: StorageNode) -> Tuple[str, ...]:
+        # Depth-first, inputs before the storages that read them, without recursion: a
+        # chain of unsaved storages can be as long as the forward.
+        inputs: Dict[int, List[StorageNode]] = {}
+        stack: List[StorageNode] = [root]
+        while stack:
+            node = stack[-1]
+            if id(node) in chains:
+                stack.pop()
+                continue
+            if id(node) not in inputs:
+                inputs[id(node)] = [n for step in (node.creator,) + node.mutations for n in step_inputs(step)
+                                    if n is not node and n.key not in saved and n.anchor is None]
+                stack.extend(n for n in inputs[id(node)] if id(n) not in chains)
+                continue
+            stack.pop()
+            keys: Dict[str, None] = {}
+            for n in inputs[id(node)]:
+                unsaved[n.key] = own_seconds(n)
+                keys[n.key] = None
+                keys.update(dict.fromkeys(chains[id(n)]))
+            chains[id(node)] = tuple(keys)
+        return chains[id(root)]
+
+    def reads(root: StorageNode, unsaved_inputs: Tuple[str, ...]) -> Tuple[str, ...]:
+        keys: Dict[str, None] = {}
+        for node in [root] + [by_key[k] for k in unsaved_inputs]:
+            for step in (node.creator,) + node.mutations:
+                keys.update((n.key, None) for n in step_inputs(step) if n.key in saved and n is not root)
+        return tuple(keys)
+
+    out: Dict[str, Tuple[int, float, bool, Tuple[str, ...], Tuple[str, ...]]] = {}
+    for key, nbytes in saved.items():
+        node = by_key.get(key)
+        if node is not None:
+            inputs = chain(node)
+            out[key] = (nbytes, own_seconds(node), node.rebuildable(node.state), inputs, reads(node, inputs))
+    return out, unsaved

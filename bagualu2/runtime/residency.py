@@ -1,0 +1,475 @@
+"""Residency: where a runtime's saved activations live, the budget they are held to, and how
+backward gets them back.
+
+Owns ``Residency``, the base of ``ActivationRuntime`` (``bagualu2.runtime.activations``): the
+ledger and the budget, the kept storages and the offloads in flight, making room, and the
+unpack hook that serves every packed record in backward (reloading, prefetching, rebuilding).
+The subclass adds what decides: frames, module hooks and the pack hook that picks each save's
+choice. Nothing here reads a plan; it carries out choices made there, within the budget.
+
+Invariants:
+
+* Exact accounting: ``ResidencyLedger`` counts the device bytes of every storage held here
+  (kept tensors, offload sources still in flight, leaves pinned by recipes; in backward,
+  reloaded copies and rebuilt storages while they are held for more readers), once per
+  storage, whichever frames hold it. Parameters and buffers are not activations and are not
+  counted.
+* Budget: releases aim at the running frame's ``Budget.target`` (else ``budget_bytes``);
+  crossing its limit is a violation, reported through ``on_exceed``. What nothing can release
+  (an input from outside the forward, what a recipe pins) gets room by offloading kept
+  storages, earlier micro-batches' first (``_make_room``; with an engine and an enforced
+  budget only). In backward, a copy or rebuilt storage that more readers need is held for them
+  only within the budget (else each reader reloads or rebuilds its own), and prefetches stop
+  at it: what backward holds stays within the budget beside what the forward left.
+* Fallbacks never lose data: an offload without an engine, one the arena cannot take and one
+  whose copy fails before its store exists return None, for the caller to fall back; a copy
+  that fails later keeps its device source (``_OffloadStore.settle``). A reload that fails
+  raises, naming the activation.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+import weakref
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Set, Tuple
+
+import torch
+
+from bagualu2 import _C
+from bagualu2.runtime.frame import Frame
+from bagualu2.runtime.ledger import ResidencyLedger, _Pin
+from bagualu2.runtime.rerun import RerunSaved
+from bagualu2.runtime.stores import _Kept, _modified_error, _Offloaded, _OffloadStore, kept_tensor
+from bagualu2.runtime.tracing import Replayer, StorageNode, TracingMode, ViewMeta, is_plain, view_meta, view_of
+
+__all__ = ["Residency"]
+
+
+class Residency:
+    """The device side of an ``ActivationRuntime`` (see its arguments): what is held, within
+    which budget, and how each packed record becomes a tensor again in backward."""
+
+    def __init__(self, engine: Any = None, *, budget_bytes: Optional[int] = None, enforce_budget: bool = True,
+                 on_exceed: Optional[Callable[[int, int, str], None]] = None,
+                 prefetch_bytes: int = 64 << 20, reload_in_place: bool = True) -> None:
+        if budget_bytes is not None and budget_bytes < 0:
+            raise ValueError(f"budget_bytes={budget_bytes} must be >= 0 or None")
+        self.engine = engine
+        self.budget_bytes = budget_bytes
+        self.enforce_budget = enforce_budget
+        self.on_exceed = on_exceed
+        self.prefetch_bytes = prefetch_bytes
+        self.reload_in_place = reload_in_place
+        self.ledger = ResidencyLedger()
+        # The leaves its recipes pin and the storages its recompute cache holds are charged here.
+        self.mode = TracingMode(self._pin_leaf, self._charge)
+        self._params: Set[int] = set()
+        self._frame: Optional[Frame] = None  # the running frame, set by the subclass: its Budget applies
+        self._inflight: Deque["weakref.ref[_OffloadStore]"] = collections.deque()
+        # Overlap scheduling: called with the operator key of every released activation backward
+        # unpacks (bagualu2.plan.overlap.OverlapDriver).
+        self.unpack_observer: Optional[Callable[[str], None]] = None
+        # Called as each backward pass that unpacks anything packed here ends (autograd's
+        # final callback of the pass, on the thread that ran it).
+        self.backward_observer: Optional[Callable[[], None]] = None
+        # key -> [seconds, micro-batches, id of the last one's recompute cache] of backward rebuilds
+        self._replays: Dict[str, List[Any]] = {}
+        self._op_replays: Dict[str, List[float]] = {}  # key -> its op's replay times (Replayer)
+        self._copies: List[Any] = [0.0, 0, 0]  # caller seconds, offloads, bytes (take_copy_times)
+        self.backward_passes = 0  # backward passes that unpacked anything packed here
+        self._last_task = -1
+        # Storages kept under a budget, by storage (cdata -> (frame index, its _Kept saves)):
+        # what _make_room may offload when something nothing else can release needs room.
+        self._kept: Dict[int, Tuple[int, List["weakref.ref[_Kept]"]]] = {}
+        self._kept_limit = 1024  # registry size at which entries of dead saves are dropped
+
+    # -- parameters and leaves --------------------------------------------------------------
+    def set_parameters(self, tensors: Iterator[torch.Tensor]) -> None:
+        """Storages that are not activations (parameters, buffers): never offloaded or counted."""
+        self._params = {t.untyped_storage()._cdata for t in tensors}
+
+    def _is_parameter(self, t: torch.Tensor) -> bool:
+        # A plain Tensor is never a Parameter: it skips the Parameter metaclass's isinstance (in
+        # Python, and called for every save).
+        if type(t) is not torch.Tensor and isinstance(t, torch.nn.Parameter):
+            return True
+        # A view of a parameter the model did not hold when ``set_parameters`` ran (FSDP2's
+        # unsharded parameters, registered around each module's forward and freed after it).
+        base = t._base
+        if base is not None and type(base) is not torch.Tensor and isinstance(base, torch.nn.Parameter):
+            return True
+        return is_plain(t) and t.untyped_storage()._cdata in self._params
+
+    def _pin_leaf(self, t: torch.Tensor) -> Optional[_Pin]:
+        if not is_plain(t) or self._is_parameter(t):
+            return None
+        storage = t.untyped_storage()
+        frame = self._frame
+        if frame is None or self.ledger.holds(storage):
+            return _Pin(self.ledger, storage)
+        frame.stats.leaf_bytes += storage.nbytes()
+        if storage._cdata not in self.mode.nodes:
+            frame.stats.outside_bytes += storage.nbytes()
+        if self._crosses(storage.nbytes(), pins=True) and not self._make_room(frame, storage.nbytes()):
+            self._count_violation(frame, storage.nbytes(), f"a tensor of shape {tuple(t.shape)} a recipe holds")
+        return _Pin(self.ledger, storage)
+
+    # -- budget -----------------------------------------------------------------------------
+    def limit(self) -> Optional[int]:
+        """The budget crossing which is a violation now: the running frame's, else
+        ``budget_bytes``."""
+        frame = self._frame
+        return frame.budget.limit if frame is not None and frame.budget is not None else self.budget_bytes
+
+    def target(self, pins: bool = False) -> Optional[int]:
+        """Where releases aim now (``Budget.target`` of the running frame, else
+        ``budget_bytes``); None without a budget."""
+        frame = self._frame
+        return frame.budget.target(pins) if frame is not None and frame.budget is not None else self.budget_bytes
+
+    def would_cross(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more resident would cross where releases aim now, the room kept
+        for pins included (what the overlap driver asks before a reload or early recompute)."""
+        return self._crosses(nbytes, pins=True)
+
+    def _over_budget(self, storage: torch.UntypedStorage, pins: bool = False) -> bool:
+        """Whether holding ``storage`` crosses the target (``pins``: one of the storages the
+        pin headroom is left for)."""
+        return not self.ledger.holds(storage) and self._crosses(storage.nbytes(), pins)
+
+    def _crosses(self, nbytes: int, pins: bool = False) -> bool:
+        """Whether ``nbytes`` more resident crosses the target."""
+        target = self.target(pins)
+        return target is not None and self.ledger.resident + nbytes > target
+
+    def _room(self, storage: torch.UntypedStorage) -> bool:
+        """Whether backward may hold ``storage`` for more readers within the budget."""
+        return not self._over_budget(storage, pins=True)
+
+    def _charge(self, storage: torch.UntypedStorage) -> Optional[_Pin]:
+        """Count a storage backward rebuilt and would hold for more readers (the recompute
+        cache's), for the pin's life; None, and it is not held, where that crosses the budget."""
+        return _Pin(self.ledger, storage) if self._room(storage) else None
+
+    def _violate(self, frame: Frame, t: torch.Tensor, key: str) -> Any:
+        """Keep ``t`` although that crosses the target, unless kept storages can make room; a
+        violation where it crosses the limit."""
+        nbytes = t.untyped_storage().nbytes()
+        if not self._make_room(frame, nbytes):
+            self._count_violation(frame, nbytes, key)
+        return self._keep(frame, t)
+
+    def _count_violation(self, frame: Frame, nbytes: int, key: str) -> None:
+        limit = self.limit()
+        if limit is not None and self.ledger.resident + nbytes > limit:
+            frame.stats.violations += 1
+            if self.on_exceed is not None:
+                self.on_exceed(self.ledger.resident + nbytes, limit, key)
+
+    # -- kept storages, and making room -----------------------------------------------------
+    def _keep(self, frame: Frame, t: torch.Tensor, storage: Optional[torch.UntypedStorage] = None) -> _Kept:
+        if storage is None:
+            storage = t.untyped_storage()
+        if self.ledger.holds(storage):
+            frame.stats.shared_bytes += storage.nbytes()
+        else:
+            frame.stats.bytes_by_choice["keep"] += storage.nbytes()
+        if t.grad_fn is not None:
+            t = t.detach()  # an op's saved output: holding its grad_fn would be a reference cycle
+        node = self.mode.nodes.get(storage._cdata) if frame.traced else None
+        kept = _Kept(t, _Pin(self.ledger, storage), node)
+        if node is not None:
+            node.kept[node.state] = (weakref.ref(t), t._version)
+        if self.target() is not None and self.enforce_budget and self.engine is not None:
+            entry = self._kept.get(storage._cdata)
+            if entry is None:
+                if len(self._kept) >= self._kept_limit:
+                    self._live_kept()
+                    self._kept_limit = max(1024, 2 * len(self._kept))
+                entry = self._kept[storage._cdata] = (frame.index, [])
+            entry[1].append(weakref.ref(kept))
+        return kept
+
+    def _movable(self) -> List[Tuple[int, int, int, List[_Kept]]]:
+        """Kept storages ``_make_room`` may offload, in the order it would: (frame index,
+        -bytes, cdata, the kept saves), those of earlier frames first, larger first."""
+        if self.target() is None or not self.enforce_budget or self.engine is None:
+            return []
+        out = []
+        for cdata, (index, saves) in self._live_kept().items():
+            held = self.ledger.count(cdata)
+            if held is not None and held[0] == len(saves) and all(k.tensor._version == k.version for k in saves):
+                out.append((index, -held[1], cdata, saves))
+        out.sort(key=lambda c: (c[0], c[1]))
+        return out
+
+    def movable_bytes(self) -> int:
+        """Resident bytes that kept storages offloaded to make room would free."""
+        return -sum(c[1] for c in self._movable())
+
+    def _live_kept(self) -> Dict[int, Tuple[int, List[_Kept]]]:
+        """The registry's storages with kept saves still alive and not moved (dropping the rest)."""
+        out = {}
+        for cdata, (index, refs) in list(self._kept.items()):
+            saves = [k for k in (ref() for ref in refs) if k is not None and k.moved is None and k.pin is not None]
+            if saves and self.ledger.count(cdata) is not None:
+                out[cdata] = (index, saves)
+            else:
+                del self._kept[cdata]
+        return out
+
+    def _make_room(self, frame: Frame, need: int) -> bool:
+        """Offload kept storages until ``need`` more bytes fit the budget: the last resort when
+        something no plan releases (an input from outside the forward, what a recipe pins)
+        would cross it, typically because more micro-batches are in flight than their plans
+        foresaw. Storages of earlier micro-batches go first (their forwards no longer use
+        them), larger first; a storage goes only when kept saves are all that hold it, unchanged
+        since (only with a copy engine, and when the budget is enforced). True when ``need``
+        fits, after in-flight offloads have settled."""
+        budget = self.target(pins=True)
+        if budget is None:
+            return True
+        self.settle(wait=True)
+        for _, _, cdata, saves in self._movable():
+            if self.ledger.resident + need <= budget:
+                break
+            store = self._start_offload(frame, saves[0].tensor.untyped_storage(), "kept")
+            if store is None:
+                break  # the arena is full
+            store.settle(wait=True)  # at the budget: the copy cannot run beside the source
+            for k in saves:
+                t = k.tensor
+                if k.node is None:  # an in-place change is seen while another tensor of it lives
+                    k.moved = _Offloaded(store, view_meta(t), None, k.version, t)
+                else:  # ... or through the traced storage; its recipes find it offloaded
+                    k.moved = _Offloaded(store, view_meta(t), k.node, k.state)
+                    k.node.kept.pop(k.state, None)
+                    k.node.offloaded.setdefault(k.state, store)
+                k.tensor = None
+                k.pin.drop()
+            del self._kept[cdata]
+            frame.stats.room_made_bytes += store.nbytes
+            frame.stats.fallbacks.append(f"kept {store.nbytes} bytes offloaded to make room")
+        return self.ledger.resident + need <= budget
+
+    # -- offloads ---------------------------------------------------------------------------
+    def _offload(self, frame: Frame, node: StorageNode, storage: torch.UntypedStorage, state: int,
+                 meta: ViewMeta) -> Optional[_Offloaded]:
+        store = self._start_offload(frame, storage, node.key)
+        if store is None:
+            return None
+        node.offloaded[state] = store
+        return _Offloaded(store, meta, node, state)
+
+    def _start_offload(self, frame: Frame, storage: torch.UntypedStorage, key: str) -> Optional[_OffloadStore]:
+        """Copy ``storage`` into the arena; None when there is no engine or no room there."""
+        if self.engine is None:
+            return None
+        start = time.perf_counter()
+        try:
+            source = torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage)
+            try:
+                handle = self.engine.offload(source)
+            except RuntimeError as e:  # the copy could not be submitted: the caller falls back
+                frame.stats.fallbacks.append(f"{key}: offload failed ({e})")
+                return None
+            if handle is None:
+                return None
+            pin: Optional[_Pin] = None
+            if self._over_budget(storage):
+                self.settle(wait=True)
+            if self._over_budget(storage):
+                try:
+                    handle.wait()  # no room even while the copy runs: copy synchronously
+                except _C.RuntimeError as e:  # the copy failed: the caller falls back
+                    frame.stats.fallbacks.append(f"{key}: offload failed ({e})")
+                    handle.release()
+                    return None
+            else:
+                pin = _Pin(self.ledger, storage)
+            nbytes = storage.nbytes()
+            store = _OffloadStore(self.engine, handle, storage.device, nbytes, pin, frame, key,
+                                  self.reload_in_place and storage.device.type == "cpu", self._copies,
+                                  source, self.mode.nodes.get(storage._cdata))
+            if pin is not None:
+                self._inflight.append(weakref.ref(store))
+            frame.stats.offloaded_storages += 1
+            frame.stats.bytes_by_choice["offload"] += nbytes
+            self._copies[1] += 1
+            self._copies[2] += nbytes
+            return store
+        finally:
+            self._copies[0] += time.perf_counter() - start
+
+    def _arena_in_use(self) -> int:
+        return self.engine.arena.stats()["in_use"] if self.engine is not None else 0
+
+    @property
+    def inflight_bytes(self) -> int:
+        """Device bytes held only until their offload copies complete."""
+        return sum(s.nbytes for s in (ref() for ref in self._inflight) if s is not None and s.pin is not None)
+
+    def settle(self, wait: bool = False) -> None:
+        """Release device sources of completed offloads (all of them with ``wait``). Offloads
+        complete in the order they started (one copy stream), so this stops at the first one
+        still copying: a pack while many are in flight costs one query, not one per copy."""
+        inflight = self._inflight
+        while inflight:
+            store = inflight[0]()
+            if store is not None and not store.settle(wait):
+                return
+            inflight.popleft()
+
+    # -- unpack -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def untraced(self) -> Iterator[None]:
+        """Run bagualu2's own bookkeeping ops (gating callbacks) without tracing them."""
+        self.mode.suspended += 1
+        try:
+            yield
+        finally:
+            self.mode.suspended -= 1
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        task = torch._C._current_graph_task_id()
+        if task != self._last_task:
+            self._last_task = task
+            self.backward_passes += 1
+            if self.backward_observer is not None and task >= 0:  # -1: not inside a backward pass
+                torch.autograd.Variable._execution_engine.queue_callback(self.backward_observer)
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if isinstance(packed, RerunSaved):  # a frame's module hooks skip the rerun's module calls
+            return packed.record.take(packed.index, self.untraced)
+        if isinstance(packed, _Kept):
+            if packed.moved is not None:
+                return self._unpack(packed.moved)
+            if packed.tensor._version != packed.version:
+                raise _modified_error(f"a tensor of shape {tuple(packed.tensor.shape)}", packed.version,
+                                      packed.tensor._version)
+            return packed.tensor
+        if isinstance(packed, _Offloaded):
+            node = packed.node() if packed.node is not None else None
+            if node is not None and node.state != packed.state:
+                raise _modified_error(f"activation {node.key}", packed.state, node.state)
+            watched = packed.watch() if packed.watch is not None else None
+            if watched is not None and watched._version != packed.state:
+                raise _modified_error(f"a tensor of shape {tuple(watched.shape)}", packed.state, watched._version)
+            store = packed.store
+            if self.unpack_observer is not None:
+                self.unpack_observer(store.key)
+            start = time.perf_counter()
+            if not store.frame.scheduled and not store.in_place:
+                self._prefetch_before(store.frame, store)
+            out = store.unpack(packed.meta, self.ledger, self._room)
+            self._copies[0] += time.perf_counter() - start
+            return out
+        node = packed.node
+        if node.state != packed.state:
+            raise _modified_error(f"activation {node.key}", packed.state, node.state)
+        if self.unpack_observer is not None:
+            self.unpack_observer(node.key)
+        start = time.perf_counter()
+        node.cache.bind_to_backward()
+        node.cache.evict_after(node.position)
+        source = packed.source
+        taken: List[torch.UntypedStorage] = []
+
+        def available(n: StorageNode, s: int) -> Optional[torch.UntypedStorage]:
+            # a cast regenerated from an offloaded storage is one of that store's readers
+            if source is None or n.offloaded.get(s) is not source:
+                return self._available(n, s)
+            if not taken:
+                taken.append(source.take(self.ledger, room=self._room))
+            return taken[0]
+
+        replayer = Replayer(available, self._op_replays)
+        out = view_of(replayer.storage(node, packed.state), packed.meta)
+        if source is not None and not taken:
+            source.take(self.ledger, need=False)
+        node.cache.served(node.position, packed.state)
+        entry = self._replays.get(node.key)
+        if entry is None:
+            entry = self._replays[node.key] = [0.0, 0, None]
+        # Reloads of offloaded inputs count as the copies' time, not the rebuild's.
+        entry[0] += time.perf_counter() - start - replayer.reload_seconds
+        self._copies[0] += replayer.reload_seconds
+        if entry[2] != id(node.cache):  # a micro-batch's first rebuild of this key
+            entry[1] += 1
+            entry[2] = id(node.cache)
+        return out
+
+    def _available(self, node: StorageNode, state: int) -> Optional[torch.UntypedStorage]:
+        if node.anchor is not None and node.anchor[1] == state:
+            return node.anchor[0].untyped_storage()
+        kept = kept_tensor(node, state)
+        if kept is not None:
+            return kept.untyped_storage()
+        store = node.offloaded.get(state)
+        if store is not None:
+            return store.storage()
+        return None
+
+    def _prefetch_before(self, frame: Frame, store: _OffloadStore) -> None:
+        # Backward meets a frame's stores in about reverse pack order: keep up to
+        # ``prefetch_bytes`` of reloads pending below the one being unpacked. A cursor makes
+        # this O(1) amortized per unpack; a new backward pass (retain_graph) starts it again.
+        task = torch._C._current_graph_task_id()
+        cursor = frame._prefetch_cursor
+        if cursor > store.index - 1 or task != frame._prefetch_task:
+            cursor = store.index - 1
+            frame._prefetch_task = task
+        while cursor >= 0:
+            other = frame._offloads[cursor]()
+            if other is not None:
+                if frame._prefetch_pending + other.nbytes > self.prefetch_bytes or self._crosses(other.nbytes, pins=True):
+                    break
+                other.prefetch(self.ledger)
+            cursor -= 1
+        frame._prefetch_cursor = cursor
+
+    def prefetch(self, store: "_OffloadStore") -> bool:
+        """Start reloading an offloaded storage now (charged to the ledger until backward
+        uses it); False when one is already pending."""
+        return store.prefetch(self.ledger)
+
+    def recompute_ahead(self, node: StorageNode, state: int) -> _Pin:
+        """Rebuild a released storage now, before backward needs it, into its frame's recompute
+        cache (where backward's unpack finds it). For the overlap scheduler's early recomputes,
+        run while the device would otherwise idle; any thread may call it while no forward or
+        backward of the same frame runs. Returns the ledger charge for the rebuilt storage:
+        ``drop()`` it once backward has used it."""
+        return _Pin(self.ledger, Replayer(self._available).storage(node, state))
+
+    # -- measured costs ---------------------------------------------------------------------
+    def take_copy_times(self) -> Tuple[float, int, int]:
+        """Seconds the calling thread spent offloading (submitting, waiting for room),
+        reloading (submitting, waiting, prefetching; for a rebuild's offloaded inputs too) and
+        releasing the host copies (their arena blocks, as backward drops them), with
+        the number and bytes of offloads, since the last call."""
+        out = (self._copies[0], self._copies[1], self._copies[2])
+        self._copies[:] = [0.0, 0, 0]  # in place: the live stores add their release to it
+        return out
+
+    def take_replay_times(self) -> Dict[str, Tuple[float, int]]:
+        """Per operator key, since the last call: seconds its backward unpacks spent rebuilding
+        (what recomputing really cost: the op, inputs rebuilt first, the replay's own work;
+        several saved views of one storage are rebuilt once; reloads of offloaded inputs count
+        in ``take_copy_times``) and the number of micro-batches that rebuilt it."""
+        out = {k: (v[0], v[1]) for k, v in self._replays.items()}
+        self._replays.clear()
+        return out
+
+    def take_op_replay_times(self) -> Dict[str, Tuple[float, int, int, float, int]]:
+        """Per operator key (unsaved storages' included), since the last call: seconds backward
+        spent replaying the op call that makes its storage (and the in-place ops on it) inside
+        a chain, its inputs already at hand, with the walk since the previous call, and how
+        many such replays it timed; how many replays it made in all; and the seconds and
+        number of its replays as a rebuild's first call, timed apart (its inputs made before
+        the rebuild: ``Replayer``). What one replay of that op costs, whatever rebuild it was
+        part of, and whether backward rebuilt a storage more often than once per micro-batch."""
+        out = {k: (v[0], int(v[1]), int(v[2]), v[3], int(v[4])) for k, v in self._op_replays.items()}
+        self._op_replays.clear()
+        return out
