@@ -105,22 +105,22 @@ def test_cost_model_prices_an_op_s_replay_as_backward_measured_it() -> None:
     # A rebuild that held an op's first replay is not learned from; the next one is.
     cost.observe_op_replays({"c:op:0": (1e-3, 1, 1, 0.0, 0), "u:op:0": (1e-3, 1, 1, 0.0, 0)}, counts)
     cost.observe_replays({"c:op:0": (1.0, 1)}, counts)
-    assert not cost._replay_fit.observed
+    assert not cost.rebuild.fit.observed
     cost.observe_op_replays({"c:op:0": (1e-3, 1, 1, 0.0, 0), "u:op:0": (1e-3, 1, 1, 0.0, 0)}, counts)
     cost.observe_replays({"c:op:0": (2.2e-3, 1)}, counts)
-    assert cost._replay_fit.observed and cost.recompute_seconds("c:op:0", counts) == pytest.approx(2.2e-3)
+    assert cost.rebuild.fit.observed and cost.recompute_seconds("c:op:0", counts) == pytest.approx(2.2e-3)
     # Nor one that replayed a call three times for one micro-batch (it rebuilt again to stay
     # under the budget); its op times are still learned ...
-    coef = list(cost._replay_fit.coef)
+    coef = list(cost.rebuild.fit.coef)
     cost.observe_op_replays({"c:op:0": (3e-3, 3, 3, 0.0, 0), "u:op:0": (1e-3, 1, 3, 0.0, 0)}, counts)
     cost.observe_replays({"c:op:0": (9e-3, 1)}, counts)
-    assert cost._replay_fit.coef == coef and cost.recompute_seconds("c:op:0", counts) == pytest.approx(2.2e-3)
+    assert cost.rebuild.fit.coef == coef and cost.recompute_seconds("c:op:0", counts) == pytest.approx(2.2e-3)
     # ... and a rebuild of the same backward that replayed its calls once is learned from.
     c_last, b_seen = cost.ops["c:op:0"].replays[-1], len(cost.ops["b:op:0"].replays)
     cost.observe_op_replays({"c:op:0": (3e-3, 3, 3, 0.0, 0), "u:op:0": (1e-3, 1, 3, 0.0, 0), "b:op:0": (1e-3, 1, 1, 0.0, 0)}, counts)
     cost.observe_replays({"c:op:0": (9e-3, 1), "b:op:0": (1.2e-3, 1)}, counts)
     assert cost.ops["c:op:0"].replays[-1] is c_last and len(cost.ops["b:op:0"].replays) == b_seen + 1
-    assert cost._replay_fit.coef != coef
+    assert cost.rebuild.fit.coef != coef
 
 
 def test_the_per_micro_batch_rebuild_part_stays_near_zero_until_rebuilds_tell_it_apart() -> None:
@@ -130,10 +130,11 @@ def test_the_per_micro_batch_rebuild_part_stays_near_zero_until_rebuilds_tell_it
     micro-batch, and prices a plan of one small rebuild at 25x its cost. With it the part stays
     near 0 and the plan is priced right. Where first and later rebuilds of the same size show
     it (0.15 ms), it is learned."""
-    from bagualu2.plan.cost_model import REPLAY_FACTOR_FLOOR, REPLAY_FACTOR_SD, REPLAY_FRAME_SD, _CostFit
+    from bagualu2.plan.cost_model.fit import CostFit
+    from bagualu2.plan.cost_model.rebuild import REPLAY_FACTOR_FLOOR, REPLAY_FACTOR_SD, REPLAY_FRAME_SD
 
-    def fit(zero_sd: Dict[int, float], rows: List[Tuple[Tuple[float, ...], float]]) -> _CostFit:
-        out = _CostFit(4, relative=False, prior_sd=REPLAY_FACTOR_SD, floor=REPLAY_FACTOR_FLOOR, zero_sd=zero_sd)
+    def fit(zero_sd: Dict[int, float], rows: List[Tuple[Tuple[float, ...], float]]) -> CostFit:
+        out = CostFit(4, relative=False, prior_sd=REPLAY_FACTOR_SD, floor=REPLAY_FACTOR_FLOOR, zero_sd=zero_sd)
         for i in range(40):
             noise = (0.9, 1.0, 1.1)[i % 3]
             out.add([(x, y * noise) for x, y in rows], [int(x[1]).bit_length() for x, _ in rows])
@@ -146,7 +147,7 @@ def test_the_per_micro_batch_rebuild_part_stays_near_zero_until_rebuilds_tell_it
                    ((0.0, 3.0, 1.0, 0.2e-3), cost(0.0, 3, 0.2e-3)), ((0.0, 3.0, 1.0, 0.25e-3), cost(0.0, 3, 0.25e-3))]
     plan = (1.0, 2.0, 1.0, 0.1e-3)  # a plan's one rebuild, of two ops
 
-    def predict(fitted: _CostFit) -> float:
+    def predict(fitted: CostFit) -> float:
         return sum(c * v for c, v in zip(fitted.coef, plan))
 
     free, anchored = fit({}, calibration), fit({0: REPLAY_FRAME_SD}, calibration)
@@ -182,7 +183,8 @@ def test_a_rebuild_far_slower_than_its_last_ones_counts_as_a_bounded_one() -> No
     """A one-op rebuild that measured 1 to 1.2 ms five times, then 50 ms once (a preempted
     thread): the fit learns it as one of OUTLIER_RATIO times their median, as if it had measured
     that. Before three alike were seen, a rebuild is taken as it measured."""
-    from bagualu2.plan.cost_model import OUTLIER_RATIO, CostModel
+    from bagualu2.plan.cost_model import CostModel
+    from bagualu2.plan.cost_model.rebuild import OUTLIER_RATIO
 
     def learned(times: List[float]) -> List[float]:
         cost = CostModel({})
@@ -190,7 +192,7 @@ def test_a_rebuild_far_slower_than_its_last_ones_counts_as_a_bounded_one() -> No
         for seconds in times:
             cost.observe_op_replays({"a:op:0": (0.0, 0, 1, 0.0, 0)}, {})  # untimed: priced as profiled
             cost.observe_replays({"a:op:0": (seconds, 1)}, {})
-        return list(cost._replay_fit.coef)
+        return list(cost.rebuild.fit.coef)
 
     usual = [1e-3, 1.2e-3, 1e-3, 1.1e-3, 1e-3]
     bound = OUTLIER_RATIO * statistics.median(usual)
@@ -292,14 +294,14 @@ def test_replay_fit_reproduces_the_large_rebuilds_a_plan_s_cost_is_made_of() -> 
     cost = CostModel({})
 
     def fitted(x):
-        return sum(c * v for c, v in zip(cost._replay_fit.coef, x))
+        return sum(c * v for c, v in zip(cost.rebuild.fit.coef, x))
 
     noise = [0.7, 1.3, 0.9, 1.2, 0.8, 1.1, 1.0, 1.25, 0.75]
     small = [((0.0, 1.0, 1.0, p), (26e-6 + p) * n * (3.0 if i % 3 == 0 else 1.0))
              for i, (p, n) in enumerate(zip([5e-6, 7e-6, 9e-6, 6e-6, 8e-6, 10e-6, 5e-6, 7e-6, 9e-6], noise))]
     large = ((0.0, 8.0, 1.0, 270e-6), 15e-6 + 8 * 11e-6 + 270e-6)
     for _ in range(5):
-        cost._replay_fit.add(small + [large])
+        cost.rebuild.fit.add(small + [large])
     assert fitted(large[0]) == pytest.approx(large[1], rel=0.05)
 
 
@@ -321,8 +323,8 @@ def test_replay_fit_learned_from_small_rebuilds_predicts_a_large_one() -> None:
                 ops, profiled, first = rng.randint(1, 2), rng.uniform(5e-6, 45e-6), float(i == 0)
                 measured = 40e-6 * first + 25e-6 + 10e-6 * ops + profiled + rng.gauss(0, 15e-6)
                 rows.append(((first, float(ops), 1.0, profiled), max(1e-6, measured)))
-            cost._replay_fit.add(rows)
-        assert cost._fitted(1, 500e-6) == pytest.approx(25e-6 + 10e-6 + 500e-6, rel=0.1)
+            cost.rebuild.fit.add(rows)
+        assert cost.rebuild._fitted(1, 500e-6) == pytest.approx(25e-6 + 10e-6 + 500e-6, rel=0.1)
 
 
 def test_cost_model_learns_what_each_key_s_rebuild_costs_beyond_the_shared_fit() -> None:
@@ -348,7 +350,8 @@ def test_a_key_s_correction_holds_for_rebuilds_of_the_size_it_was_measured_at() 
     small replay's overhead). In a plan that recomputes everything, backward enters one rebuild
     there that replays the body too: a rebuild of another size, priced by the shared fit, not
     at 3x. Its correction holds once it has measured CORRECTION_SAMPLES rebuilds of that size."""
-    from bagualu2.plan.cost_model import CORRECTION_SAMPLES, CostModel
+    from bagualu2.plan.cost_model import CostModel
+    from bagualu2.plan.cost_model.rebuild import CORRECTION_SAMPLES
     from bagualu2.plan.planner import Choice
 
     cost = CostModel({})
@@ -404,9 +407,9 @@ def _theil_sen(samples: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 6), st.floats(0.0, 1.0)), min_size=1, max_size=60))
 def test_a_timing_fit_is_the_theil_sen_line_of_its_window_refitted_once_an_eighth_is_new(samples) -> None:
-    from bagualu2.plan.cost_model import FIT_WINDOW, _Fit
+    from bagualu2.plan.cost_model.fit import FIT_WINDOW, LineFit
 
-    fit = _Fit(robust=True)
+    fit = LineFit(robust=True)
     fitted: List[Tuple[float, float]] = []  # the window at the last refit
     new = 0
     for i, (tokens, seconds) in enumerate(samples):
@@ -500,11 +503,11 @@ def test_many_small_offloading_plans_do_not_erase_what_offloading_everything_tau
        obs=st.lists(st.tuples(st.integers(1, 4), st.integers(0, 64), st.floats(1e-5, 1e-1)), min_size=1, max_size=12),
        noise=st.lists(st.floats(-0.5, 0.5), min_size=12, max_size=12))
 def test_cost_fit_reproduces_exact_costs_and_never_goes_negative(coef, obs, noise) -> None:
-    from bagualu2.plan.cost_model import _CostFit
+    from bagualu2.plan.cost_model.fit import CostFit
 
-    exact, noisy, anchored, bucketed = _CostFit(3), _CostFit(3), _CostFit(3, prior_sd=0.1), _CostFit(3)
-    floored, noisy_floored = _CostFit(3, prior_sd=0.1, floor=0.5), _CostFit(3, floor=0.5)
-    zeroed, noisy_zeroed = _CostFit(3, zero_sd={0: 1e-4}), _CostFit(3, prior_sd=0.1, zero_sd={0: 1e-4, 1: 1e-5})
+    exact, noisy, anchored, bucketed = CostFit(3), CostFit(3), CostFit(3, prior_sd=0.1), CostFit(3)
+    floored, noisy_floored = CostFit(3, prior_sd=0.1, floor=0.5), CostFit(3, floor=0.5)
+    zeroed, noisy_zeroed = CostFit(3, zero_sd={0: 1e-4}), CostFit(3, prior_sd=0.1, zero_sd={0: 1e-4, 1: 1e-5})
     for x, e in zip(obs, noise):
         y = sum(c * v for c, v in zip(coef, x))
         exact.add([(x, y)])
@@ -534,20 +537,20 @@ def test_cost_fit_forgets_only_the_buckets_a_batch_observes() -> None:
     observed once, then 300 batches of one-op rebuilds alone (as budget plans replay) that
     cannot tell the per-op part from the per-rebuild part. In one bucket the large rebuild is
     forgotten (and predicted at 3.4x its cost); in buckets by size it stays known."""
-    from bagualu2.plan.cost_model import _CostFit
+    from bagualu2.plan.cost_model.fit import CostFit
 
     def cost(ops: int, seconds: float) -> float:
         return 20e-6 * ops + 150e-6 + seconds
 
     large, small = (128.0, 1.0, 5e-3), (1.0, 1.0, 40e-6)
-    shared, bucketed = _CostFit(3, relative=False), _CostFit(3, relative=False)
+    shared, bucketed = CostFit(3, relative=False), CostFit(3, relative=False)
     for fit, buckets in ((shared, None), (bucketed, [8, 1])):
         fit.add([(large, cost(128, 5e-3)), (small, cost(1, 40e-6))], buckets)
         for i in range(300):
             noisy = cost(1, 40e-6) * (1.2 if i % 2 else 0.8)  # one-op rebuilds alone, noisy
             fit.add([((1.0, 1.0, 40e-6), noisy)], buckets and [1])
 
-    def predict(fit: _CostFit) -> float:
+    def predict(fit: CostFit) -> float:
         return sum(c * v for c, v in zip(fit.coef, large))
 
     assert predict(bucketed) == pytest.approx(cost(128, 5e-3), rel=0.05)
@@ -560,9 +563,9 @@ def test_relative_cost_fit_is_not_biased_low_by_noise(spread: float) -> None:
     ``spread`` in turn (mean on the mark), none forgotten. Weighed by the observed totals, the
     fit would come out 5% (20% spread) to 12% (30%) low, as low totals weigh most; weighed by
     the totals it expected, it stays on the mark."""
-    from bagualu2.plan.cost_model import _CostFit
+    from bagualu2.plan.cost_model.fit import CostFit
 
-    fit = _CostFit(2, memory=1.0)
+    fit = CostFit(2, memory=1.0)
     for i in range(300):
         predicted = (0.5e-3, 1e-3, 2e-3)[i % 3]
         noise = (1 - spread, 1.0, 1 + spread)[i // 3 % 3]
@@ -576,14 +579,16 @@ def test_replay_factor_keeps_its_floor_when_cheap_rebuilds_measure_flat() -> Non
     elementwise ops and gathers did on the benchmark model): fitted freely, the factor on the
     ops' time goes to 0.1 and a rebuild of every matmul (130 ms profiled) is predicted at a
     fraction of that; the replay fit's floor keeps it at half at least."""
-    from bagualu2.plan.cost_model import REPLAY_FACTOR_FLOOR, REPLAY_FACTOR_SD, CostModel, _CostFit
+    from bagualu2.plan.cost_model import CostModel
+    from bagualu2.plan.cost_model.fit import CostFit
+    from bagualu2.plan.cost_model.rebuild import REPLAY_FACTOR_FLOOR, REPLAY_FACTOR_SD
 
     rows = [((0.0, 1.0, 1.0, p), 280e-6 + 0.1 * p) for p in (40e-6, 120e-6, 400e-6, 600e-6)]
-    free = _CostFit(4, relative=False, prior_sd=REPLAY_FACTOR_SD)
+    free = CostFit(4, relative=False, prior_sd=REPLAY_FACTOR_SD)
     cost = CostModel({})
     for _ in range(4):
         free.add(rows)
-        cost._replay_fit.add(rows)
+        cost.rebuild.fit.add(rows)
     assert free.coef[-1] == pytest.approx(0.1, abs=0.02)  # the case the floor is for
     assert cost.replay_factor >= REPLAY_FACTOR_FLOOR == 0.5
-    assert cost._fitted(249, 0.13) >= 0.5 * 0.13
+    assert cost.rebuild._fitted(249, 0.13) >= 0.5 * 0.13

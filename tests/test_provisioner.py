@@ -777,7 +777,7 @@ def test_rebuilds_that_replayed_a_call_again_to_stay_under_the_budget_teach_the_
     for i in range(prov.profile_frames + prov.calibrate_frames):
         step(model, i)
     assert [m.calibrating for m in prov.telemetry.micro_batches] == [False, False, True, True]
-    assert cost._op_replays  # the second (warm) calibrating backward's, observed as it ended
+    assert cost.rebuild._op_replays  # the second (warm) calibrating backward's, observed as it ended
     warm = backwards[-1]  # its calls all replayed before (none cold)
     once = warm["micro_batches"]
     repeated = {(cost.ops.get(k) or cost.unsaved[k]).call for k, (*_, n) in warm["ops"].items()
@@ -793,7 +793,7 @@ def test_rebuilds_that_replayed_a_call_again_to_stay_under_the_budget_teach_the_
         assert max(n for *_, n in warm["ops"].values()) > 10 * once
         assert clean != set(warm["entered"])  # some rebuilds replayed a call again
     else:
-        assert not repeated and clean == set(warm["entered"]) and cost._replay_fit.observed
+        assert not repeated and clean == set(warm["entered"]) and cost.rebuild.fit.observed
 
 
 def test_last_plan_is_what_the_last_planning_micro_batch_ran() -> None:
@@ -1083,7 +1083,7 @@ def test_runtime_measures_rebuilds_and_copies_and_the_provisioner_feeds_the_cost
         step(model, i)
         assert adaptive.runtime.take_replay_times() == {} and adaptive.runtime.take_copy_times()[1] == 0
     assert adaptive.report()["saved_bytes_by_choice"]["recompute"] > 0
-    assert adaptive.cost._op_replays and adaptive.cost._replay_fit.observed
+    assert adaptive.cost.rebuild._op_replays and adaptive.cost.rebuild.fit.observed
     offloading = bagualu2.enable(make_model(), budget=None, policy="offload_all", min_bytes=0)
     offloading.runtime.backward_observer = None
     step(offloading.model, 0)
@@ -1091,7 +1091,7 @@ def test_runtime_measures_rebuilds_and_copies_and_the_provisioner_feeds_the_cost
     assert seconds > 0 and copies > 0 and nbytes >= copies
     offloading.runtime.backward_observer = offloading._learn
     step(offloading.model, 1)
-    assert offloading.runtime.take_copy_times()[1] == 0 and offloading.cost._copy_fit.observed
+    assert offloading.runtime.take_copy_times()[1] == 0 and offloading.cost.copies.fit.observed
 
 
 def test_offloads_run_their_own_ops_past_the_dispatch_mode(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -481,7 +481,7 @@ class OverlapDriver:
     def _op_seconds(self, keys: List[str], counts: Dict[int, List[int]]) -> List[float]:
         cost = self.cost
         ops = getattr(cost, "ops", {}) or {}
-        raw = [max(0.0, ops[k].seconds(cost._tokens(ops[k], counts))) if k in ops else 0.0 for k in keys]
+        raw = [max(0.0, ops[k].seconds(cost.driving_tokens(ops[k], counts))) if k in ops else 0.0 for k in keys]
         total = getattr(cost, "forward_seconds", 0.0) or 0.0
         if sum(raw) > 0 and total > 0:
             return [t * total / sum(raw) for t in raw]
