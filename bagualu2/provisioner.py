@@ -23,15 +23,11 @@ The runtime independently holds the ledger under the budget at every save (offlo
 recomputing a storage that would cross it), so a misprediction costs time, never the budget.
 
 The first ``profile_frames`` micro-batches time every op to build the cost model; the first
-``calibrate_frames`` (3) micro-batches after them that a plan may have to release from (their
+``calibrate_frames`` micro-batches after them that a plan may have to release from (their
 worst routing would not fit) recompute everything they can, so that their backward passes
 measure what replays cost before any plan relies on it (``MicroBatch.calibrating``), and with
-``recalibrate_every`` so does one in that many such micro-batches after them (what plans never
-replay is measured again as the machine's speed changes); with a copy engine, every other one of
-these offloads everything instead, so that the copy costs are learned from many offloads of
-every size and not only from the few that plans make; and every other recalibration that
-recomputes recomputes half of it (every other key in save order, the two halves in turn), so
-that rebuilds and learning from them are measured at two sizes of plan. Static
+``recalibrate_every`` so does one in that many such micro-batches after them, in the cycle
+``_calibration`` describes (offloading everything, recomputing all, recomputing half). Static
 policies (``keep_all``, ``recompute_all``, ``offload_all``, or a fixed ``Plan``) use the same
 machinery with a fixed plan and no enforcement, to show what they would do under the budget.
 
@@ -620,7 +616,7 @@ class Provisioner:
             active.append(self)
             with self.runtime.frame(frame):
                 out = self._forward(*args, **kwargs)
-                anchored = sum(node.nbytes for node in frame._anchors)
+                anchored = sum(node.nbytes for node in frame.anchors)
         finally:
             while self in active:  # and above it, what an interrupt left there
                 active.pop()
@@ -811,7 +807,7 @@ class Provisioner:
             return record
         # A micro-batch's first offload costs more than its own copy (copy_frame_s).
         setup = 0.0 if frame.stats.offloaded_storages else cost.copy_frame_s
-        anchors = [n.key for n in frame._anchors]
+        anchors = [n.key for n in frame.anchors]
         candidates, _ = cost.candidates(remaining, counts, self.min_bytes, self.engine is not None, anchors)
         offload_window, reload_window = cost.windows(len(remaining) / max(1, len(cost.order)), self._stacked)
         plan = self.planner.solve(candidates, must_free, offload_window, reload_window, setup)

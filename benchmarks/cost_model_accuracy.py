@@ -238,18 +238,10 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     # runs inside the hooks, and what outside every one of them.
     hooks = [0.0, 0.0]
 
-    def timed_into(slot: int, hook):
-        def timed(x):
-            start = time.perf_counter()
-            try:
-                return hook(x)
-            finally:
-                hooks[slot] += time.perf_counter() - start
-        return timed
+    def hook_timed(hook: str, record: str, seconds: float) -> None:
+        hooks[0 if hook == "pack" else 1] += seconds
 
-    # (read as each frame begins)
-    prov.runtime._pack = timed_into(0, prov.runtime._pack)
-    prov.runtime._unpack = timed_into(1, prov.runtime._unpack)
+    prov.runtime.hook_observer = hook_timed
     # per plan, per round: (pack, unpack) hook seconds minus the all-keep step's before and after
     hook_deltas: List[List[List[tuple]]] = [[] for _ in plans]
     order = random.Random(0)

@@ -35,7 +35,6 @@ import numpy as np
 import torch
 
 import bagualu2
-from bagualu2.runtime.stores import _Offloaded
 from bagualu2.models import MoEConfig, MoETransformer, synthetic_batches
 from cost_model_accuracy import median_ci, run_step
 
@@ -77,7 +76,7 @@ def measure(repeats: int, seed: int) -> Dict:
     # saved tensors packed as offloads.
     measured = [0.0, 0, 0]  # seconds, storages offloaded, their bytes
     saves = [0]
-    take_copies, learn, pack = prov.runtime.take_copy_times, prov.runtime.backward_observer, prov.runtime._pack
+    take_copies, learn = prov.runtime.take_copy_times, prov.runtime.backward_observer
 
     def copies_noted() -> tuple:
         times = take_copies()
@@ -89,14 +88,12 @@ def measure(repeats: int, seed: int) -> Dict:
         learn()
         measured[0] += time.perf_counter() - start
 
-    def pack_counted(t: torch.Tensor):
-        out = pack(t)
-        saves[0] += isinstance(out, _Offloaded)
-        return out
+    def pack_counted(hook: str, record: str, seconds: float) -> None:
+        saves[0] += hook == "pack" and record == "offloaded"
 
     prov.runtime.take_copy_times = copies_noted
     prov.runtime.backward_observer = learning_noted
-    prov.runtime._pack = pack_counted  # (read as each frame begins)
+    prov.runtime.hook_observer = pack_counted
 
     keep = bagualu2.Plan({})
     deltas: Dict[str, List[List[float]]] = {n: [] for n in names}

@@ -17,15 +17,15 @@ schedule (1F1B by default). Every mode runs the same steps from the same weights
 
 Per rank and mode it measures, over --steps timed steps after one warm-up step:
   step_s       wall time of schedule.step (the slowest rank's is the pipeline's)
-  reload_s     time backward waited for offloaded activations (exposed copy, H2D side)
-  offload_s    time forward waited for offload copies to finish (exposed copy, D2H side)
-  recompute_s  time backward spent rebuilding recomputed activations
+  reload_s     time backward's unpack hooks spent on offloaded activations (exposed copy, H2D side)
+  offload_s    time forward's pack hooks spent offloading (submitting copies, waiting for them
+               where the budget leaves no room beside them: exposed copy, D2H side)
+  recompute_s  time backward's unpack hooks spent rebuilding recomputed activations
   idle_s       time between this rank's compute actions (bubbles and p2p waits)
   peak_bytes   the rank's activation high-water mark (bagualu2's exact accounting)
-The three exposed times come from timers around bagualu2's unpack / settle calls
-(instrumentation local to this script). With the scheduler, the driver's counters say where
-reloads were issued, how many recomputes ran early, the DP's decision time and its predicted
-exposed time against lazy issue.
+The three exposed times come from the runtime's hook observer (``runtime.hook_observer``).
+With the scheduler, the driver's counters say where reloads were issued, how many recomputes
+ran early, the DP's decision time and its predicted exposed time against lazy issue.
 
 Prints a table and writes JSON (--json, default benchmarks/results/pipeline_overlap.json).
 On this CPU machine copies are memcpy by worker threads and compete with compute for the same
@@ -81,37 +81,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 TIMERS: dict[str, float] = collections.defaultdict(float)
 
 
-def _install_timers() -> bool:
-    try:
-        from bagualu2.runtime import runtime as rt
-    except ImportError:
-        return False
-    cls = rt.ActivationRuntime
-    if getattr(cls, "_bench_timed", False):
-        return True
-    unpack, settle = cls._unpack, cls.settle
-
-    def timed_unpack(self, packed):
-        t0 = time.perf_counter()
-        try:
-            return unpack(self, packed)
-        finally:
-            kind = type(packed).__name__
-            if kind == "_Offloaded":
-                TIMERS["reload_s"] += time.perf_counter() - t0
-            elif kind == "_Recomputed":
-                TIMERS["recompute_s"] += time.perf_counter() - t0
-
-    def timed_settle(self, wait: bool = False):
-        t0 = time.perf_counter()
-        try:
-            return settle(self, wait)
-        finally:
-            if wait:
-                TIMERS["offload_s"] += time.perf_counter() - t0
-
-    cls._unpack, cls.settle, cls._bench_timed = timed_unpack, timed_settle, True
-    return True
+def _timed(hook: str, record: str, seconds: float) -> None:
+    """The runtime's hook observer: pack hooks that offloaded (submitting the copy, and waiting
+    for copies where the budget leaves no room beside them) and unpack hooks that reloaded or
+    rebuilt."""
+    name = {("pack", "offloaded"): "offload_s", ("unpack", "offloaded"): "reload_s",
+            ("unpack", "recomputed"): "recompute_s"}.get((hook, record))
+    if name is not None:
+        TIMERS[name] += seconds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,6 +131,7 @@ def _run_mode(rank, world_size, args, mode, budget) -> dict:
     prov = pp.enable_bagualu2(pipe, arena_bytes=64 << 20, **kwargs) if kwargs is not None else None
     if prov is not None:
         prov.runtime.reload_in_place = False  # copy back as on a device: the scheduler has reloads to place
+        prov.runtime.hook_observer = _timed
     # Idle time between this rank's compute actions (pipeline bubbles and p2p waits).
     idle = {"s": 0.0, "last": None}
 
@@ -207,7 +185,6 @@ def _run_mode(rank, world_size, args, mode, budget) -> dict:
 
 
 def _rank_main(rank: int, world_size: int, args: argparse.Namespace, out_path: str) -> None:
-    _install_timers()
     modes = [m for m in args.modes.split(",") if m]
     results, budget = [], None
     for mode in modes:

@@ -237,6 +237,31 @@ def test_shared_storage_is_offloaded_once(engine: CopyEngine) -> None:
     loss.backward()
 
 
+@pytest.mark.parametrize("choice", [Choice.KEEP, Choice.OFFLOAD, Choice.RECOMPUTE])
+def test_the_hook_observer_sees_every_saved_tensor_hook_and_what_it_handled(engine: CopyEngine, choice: Choice) -> None:
+    """The benchmarks' timing switch: every pack and unpack of a frame started with
+    ``hook_observer`` set is reported once, with what it stored or restored; the frame stays
+    exact, and a frame started after it is cleared is not reported."""
+    model, tokens = make_model()
+    h = Harness(model, engine)
+    reference = loss_and_grads(model, h.forward(tokens, None))
+    seen: List[Tuple[str, str, float]] = []
+    h.runtime.hook_observer = lambda hook, record, seconds: seen.append((hook, record, seconds))
+    frame = Frame(default=choice)
+    assert_bitwise(reference, loss_and_grads(model, h.forward(tokens, frame)))
+    packs = [r for hook, r, _ in seen if hook == "pack"]
+    unpacks = [r for hook, r, _ in seen if hook == "unpack"]
+    assert len(packs) >= frame.stats.packed > 0 and unpacks
+    assert all(seconds >= 0.0 for *_, seconds in seen)
+    released = {Choice.KEEP: "kept", Choice.OFFLOAD: "offloaded", Choice.RECOMPUTE: "recomputed"}[choice]
+    assert released in packs and released in unpacks
+    assert set(packs) <= {"kept", "tensor", released}
+    h.runtime.hook_observer = None
+    seen.clear()
+    loss_and_grads(model, h.forward(tokens, Frame(default=choice)))
+    assert not seen
+
+
 @pytest.mark.parametrize("passes", [1, 2])
 def test_each_offloaded_storage_is_reloaded_once_per_backward_pass(engine: CopyEngine, passes: int) -> None:
     """The MoE layer's experts each save a slice of one permuted token buffer, attention saves

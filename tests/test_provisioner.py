@@ -626,7 +626,7 @@ def test_the_first_micro_batches_a_plan_may_release_from_measure_what_replays_co
 
     prov.runtime.take_op_replay_times = take_noting  # type: ignore[method-assign]
     anchored: set = set()  # block inputs, held for the recipes: no plan releases them
-    model.norm.register_forward_hook(lambda *a: anchored.update(n.key for n in frames[-1]._anchors))
+    model.norm.register_forward_hook(lambda *a: anchored.update(n.key for n in frames[-1].anchors))
     for i in range(9):
         ref, got = step(plain, i), step(model, i)
         assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))

@@ -59,9 +59,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_
 from bagualu2.plan.planner import Choice
 from bagualu2.runtime.frame import Frame, check_keys, profile_saves
 from bagualu2.runtime.ledger import _drain_failed_backward, _drain_graph, _Pin
-from bagualu2.runtime.rerun import BlockRerun, unrestorable
+from bagualu2.runtime.rerun import BlockRerun, RerunSaved, unrestorable
 from bagualu2.runtime.residency import Residency
-from bagualu2.runtime.stores import _Offloaded, _Recomputed, _uncounted, regeneration_source
+from bagualu2.runtime.stores import _Kept, _Offloaded, _Recomputed, _uncounted, regeneration_source
 from bagualu2.runtime.tracing import StorageNode, ViewMeta, is_plain, recipe_refs, view_meta
 
 __all__ = ["ActivationRuntime", "AttachedHook"]
@@ -124,6 +124,27 @@ class _Attachment:
             self._runtime._attachments.remove(self)
 
 
+_RECORDS = {_Kept: "kept", _Offloaded: "offloaded", _Recomputed: "recomputed", RerunSaved: "recomputed"}
+
+
+def _record(packed: Any) -> str:
+    """What a saved-tensor hook packed or unpacked: "kept", "offloaded" or "recomputed" (a
+    store of the runtime; "recomputed" also for a block rerun whole), or "tensor" (saved as it
+    is: too small, a parameter, or untraced)."""
+    return _RECORDS.get(type(packed), "tensor")
+
+
+def _observed(hook: str, run: Callable[[Any], Any], observer: Callable[[str, str, float], None]) -> Callable[[Any], Any]:
+    """``run`` (a pack or unpack hook) timed, each call reported to ``observer`` (the runtime's
+    ``hook_observer``) with what it packed or unpacked."""
+    def timed(x: Any) -> Any:
+        start = time.perf_counter()
+        out = run(x)
+        observer(hook, _record(out if hook == "pack" else x), time.perf_counter() - start)
+        return out
+    return timed
+
+
 class ActivationRuntime(Residency):
     """Applies per-operator KEEP / OFFLOAD / RECOMPUTE choices to saved activations: picks each
     save's choice here; its base ``Residency`` holds, counts and serves back what was picked.
@@ -154,6 +175,10 @@ class ActivationRuntime(Residency):
         self.min_bytes = min_bytes
         # Overlap scheduling: called with each frame as it starts (bagualu2.plan.overlap.OverlapDriver).
         self.frame_observer: Optional[Callable[[Frame], None]] = None
+        # Timing (benchmarks): called after each saved-tensor hook of the frames that start while
+        # it is set, as ``fn(hook, record, seconds)``: hook "pack" or "unpack", record what was
+        # packed or unpacked (``_record``). Off, the hooks run unwrapped: it costs nothing.
+        self.hook_observer: Optional[Callable[[str, str, float], None]] = None
         self._told_unrestorable = False  # a block call that could not be rerun was warned of
         self._traced_blocks: Set[str] = set()  # outermost blocks seen traced: whether they issue collectives is known
         self._attachments: List["_Attachment"] = []  # module trees attached (``attach``)
@@ -206,8 +231,10 @@ class ActivationRuntime(Residency):
         tracing = self.mode if frame.traced else contextlib.nullcontext()
         grad = torch.is_grad_enabled()
         try:
-            pack = self._pack if frame.traced else self._pack_calm
-            with tracing, torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+            pack, unpack = self._pack if frame.traced else self._pack_calm, self._unpack
+            if self.hook_observer is not None:
+                pack, unpack = _observed("pack", pack, self.hook_observer), _observed("unpack", unpack, self.hook_observer)
+            with tracing, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 try:
                     yield frame
                 finally:
@@ -244,10 +271,10 @@ class ActivationRuntime(Residency):
         if frame.profile and not frame.saved_profile:
             frame.saved_profile, frame.unsaved_seconds = profile_saves(frame, self.mode.nodes.values())
         self.settle()
-        for node in frame._anchors:
+        for node in frame.anchors:
             if node.offloaded:
                 node.anchor = None
-        frame._anchors = []
+        frame.anchors = []
         frame._untraced_offloads = {}
         frame._recomputed = set()
         frame._rerun = None
@@ -417,7 +444,7 @@ class ActivationRuntime(Residency):
             with self.untraced():
                 held = t.detach()  # holding t's autograd graph would be a reference cycle
             node.anchor = (held, node.state, _Pin(self.ledger, t.untyped_storage()))
-            self._frame._anchors.append(node)
+            self._frame.anchors.append(node)
             anchors = node.cache.anchors
             if outermost and (not anchors or anchors[-1] < node.position):
                 anchors.append(node.position)

@@ -130,7 +130,9 @@ class Frame:
         self._prefetch_pending = 0  # bytes prefetched and not used yet
         # released by recompute; recorded only while an overlap driver observes frames
         self._recomputes: List[Tuple[str, "weakref.ref[StorageNode]", int]] = []
-        self._anchors: List[StorageNode] = []
+        # The storages this forward holds as anchors: inputs that rebuilds start from, kept
+        # whatever the plan says (the planner is told: ``CostModel.candidates``' ``fixed``).
+        self.anchors: List[StorageNode] = []
         # Untraced frames, while the forward runs: storages offloaded without a node
         # (address -> the storage's weak ref, its version, the store's weak ref)
         self._untraced_offloads: Dict[int, Tuple[StorageWeakRef, int, "weakref.ref[_OffloadStore]"]] = {}
