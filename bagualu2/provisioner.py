@@ -488,10 +488,11 @@ class Provisioner:
                 return frame
             self._since_calibration += 1
         # Stable phases cost nothing: a forward whose plan is not expected to release anything
-        # is not traced (its recipes would never be used): keep_all's, and adaptive's when
-        # calm (``_calm``).
-        frame.traced = frame.profile or not (
-            self.policy == "keep_all" or (self.policy == "adaptive" and self._calm()))
+        # is not traced (its recipes would never be used): keep_all's, a fixed plan's that
+        # keeps everything, and adaptive's when calm (``_calm``).
+        keeps_all = self.policy == "keep_all" or (
+            self._static is not None and all(c == Choice.KEEP for c in self._static.values()))
+        frame.traced = frame.profile or not (keeps_all or (self.policy == "adaptive" and self._calm()))
         return frame
 
     def _calibrates(self) -> bool:

@@ -881,6 +881,27 @@ def test_keep_all_traces_only_its_profiling_forwards_and_counts_every_byte() -> 
     assert [m.peak_bytes for m in prov.telemetry.micro_batches] == [m.peak_bytes for m in ref.telemetry.micro_batches]
 
 
+@pytest.mark.parametrize("releases", [False, True])
+def test_a_fixed_plan_is_traced_after_profiling_only_if_it_releases_something(releases: bool) -> None:
+    """A fixed plan that keeps everything has no use for recipes: like keep_all, its forwards
+    after profiling run untraced (and exact); one that releases anything traces every forward."""
+    model = make_model(ep_size=4)
+    plain = copy.deepcopy(model)
+    prov = bagualu2.enable(model, budget=None, policy=bagualu2.Plan({}), min_bytes=0)
+    for i in range(prov.profile_frames):
+        step(plain, i), step(model, i)
+    if releases:
+        prov.policy = {next(iter(prov.cost.ops)): bagualu2.Choice.OFFLOAD}
+    else:
+        prov.policy = {k: bagualu2.Choice.KEEP for k in prov.cost.ops}
+    for i in range(5, 8):
+        ref, got = step(plain, i), step(model, i)
+        assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+    mbs = prov.telemetry.micro_batches
+    assert all(m.traced for m in mbs[:prov.profile_frames])
+    assert [m.traced for m in mbs[prov.profile_frames:]] == [releases] * 3
+
+
 def test_calm_forwards_go_untraced_and_an_unannounced_spike_is_offloaded_under_the_budget() -> None:
     model = make_model(ep_size=4)
     plain = copy.deepcopy(model)
