@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Dict, List
 
 from bagualu2.sim.clusters import get_cluster
-from bagualu2.sim.engine import POLICIES, Simulator, fit_seq_for_keep_all
+from bagualu2.sim.engine import POLICIES, Simulator
 from bagualu2.sim.layout import Layout
 from bagualu2.sim.models import get_model
 from bagualu2.sim.results import plot_scaling
+from bagualu2.sim.sizing import fit_seq_for_keep_all
 from bagualu2.sim.traces import generate_trace
 
 SCENARIOS = [  # (model, tp, pp, vpp, ep, dp)

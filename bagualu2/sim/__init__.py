@@ -14,10 +14,10 @@ The simulator calls the runtime's ``bagualu2.Planner``; see
 ``docs/simulator.md`` for the model, the calibration and the predicted-vs-published ablation.
 """
 from bagualu2.sim.clusters import CLUSTER_PRESETS, ClusterSpec, get_cluster
-from bagualu2.sim.engine import (POLICIES, PolicyResult, SimResult, Simulator,
-                                 fit_seq_for_keep_all)
+from bagualu2.sim.engine import POLICIES, PolicyResult, SimResult, Simulator
 from bagualu2.sim.layout import Layout
 from bagualu2.sim.models import MODEL_PRESETS, OP_TABLE, ModelSpec, get_model
+from bagualu2.sim.sizing import fit_seq_for_keep_all
 from bagualu2.sim.traces import LoadTrace, generate_trace, read_telemetry
 
 __all__ = [

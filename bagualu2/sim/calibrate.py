@@ -15,7 +15,7 @@ results come out of the model.
 Reference scenario (:data:`REFERENCE`): DeepSeek-V3-671B on 12,288 64 GB DCU-class accelerators,
 TP 2 x PP 16 (interleaved, 2 chunks per stage) x EP 64 x DP 6, 64 micro-batches per step, and
 the aggressive baseline tuned the usual way: the longest micro-batch whose calm peak leaves 3%
-of device memory free (:func:`bagualu2.sim.engine.fit_seq_for_keep_all`).
+of device memory free (:func:`bagualu2.sim.sizing.fit_seq_for_keep_all`).
 
 Calm MFU is evaluated on a step where every MoE unit carries the calm mean imbalance (1.125).
 The fit alternates two one-dimensional secant solves (``network_efficiency`` for the keep_all
@@ -37,9 +37,10 @@ from typing import Callable, Dict, Optional, Tuple
 import numpy as np
 
 from bagualu2.sim.clusters import ClusterSpec, get_cluster
-from bagualu2.sim.engine import Simulator, fit_seq_for_keep_all
+from bagualu2.sim.engine import Simulator
 from bagualu2.sim.layout import Layout
 from bagualu2.sim.models import ModelSpec, get_model
+from bagualu2.sim.sizing import fit_seq_for_keep_all
 
 __all__ = ["REFERENCE", "TARGETS", "calibrate", "calm_mfu", "reference_setup"]
 

@@ -98,10 +98,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from bagualu2.sim.clusters import get_cluster
-    from bagualu2.sim.engine import Simulator, fit_seq_for_keep_all
+    from bagualu2.sim.engine import Simulator
     from bagualu2.sim.layout import Layout
     from bagualu2.sim.models import get_model
     from bagualu2.sim.results import format_table, write_outputs
+    from bagualu2.sim.sizing import fit_seq_for_keep_all
     from bagualu2.sim.traces import generate_trace, read_telemetry
 
     model = get_model(args.model)

@@ -32,6 +32,9 @@ Policies
 OOM and restarts: a step whose peak exceeds device memory on any stage crashes the job; it
 costs the crashed step, a cold restart (``restart_s``) and re-running every step since the last
 checkpoint; the offending batch is skipped on resume (its tokens never count).
+
+What a unit of each kind costs at a given load comes from :mod:`bagualu2.sim.kinds`; the
+engine only combines those tables with the schedule and the policies.
 """
 from __future__ import annotations
 
@@ -42,12 +45,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from bagualu2.sim.clusters import ClusterSpec
-from bagualu2.sim.layout import Layout, ep_alltoall_rate, stage_static_bytes
-from bagualu2.sim.models import ModelSpec, UnitOps, unit_ops
+from bagualu2.sim.kinds import KindTable, build_kind_table
+from bagualu2.sim.layout import Layout, stage_static_bytes
+from bagualu2.sim.models import ModelSpec
 from bagualu2.sim.schedule import Timeline, inflight_depth, slots_until_backward
 from bagualu2.sim.traces import LoadTrace
 
-__all__ = ["POLICIES", "KindTable", "PolicyResult", "Simulator", "SimResult", "planner_api"]
+__all__ = ["POLICIES", "PolicyResult", "Simulator", "SimResult", "planner_api"]
 
 POLICIES: Tuple[str, ...] = ("keep_all", "recompute_all", "static", "adaptive", "adaptive_overlap")
 PLANNED = ("static", "adaptive", "adaptive_overlap")
@@ -67,57 +71,6 @@ def planner_api():  # noqa: ANN201 - returns the module-level names of the runti
     from bagualu2.plan import planner as _p
 
     return tuple(getattr(_p, n) for n in names)
-
-
-@dataclass
-class KindTable:
-    """Everything about one unit kind that scales linearly with the load ``f``.
-
-    Scalars ``*_a`` / ``*_b`` mean ``value(f) = a + b * f``; arrays are per releasable op.
-    Times in seconds, bytes in bytes, per micro-batch on one device.
-    """
-
-    kind: str
-    ops: UnitOps
-    fwd_a: float
-    fwd_b: float
-    bwd_a: float
-    bwd_b: float
-    full_a: float
-    full_b: float
-    fixed_a: float
-    fixed_b: float
-    flops: float  # model FLOPs (forward + backward) of one micro-batch at load 1
-    names: List[str] = field(default_factory=list)
-    nb_a: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    nb_b: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    rec_a: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    rec_b: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    off_a: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    off_b: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    rel_a: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    rel_b: np.ndarray = field(default_factory=lambda: np.zeros(0))
-
-    def full(self, f):  # noqa: ANN001, ANN201 - scalar or array
-        """Saved bytes with everything kept."""
-        return self.full_a + self.full_b * f
-
-    def fwd(self, f):  # noqa: ANN001, ANN201
-        """Forward seconds."""
-        return self.fwd_a + self.fwd_b * f
-
-    def bwd(self, f):  # noqa: ANN001, ANN201
-        """Backward seconds (without recompute or exposed copies)."""
-        return self.bwd_a + self.bwd_b * f
-
-    def candidates(self, f: float, Candidate) -> list:  # noqa: ANN001
-        """The planner's candidates at load ``f`` (op name as key)."""
-        return [Candidate(key=n, nbytes=int(math.ceil(self.nb_a[i] + self.nb_b[i] * f)),
-                          recompute_s=float(self.rec_a[i] + self.rec_b[i] * f),
-                          offload_s=float(self.off_a[i] + self.off_b[i] * f),
-                          reload_s=float(self.rel_a[i] + self.rel_b[i] * f),
-                          can_offload=True, can_recompute=True)
-                for i, n in enumerate(self.names)]
 
 
 @dataclass(frozen=True)
@@ -605,98 +558,3 @@ class Simulator:
             "peak_gib": float(r.peak.max() / 2**30),
             "infeasible_decisions": int(r.infeasible.sum()),
         }
-
-
-def build_kind_table(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
-                     kind: str) -> KindTable:
-    """Linear-in-load costs of one unit kind from the analytic op model and the cluster."""
-    ops = unit_ops(model, kind, layout.mbs, layout.seq, layout.tp)
-    fi, fo = ep_alltoall_rate(cluster, layout)
-    net_s_per_byte = max(fi / cluster.intra_bw, fo / cluster.inter_bw) / cluster.network_efficiency
-    fwd_t: Dict[str, Tuple[float, float]] = {}
-    bwd_t: Dict[str, Tuple[float, float]] = {}
-    flops = 0.0
-    for o in ops.ops:
-        if o.op_class == "network":
-            a, b = o.work_fixed * net_s_per_byte, o.work_per_load * net_s_per_byte
-            ratio = 1.0
-        else:
-            rate = cluster.op_rate(o.op_class)
-            a, b = o.work_fixed / rate, o.work_per_load / rate
-            ratio = (cluster.attention_backward_ratio if o.op_class == "attention"
-                     else cluster.backward_ratio)
-            if o.op_class in ("matmul", "attention"):
-                flops += 3 * (o.work_fixed + o.work_per_load)
-        fwd_t[o.name] = (a, b)
-        bwd_t[o.name] = (a * ratio, b * ratio)
-    tp_s = 0.0
-    if layout.tp > 1 and kind in ("dense", "moe", "mtp"):
-        full_tokens = layout.mbs * layout.seq
-        tp_s = 4 * (layout.tp - 1) / layout.tp * full_tokens * model.hidden * 2 / (
-            cluster.intra_bw * cluster.network_efficiency)
-    fwd_a = sum(v[0] for v in fwd_t.values()) + tp_s
-    fwd_b = sum(v[1] for v in fwd_t.values())
-    bwd_a = sum(v[0] for v in bwd_t.values()) + tp_s
-    bwd_b = sum(v[1] for v in bwd_t.values())
-    rel = [o for o in ops.ops if o.releasable and (o.saved_fixed + o.saved_per_load) > 0]
-    fixed = [o for o in ops.ops if o not in rel]
-    t = KindTable(
-        kind=kind, ops=ops, fwd_a=fwd_a, fwd_b=fwd_b, bwd_a=bwd_a, bwd_b=bwd_b,
-        full_a=sum(o.saved_fixed for o in ops.ops), full_b=sum(o.saved_per_load for o in ops.ops),
-        fixed_a=sum(o.saved_fixed for o in fixed), fixed_b=sum(o.saved_per_load for o in fixed),
-        flops=flops, names=[o.name for o in rel],
-        nb_a=np.array([o.saved_fixed for o in rel]), nb_b=np.array([o.saved_per_load for o in rel]),
-        rec_a=np.array([fwd_t[o.regen][0] for o in rel]),
-        rec_b=np.array([fwd_t[o.regen][1] for o in rel]),
-        off_a=np.array([o.saved_fixed / cluster.host_d2h_bw for o in rel]),
-        off_b=np.array([o.saved_per_load / cluster.host_d2h_bw for o in rel]),
-        rel_a=np.array([o.saved_fixed / cluster.host_h2d_bw for o in rel]),
-        rel_b=np.array([o.saved_per_load / cluster.host_h2d_bw for o in rel]),
-    )
-    return t
-
-
-def keep_all_calm_peak(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
-                       calm_imbalance: float = 1.2) -> float:
-    """Peak device bytes of keep_all (highest stage) when every MoE unit of every micro-batch
-    carries ``calm_imbalance``."""
-    sim = Simulator(model, cluster, layout, calm_imbalance=calm_imbalance)
-    load = np.full((1, sim.M, len(sim.kinds_of_unit)), 1.0)
-    load[:, :, sim.moe_units] = calm_imbalance
-    return float(sim.simulate_policy("keep_all", load, max_load=calm_imbalance).peak.max())
-
-
-def fit_seq_for_keep_all(model: ModelSpec, cluster: ClusterSpec, layout: Layout, *,
-                         calm_imbalance: float = 1.125, margin: float = 0.03,
-                         multiple: int = 64) -> int:
-    """Longest sequence (a multiple of ``multiple``) whose keep_all calm peak fits in memory.
-
-    This is how the aggressive baseline is tuned in practice: the largest micro-batch that ran
-    without running out of memory in calm phases (every in-flight micro-batch at the calm mean
-    load ``calm_imbalance``) with a safety ``margin`` of device memory left. Sums over dozens of
-    in-flight micro-batches concentrate near the mean, so calm steps fit; spikes decide whether
-    it crashes.
-
-    Raises:
-        ValueError: when even ``multiple`` tokens do not fit (names the static bytes).
-    """
-    import dataclasses
-
-    def fits(seq: int) -> bool:
-        lay = dataclasses.replace(layout, seq=seq)
-        return (keep_all_calm_peak(model, cluster, lay, calm_imbalance)
-                <= (1.0 - margin) * cluster.device_memory)
-
-    lo, hi = 0, 1
-    while hi <= 4096 and fits(hi * multiple):
-        lo, hi = hi, hi * 2
-    if lo == 0:
-        static = max(stage_static_bytes(model, layout, s)["total"] for s in range(layout.pp))
-        raise ValueError(
-            f"keep_all cannot fit even {multiple} tokens per micro-batch of {model.name} on "
-            f"{cluster.name} with tp={layout.tp} pp={layout.pp} vpp={layout.vpp} ep={layout.ep}: "
-            f"{static / 2**30:.1f} GiB of weights/optimizer per device; raise tp, pp or ep")
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid * multiple) else (lo, mid)
-    return lo * multiple

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Dict, Mapping, Optional, Sequence
 import numpy as np
 
 from bagualu2.sim.clusters import ClusterSpec
-from bagualu2.sim.engine import KindTable, Simulator
+from bagualu2.sim.engine import Simulator
+from bagualu2.sim.kinds import KindTable
 from bagualu2.sim.layout import Layout
 from bagualu2.sim.models import ModelSpec, OpSpec, UnitOps
 
