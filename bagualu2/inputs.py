@@ -4,11 +4,11 @@ the gate or the callback, and the bad value."""
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
-from bagualu2.plan.planner import Choice
+from bagualu2.plan.planner import Choice, Plan
 from bagualu2.runtime.frame import checked_choices
 from bagualu2.runtime.gates import GateSpec
 from bagualu2.runtime.tracing import is_plain
@@ -35,6 +35,30 @@ def check_int(name: str, value: Any, low: int, also: str = "") -> None:
         raise TypeError(f"{name}={value!r} must be an int >= {low}{also}")
     if value < low:
         raise ValueError(f"{name}={value} must be >= {low}{also}")
+
+
+def check_options(policy: Any, policies: Sequence[str], on_exceed: str, margin: Any, profile_frames: Any,
+                  calibrate_frames: Any, recalibrate_every: Any, min_bytes: Any, reserve_bytes: Any,
+                  arena_bytes: Any, arena_max_bytes: Any) -> None:
+    """``enable``'s options (``policies``: the policies by name)."""
+    if isinstance(policy, str) and policy not in policies:
+        raise ValueError(f"policy={policy!r}: use one of {policies} or a fixed Plan / mapping of keys to Choice")
+    if not isinstance(policy, (str, Plan, Mapping)):
+        raise TypeError(f"policy={policy!r}: use one of {policies} or a fixed Plan / mapping of keys to Choice")
+    if on_exceed not in ("record", "raise"):
+        raise ValueError(f"on_exceed={on_exceed!r}: use 'record' or 'raise'")
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0.0 <= margin < 0.5:
+        raise ValueError(f"margin={margin!r} must be a number in [0, 0.5)")
+    check_int("profile_frames", profile_frames, 1)
+    check_int("calibrate_frames", calibrate_frames, 0)
+    check_int("recalibrate_every", recalibrate_every, 0, " (0: never)")
+    check_int("min_bytes", min_bytes, 0)
+    check_int("reserve_bytes", reserve_bytes, 0)
+    for name, value in (("arena_bytes", arena_bytes), ("arena_max_bytes", arena_max_bytes)):
+        if value is not None:
+            check_int(name, value, 1, " or None")
+    if arena_bytes is not None and arena_max_bytes is not None and arena_max_bytes < arena_bytes:
+        raise ValueError(f"arena_max_bytes={arena_max_bytes} must be >= arena_bytes={arena_bytes}")
 
 
 def check_materialized(model: torch.nn.Module) -> None:

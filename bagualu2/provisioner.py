@@ -22,32 +22,32 @@ micro-batches after it are traced, ready to plan, until one routes within the bu
 The runtime independently holds the ledger under the budget at every save (offloading or
 recomputing a storage that would cross it), so a misprediction costs time, never the budget.
 
-The first ``profile_frames`` micro-batches time every op to build the cost model; the first
-``calibrate_frames`` micro-batches after them that a plan may have to release from (their
-worst routing would not fit) recompute everything they can, so that their backward passes
-measure what replays cost before any plan relies on it (``MicroBatch.calibrating``), and with
-``recalibrate_every`` so does one in that many such micro-batches after them, in the cycle
-``_calibration`` describes (offloading everything, recomputing all, recomputing half). Static
+The first ``profile_frames`` micro-batches time every op to build the cost model; after them,
+some of those a plan may have to release from (their worst routing would not fit) calibrate:
+they release all they can, so that their backward passes measure what releases cost before
+any plan relies on it (``MicroBatch.calibrating``; ``provision/calibration.py`` says which). Static
 policies (``keep_all``, ``recompute_all``, ``offload_all``, or a fixed ``Plan``) use the same
 machinery with a fixed plan and no enforcement, to show what they would do under the budget.
 
 Safety net: if the device runs out of memory inside a provisioned forward, the partial
 micro-batch is dropped (its graph and saved activations with it), the RNG is rewound, and the
 forward reruns with a recompute-everything plan; the step goes on.
+
+The ``Provisioner`` makes these decisions; what it decides with are small objects it holds, each
+owning its own state (``bagualu2/provision/``): the micro-batches in flight (``Stacking``), what
+one holds that no plan releases and the room that leaves (``Footprint``), the routing seen
+(``RoutingRecord``), the calibrating micro-batches (``Calibration``), the keys no plan can name
+(``UnplannedKeys``), and the forward put on the model with the per-thread stack of running
+provisioners (``provision/forward.py``).
 """
 
 from __future__ import annotations
 
-import collections
-import copy
 import itertools
-import math
-import statistics
-import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -56,11 +56,18 @@ from bagualu2.runtime.activations import AttachedHook
 from bagualu2.runtime.frame import checked_choices
 from bagualu2.runtime.tracing import reset_replay_depth
 from bagualu2.plan.cost_model import SIZE, CostModel
-from bagualu2.errors import BudgetExceededError, InfeasibleBudgetError
+from bagualu2.errors import BudgetExceededError
 from bagualu2.inputs import (
-    check_int, check_materialized, checked_counts, checked_plan, device_of, host_memory_bytes, input_bytes,
-    local_processes, resolve_budget, token_slots,
+    check_materialized, check_options, checked_counts, checked_plan, device_of, input_bytes, resolve_budget,
+    token_slots,
 )
+from bagualu2.provision.calibration import Calibration
+from bagualu2.provision.copy_engine import make_engine, measure_copy_costs, reserve_arena
+from bagualu2.provision.footprint import Footprint
+from bagualu2.provision.forward import ProvisionedForward, active, plain_forward
+from bagualu2.provision.routing import RoutingRecord
+from bagualu2.provision.stacking import Stacking
+from bagualu2.provision.unplanned import UnplannedKeys
 from bagualu2.runtime.gates import GateSpec, describe_unsupported, find_gates
 from bagualu2.plan.planner import Choice, Plan, Planner
 from bagualu2.telemetry import Decision, MicroBatch, Telemetry
@@ -68,56 +75,6 @@ from bagualu2.telemetry import Decision, MicroBatch, Telemetry
 __all__ = ["Provisioner", "enable", "on_gating", "POLICIES"]
 
 POLICIES = ("adaptive", "keep_all", "recompute_all", "offload_all")
-_PHASES = {"none": 0, "warmup": 1, "steady": 2, "cooldown": 3}
-# Per thread, the provisioners whose forward is running on it, innermost last: a routing report
-# (on_gating) belongs to the thread that makes it, and so to the model that thread runs.
-_LOCAL = threading.local()
-
-
-def _active() -> List["Provisioner"]:
-    stack = getattr(_LOCAL, "active", None)
-    if stack is None:
-        stack = _LOCAL.active = []
-    return stack
-
-
-# Micro-batches whose routing predicts the next one's: after a spike, this many are traced
-# (ready to plan releases) before calm forwards go untraced again.
-_RECENT = 8
-# The host arena at enable, when the user does not size it: room for the copy-cost probes and
-# the first offloads. Once the profiled micro-batches show how large activations get, what
-# offloading may need is reserved in one step, up to _ARENA_AHEAD_BYTES (_reserve_arena); the
-# arena grows by segments beyond that.
-_ARENA_START_BYTES = 64 << 20
-_ARENA_AHEAD_BYTES = 8 << 30
-
-
-# What a calibrating micro-batch releases (``Provisioner._new_frame``). The first
-# ``calibrate_frames`` after profiling, where a plan may have to release, recompute all they
-# can: their backward passes measure what replaying each op costs
-# (``CostModel.observe_op_replays``) and what rebuilds cost, before any plan relies on them (a
-# profiled forward's op times stand for a replay's only in part: ``CostModel``'s note). The
-# first replays run cold; the next replace them, and plans refine both as they rebuild.
-# Recalibrations (one every ``recalibrate_every``) then go round a cycle:
-# - with a copy engine, every other one offloads everything: the copies' cost
-#   (``CostModel.observe_copies``) is then learned from many offloads of every size, beside the
-#   plans' few, and priced right for plans that offload more than those did (what a copy costs
-#   apart from its bytes, and per byte, is otherwise one factor);
-# - every other one that recomputes keeps half of the keys (every other key in save order, the
-#   two halves in turn): rebuilds are then measured at two sizes of plan, which tells the part
-#   that grows with a plan from the part that does not (one size alone cannot separate them).
-_RECALIBRATIONS = ("recompute all", "recompute half 0", "recompute all", "recompute half 1")
-_RECALIBRATIONS_WITH_COPIES = tuple(k for kind in _RECALIBRATIONS for k in ("offload", kind))
-
-
-def _calibration(recalibration: int, can_offload: bool) -> str:
-    """What calibrating micro-batch ``recalibration`` releases (negative: one of the first
-    ``calibrate_frames``): ``"recompute all"``, ``"recompute half 0"``/``"recompute half 1"``
-    (the keys at even/odd places in save order are kept) or ``"offload"``."""
-    if recalibration < 0:
-        return "recompute all"
-    cycle = _RECALIBRATIONS_WITH_COPIES if can_offload else _RECALIBRATIONS
-    return cycle[recalibration % len(cycle)]
 
 
 class Provisioner:
@@ -140,26 +97,10 @@ class Provisioner:
         compiled = getattr(model, "_orig_mod", None)
         if isinstance(compiled, torch.nn.Module) and "forward" in model.__dict__:
             model = compiled  # torch.compile's wrapper calls it: provision the module it wraps
-        if isinstance(policy, str) and policy not in POLICIES:
-            raise ValueError(f"policy={policy!r}: use one of {POLICIES} or a fixed Plan / mapping of keys to Choice")
-        if not isinstance(policy, (str, Plan, Mapping)):
-            raise TypeError(f"policy={policy!r}: use one of {POLICIES} or a fixed Plan / mapping of keys to Choice")
-        if on_exceed not in ("record", "raise"):
-            raise ValueError(f"on_exceed={on_exceed!r}: use 'record' or 'raise'")
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0.0 <= margin < 0.5:
-            raise ValueError(f"margin={margin!r} must be a number in [0, 0.5)")
-        check_int("profile_frames", profile_frames, 1)
-        check_int("calibrate_frames", calibrate_frames, 0)
-        check_int("recalibrate_every", recalibrate_every, 0, " (0: never)")
-        check_int("min_bytes", min_bytes, 0)
-        check_int("reserve_bytes", reserve_bytes, 0)
-        for name, value in (("arena_bytes", arena_bytes), ("arena_max_bytes", arena_max_bytes)):
-            if value is not None:
-                check_int(name, value, 1, " or None")
-        if arena_bytes is not None and arena_max_bytes is not None and arena_max_bytes < arena_bytes:
-            raise ValueError(f"arena_max_bytes={arena_max_bytes} must be >= arena_bytes={arena_bytes}")
+        check_options(policy, POLICIES, on_exceed, margin, profile_frames, calibrate_frames, recalibrate_every,
+                      min_bytes, reserve_bytes, arena_bytes, arena_max_bytes)
         check_materialized(model)
-        if "forward" in model.__dict__ and not _plain_forward(model):
+        if "forward" in model.__dict__ and not plain_forward(model):
             raise RuntimeError(f"{type(model).__name__} already has bagualu2 (or another forward wrapper) enabled; "
                                f"call disable() on the existing Provisioner first")
         self.model = model
@@ -173,7 +114,7 @@ class Provisioner:
         self.calibrate_frames = calibrate_frames
         self.recalibrate_every = recalibrate_every
         self.telemetry = Telemetry(Path(telemetry_path) if telemetry_path else None)
-        self.engine = engine if engine is not None else self._make_engine(arena_bytes, arena_max_bytes)
+        self.engine = engine if engine is not None else make_engine(self.device, arena_bytes, arena_max_bytes)
         self._arena_chosen = engine is not None or arena_bytes is not None  # _reserve_arena leaves it
         adaptive = policy == "adaptive"
         self.runtime = ActivationRuntime(
@@ -186,102 +127,36 @@ class Provisioner:
         # a plan frees what it must, at most a few percent more than an exact one.
         self.planner = Planner(max_cells=2048)
         self.gates: List[GateSpec] = list(gates) if gates is not None else find_gates(model)
-        self.cost = CostModel({g.layer: g.experts_path for g in self.gates}, *self._copy_costs(),
+        in_place = self.runtime.reload_in_place and self.device.type == "cpu"  # a reload reads the host copy
+        self.cost = CostModel({g.layer: g.experts_path for g in self.gates},
+                              *measure_copy_costs(self.engine, self.device, in_place),
                               copies_overlap=self.device.type != "cpu")  # the cpu's copy threads hide nothing
         self._hooks: List[Any] = self.runtime.attach(model)
         for spec in self.gates:
             register = spec.module.register_forward_pre_hook if spec.pre_hook else spec.module.register_forward_hook
             self._hooks.append(register(AttachedHook(self._gate_hook(spec))))
         self._forward = model.forward
-        model.forward = _ProvisionedForward(self._provisioned_forward, self._forward)  # type: ignore[method-assign]
-        self._phase = "none"
-        self._stacked = 0
-        # Outside a pipeline schedule, forwards that ran back to back without a backward between
-        # them (gradient accumulation: forward, forward, backward, backward): this one's place in
-        # such a run, the lengths of the last runs, and the backward count when the last forward
-        # began. A burst of forwards without backward (an evaluation run with grad on) is
-        # forgotten after _RECENT runs.
-        self._run_position = 0
-        self._runs: Deque[int] = collections.deque(maxlen=_RECENT)
-        self._backwards_seen = -1
+        model.forward = ProvisionedForward(self._provisioned_forward, self._forward)  # type: ignore[method-assign]
+        # What decisions are made with, each piece the one owner of its state.
+        self.stacking = Stacking()  # the micro-batches in flight on this rank
+        self.footprint = Footprint(self.cost)  # what one holds that no plan releases, and the room left
+        self.routing = RoutingRecord()  # tokens per expert, this micro-batch's and summed
+        self.calibration = Calibration()  # the micro-batches that release all they can
+        self.unplanned = UnplannedKeys()  # saved keys no plan can name
         self._frames = 0
         self._step = 0
-        self._frame_counts: Dict[int, List[int]] = {}
-        self._count_sums: Dict[int, List[int]] = {}
-        self._count_frames: Dict[int, int] = {}
         self._frame_predicted = 0
         self._oom_recoveries = 0
         self._peak_with_backward = 0  # the ledger's high-water mark over the run (_note_peak)
-        self._floor = 0  # bytes one micro-batch holds that no plan releases (anchors, small, fixed)
-        self._hard_floor = 0  # bytes of the last routing that not even the runtime could release
-        self._outside_held = 0  # most bytes from outside the forward a micro-batch held (inputs)
-        # Most bytes a traced forward held that no plan releases (recipe pins, saved inputs from
-        # outside), in all and per byte of the forward's tensor arguments.
-        self._pinned_bytes: Optional[int] = None
-        self._pinned_per_input = 0.0
-        self._worst_bytes: Optional[int] = None  # saved bytes of the worst possible routing
-        # Keys traced micro-batches saved after profiling that the cost model never saw (no plan
-        # can name them), and whether the user was told.
-        self._unplanned: set = set()
-        self._unplanned_warned = False
-        self._profiled_training: Optional[bool] = None  # the model's mode while profiling
-        self._mode_warned = False
-        self._last_bytes: Optional[int] = None  # saved bytes of the last micro-batch's routing
         self.overlap: Any = None  # an OverlapDriver on a pipeline rank (pipeline.enable_bagualu2)
         self._static: Optional[Dict[str, Choice]] = None
-        self._calibrating: set = set()  # the micro-batches in flight that release all they can
-        self._calibrations = 0  # micro-batches that did so
         self._last_choices: Optional[Dict[str, Choice]] = None  # what the last one that planned ran
-        self._since_calibration = 0  # micro-batches that may have to release since the last one
         if isinstance(policy, Plan):
             self._static = checked_plan(policy.choices, model)
         elif not isinstance(policy, str):
             self._static = checked_plan(policy, model)
             self._policy = Plan(self._static)
         self.enabled = True
-
-    # -- setup ------------------------------------------------------------------------------
-    def _make_engine(self, arena_bytes: Optional[int], arena_max_bytes: Optional[int]) -> Any:
-        from bagualu2.offload import CopyEngine, HostArena, backend_for_device
-
-        backend = backend_for_device(self.device)  # meta/cpu models: cpu, never a GPU backend
-        if arena_bytes is None:
-            arena_bytes = _ARENA_START_BYTES
-        if arena_max_bytes is None:
-            # Grow on demand up to half of this process's share of host memory.
-            arena_max_bytes = max(arena_bytes, host_memory_bytes() // (2 * local_processes()))
-        device = self.device if backend != "cpu" else None  # the model's GPU, not the current one
-        return CopyEngine(HostArena(arena_bytes, backend, max_capacity=arena_max_bytes), backend, device)
-
-    def _copy_costs(self) -> tuple:
-        """Measure the copy engine's path as the runtime uses it (offload, wait; reload into a
-        fresh device buffer, or on cpu the bytes read in place) at 64 KiB and 8 MiB: bandwidth
-        per direction from the difference, the rest of the small copy's time as a fixed cost
-        per copy."""
-        in_place = self.runtime.reload_in_place and self.device.type == "cpu"
-        times = {}
-        for nbytes in (64 << 10, 8 << 20):
-            probe = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            samples: List[tuple] = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                handle = self.engine.offload(probe)
-                if handle is None:
-                    return 1e9, 1e9, (0.0, 0.0)
-                handle.wait()
-                t1 = time.perf_counter()
-                back = handle.host_view() if in_place else self.engine.reload(handle)
-                if back.is_cuda:
-                    torch.cuda.current_stream(back.device).synchronize()
-                t2 = time.perf_counter()
-                del back
-                handle.release()
-                samples.append((t1 - t0, t2 - t1))
-            times[nbytes] = [statistics.median(s[i] for s in samples) for i in (0, 1)]
-        small, big = times[64 << 10], times[8 << 20]
-        bandwidth = [((8 << 20) - (64 << 10)) / max(1e-9, big[i] - small[i]) for i in (0, 1)]
-        fixed = [max(0.0, small[i] - (64 << 10) / bandwidth[i]) for i in (0, 1)]
-        return bandwidth[0], bandwidth[1], (fixed[0], fixed[1])
 
     # -- public API -------------------------------------------------------------------------
     def register_gate(self, module: torch.nn.Module, num_experts: int,
@@ -315,17 +190,11 @@ class Provisioner:
             phase: ``"warmup"``, ``"steady"``, ``"cooldown"`` or ``"none"``.
             stacked_forwards: forwards that will run on this rank before the next backward.
         """
-        if phase not in _PHASES:
-            raise ValueError(f"phase={phase!r}: use one of {sorted(_PHASES)}")
-        if stacked_forwards < 0:
-            raise ValueError(f"stacked_forwards={stacked_forwards} must be >= 0")
-        self._phase = phase
-        self._stacked = stacked_forwards
+        self.stacking.set_phase(phase, stacked_forwards)
 
     def mean_counts(self) -> Dict[int, List[int]]:
         """Mean tokens per expert of each MoE layer over the micro-batches seen so far."""
-        return {layer: [round(v / self._count_frames[layer]) for v in sums]
-                for layer, sums in self._count_sums.items() if self._count_frames.get(layer)}
+        return self.routing.mean()
 
     def plan_for(self, counts: Mapping[int, Sequence[int]]) -> Plan:
         """The plan for a whole micro-batch with these loads under the budget (a static plan).
@@ -342,7 +211,7 @@ class Provisioner:
             return Plan.keep_all(self.cost.order)
         candidates, floor = self.cost.candidates(self.cost.order, counts, self.min_bytes, self.engine is not None)
         total = self.cost.predict_total(self.cost.order, counts)
-        offload_window, reload_window = self.cost.windows(1.0, self._stacked)
+        offload_window, reload_window = self.cost.windows(1.0, self.stacking.declared)
         return self.planner.solve(candidates, total - int(self.budget * (1.0 - self.margin)),
                                   offload_window, reload_window, self.cost.copy_frame_s)
 
@@ -434,7 +303,7 @@ class Provisioner:
             "arena_in_use_bytes": arena.get("in_use", 0),
             "arena_capacity_bytes": arena.get("capacity", 0),  # host memory reserved for offloads
             "gates": [g.name for g in self.gates],
-            "unplanned_keys": len(self._unplanned),
+            "unplanned_keys": len(self.unplanned),
             "overlap": self.overlap.report() if self.overlap is not None else None,
         }
 
@@ -475,18 +344,9 @@ class Provisioner:
             return Frame(default=Choice.OFFLOAD, index=self._frames)
         frame = Frame(self._static, index=self._frames)
         frame.profile = self.cost.frames < self.profile_frames
-        if not frame.profile and self._calibrates():
-            if self._calibrations < self.calibrate_frames or 0 < self.recalibrate_every <= self._since_calibration:
-                kind = _calibration(self._calibrations - self.calibrate_frames, self.engine is not None)
-                frame.default = Choice.OFFLOAD if kind == "offload" else Choice.RECOMPUTE
-                if kind.startswith("recompute half"):
-                    half = int(kind[-1])
-                    frame.choices.update({k: Choice.KEEP for i, k in enumerate(self.cost.order) if i % 2 == half})
-                self._calibrating.add(frame.index)
-                self._calibrations += 1
-                self._since_calibration = 0
-                return frame
-            self._since_calibration += 1
+        if not frame.profile and self._calibrates() and self.calibration.begin(
+                frame, self.cost.order, self.engine is not None, self.calibrate_frames, self.recalibrate_every):
+            return frame
         # Stable phases cost nothing: a forward whose plan is not expected to release anything
         # is not traced (its recipes would never be used): keep_all's, a fixed plan's that
         # keeps everything, and adaptive's when calm (``_calm``).
@@ -499,26 +359,24 @@ class Provisioner:
         """Whether this micro-batch may be one that recomputes all it can (``_new_frame``):
         only where a plan may have to release, an adaptive policy under a budget that the worst
         routing of the profiled micro-batches would not fit."""
-        return (self.policy == "adaptive" and self.budget is not None and self._worst_bytes is not None
-                and self._worst_bytes > self.budget)
+        worst = self.footprint.worst_bytes
+        return self.policy == "adaptive" and self.budget is not None and worst is not None and worst > self.budget
 
     def _calm(self) -> bool:
-        """Whether this micro-batch is not expected to need a release: even the worst routing
-        it could see fits the budget, or, when a copy engine can offload what an unexpected
-        spike brings (the runtime does so in untraced forwards), the last micro-batch's routing
-        does. The micro-batches after a heavy routing are so traced, ready to plan, until one
-        routes within the room again: a run of spikes is planned from its second on, and the
-        micro-batch after an isolated one is the only calm one traced (with the last eight
-        routings instead, 40 of the demo's 200 micro-batches were traced after its 6 spikes,
-        each about 16% slower than untraced)."""
+        """Whether this micro-batch is not expected to need a release (``Footprint.calm``)."""
         if self.budget is None:
             return True
-        # What the forward saves from outside it (its inputs) is held besides the keys' bytes.
-        room = (int(self.budget * (1.0 - self.margin)) - self.runtime.ledger.resident - self._reserve()
-                - self._outside_held)
-        if self._worst_bytes is not None and self._worst_bytes <= room:
-            return True
-        return self.engine is not None and self._last_bytes is not None and self._last_bytes <= room
+        return self.footprint.calm(self._target() - self.runtime.ledger.resident, self.engine is not None)
+
+    def _target(self) -> int:
+        """What this micro-batch's saves are planned to: the budget less its margin and the
+        reserve for the micro-batches stacking on it."""
+        return int(self.budget * (1.0 - self.margin)) - self._reserve()
+
+    def _reserve(self) -> int:
+        """Room for the micro-batches that will stack on this one before its backward
+        (``Stacking.behind``): what each of them holds that no plan releases."""
+        return self.footprint.reserve(self.stacking.behind())
 
     def _reserve_arena(self) -> None:
         """Reserve the host arena's room for offloads once the profiled micro-batches tell how
@@ -527,33 +385,14 @@ class Provisioner:
         (nothing when it all fits, or when the policy never offloads). Reserved now, between
         micro-batches: an offload that had to reserve it would hold the copies up for as long
         as pinning takes. A user's arena (``arena_bytes``, ``engine``) is left as it is."""
-        if self.engine is None or self._arena_chosen or self._worst_bytes is None:
+        if self.engine is None or self._arena_chosen or self.footprint.worst_bytes is None:
             return
-        stacked = self._stacked if self._phase != "none" else max(self._runs, default=0) - 1
-        worst = (1 + max(1, stacked)) * self._worst_bytes
+        worst = (1 + max(1, self.stacking.deepest())) * self.footprint.worst_bytes
         if self.policy == "adaptive":
             need = worst - self.budget if self.budget is not None else 0
         else:  # a fixed plan (the static policies are not profiled)
             need = worst if Choice.OFFLOAD in (self._static or {}).values() else 0
-        need = min(need, _ARENA_AHEAD_BYTES)
-        if need > self.engine.arena.capacity:
-            self.engine.arena.reserve(need)
-
-    def _worst_case_bytes(self) -> int:
-        """Saved bytes of a micro-batch of this one's size whose every local expert gets every
-        token it can (under expert parallelism, every token of every rank of the group, each
-        routing as many as this one)."""
-        worst: Dict[int, List[int]] = {}
-        for spec in self.gates:
-            seen = self._frame_counts.get(spec.layer)
-            if not seen:
-                return 1 << 62  # a gate that did not fire: no bound
-            routed = self._frame_counts.get(SIZE) if spec.size_fn is not None else None
-            tokens = sum(routed or seen) // (spec.top_k or 1) * spec.ep_size
-            worst[spec.layer] = [tokens] * len(seen)
-        experts = [k for k in self.cost.order if self.cost.ops[k].layer is not None]
-        others = [k for k in self.cost.order if self.cost.ops[k].layer is None]
-        return self.cost.predict_total(experts, worst) + self.cost.predict_total(others, self._frame_counts)
+        reserve_arena(self.engine, need)
 
     def _provisioned_forward(self, *args: Any, **kwargs: Any) -> Any:
         # Without grad (evaluation, inference mode) autograd saves nothing: there is nothing to
@@ -562,7 +401,7 @@ class Provisioner:
             reset_replay_depth()  # no replay runs outside a backward pass: an interrupt left it
         if is_recomputing() or not self.enabled or not torch.is_grad_enabled():
             return self._forward(*args, **kwargs)
-        self._count_stacking()
+        self.stacking.count_forward(self.runtime.backward_passes)
         self._check_feasible()
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
@@ -583,7 +422,7 @@ class Provisioner:
         the step pays for it) and as each forward begins."""
         # At the last forward's routing (the one backward ran last, outside a pipeline; rounded
         # means would move a size-driven op's token count and bend its time's fit).
-        routed = self._frame_counts or self.mean_counts()
+        routed = self.routing.counts or self.routing.mean()
         op_replays = self.runtime.take_op_replay_times()
         if op_replays:
             self.cost.observe_op_replays(op_replays, routed)
@@ -601,7 +440,7 @@ class Provisioner:
         self._note_peak()
         self._learn()  # what no backward's end learned (a forward's offloads, in a pipeline)
         frame = self._new_frame(conservative)
-        self._frame_counts = {}
+        self.routing.begin()
         self._frame_predicted = 0
         start = time.perf_counter()
         adaptive = self.budget is not None and self.policy == "adaptive"
@@ -611,132 +450,53 @@ class Provisioner:
             # next backward (pipeline warm-up), so the last of them still fits, and for what
             # recipes will pin that nothing can release (labels the loss reads at the very end):
             # it is charged when pinned.
-            frame.budget = Budget(self.budget, self._reserve(), self._pin_headroom(inputs))
-        active = _active()
+            headroom = self.footprint.pin_headroom(inputs, self.budget, self.margin)
+            frame.budget = Budget(self.budget, self._reserve(), headroom)
+        running = active()
         try:
-            active.append(self)
+            running.append(self)
             with self.runtime.frame(frame):
                 out = self._forward(*args, **kwargs)
                 anchored = sum(node.nbytes for node in frame.anchors)
         finally:
-            while self in active:  # and above it, what an interrupt left there
-                active.pop()
+            while self in running:  # and above it, what an interrupt left there
+                running.pop()
         seconds = time.perf_counter() - start
         self._frames += 1
+        counts = self.routing.counts
         if frame.traced:
-            pinned = frame.stats.leaf_bytes + frame.stats.outside_bytes
-            self._pinned_bytes = max(self._pinned_bytes or 0, pinned)
-            self._pinned_per_input = max(self._pinned_per_input, pinned / max(1, inputs))
-            self._outside_held = max(self._outside_held, frame.stats.outside_bytes)
+            stats = frame.stats
+            self.footprint.observe_held(stats.leaf_bytes + stats.outside_bytes, stats.outside_bytes, inputs)
         if frame.profile:
-            self.cost.observe(frame.saved_profile, self._frame_counts, seconds, frame.unsaved_seconds)
-            self._profiled_training = self.model.training
+            self.cost.observe(frame.saved_profile, counts, seconds, frame.unsaved_seconds)
+            self.unplanned.profiled(self.model.training)
         elif frame.traced and self.cost.ready:
-            self._note_unplanned(frame)
-        kept = 0
-        if self.cost.ready:
-            kept, self._hard_floor = self.cost.floors(
-                self.cost.order, self._frame_counts, self.min_bytes, self.engine is not None)
-        self._floor = max(self._floor, anchored + kept)
+            self.unplanned.note(frame, self.cost, self.model.training)
+        self.footprint.observe_routed(anchored, counts, self.min_bytes, self.engine is not None)
         if frame.profile and self.cost.frames >= self.profile_frames:
-            self._worst_bytes = self._worst_case_bytes()
+            self.footprint.observe_worst(self.routing.worst(self.gates), counts)
             self._reserve_arena()
-        if self.cost.ready and self._frame_counts:
-            self._last_bytes = self.cost.predict_total(self.cost.order, self._frame_counts)
-        imbalance = max((max(c) * len(c) / max(1, sum(c)) for c in self._frame_counts.values()), default=1.0)
+        imbalance = max((max(c) * len(c) / max(1, sum(c)) for c in counts.values()), default=1.0)
+        calibrating = self.calibration.running(frame.index)
         self.telemetry.add(MicroBatch(
             step=self._step, micro_batch=frame.index, peak_bytes=frame.stats.peak_resident,
             predicted_peak_bytes=self._frame_predicted, budget_bytes=self.budget,
             imbalance=imbalance, bytes_by_choice=dict(frame.stats.bytes_by_choice),
             violations=frame.stats.violations, fallbacks=len(frame.stats.fallbacks),
             forward_seconds=seconds, oom_recovered=conservative, traced=frame.traced,
-            calibrating=not conservative and frame.index in self._calibrating,
-            room_made_bytes=frame.stats.room_made_bytes,
+            calibrating=not conservative and calibrating, room_made_bytes=frame.stats.room_made_bytes,
         ))
-        if self.policy == "adaptive" and frame.traced and not frame.profile and frame.index not in self._calibrating:
+        if self.policy == "adaptive" and frame.traced and not frame.profile and not calibrating:
             self._last_choices = frame.choices  # the frame's, which its forward is done with
-        self._calibrating.discard(frame.index)
+        self.calibration.end(frame.index)
         return out
-
-    def _note_unplanned(self, frame: Frame) -> None:
-        """Record the keys ``frame`` saved that the profiled micro-batches never did. An expert's
-        keys are new when the expert got no tokens while profiling; any other new key means a
-        module ran a different number of ops than when profiled, which renumbers the ops after
-        them in the same call: told once."""
-        if len(self._unplanned) > 4096:  # enough to report; no scan per micro-batch beyond it
-            return
-        new = [k for k in frame.keys_seen if k not in self.cost.ops]
-        if not new:
-            return
-        self._unplanned.update(new)
-        odd = next((k for k in new if self.cost.expert_of(k) is None), None)
-        if odd is not None and self._profiled_training is not None and self.model.training != self._profiled_training:
-            if not self._mode_warned:  # not a data-dependent loop: the mode changed the forward
-                self._mode_warned = True
-                now, then = ("eval", "training") if self._profiled_training else ("training", "eval")
-                warnings.warn(
-                    f"bagualu2: micro-batch {frame.index} ran in {now} mode with grad enabled, and the profiled "
-                    f"micro-batches ran in {then} mode: {now} mode changed what the forward does (dropout, "
-                    f"batch-norm statistics), so it saved activations under operator keys the profiled ones "
-                    f"never used, e.g. {odd!r}; plans cannot name them, so they are kept. Evaluate under "
-                    f"torch.no_grad() (not provisioned), or train in the mode that was profiled.", stacklevel=3)
-            return
-        if odd is not None and not self._unplanned_warned:
-            self._unplanned_warned = True
-            warnings.warn(
-                f"bagualu2: micro-batch {frame.index} saved activations under operator keys that the "
-                f"profiled micro-batches never used, e.g. {odd!r}. A key numbers an op within its "
-                f"module call, so a module whose number of ops depends on the data (a loop that stops "
-                f"early) renames the ops after that loop; plans cannot name them, so they are kept. "
-                f"Moving such a loop into a module of its own keeps the names stable.", stacklevel=3)
-
-    def _count_stacking(self) -> None:
-        """Place this forward in its run of forwards without a backward between them."""
-        backwards = self.runtime.backward_passes
-        if backwards == self._backwards_seen:
-            self._run_position += 1
-        else:
-            if self._backwards_seen >= 0:
-                self._runs.append(self._run_position + 1)
-            self._run_position = 0
-        self._backwards_seen = backwards
 
     def _check_feasible(self) -> None:
         """Refuse a micro-batch no plan can fit, before it allocates anything."""
         if self.budget is None or self.policy != "adaptive" or not self.cost.ready:
             return
-        # Loads of the previous micro-batch stand in for this one's, not yet routed. What no
-        # release can take back: the storages that can be neither offloaded nor recomputed, and
-        # what the forward holds from outside it (its inputs, saved or pinned by recipes).
-        # What earlier micro-batches still keep counts only where nothing can offload it (looked
-        # at only when the micro-batch would not fit otherwise).
-        resident = self.runtime.ledger.resident
-        floor = self._hard_floor + self._outside_held
-        if resident + floor > self.budget:
-            resident -= self.runtime.movable_bytes()
-        if resident + floor > self.budget:
-            raise InfeasibleBudgetError(self.budget, resident + floor, f"micro-batch {self._frames}")
-
-    def _pin_headroom(self, inputs: int) -> int:
-        """Bytes the forward will hold that nothing can release (what recipes pin: inputs from
-        outside the forward, storages written in place beyond replay; inputs saved as they
-        are): as many as traced micro-batches held so far, and more when this forward's tensor
-        arguments are larger (a longer sequence), in proportion; before any, the forward's
-        tensor arguments or the margin, the larger."""
-        if self._pinned_bytes is not None:
-            return max(self._pinned_bytes, int(math.ceil(self._pinned_per_input * inputs)))
-        return max(inputs, int((self.budget or 0) * self.margin))
-
-    def _reserve(self) -> int:
-        """Room for the micro-batches that will stack on this one before its backward: what
-        each of them holds that no plan releases. In a pipeline schedule the schedule tells how
-        many (``set_pipeline_phase``); outside one, as many as followed this place in the
-        longest of the last runs of back-to-back forwards (gradient accumulation)."""
-        if self._phase != "none":
-            stacked = self._stacked
-        else:
-            stacked = max(0, max(self._runs, default=0) - 1 - self._run_position)
-        return stacked * (self._floor + (self._pinned_bytes or 0))
+        self.footprint.check_feasible(self.budget, self.runtime.ledger.resident, self.runtime.movable_bytes,
+                                      f"micro-batch {self._frames}")
 
     def _exceeded(self, resident: int, budget: int, key: str) -> None:
         raise BudgetExceededError(resident, budget, key)
@@ -760,24 +520,17 @@ class Provisioner:
         if frame is None:
             return
         values = counts.tolist() if isinstance(counts, torch.Tensor) else [int(c) for c in counts]
-        if size is not None and SIZE not in self._frame_counts:
-            # An expert-parallel gate's counts are what this rank's experts receive; the
-            # operators outside the experts follow this rank's own tokens (the first gate's).
-            self._frame_counts[SIZE] = [int(size)]
-        self._frame_counts[layer] = values
-        sums = self._count_sums.setdefault(layer, [0] * len(values))
-        if len(sums) == len(values):
-            self._count_sums[layer] = [a + b for a, b in zip(sums, values)]
-            self._count_frames[layer] = self._count_frames.get(layer, 0) + 1
+        self.routing.record(layer, values, size)
         if self.policy != "adaptive" or self.budget is None or not self.cost.ready:
             return
-        if frame.index in self._calibrating:
+        if self.calibration.running(frame.index):
             return  # it releases all it can already
         if not frame.traced:
             if not self._frame_predicted:  # the high-water mark, predicted as a traced frame's is
-                exact = {g.layer: self._frame_counts.get(g.layer, values) for g in self.gates}
-                exact.update({SIZE: self._frame_counts[SIZE]} if SIZE in self._frame_counts else {})
-                self._frame_predicted = (frame.stats.start_resident + self._outside_held
+                routed = self.routing.counts
+                exact = {g.layer: routed.get(g.layer, values) for g in self.gates}
+                exact.update({SIZE: routed[SIZE]} if SIZE in routed else {})
+                self._frame_predicted = (frame.stats.start_resident + self.footprint.outside_held
                                          + self.cost.predict_total(self.cost.order, exact))
             return
         start = time.perf_counter()
@@ -788,15 +541,15 @@ class Provisioner:
     def _decide(self, frame: Frame, layer: int, values: List[int]) -> Decision:
         cost = self.cost
         # Later layers are assumed to route like this one.
-        counts = {g.layer: (self._frame_counts.get(g.layer) if g.layer < layer else values) for g in self.gates}
+        routed = self.routing.counts
+        counts = {g.layer: (routed.get(g.layer) if g.layer < layer else values) for g in self.gates}
         counts[layer] = values
-        counts[SIZE] = self._frame_counts.get(SIZE) or next(iter(self._frame_counts.values()), values)
+        counts[SIZE] = routed.get(SIZE) or next(iter(routed.values()), values)
         remaining = [k for k in cost.order if k not in frame.keys_seen]
         predicted = cost.predict_total(remaining, counts)
         # In-flight offload sources are released as their copies complete.
         resident = self.runtime.ledger.resident - self.runtime.inflight_bytes
-        target = int(self.budget * (1.0 - self.margin)) - self._reserve()
-        must_free = resident + predicted - target
+        must_free = resident + predicted - self._target()
         if not self._frame_predicted:
             self._frame_predicted = resident + predicted
         imbalance = max(values) * len(values) / max(1, sum(values))
@@ -810,7 +563,7 @@ class Provisioner:
         setup = 0.0 if frame.stats.offloaded_storages else cost.copy_frame_s
         anchors = [n.key for n in frame.anchors]
         candidates, _ = cost.candidates(remaining, counts, self.min_bytes, self.engine is not None, anchors)
-        offload_window, reload_window = cost.windows(len(remaining) / max(1, len(cost.order)), self._stacked)
+        offload_window, reload_window = cost.windows(len(remaining) / max(1, len(cost.order)), self.stacking.declared)
         plan = self.planner.solve(candidates, must_free, offload_window, reload_window, setup)
         frame.choices.update(plan.choices)
         record.feasible = plan.feasible
@@ -818,48 +571,6 @@ class Provisioner:
         record.mix = {c.name.lower(): n for c, n in plan.mix().items()}
         record.mix["keep"] += len(remaining) - len(plan.choices)
         return record
-
-class _ProvisionedForward:
-    """The provisioned forward bagualu2 puts on a model in place of its own.
-
-    Under torch.compile it runs eagerly: the tracing mode, the saved-tensor hooks and the gating
-    callbacks are Python that Dynamo would otherwise try to trace, graph-breaking and
-    recompiling at every op. A copy of the model (``copy.deepcopy``, or ``torch.save`` of the
-    whole module) gets the model's own forward back: the copy is a plain model, not one that
-    runs through the original (with the original's parameters).
-    """
-
-    __slots__ = ("run", "original")
-    _hidden_from_dynamo = False  # __call__ wrapped by torch.compiler.disable, at the first enable()
-
-    def __init__(self, run: Callable[..., Any], original: Callable[..., Any]) -> None:
-        cls = type(self)
-        if not cls._hidden_from_dynamo:  # here, not at import: it imports torch._dynamo (about 1 s)
-            cls.__call__ = torch.compiler.disable(cls.__call__)  # type: ignore[method-assign]
-            cls._hidden_from_dynamo = True
-        self.run = run
-        self.original = original
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.run(*args, **kwargs)
-
-    def __deepcopy__(self, memo: dict) -> Callable[..., Any]:
-        return copy.deepcopy(self.original, memo)  # a bound method: bound to the copy
-
-    def __reduce__(self) -> Tuple[Any, tuple]:
-        return _same, (self.original,)  # pickled as the bound method it is
-
-
-def _same(x: Any) -> Any:
-    return x
-
-
-def _plain_forward(model: torch.nn.Module) -> bool:
-    """Whether the forward in ``model.__dict__`` is the class's own, bound to ``model`` (what a
-    copy of a provisioned model holds)."""
-    forward = model.__dict__.get("forward")
-    return (getattr(forward, "__self__", None) is model
-            and getattr(forward, "__func__", None) is getattr(type(model), "forward", None))
 
 
 def enable(model: torch.nn.Module, budget: Union[str, int, float, None] = "auto",
@@ -916,12 +627,12 @@ def on_gating(tokens_per_expert: Union[torch.Tensor, Sequence[int]], layer: int)
     """
     if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
         raise TypeError(f"on_gating(layer={layer!r}): layer must be the MoE layer's index, an int >= 0")
-    active = _active()
-    if not active or is_recomputing():
+    running = active()
+    if not running or is_recomputing():
         return
     # The innermost provisioner of this thread whose forward runs (one an interrupt left on the
     # stack has none).
-    prov = next((p for p in reversed(active) if p.runtime.active_frame is not None), None)
+    prov = next((p for p in reversed(running) if p.runtime.active_frame is not None), None)
     if prov is None:
         return
     spec = next((g for g in prov.gates if g.layer == layer), None)

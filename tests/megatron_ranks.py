@@ -171,7 +171,7 @@ def run_case(rank: int, world: int, case: Dict[str, Any], out: str) -> None:
                 rep = prov.report()
                 results[-1]["resident"] = rep["resident_bytes"]
                 results[-1]["arena_in_use"] = rep["arena_in_use_bytes"]
-                results[-1]["counts"] = {str(k): v for k, v in prov._frame_counts.items() if k >= 0}
+                results[-1]["counts"] = {str(k): v for k, v in prov.routing.counts.items() if k >= 0}
         return results
 
     prov = None

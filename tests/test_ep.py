@@ -156,7 +156,7 @@ def _run_job(rank: int, world_size: int, job: str, budgets: Dict[str, int]) -> D
             # What the cost model predicts for this micro-batch's routing (the SIZE entry: this
             # rank's own slots, which size the operators outside the experts), against the
             # saved bytes measured; and the same with the received counts sizing them.
-            counts = dict(prov._frame_counts)
+            counts = dict(prov.routing.counts)
             received_only = {k: v for k, v in counts.items() if k != SIZE}
             out.setdefault("predicted", []).append((
                 prov.cost.predict_total(prov.cost.order, counts),

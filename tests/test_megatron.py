@@ -139,7 +139,7 @@ def test_megatron_gates_found_without_registration(one_rank: None) -> None:
         ranks.step(run, 0, 1)
         # Without EP the experts' counts are the layer's routing: top-k slots of every token.
         slots = ranks.MICRO_BATCH * ranks.SEQ * ranks.TOP_K
-        assert {k: sum(v) for k, v in prov._frame_counts.items() if k >= 0} == {i: slots for i in range(ranks.LAYERS)}
+        assert {k: sum(v) for k, v in prov.routing.counts.items() if k >= 0} == {i: slots for i in range(ranks.LAYERS)}
         assert prov.report()["resident_bytes"] == 0
     finally:
         prov.disable()

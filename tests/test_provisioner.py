@@ -504,7 +504,7 @@ def test_unknown_moe_layers_via_on_gating_or_register_gate(use_on_gating: bool) 
                            counts_fn=lambda m, a, out: torch.bincount(out.argmax(-1), minlength=4))
     for _ in range(3):
         model(x).backward()
-    assert prov._count_frames.get(0) == 3
+    assert prov.routing.frames.get(0) == 3
     assert prov.mean_counts()[0] and sum(prov.mean_counts()[0]) == 64
     with pytest.raises(ValueError, match="num_experts"):
         prov.register_gate(model.router, num_experts=0, counts_fn=counts_from_indices(4))
@@ -516,7 +516,7 @@ def test_the_arena_is_reserved_for_offloads_once_profiling_shows_their_size(monk
     routing less the budget, when the policy may offload, and is left alone when it never will
     or the user sized it."""
     start = 9 << 20  # the copy-cost probes at enable offload 8 MiB
-    monkeypatch.setattr(bagualu2.provisioner, "_ARENA_START_BYTES", start)
+    monkeypatch.setattr("bagualu2.provision.copy_engine._ARENA_START_BYTES", start)
     model = make_model(ep_size=4)
     tokens = torch.randint(0, model.cfg.vocab_size, (16, 64), generator=torch.Generator().manual_seed(0))
 
@@ -528,22 +528,22 @@ def test_the_arena_is_reserved_for_offloads_once_profiling_shows_their_size(monk
             prov.set_pipeline_phase("warmup", stacked)
         for _ in range(prov.profile_frames):
             own(tokens).backward()
-        assert prov._worst_bytes is not None
+        assert prov.footprint.worst_bytes is not None
         return prov
 
     ample = run(1 << 40)
     assert ample.engine.arena.capacity == start, "nothing to offload: nothing reserved"
     assert ample.report()["arena_capacity_bytes"] == start
     budget = int(ample.report()["peak_bytes"] * 0.6)
-    need = 2 * ample._worst_bytes - budget
+    need = 2 * ample.footprint.worst_bytes - budget
     assert need > start
     tight = run(budget)
     assert tight.engine.arena.capacity >= need and tight.report()["arena_capacity_bytes"] == tight.engine.arena.capacity
-    four = 4 * ample._worst_bytes - budget  # three more micro-batches in flight on a pipeline rank
+    four = 4 * ample.footprint.worst_bytes - budget  # three more micro-batches in flight on a pipeline rank
     assert run(budget, stacked=3).engine.arena.capacity >= four > need
     assert run(None, policy={}).engine.arena.capacity == start, "a fixed plan without offloads never offloads"
     offloads = {key: bagualu2.Choice.OFFLOAD for key in ample.cost.ops}
-    assert run(None, policy=offloads).engine.arena.capacity >= 2 * ample._worst_bytes
+    assert run(None, policy=offloads).engine.arena.capacity >= 2 * ample.footprint.worst_bytes
     # An arena the user sized (large enough for what the profiled micro-batches offload) is
     # left as it is, though it is less than the reservation would be.
     assert run(budget, arena_bytes=start).engine.arena.capacity == start
@@ -559,12 +559,12 @@ def test_calm_micro_batches_count_the_inputs_they_save() -> None:
         step(model, i)
     calm = [m for m in prov.telemetry.micro_batches if not m.traced]
     assert calm and all(m.predicted_peak_bytes == m.peak_bytes for m in calm)
-    inputs = prov._outside_held
+    inputs = prov.footprint.outside_held
     assert inputs == tokens_for(model, 0).nbytes  # the token ids the embedding saves
     # Room for the last routing's activations, but not with the inputs as well.
-    recent = prov._last_bytes
+    recent = prov.footprint.last_bytes
     prov.budget = int((recent + inputs // 2) / (1 - prov.margin)) + 1
-    assert prov._worst_bytes > recent + inputs
+    assert prov.footprint.worst_bytes > recent + inputs
     step(model, 4)
     assert prov.telemetry.micro_batches[-1].traced, "taken for calm: the inputs were not counted"
 

@@ -51,8 +51,8 @@ def _train(model: torch.nn.Module, prov: Any, inputs: List[torch.Tensor],
 
 def _record(prov: Any) -> Dict[str, Any]:
     report = prov.report()
-    return {"counts": prov.mean_counts(), "sums": {k: list(v) for k, v in prov._count_sums.items()},
-            "frames": dict(prov._count_frames), "micro_batches": report["micro_batches"],
+    return {"counts": prov.mean_counts(), "sums": {k: list(v) for k, v in prov.routing.sums.items()},
+            "frames": dict(prov.routing.frames), "micro_batches": report["micro_batches"],
             "resident": report["resident_bytes"], "violations": report["violations"]}
 
 

@@ -125,7 +125,7 @@ def test_torchtitan_gates_found_without_registration() -> None:
         inputs, labels = ranks.batch(0)
         ranks.loss_fn(model(inputs), labels).backward()
         # Without EP the experts' counts are the layer's routing: top-k slots of every token.
-        assert {k: sum(v) for k, v in prov._frame_counts.items() if k >= 0} == {
+        assert {k: sum(v) for k, v in prov.routing.counts.items() if k >= 0} == {
             0: ranks.BATCH * ranks.SEQ * 2, 1: ranks.BATCH * ranks.SEQ * 2}
         assert prov.report()["resident_bytes"] == 0
     finally:
