@@ -11,7 +11,7 @@ import torch
 from bagualu2.plan.planner import Choice, Plan
 from bagualu2.runtime.frame import checked_choices
 from bagualu2.runtime.gates import GateSpec
-from bagualu2.runtime.tracing import is_plain
+from bagualu2.runtime.recipes import is_plain
 
 
 def host_memory_bytes() -> int:

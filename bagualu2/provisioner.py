@@ -54,7 +54,7 @@ import torch
 from bagualu2.runtime import ActivationRuntime, Budget, Frame, is_recomputing
 from bagualu2.runtime.activations import AttachedHook
 from bagualu2.runtime.frame import checked_choices
-from bagualu2.runtime.tracing import reset_replay_depth
+from bagualu2.runtime.recipes import reset_replay_depth
 from bagualu2.plan.cost_model import SIZE, CostModel
 from bagualu2.errors import BudgetExceededError
 from bagualu2.inputs import (

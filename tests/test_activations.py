@@ -20,8 +20,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import bagualu2
 from bagualu2.runtime import ActivationRuntime, Frame
-from bagualu2.runtime import tracing
-from bagualu2.runtime.tracing import call_key, module_of
+from bagualu2.runtime import recipes
+from bagualu2.runtime.recipes import call_key, module_of
 from bagualu2.models import MoEConfig, MoETransformer
 from bagualu2.offload import CopyEngine, HostArena, OffloadHandle
 from bagualu2.plan.planner import Choice
@@ -453,7 +453,7 @@ def test_a_rebuild_s_reload_of_an_offloaded_input_counts_as_copy_time(engine: Co
     available = h.runtime._available
     slow = 0.05
 
-    def slow_reload(node: tracing.StorageNode, state: int) -> Optional[torch.UntypedStorage]:
+    def slow_reload(node: recipes.StorageNode, state: int) -> Optional[torch.UntypedStorage]:
         if node.offloaded.get(state) is not None:
             time.sleep(slow)
         return available(node, state)
@@ -507,9 +507,9 @@ def test_rebuilt_storage_leaves_the_recompute_cache_after_its_last_released_view
     puts: Dict[Tuple[int, int], int] = {}
     live = {"high": 0}
     block_bytes: Dict[int, int] = {}
-    put = tracing.RecomputeCache.put
+    put = recipes.RecomputeCache.put
 
-    def observed_put(cache: tracing.RecomputeCache, position: int, state: int, storage: torch.UntypedStorage) -> None:
+    def observed_put(cache: recipes.RecomputeCache, position: int, state: int, storage: torch.UntypedStorage) -> None:
         put(cache, position, state, storage)
         puts[(position, state)] = puts.get((position, state), 0) + 1
         block = bisect.bisect_right(cache.anchors, position)
@@ -517,7 +517,7 @@ def test_rebuilt_storage_leaves_the_recompute_cache_after_its_last_released_view
         held = sum(s.nbytes() for s, _ in cache._entries.values())
         live["high"] = max(live["high"], held)
 
-    monkeypatch.setattr(tracing.RecomputeCache, "put", observed_put)
+    monkeypatch.setattr(recipes.RecomputeCache, "put", observed_put)
     loss = h.forward(tokens, Frame(default=Choice.RECOMPUTE))
     loss.backward(retain_graph=True)
     assert puts and set(puts.values()) == {1}, "each storage is rebuilt once in a pass"
@@ -1345,7 +1345,7 @@ def test_gate_callbacks_see_the_rerun_as_a_recompute() -> None:
     h = Harness(model, None)
     h.trace_blocks(tokens)
     seen: List[bool] = []
-    model.layers[0].moe.router.register_forward_hook(lambda *a: seen.append(tracing.is_recomputing()))
+    model.layers[0].moe.router.register_forward_hook(lambda *a: seen.append(recipes.is_recomputing()))
     loss_and_grads(model, h.forward(tokens, rerun_frame()))
     assert seen == [False, True]
 

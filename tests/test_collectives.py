@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import bagualu2
 from bagualu2.runtime import ActivationRuntime, Frame
-from bagualu2.runtime.tracing import _OpInfo
+from bagualu2.runtime.op_effects import OpInfo
 from bagualu2.models import MoEConfig, MoETransformer
 from bagualu2.offload import CopyEngine, HostArena
 from bagualu2.plan.planner import Choice
@@ -132,7 +132,7 @@ def _keys(model: torch.nn.Module, runtime: ActivationRuntime, x: torch.Tensor) -
 def test_written_arguments_of_collectives_and_list_outputs() -> None:
     """c10d schemas declare no writes: what a collective writes is read from its arguments'
     names; a send only reads; ``Tensor(a!)[]`` arguments (foreach, out= lists) are writes too."""
-    written = {op: _OpInfo.of(op).written for op in (
+    written = {op: OpInfo.of(op).written for op in (
         torch.ops.c10d.alltoall_base_.default, torch.ops.c10d._allgather_base_.default,
         torch.ops.c10d.allreduce_.default, torch.ops.c10d.send.default, torch.ops.c10d.recv_.default,
         torch.ops._c10d_functional.wait_tensor.default, torch.ops._c10d_functional.all_to_all_single.default,
@@ -149,8 +149,8 @@ def test_written_arguments_of_collectives_and_list_outputs() -> None:
         torch.ops.aten._foreach_mul_.List: (0,),
         torch.ops.aten.add.Tensor: (),
     }
-    assert not _OpInfo.of(torch.ops._c10d_functional.all_to_all_single.default).replayable
-    assert "collective" in _OpInfo.of(torch.ops.c10d.alltoall_base_.default).why_not
+    assert not OpInfo.of(torch.ops._c10d_functional.all_to_all_single.default).replayable
+    assert "collective" in OpInfo.of(torch.ops.c10d.alltoall_base_.default).why_not
 
 
 class ForeachScale(torch.nn.Module):

@@ -24,8 +24,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import bagualu2
 from bagualu2.runtime.ledger import ResidencyLedger, _Pin
-from bagualu2.runtime import tracing
-from bagualu2.runtime.tracing import StorageNode, is_recomputing
+from bagualu2.runtime import recipes
+from bagualu2.runtime.recipes import StorageNode, is_recomputing
 from bagualu2.models import MoEConfig, MoETransformer
 
 BATCH = (2, 32)
@@ -164,7 +164,7 @@ def _half_entered(what: str, prov: Any) -> Callable[[], None]:
     if what == "grad off":  # a gate's torch.no_grad()
         torch._C._set_grad_enabled(False)
     elif what == "replay count":  # a rebuild's _ReplayScope, in backward
-        tracing._STATE.replaying = getattr(tracing._STATE, "replaying", 0) + 1
+        recipes._STATE.replaying = getattr(recipes._STATE, "replaying", 0) + 1
     elif what == "saved-tensor hooks":  # the frame's saved_tensors_hooks
         torch._C._autograd._push_saved_tensors_default_hooks(rt._pack, rt._unpack)
     elif what == "tracing mode":  # the frame's TracingMode

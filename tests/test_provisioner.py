@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import bagualu2
 from bagualu2.runtime import ActivationRuntime, Budget, Frame
-from bagualu2.runtime.tracing import module_of
+from bagualu2.runtime.recipes import module_of
 from bagualu2.models import MoEConfig, MoETransformer
 from bagualu2.runtime.gates import counts_from_indices
 

@@ -62,7 +62,7 @@ from bagualu2.runtime.ledger import _drain_failed_backward, _drain_graph, _Pin
 from bagualu2.runtime.rerun import BlockRerun, RerunSaved, unrestorable
 from bagualu2.runtime.residency import Residency
 from bagualu2.runtime.stores import _Kept, _Offloaded, _Recomputed, _uncounted, regeneration_source
-from bagualu2.runtime.tracing import StorageNode, ViewMeta, is_plain, recipe_refs, view_meta
+from bagualu2.runtime.recipes import StorageNode, ViewMeta, is_plain, recipe_refs, view_meta
 
 __all__ = ["ActivationRuntime", "AttachedHook"]
 

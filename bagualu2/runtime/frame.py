@@ -22,7 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from bagualu2.plan.planner import Choice
 from bagualu2.runtime.rerun import BlockRerun
-from bagualu2.runtime.tracing import StorageNode, step_inputs
+from bagualu2.runtime.recipes import StorageNode, step_inputs
 
 if TYPE_CHECKING:
     from bagualu2.runtime.stores import _OffloadStore

@@ -2,7 +2,7 @@
 
 Design note
 -----------
-Replaying recipes op by op (``tracing.Replayer``) needs the forward traced, and the tracing
+Replaying recipes op by op (``recipes.Replayer``) needs the forward traced, and the tracing
 mode's own price (torch's Python dispatch for every aten op, before any recording) is about a
 tenth of a cpu forward. When the plan recomputes everything a block saves (a frame with
 ``Frame.rerun_blocks``: ``policy="recompute_all"``), nothing of that block needs a recipe: the
@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from bagualu2.runtime import tracing
+from bagualu2.runtime import recipes
 
 __all__ = ["BlockRerun", "RerunSaved", "unrestorable"]
 
@@ -173,7 +173,7 @@ class BlockRerun:
             raise AssertionError("the rerun's own graph is never run backward")
 
         devices = [self._device] if self._device is not None else []
-        tracing._STATE.replaying = getattr(tracing._STATE, "replaying", 0) + 1
+        recipes._STATE.replaying = getattr(recipes._STATE, "replaying", 0) + 1
         try:
             with torch.random.fork_rng(devices=devices, device_type="cuda"):
                 torch.set_rng_state(self._rng)
@@ -189,7 +189,7 @@ class BlockRerun:
                     except _RerunDone:
                         pass
         finally:
-            tracing._STATE.replaying -= 1
+            recipes._STATE.replaying -= 1
         self._check(captured)
         return captured
 

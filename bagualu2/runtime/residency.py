@@ -42,7 +42,8 @@ from bagualu2.runtime.frame import Frame
 from bagualu2.runtime.ledger import ResidencyLedger, _Pin
 from bagualu2.runtime.rerun import RerunSaved
 from bagualu2.runtime.stores import _Kept, _modified_error, _Offloaded, _OffloadStore, kept_tensor
-from bagualu2.runtime.tracing import Replayer, StorageNode, TracingMode, ViewMeta, is_plain, view_meta, view_of
+from bagualu2.runtime.recipes import Replayer, StorageNode, ViewMeta, is_plain, view_meta, view_of
+from bagualu2.runtime.tracing import TracingMode
 
 __all__ = ["Residency"]
 

@@ -29,7 +29,7 @@ import torch
 from bagualu2 import _C
 from bagualu2.runtime.frame import Frame
 from bagualu2.runtime.ledger import ResidencyLedger, _Pin
-from bagualu2.runtime.tracing import StorageNode, ViewMeta, view_of
+from bagualu2.runtime.recipes import StorageNode, ViewMeta, view_of
 
 
 class _OffloadStore:

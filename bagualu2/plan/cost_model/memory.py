@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from bagualu2.plan.cost_model.fit import LineFit
-from bagualu2.runtime.tracing import call_key, module_of
+from bagualu2.runtime.recipes import call_key, module_of
 
 
 # A key of a counts mapping (MoE layer -> tokens per expert) holding the routing whose total
