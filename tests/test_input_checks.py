@@ -144,6 +144,7 @@ def test_eval_mode_with_grad_enabled_is_told_as_what_it_is() -> None:
     prov = bagualu2.enable(model, budget=None, policy={})
     for i in range(prov.profile_frames):
         model(tokens_for(model, i)).backward()
+    prov.policy = {prov.cost.order[0]: Choice.OFFLOAD}  # a plan that releases: forwards traced
     model.eval()
     with pytest.warns(UserWarning, match="ran in eval mode with grad enabled.*eval mode changed what the forward does"):
         model(tokens_for(model, 5)).backward()

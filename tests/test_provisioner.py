@@ -869,7 +869,7 @@ def test_keep_all_traces_only_its_profiling_forwards_and_counts_every_byte() -> 
     plain = copy.deepcopy(model)
     traced = copy.deepcopy(model)
     prov = bagualu2.enable(model, budget=None, policy="keep_all", min_bytes=0)
-    ref = bagualu2.enable(traced, budget=None, policy={}, min_bytes=0)  # an all-keep plan, traced
+    ref = bagualu2.enable(traced, budget=None, policy={}, min_bytes=0, profile_frames=4)  # all-keep, traced
     frames: List[bagualu2.runtime.Frame] = []
     prov.runtime.frame_observer = frames.append
     for i, spike in enumerate([0.0, 0.0, 2.6, 0.0]):
@@ -1066,11 +1066,20 @@ class DataDependentLoop(torch.nn.Module):
         return self.inner(x * x)
 
 
+def _tracing_every_forward(model: MoETransformer) -> "bagualu2.Provisioner":
+    """A fixed plan that releases one key after profiling: every forward is traced."""
+    prov = bagualu2.enable(model, budget=None, policy={}, min_bytes=0)
+    for i in range(prov.profile_frames):
+        step(model, i)
+    prov.policy = {prov.cost.order[0]: bagualu2.Choice.OFFLOAD}
+    return prov
+
+
 def test_keys_no_profiled_micro_batch_used_are_reported_and_told_once() -> None:
     model = make_model()
-    stable = bagualu2.enable(model, budget=None, policy={}, min_bytes=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the reference model keeps its keys, spikes included
+        stable = _tracing_every_forward(model)
         for i in range(8):
             step(model, i, spike=2.0 if i % 3 == 2 else 0.0)
     assert stable.report()["unplanned_keys"] == 0
@@ -1078,8 +1087,8 @@ def test_keys_no_profiled_micro_batch_used_are_reported_and_told_once() -> None:
 
     model = make_model()
     model.norm = DataDependentLoop(model.norm)
-    prov = bagualu2.enable(model, budget=None, policy={}, min_bytes=0)
     with pytest.warns(UserWarning, match=r"'norm:aten\.add\.Tensor:\d'.*loop that stops early") as told:
+        prov = _tracing_every_forward(model)
         for i in range(12):
             step(model, i)
     assert len(told) == 1
