@@ -194,7 +194,7 @@ def enable_pipeline(schedule: Any, model_parts: List[nn.Module], **options: Any)
     Raises:
         ValueError: more than one stage on this rank (interleaved and V schedules).
     """
-    from bagualu2.integrations.pipeline import PipelinePhaseTracker
+    from bagualu2.integrations.pipeline import PipelinePhaseTracker, phase_follower
     from bagualu2.provisioner import enable
 
     if len(model_parts) != 1:
@@ -205,14 +205,5 @@ def enable_pipeline(schedule: Any, model_parts: List[nn.Module], **options: Any)
     prov = enable(model_parts[0], **options)
     tracker = PipelinePhaseTracker(schedule)
 
-    def on_event(event: str, state: Any) -> None:
-        if not prov.enabled:
-            return
-        if event == "action_begin" and state.action == "F":
-            prov.set_pipeline_phase(state.phase.name.lower(), max(0, state.stacked_forwards - 1))
-        elif event == "step_end":
-            prov.set_pipeline_phase("none", 0)
-            prov.step()
-
-    prov._hooks.append(_TrackerHandle(tracker, tracker.subscribe(on_event)))
+    prov._hooks.append(_TrackerHandle(tracker, tracker.subscribe(phase_follower(prov))))
     return prov

@@ -19,7 +19,7 @@ provisioner only when called, so importing this package never imports bagualu2's
 """
 from bagualu2.integrations.pipeline.build import Pipeline, build_pipeline
 from bagualu2.integrations.pipeline.enable import RankStages, StageEntry, enable_bagualu2
-from bagualu2.integrations.pipeline.phases import Phase, PipelinePhaseTracker, PipelineState, current_state
+from bagualu2.integrations.pipeline.phases import Phase, PipelinePhaseTracker, PipelineState, current_state, phase_follower
 from bagualu2.integrations.pipeline.schedules import SCHEDULES, ScheduleSpec, stage_layout
 from bagualu2.integrations.pipeline.stages import StageModule, TokenEmbedding, lm_loss, split_model
 
@@ -37,6 +37,7 @@ __all__ = [
     "PipelineState",
     "PipelinePhaseTracker",
     "current_state",
+    "phase_follower",
     "enable_bagualu2",
     "RankStages",
     "StageEntry",

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from bagualu2.integrations.pipeline.build import Pipeline
-from bagualu2.integrations.pipeline.phases import PipelineState
+from bagualu2.integrations.pipeline.phases import phase_follower
 
 __all__ = ["RankStages", "StageEntry", "enable_bagualu2"]
 
@@ -90,16 +90,7 @@ def enable_bagualu2(pipe: Pipeline, overlap: bool = False, **kwargs: Any):
         pipe._cleanups.append(restore)
     prov = enable(root, **kwargs)
 
-    def on_event(event: str, state: PipelineState) -> None:
-        if not prov.enabled:
-            return
-        if event == "action_begin" and state.action == "F":
-            prov.set_pipeline_phase(state.phase.name.lower(), max(0, state.stacked_forwards - 1))
-        elif event == "step_end":
-            prov.set_pipeline_phase("none", 0)
-            prov.step()
-
-    pipe._cleanups.append(pipe.tracker.subscribe(on_event))
+    pipe._cleanups.append(pipe.tracker.subscribe(phase_follower(prov)))
     if overlap:
         from bagualu2.plan.overlap import OverlapDriver
 

@@ -53,7 +53,7 @@ from typing import Any
 
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-__all__ = ["Phase", "PipelineState", "PipelinePhaseTracker", "current_state"]
+__all__ = ["Phase", "PipelineState", "PipelinePhaseTracker", "current_state", "phase_follower"]
 
 
 class Phase(enum.IntEnum):
@@ -303,3 +303,18 @@ class PipelinePhaseTracker:
 
         schedule.step = step
         self._restore.append((schedule, "step"))
+
+
+def phase_follower(prov: Any) -> Callable[[str, PipelineState], None]:
+    """A tracker subscriber that tells provisioner ``prov`` where its stage is in the schedule:
+    before each forward, the phase and the forwards that will stack on it before its backward;
+    at the step's end, no phase, and the step counted. It goes quiet once ``prov`` is disabled."""
+    def on_event(event: str, state: PipelineState) -> None:
+        if not prov.enabled:
+            return
+        if event == "action_begin" and state.action == "F":
+            prov.set_pipeline_phase(state.phase.name.lower(), max(0, state.stacked_forwards - 1))
+        elif event == "step_end":
+            prov.set_pipeline_phase("none", 0)
+            prov.step()
+    return on_event
