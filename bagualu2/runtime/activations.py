@@ -59,9 +59,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_
 from bagualu2.plan.planner import Choice
 from bagualu2.runtime.frame import Frame, check_keys, profile_saves
 from bagualu2.runtime.ledger import _drain_failed_backward, _drain_graph, _Pin
-from bagualu2.runtime.rerun import BlockRerun, RerunSaved, unrestorable
+from bagualu2.runtime.rerun import BlockRerun, unrestorable
 from bagualu2.runtime.residency import Residency
-from bagualu2.runtime.stores import _Kept, _Offloaded, _Recomputed, _uncounted, regeneration_source
+from bagualu2.runtime.stores import _Offloaded, _Recomputed, _uncounted, observed_hook, regeneration_source
 from bagualu2.runtime.recipes import StorageNode, ViewMeta, is_plain, recipe_refs, view_meta
 
 __all__ = ["ActivationRuntime", "AttachedHook"]
@@ -122,27 +122,6 @@ class _Attachment:
         self.install(False)
         if self in self._runtime._attachments:
             self._runtime._attachments.remove(self)
-
-
-_RECORDS = {_Kept: "kept", _Offloaded: "offloaded", _Recomputed: "recomputed", RerunSaved: "recomputed"}
-
-
-def _record(packed: Any) -> str:
-    """What a saved-tensor hook packed or unpacked: "kept", "offloaded" or "recomputed" (a
-    store of the runtime; "recomputed" also for a block rerun whole), or "tensor" (saved as it
-    is: too small, a parameter, or untraced)."""
-    return _RECORDS.get(type(packed), "tensor")
-
-
-def _observed(hook: str, run: Callable[[Any], Any], observer: Callable[[str, str, float], None]) -> Callable[[Any], Any]:
-    """``run`` (a pack or unpack hook) timed, each call reported to ``observer`` (the runtime's
-    ``hook_observer``) with what it packed or unpacked."""
-    def timed(x: Any) -> Any:
-        start = time.perf_counter()
-        out = run(x)
-        observer(hook, _record(out if hook == "pack" else x), time.perf_counter() - start)
-        return out
-    return timed
 
 
 class ActivationRuntime(Residency):
@@ -233,7 +212,7 @@ class ActivationRuntime(Residency):
         try:
             pack, unpack = self._pack if frame.traced else self._pack_calm, self._unpack
             if self.hook_observer is not None:
-                pack, unpack = _observed("pack", pack, self.hook_observer), _observed("unpack", unpack, self.hook_observer)
+                pack, unpack = observed_hook("pack", pack, self.hook_observer), observed_hook("unpack", unpack, self.hook_observer)
             with tracing, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 try:
                     yield frame

@@ -16,6 +16,8 @@ Invariants:
   of reading newer bytes.
 * A store whose copy fails keeps its device source rather than lose the bytes; a reload that
   fails raises, naming the activation.
+
+Also what a hook handled, by its record (``observed_hook``: the runtime's ``hook_observer``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from bagualu2 import _C
 from bagualu2.runtime.frame import Frame
 from bagualu2.runtime.ledger import ResidencyLedger, _Pin
 from bagualu2.runtime.recipes import StorageNode, ViewMeta, view_of
+from bagualu2.runtime.rerun import RerunSaved
 
 
 class _OffloadStore:
@@ -347,3 +350,24 @@ def regeneration_source(node: StorageNode, state: int) -> Tuple[bool, Optional[_
             return True, None
         node = src_node
     return False, None
+
+
+_RECORDS = {_Kept: "kept", _Offloaded: "offloaded", _Recomputed: "recomputed", RerunSaved: "recomputed"}
+
+
+def _record(packed: Any) -> str:
+    """What a saved-tensor hook packed or unpacked: "kept", "offloaded" or "recomputed" (a
+    store of the runtime; "recomputed" also for a block rerun whole), or "tensor" (saved as it
+    is: too small, a parameter, or untraced)."""
+    return _RECORDS.get(type(packed), "tensor")
+
+
+def observed_hook(hook: str, run: Callable[[Any], Any], observer: Callable[[str, str, float], None]) -> Callable[[Any], Any]:
+    """``run`` (a pack or unpack hook) timed, each call reported to ``observer`` (the runtime's
+    ``hook_observer``) with what it packed or unpacked."""
+    def timed(x: Any) -> Any:
+        start = time.perf_counter()
+        out = run(x)
+        observer(hook, _record(out if hook == "pack" else x), time.perf_counter() - start)
+        return out
+    return timed
