@@ -1,4 +1,4 @@
-"""The activation runtime follows overlap schedules (bagualu2.plan.overlap.OverlapDriver).
+"""The activation runtime follows overlap schedules (bagualu2.integrations.pipeline.overlap_driver).
 
 One process, two micro-batches of the reference MoE model: A's forward, then B's forward
 while A's offloaded activations are reloaded at the points a schedule names, then A's
@@ -16,7 +16,8 @@ import torch
 from bagualu2.runtime import ActivationRuntime, Frame
 from bagualu2.models import MoEConfig, MoETransformer
 from bagualu2.offload import CopyEngine, HostArena
-from bagualu2.plan.overlap import OverlapDriver, Schedule, TaskKind
+from bagualu2.integrations.pipeline.overlap_driver import OverlapDriver
+from bagualu2.plan.overlap import Schedule, TaskKind
 from bagualu2.plan.planner import Choice
 
 SEEDS = (11, 12)  # dropout seeds of micro-batches A and B

@@ -12,10 +12,14 @@ The public names live here; each concern has its own module, whose note is its c
   ``Pipeline``.
 - :mod:`.enable`: ``enable_bagualu2`` provisions this rank's stages with one provisioner and one
   budget per rank, fed by the tracker (and, with ``overlap=True``, an ``OverlapDriver``).
+- :mod:`.overlap_driver`: ``OverlapDriver`` pairs each forward with the backward that follows
+  it on this rank and makes the activation runtime follow the overlap scheduler's schedule.
 
 Dependencies run one way: stages and schedules know nothing of the rest, phases knows the
 torch schedules only, build ties the three together, enable sits on top (and imports the
-provisioner only when called, so importing this package never imports bagualu2's runtime).
+provisioner only when called, so importing this package never imports bagualu2's runtime);
+overlap_driver knows the overlap model (``bagualu2.plan.overlap``) and the tracker's events,
+and enable imports it only with ``overlap=True``.
 """
 from bagualu2.integrations.pipeline.build import Pipeline, build_pipeline
 from bagualu2.integrations.pipeline.enable import RankStages, StageEntry, enable_bagualu2

@@ -67,7 +67,7 @@ def enable_bagualu2(pipe: Pipeline, overlap: bool = False, **kwargs: Any):
     them. Before each forward the provisioner learns the phase and how many other forwards
     will stack on this rank before its next backward (``Provisioner.set_pipeline_phase``); at
     the end of each schedule step ``Provisioner.step()`` is called. With ``overlap=True`` an
-    ``OverlapDriver`` (``bagualu2.plan.overlap``) schedules each forward/backward pair: reloads of
+    ``OverlapDriver`` (:mod:`.overlap_driver`) schedules each forward/backward pair: reloads of
     the coming backward are prefetched during the forward and the bubble, recomputes may run
     in the bubble; its counters are ``prov.report()["overlap"]``. Other keyword arguments go to
     ``bagualu2.enable`` (budget, policy, on_exceed, ...). ``pipe.close()`` undoes the wiring;
@@ -92,7 +92,7 @@ def enable_bagualu2(pipe: Pipeline, overlap: bool = False, **kwargs: Any):
 
     pipe._cleanups.append(pipe.tracker.subscribe(phase_follower(prov)))
     if overlap:
-        from bagualu2.plan.overlap import OverlapDriver
+        from bagualu2.integrations.pipeline.overlap_driver import OverlapDriver
 
         driver = OverlapDriver(prov.runtime, prov.cost, prov.budget, counts=prov.mean_counts)
         prov.overlap = driver
