@@ -37,8 +37,9 @@ The ``Provisioner`` makes these decisions; what it decides with are small object
 owning its own state (``bagualu2/provision/``): the micro-batches in flight (``Stacking``), what
 one holds that no plan releases and the room that leaves (``Footprint``), the routing seen
 (``RoutingRecord``), the calibrating micro-batches (``Calibration``), the keys no plan can name
-(``UnplannedKeys``), and the forward put on the model with the per-thread stack of running
-provisioners (``provision/forward.py``).
+(``UnplannedKeys``), the policy run and the frame each forward starts from (``Policy``), and
+the forward put on the model with the per-thread stack of running provisioners
+(``provision/forward.py``).
 """
 
 from __future__ import annotations
@@ -53,18 +54,18 @@ import torch
 
 from bagualu2.runtime import ActivationRuntime, Budget, Frame, is_recomputing
 from bagualu2.runtime.activations import AttachedHook
-from bagualu2.runtime.frame import checked_choices
 from bagualu2.runtime.recipes import reset_replay_depth
 from bagualu2.plan.cost_model import SIZE, CostModel
 from bagualu2.errors import BudgetExceededError
 from bagualu2.inputs import (
-    check_materialized, check_options, checked_counts, checked_plan, device_of, input_bytes, resolve_budget,
+    check_materialized, check_options, checked_counts, device_of, input_bytes, resolve_budget,
     token_slots,
 )
-from bagualu2.provision.calibration import Calibration
+from bagualu2.provision.calibration import Calibration, learn
 from bagualu2.provision.copy_engine import make_engine, measure_copy_costs, reserve_arena
 from bagualu2.provision.footprint import Footprint
 from bagualu2.provision.forward import ProvisionedForward, active, plain_forward
+from bagualu2.provision.policy import POLICIES, Policy
 from bagualu2.provision.routing import RoutingRecord
 from bagualu2.provision.stacking import Stacking
 from bagualu2.provision.unplanned import UnplannedKeys
@@ -73,8 +74,6 @@ from bagualu2.plan.planner import Choice, Plan, Planner
 from bagualu2.telemetry import Decision, MicroBatch, Telemetry
 
 __all__ = ["Provisioner", "enable", "on_gating", "POLICIES"]
-
-POLICIES = ("adaptive", "keep_all", "recompute_all", "offload_all")
 
 
 class Provisioner:
@@ -106,7 +105,7 @@ class Provisioner:
         self.model = model
         self.device = device_of(model)
         self._budget = resolve_budget(budget, self.device, reserve_bytes)
-        self._policy = policy
+        self._policy = Policy(policy, model)
         self.on_exceed = on_exceed
         self.min_bytes = min_bytes
         self.margin = margin
@@ -116,9 +115,8 @@ class Provisioner:
         self.telemetry = Telemetry(Path(telemetry_path) if telemetry_path else None)
         self.engine = engine if engine is not None else make_engine(self.device, arena_bytes, arena_max_bytes)
         self._arena_chosen = engine is not None or arena_bytes is not None  # _reserve_arena leaves it
-        adaptive = policy == "adaptive"
         self.runtime = ActivationRuntime(
-            self.engine, min_bytes=min_bytes, budget_bytes=self._budget, enforce_budget=adaptive,
+            self.engine, min_bytes=min_bytes, budget_bytes=self._budget, enforce_budget=self._policy.adaptive,
             on_exceed=self._exceeded if on_exceed == "raise" else None,
         )
         self.runtime.backward_observer = self._learn
@@ -149,13 +147,7 @@ class Provisioner:
         self._oom_recoveries = 0
         self._peak_with_backward = 0  # the ledger's high-water mark over the run (_note_peak)
         self.overlap: Any = None  # an OverlapDriver on a pipeline rank (pipeline.enable_bagualu2)
-        self._static: Optional[Dict[str, Choice]] = None
         self._last_choices: Optional[Dict[str, Choice]] = None  # what the last one that planned ran
-        if isinstance(policy, Plan):
-            self._static = checked_plan(policy.choices, model)
-        elif not isinstance(policy, str):
-            self._static = checked_plan(policy, model)
-            self._policy = Plan(self._static)
         self.enabled = True
 
     # -- public API -------------------------------------------------------------------------
@@ -235,19 +227,15 @@ class Provisioner:
 
         Raises:
             ValueError: set on a provisioner whose policy is not a fixed plan (adaptive, or a
-                static policy by name, plans in its own way).
+                static policy by name, plans in its own way), or a key of the new plan names
+                no operator of the model.
             TypeError: an entry of the new plan is not a ``bagualu2.Choice``.
         """
-        return self._policy
+        return self._policy.shown
 
     @policy.setter
     def policy(self, plan: Union[Plan, Mapping[str, Choice]]) -> None:
-        if self._static is None:
-            raise ValueError(f"only a fixed plan can be replaced, and this provisioner's policy is "
-                             f"{self._policy!r}: enable it with policy=bagualu2.Plan(...) to compare plans")
-        choices = checked_choices(plan.choices if isinstance(plan, Plan) else plan)
-        self._static = choices
-        self._policy = plan if isinstance(plan, Plan) else Plan(choices)
+        self._policy.replace(plan)
 
     def step(self) -> None:
         """Mark the end of a training step (optional; numbers the telemetry records)."""
@@ -281,7 +269,7 @@ class Provisioner:
         lat = sorted(d.latency_us for d in self.telemetry.decisions)
         arena = self.engine.arena.stats() if self.engine is not None else {}
         return {
-            "policy": self.policy if isinstance(self.policy, str) else "static",
+            "policy": self._policy.name,
             "steps": self._step,
             "micro_batches": totals.micro_batches,
             "traced_micro_batches": totals.traced,
@@ -328,21 +316,12 @@ class Provisioner:
     def _new_frame(self, conservative: bool) -> Frame:
         if conservative:
             return Frame(default=Choice.RECOMPUTE, index=self._frames)
-        if self.policy == "recompute_all":
-            frame = Frame(default=Choice.RECOMPUTE, index=self._frames)
-            # What the model saves after its last block (the final norm's input, the logits)
-            # backward reads first: released, it is rebuilt at once, replaying the last block
-            # with it while all else is still resident: more time, and no lower a peak. Kept,
-            # as checkpointing every layer keeps it.
-            frame.after_blocks = Choice.KEEP
-            # The blocks recompute all they save: rerun whole in backward, they need no tracing
-            # (whose dispatch costs a tenth of a cpu forward). The overlap scheduler moves
-            # per-operator recomputes into pipeline bubbles: with it, they stay traced.
-            frame.rerun_blocks = self.overlap is None
+        # recompute_all's blocks recompute all they save: rerun whole in backward, they need no
+        # tracing and its dispatch. The overlap scheduler moves per-operator recomputes into
+        # pipeline bubbles: with it, they stay traced.
+        frame, final = self._policy.frame(self._frames, rerun_blocks=self.overlap is None)
+        if final:
             return frame
-        if self.policy == "offload_all":
-            return Frame(default=Choice.OFFLOAD, index=self._frames)
-        frame = Frame(self._static, index=self._frames)
         frame.profile = self.cost.frames < self.profile_frames
         if not frame.profile and self._calibrates() and self.calibration.begin(
                 frame, self.cost.order, self.engine is not None, self.calibrate_frames, self.recalibrate_every):
@@ -350,9 +329,7 @@ class Provisioner:
         # Stable phases cost nothing: a forward whose plan is not expected to release anything
         # is not traced (its recipes would never be used): keep_all's, a fixed plan's that
         # keeps everything, and adaptive's when calm (``_calm``).
-        keeps_all = self.policy == "keep_all" or (
-            self._static is not None and all(c == Choice.KEEP for c in self._static.values()))
-        frame.traced = frame.profile or not (keeps_all or (self.policy == "adaptive" and self._calm()))
+        frame.traced = frame.profile or not (self._policy.keeps_all or (self._policy.adaptive and self._calm()))
         return frame
 
     def _calibrates(self) -> bool:
@@ -360,7 +337,7 @@ class Provisioner:
         only where a plan may have to release, an adaptive policy under a budget that the worst
         routing of the profiled micro-batches would not fit."""
         worst = self.footprint.worst_bytes
-        return self.policy == "adaptive" and self.budget is not None and worst is not None and worst > self.budget
+        return self._policy.adaptive and self.budget is not None and worst is not None and worst > self.budget
 
     def _calm(self) -> bool:
         """Whether this micro-batch is not expected to need a release (``Footprint.calm``)."""
@@ -388,10 +365,10 @@ class Provisioner:
         if self.engine is None or self._arena_chosen or self.footprint.worst_bytes is None:
             return
         worst = (1 + max(1, self.stacking.deepest())) * self.footprint.worst_bytes
-        if self.policy == "adaptive":
+        if self._policy.adaptive:
             need = worst - self.budget if self.budget is not None else 0
-        else:  # a fixed plan (the static policies are not profiled)
-            need = worst if Choice.OFFLOAD in (self._static or {}).values() else 0
+        else:  # a fixed plan (the named static policies are not profiled)
+            need = worst if self._policy.offloads else 0
         reserve_arena(self.engine, need)
 
     def _provisioned_forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -417,21 +394,10 @@ class Provisioner:
             return self._run_frame(args, kwargs, conservative=True)
 
     def _learn(self) -> None:
-        """Learn what the runtime measured since the last call: what rebuilds, their replayed
-        ops and copies cost. Called as each backward pass ends (``backward_observer``: where
-        the step pays for it) and as each forward begins."""
-        # At the last forward's routing (the one backward ran last, outside a pipeline; rounded
-        # means would move a size-driven op's token count and bend its time's fit).
-        routed = self.routing.counts or self.routing.mean()
-        op_replays = self.runtime.take_op_replay_times()
-        if op_replays:
-            self.cost.observe_op_replays(op_replays, routed)
-        replays = self.runtime.take_replay_times()
-        if replays:
-            self.cost.observe_replays(replays, routed)
-        seconds, copies, nbytes = self.runtime.take_copy_times()
-        if copies:  # ... and to offload and reload
-            self.cost.observe_copies(seconds, copies, nbytes)
+        """Learn what the runtime measured (``provision.calibration.learn``). Called as each
+        backward pass ends (``backward_observer``: where the step pays for it) and as each
+        forward begins."""
+        learn(self.cost, self.runtime, self.routing.counts or self.routing.mean())
 
     def _run_frame(self, args: tuple, kwargs: dict, conservative: bool) -> Any:
         # The model's parameters now, not at enable: a wrapper applied since (FSDP2's
@@ -443,7 +409,7 @@ class Provisioner:
         self.routing.begin()
         self._frame_predicted = 0
         start = time.perf_counter()
-        adaptive = self.budget is not None and self.policy == "adaptive"
+        adaptive = self.budget is not None and self._policy.adaptive
         inputs = input_bytes(args, kwargs) if adaptive or frame.traced else 0
         if adaptive:
             # Leave room for the floor of each micro-batch that stacks on this rank before its
@@ -486,14 +452,14 @@ class Provisioner:
             forward_seconds=seconds, oom_recovered=conservative, traced=frame.traced,
             calibrating=not conservative and calibrating, room_made_bytes=frame.stats.room_made_bytes,
         ))
-        if self.policy == "adaptive" and frame.traced and not frame.profile and not calibrating:
+        if self._policy.adaptive and frame.traced and not frame.profile and not calibrating:
             self._last_choices = frame.choices  # the frame's, which its forward is done with
         self.calibration.end(frame.index)
         return out
 
     def _check_feasible(self) -> None:
         """Refuse a micro-batch no plan can fit, before it allocates anything."""
-        if self.budget is None or self.policy != "adaptive" or not self.cost.ready:
+        if self.budget is None or not self._policy.adaptive or not self.cost.ready:
             return
         self.footprint.check_feasible(self.budget, self.runtime.ledger.resident, self.runtime.movable_bytes,
                                       f"micro-batch {self._frames}")
@@ -521,7 +487,7 @@ class Provisioner:
             return
         values = counts.tolist() if isinstance(counts, torch.Tensor) else [int(c) for c in counts]
         self.routing.record(layer, values, size)
-        if self.policy != "adaptive" or self.budget is None or not self.cost.ready:
+        if not self._policy.adaptive or self.budget is None or not self.cost.ready:
             return
         if self.calibration.running(frame.index):
             return  # it releases all it can already

@@ -777,7 +777,7 @@ def test_rebuilds_that_replayed_a_call_again_to_stay_under_the_budget_teach_the_
     for i in range(prov.profile_frames + prov.calibrate_frames):
         step(model, i)
     assert [m.calibrating for m in prov.telemetry.micro_batches] == [False, False, True, True]
-    assert cost.rebuild._op_replays  # the second (warm) calibrating backward's, observed as it ended
+    assert cost.rebuild.replayed_calls  # the second (warm) calibrating backward's, observed as it ended
     warm = backwards[-1]  # its calls all replayed before (none cold)
     once = warm["micro_batches"]
     repeated = {(cost.ops.get(k) or cost.unsaved[k]).call for k, (*_, n) in warm["ops"].items()
@@ -838,6 +838,8 @@ def test_setting_the_policy_switches_a_fixed_plan_from_the_next_forward_and_refu
     assert prov.report()["policy"] == "static"
     with pytest.raises(TypeError, match="'experts.0.fc1'.*not a bagualu2.Choice"):
         prov.policy = {"experts.0.fc1": "offload"}
+    with pytest.raises(ValueError, match="the model has no module 'nosuch"):
+        prov.policy = {f"nosuch.{next(iter(cost.ops))}": bagualu2.Choice.OFFLOAD}  # checked as enable checks
     assert prov.policy.choices == {}  # a refused plan changes nothing
     for policy in ("adaptive", "keep_all"):
         other = bagualu2.enable(make_model(ep_size=4), budget=None, policy=policy)
@@ -1113,13 +1115,13 @@ def test_runtime_measures_rebuilds_and_copies_and_the_provisioner_feeds_the_cost
         step(model, i)
         assert adaptive.runtime.take_replay_times() == {} and adaptive.runtime.take_copy_times()[1] == 0
     assert adaptive.report()["saved_bytes_by_choice"]["recompute"] > 0
-    assert adaptive.cost.rebuild._op_replays and adaptive.cost.rebuild.fit.observed
+    assert adaptive.cost.rebuild.replayed_calls and adaptive.cost.rebuild.fit.observed
     offloading = bagualu2.enable(make_model(), budget=None, policy="offload_all", min_bytes=0)
-    offloading.runtime.backward_observer = None
+    learn, offloading.runtime.backward_observer = offloading.runtime.backward_observer, None
     step(offloading.model, 0)
     seconds, copies, nbytes = offloading.runtime.take_copy_times()
     assert seconds > 0 and copies > 0 and nbytes >= copies
-    offloading.runtime.backward_observer = offloading._learn
+    offloading.runtime.backward_observer = learn
     step(offloading.model, 1)
     assert offloading.runtime.take_copy_times()[1] == 0 and offloading.cost.copies.fit.observed
 

@@ -17,6 +17,10 @@ as they rebuild. Recalibrations (one every ``recalibrate_every``) then go round 
   two halves in turn): rebuilds are then measured at two sizes of plan, which tells the part
   that grows with a plan from the part that does not (one size alone cannot separate them).
 
+What the runtime measured reaches the cost model through ``learn``, as each backward pass ends
+and as each forward begins, calibrating or not: plans' own releases refine what calibration
+measured.
+
 Invariants: only a micro-batch that may have to release is asked (``Provisioner._calibrates``),
 so calibration never slows a run whose worst routing fits; a calibrating micro-batch decides
 nothing at its gates and does not become the last plan; the count since the last calibration
@@ -25,12 +29,13 @@ grows only with micro-batches that may have to release.
 
 from __future__ import annotations
 
-from typing import Sequence, Set
+from typing import Dict, List, Sequence, Set
 
+from bagualu2.plan.cost_model import CostModel
 from bagualu2.plan.planner import Choice
-from bagualu2.runtime import Frame
+from bagualu2.runtime import ActivationRuntime, Frame
 
-__all__ = ["Calibration"]
+__all__ = ["Calibration", "learn"]
 
 _RECALIBRATIONS = ("recompute all", "recompute half 0", "recompute all", "recompute half 1")
 _RECALIBRATIONS_WITH_COPIES = tuple(k for kind in _RECALIBRATIONS for k in ("offload", kind))
@@ -78,3 +83,19 @@ class Calibration:
     def end(self, index: int) -> None:
         """Micro-batch ``index``'s forward ended."""
         self._running.discard(index)
+
+
+def learn(cost: CostModel, runtime: ActivationRuntime, routed: Dict[int, List[int]]) -> None:
+    """Hand what ``runtime`` measured since the last call to ``cost``: what replayed ops,
+    rebuilds and copies cost, each at ``routed``, the loads of the forward whose backward ran
+    (the last one outside a pipeline; rounded means would move a size-driven op's token count
+    and bend its time's fit)."""
+    op_replays = runtime.take_op_replay_times()
+    if op_replays:
+        cost.observe_op_replays(op_replays, routed)
+    replays = runtime.take_replay_times()
+    if replays:
+        cost.observe_replays(replays, routed)
+    seconds, copies, nbytes = runtime.take_copy_times()
+    if copies:
+        cost.observe_copies(seconds, copies, nbytes)
