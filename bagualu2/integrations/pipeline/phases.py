@@ -144,7 +144,6 @@ class PipelinePhaseTracker:
 
     def __init__(self, schedule: Any):
         stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
-        self._schedule = schedule
         self._stages = stages
         self.rank = stages[0].group_rank
         self._expected = _expected_actions(schedule, stages, self.rank)
