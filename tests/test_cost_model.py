@@ -305,6 +305,12 @@ def test_replay_fit_reproduces_the_large_rebuilds_a_plan_s_cost_is_made_of() -> 
     assert fitted(large[0]) == pytest.approx(large[1], rel=0.05)
 
 
+def rebuild_seconds(cost, ops: int, seconds: float) -> float:
+    """What the shared replay fit predicts for one rebuild (not a micro-batch's first) of ``ops``
+    op calls whose replays take ``seconds``, from its learned coefficients."""
+    return cost.replay_entry_s + ops * cost.replay_fixed_s + seconds * cost.replay_factor
+
+
 def test_replay_fit_learned_from_small_rebuilds_predicts_a_large_one() -> None:
     """Rebuilds of one or two small ops (5-45 us profiled), whose measured time is mostly the
     replay's own overhead plus noise, tell little about the factor on the ops' time; fitted
@@ -324,7 +330,7 @@ def test_replay_fit_learned_from_small_rebuilds_predicts_a_large_one() -> None:
                 measured = 40e-6 * first + 25e-6 + 10e-6 * ops + profiled + rng.gauss(0, 15e-6)
                 rows.append(((first, float(ops), 1.0, profiled), max(1e-6, measured)))
             cost.rebuild.fit.add(rows)
-        assert cost.rebuild._fitted(1, 500e-6) == pytest.approx(25e-6 + 10e-6 + 500e-6, rel=0.1)
+        assert rebuild_seconds(cost, 1, 500e-6) == pytest.approx(25e-6 + 10e-6 + 500e-6, rel=0.1)
 
 
 def test_cost_model_learns_what_each_key_s_rebuild_costs_beyond_the_shared_fit() -> None:
@@ -591,4 +597,4 @@ def test_replay_factor_keeps_its_floor_when_cheap_rebuilds_measure_flat() -> Non
         cost.rebuild.fit.add(rows)
     assert free.coef[-1] == pytest.approx(0.1, abs=0.02)  # the case the floor is for
     assert cost.replay_factor >= REPLAY_FACTOR_FLOOR == 0.5
-    assert cost.rebuild._fitted(249, 0.13) >= 0.5 * 0.13
+    assert rebuild_seconds(cost, 249, 0.13) >= 0.5 * 0.13

@@ -35,7 +35,7 @@ step delta with its 95% interval.
 from __future__ import annotations
 
 import statistics
-from typing import Dict, Iterable, List, Mapping, Sequence, Tuple
+from typing import Dict, FrozenSet, Iterable, List, Mapping, Sequence, Tuple
 
 from bagualu2.plan.cost_model.fit import CostFit, LineFit
 from bagualu2.plan.cost_model.memory import MemoryModel, OpCost, driving_tokens
@@ -245,6 +245,12 @@ class RebuildModel:
         if fit is not None:
             return fit(tokens)
         return self._profiled_scale() * op.seconds(tokens)
+
+    @property
+    def replayed_calls(self) -> FrozenSet[str]:
+        """The op calls whose replays inside a chain have been measured (``observe_op_replays``):
+        their ``op_replay_seconds`` is what was measured, not a profiled time scaled."""
+        return frozenset(self._op_replays)
 
     def _profiled_scale(self) -> float:
         if self._replay_scale[0] != len(self._op_replays):
