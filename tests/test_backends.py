@@ -106,10 +106,10 @@ def test_disable_releases_the_pinned_arena() -> None:
     prov = bagualu2.enable(model, budget=None, policy="offload_all", min_bytes=0)
     model(torch.randint(0, 64, (2, 32), device=device)).backward()
     assert prov.report()["saved_bytes_by_choice"]["offload"] > 0
-    arena = weakref.ref(prov.engine.arena._impl)
+    engine, arena = weakref.ref(prov.engine), weakref.ref(prov.engine.arena)  # the arena's last holders
     prov.disable()
     gc.collect()
-    assert arena() is None
+    assert engine() is None and arena() is None
 
 
 # -- on a device ---------------------------------------------------------------------------------
@@ -133,7 +133,7 @@ def test_a_freed_source_is_not_reused_before_its_offload_copy_ends() -> None:
     """record_stream on the engine's D2H stream: the caching allocator does not hand the
     source's block out while the copy may still read it."""
     engine = CopyEngine(HostArena(64 * MiB, "auto"))
-    d2h = torch.cuda.ExternalStream(engine._impl.d2h_stream)
+    d2h = engine.d2h_stream
     with torch.cuda.stream(d2h):
         torch.cuda._sleep(50_000_000)  # the copy queues behind this
     t = torch.full((8 * MiB // 4,), 3.0, device="cuda")
@@ -150,7 +150,7 @@ def test_a_reload_consumed_on_another_stream_is_complete_there() -> None:
     engine = CopyEngine(HostArena(64 * MiB, "auto"))
     t = torch.arange(4 * MiB, device="cuda", dtype=torch.int32)
     h = engine.offload(t)
-    h2d = torch.cuda.ExternalStream(engine._impl.h2d_stream)
+    h2d = engine.h2d_stream
     with torch.cuda.stream(h2d):
         torch.cuda._sleep(50_000_000)  # the reload queues behind this
     pending = engine.reload_async(h)

@@ -30,8 +30,8 @@ def test_selftest_refuses_too_few_micro_batches(tmp_path) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
 def test_selftest_environment_names_each_backend(tmp_path) -> None:
-    from bagualu2.cli.selftest import _environment
+    from bagualu2.cli.selftest import environment
 
-    env = _environment(torch.device("cpu"))
+    env = environment(torch.device("cpu"))
     assert set(env["backend_status"]) == {"cpu", "cuda", "hip"}
     assert "cpu: usable" in env["backend_status_line"]

@@ -268,7 +268,7 @@ def check_overlap(device: torch.device) -> Row:
     back = [engine.offload(t) for t in srcs[: count // 2]]
     a = torch.randn(4096, 4096, device=device)
     compute = torch.cuda.current_stream(device)
-    d2h = torch.cuda.ExternalStream(engine._impl.d2h_stream, device=device)
+    d2h = engine.d2h_stream
     events = {k: torch.cuda.Event(enable_timing=True) for k in ("c0", "c1", "x0", "x1")}
 
     def copies() -> List:
@@ -462,7 +462,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--micro-batches {args.micro_batches}: use at least 40")
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     args.out.mkdir(parents=True, exist_ok=True)
-    env = _environment(device)
+    env = environment(device)
     print(f"bagualu2 selftest on {env['device_name']} ({'device' if gpu else 'CPU'} form), torch "
           f"{env['torch']}, backends {env['backend_status_line']}")
     bench = _Bench(device, gpu, args.seed, (8, 128) if gpu else (2, 32))
@@ -503,7 +503,10 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _environment(device: torch.device) -> Dict[str, Any]:
+def environment(device: torch.device) -> Dict[str, Any]:
+    """What ``selftest.json`` records of this machine (torch and python versions, cpus, the
+    device's name) and which offload backends are compiled and usable on it
+    (``backend_status``, and ``backend_status_line``: one line for the report)."""
     import bagualu2
 
     status = bagualu2.backend_status()

@@ -48,7 +48,7 @@ class HostArena:
     interface (addresses as ints); tensors go through :class:`CopyEngine`.
     """
 
-    __slots__ = ("_impl",)
+    __slots__ = ("_impl", "__weakref__")
 
     def __init__(self, capacity_bytes: int, backend: str = "cpu", max_capacity: Optional[int] = None) -> None:
         capacity_bytes = _positive_bytes("capacity_bytes", capacity_bytes)
@@ -255,6 +255,18 @@ class CopyEngine:
         if self._gpu:
             self._d2h = torch.cuda.ExternalStream(self._impl.d2h_stream, device=self.device)
             self._h2d = torch.cuda.ExternalStream(self._impl.h2d_stream, device=self.device)
+
+    @property
+    def d2h_stream(self) -> Optional[torch.cuda.Stream]:
+        """The device stream offload copies run on, in submission order (None on the cpu
+        backend): work queued on it runs in order with them."""
+        return self._d2h if self._gpu else None
+
+    @property
+    def h2d_stream(self) -> Optional[torch.cuda.Stream]:
+        """The device stream reload copies run on, in submission order (None on the cpu
+        backend)."""
+        return self._h2d if self._gpu else None
 
     # -- offload -------------------------------------------------------------------------------
     def offload(self, t: torch.Tensor, stream: Any = None) -> Optional[OffloadHandle]:
