@@ -10,7 +10,7 @@ import copy
 import gc
 import time
 import weakref
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -22,6 +22,7 @@ import bagualu2
 from bagualu2.runtime import ActivationRuntime, Frame
 from bagualu2.runtime import recipes
 from bagualu2.runtime.recipes import call_key, module_of
+from bagualu2.runtime.testing import wrap_step
 from bagualu2.models import MoEConfig, MoETransformer
 from bagualu2.offload import CopyEngine, HostArena, OffloadHandle
 from bagualu2.plan.planner import Choice
@@ -442,7 +443,8 @@ def test_profile_names_the_saved_storages_a_rebuild_reads(engine: CopyEngine) ->
     assert profile[":aten.mul.Tensor:0"][4] == (":aten.rsqrt.default:0",)  # x is the forward's input
 
 
-def test_a_rebuild_s_reload_of_an_offloaded_input_counts_as_copy_time(engine: CopyEngine) -> None:
+def test_a_rebuild_s_reload_of_an_offloaded_input_counts_as_copy_time(
+        engine: CopyEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     """``x * r`` recomputed reads ``r`` offloaded: the reload (made slow here) is the copies'
     time, not the rebuild's nor its op's."""
     torch.manual_seed(0)
@@ -450,15 +452,14 @@ def test_a_rebuild_s_reload_of_an_offloaded_input_counts_as_copy_time(engine: Co
     frame = Frame({":aten.rsqrt.default:0": Choice.OFFLOAD, ":aten.mul.Tensor:0": Choice.RECOMPUTE}, strict=True)
     loss = h.forward(torch.randn(8, 16, requires_grad=True), frame)
     assert frame.stats.bytes_by_choice["offload"] > 0 and frame.stats.bytes_by_choice["recompute"] > 0
-    available = h.runtime._available
+    reload = CopyEngine.reload
     slow = 0.05
 
-    def slow_reload(node: recipes.StorageNode, state: int) -> Optional[torch.UntypedStorage]:
-        if node.offloaded.get(state) is not None:
-            time.sleep(slow)
-        return available(node, state)
+    def slow_reload(self: CopyEngine, *args, **kwargs) -> torch.Tensor:
+        time.sleep(slow)
+        return reload(self, *args, **kwargs)
 
-    h.runtime._available = slow_reload  # type: ignore[method-assign]
+    monkeypatch.setattr(CopyEngine, "reload", slow_reload)  # the Harness copies back (not in place)
     h.runtime.take_copy_times()
     loss.backward()
     rebuilt = h.runtime.take_replay_times()
@@ -514,7 +515,7 @@ def test_rebuilt_storage_leaves_the_recompute_cache_after_its_last_released_view
         puts[(position, state)] = puts.get((position, state), 0) + 1
         block = bisect.bisect_right(cache.anchors, position)
         block_bytes[block] = block_bytes.get(block, 0) + storage.nbytes()
-        held = sum(s.nbytes() for s, _ in cache._entries.values())
+        held = cache.nbytes
         live["high"] = max(live["high"], held)
 
     monkeypatch.setattr(recipes.RecomputeCache, "put", observed_put)
@@ -570,21 +571,27 @@ def test_backward_holds_nothing_over_the_budget(engine: CopyEngine, choice: Choi
     assert h.runtime.ledger.peak > resident
 
 
-def test_settling_releases_every_completed_offload(engine: CopyEngine) -> None:
+def test_settling_releases_every_completed_offload(engine: CopyEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     """Offloads complete in order, and settling stops at the first still copying: once the
-    engine is idle, one settle releases every device source, past the references of stores
-    that died meanwhile."""
+    engine is idle, one settle releases every device source, past the stores that died
+    meanwhile (here a first forward's, whose graph is dropped while its copies look
+    unfinished: they are first in line)."""
     model, tokens = make_model()
     h = Harness(model, engine)
+    copying = [True]
+    done = OffloadHandle.done
+    monkeypatch.setattr(OffloadHandle, "done", lambda handle: done(handle) and not copying[0])
+    dropped = h.forward(tokens, Frame(default=Choice.OFFLOAD))
+    first = h.runtime.inflight_bytes
     loss = h.forward(tokens, Frame(default=Choice.OFFLOAD))
+    assert 0 < first < h.runtime.inflight_bytes  # both forwards' sources wait for their copies
+    del dropped
+    gc.collect()
     engine.synchronize()
-    class Gone:
-        pass
-
-    h.runtime._inflight.appendleft(weakref.ref(Gone()))  # a dead store's reference first in line
-    assert h.runtime._inflight[0]() is None
+    copying[0] = False
+    assert h.runtime.inflight_bytes > 0
     h.runtime.settle()
-    assert not h.runtime._inflight and h.runtime.inflight_bytes == 0
+    assert h.runtime.inflight_bytes == 0
     held = h.runtime.ledger.resident
     loss_and_grads(model, loss)
     assert h.runtime.ledger.resident == 0 and held > 0
@@ -782,7 +789,7 @@ def test_backward_prefetch_stays_in_its_window_in_every_pass(engine: CopyEngine,
     h.runtime.prefetch_bytes = window_stores * largest
     pending: List[Tuple[int, int]] = []  # (pass, bytes prefetched and not used) at each unpack
     passes = [0]
-    h.runtime.unpack_observer = lambda key, f=frame: pending.append((passes[0], f._prefetch_pending))
+    h.runtime.unpack_observer = lambda key, f=frame: pending.append((passes[0], f.prefetch_pending_bytes))
     for passes[0] in (1, 2):
         model.zero_grad(set_to_none=True)
         loss.backward(retain_graph=passes[0] == 1)
@@ -886,7 +893,7 @@ def test_keep_all_high_water_equals_saved_bytes(engine: CopyEngine) -> None:
 @pytest.mark.parametrize("budget_fraction", [None, 0.5])
 def test_an_untraced_forward_counts_and_keeps_as_the_full_pack_does(
         engine: CopyEngine, model_kind: str, budget_fraction: Optional[float]) -> None:
-    """An untraced frame's pack hook (``_pack_calm``) keeps what fits by a short way of its
+    """An untraced frame's pack hook (``calm_pack_hook``) keeps what fits by a short way of its
     own; what it counts, keeps and (over the budget) offloads is what the full pack hook does,
     bit for bit, and with no budget it never needs the full one."""
     def build() -> Tuple[torch.nn.Module, torch.Tensor]:
@@ -907,15 +914,18 @@ def test_an_untraced_forward_counts_and_keeps_as_the_full_pack_does(
             h.forward(x, probe)
             h.runtime.budget_bytes = int(probe.stats.peak_resident * budget_fraction)
         full_packs = [0]
-        pack = h.runtime._pack
+        counted_hooks: List[Callable[[torch.Tensor], object]] = []
 
-        def counted(t: torch.Tensor) -> object:
-            full_packs[0] += 1
-            return pack(t)
+        def counting(pack: Callable[[torch.Tensor], object]) -> Callable[[torch.Tensor], object]:
+            def counted(t: torch.Tensor) -> object:
+                full_packs[0] += 1
+                return pack(t)
+            counted_hooks.append(counted)
+            return counted
 
-        h.runtime._pack = counted
-        if full:
-            h.runtime._pack_calm = counted
+        wrap_step(h.runtime, "pack_hook", counting)
+        if full:  # every save takes the full hook
+            wrap_step(h.runtime, "calm_pack_hook", lambda calm: counted_hooks[0])
         frame = Frame(default=Choice.KEEP)
         frame.traced = False
         loss = h.forward(x, frame)

@@ -293,6 +293,21 @@ class Injected:
         hooks.set_copy_faults("off")
 
 
+class NotingOffloads(Injected):
+    """An ``Injected`` that notes, as backward's faults are armed, the keys of the host copies
+    the forward's ``frames`` hold."""
+
+    def __init__(self, frames: List[Any]) -> None:
+        super().__init__()
+        self.frames = frames
+        self.offloaded: List[str] = []
+
+    def arm(self, how: Optional[Tuple[str, int, int]]) -> None:
+        if how is not None:
+            self.offloaded = [store.key for frame in self.frames for store in frame.offload_stores()]
+        super().arm(how)
+
+
 def faulty_step(model: Any, i: int, spike: float, injected: Injected,
                 forward: Optional[Tuple[str, int, int]] = None,
                 backward: Optional[Tuple[str, int, int]] = None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
@@ -372,24 +387,14 @@ def test_a_reload_that_fails_raises_naming_the_activation_and_leaves_nothing_hel
     step(plain, 0)
     if not prefetch:
         prov.runtime.prefetch_bytes = 0
-    stores = []
-    original = prov.runtime._start_offload
-
-    def noting(frame: Any, storage: Any, key: str) -> Any:
-        store = original(frame, storage, key)
-        if store is not None:
-            stores.append(key)
-        return store
-
-    prov.runtime._start_offload = noting
-    injected = Injected()
     message = ""
     with recorded_frames(prov) as frames:
+        injected = NotingOffloads(frames)
         try:
             faulty_step(model, 1, 2.6, injected, backward=(mode, 1, 0))
         except RuntimeError as e:
             message = str(e)
-    del prov.runtime._start_offload
+    stores = injected.offloaded
     assert injected.count == 1 and stores
     prefetches = fallbacks(frames, "prefetch failed")
     assert not prefetches
@@ -495,7 +500,7 @@ def test_a_prefetch_that_cannot_be_submitted_is_recorded_and_its_use_reloads() -
     hooks.set_copy_faults("submit", count=1)
     assert not h.runtime.prefetch(stores[-1])
     assert hooks.copy_faults_left() == 0
-    assert stores[-1].prefetched is None and frame._prefetch_pending == 0
+    assert stores[-1].prefetched is None and frame.prefetch_pending_bytes == 0
     assert [f for f in frame.stats.fallbacks if "prefetch failed" in f and "injected fault" in f]
     assert_bitwise(reference, loss_and_grads(model, loss))
     del loss, stores

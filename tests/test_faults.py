@@ -26,6 +26,7 @@ import bagualu2
 from bagualu2.runtime.ledger import ResidencyLedger, _Pin
 from bagualu2.runtime import recipes
 from bagualu2.runtime.recipes import StorageNode, is_recomputing
+from bagualu2.runtime.testing import wrap_step
 from bagualu2.models import MoEConfig, MoETransformer
 
 BATCH = (2, 32)
@@ -76,7 +77,7 @@ def assert_nothing_held(prov: Any) -> None:
     report = prov.report()
     assert report["resident_bytes"] == 0, report["resident_bytes"]
     assert report["arena_in_use_bytes"] == 0, report["arena_in_use_bytes"]
-    assert not prov.runtime.ledger._pins
+    assert prov.runtime.ledger.pins == 0
     assert prov.runtime.active_frame is None
 
 
@@ -116,13 +117,23 @@ def _inject(point: str, model: MoETransformer, prov: Any, at: int, after: bool) 
     if point == "forward":
         handle = model.layers[1].register_forward_pre_hook(Interrupt(lambda m, a: None, at, after))
         return handle.remove
-    if point == "gating":
-        prov._on_gate = Interrupt(prov._on_gate, at, after)
-        return lambda: prov.__dict__.pop("_on_gate")
+    if point == "gating":  # a hook on each gate beside bagualu2's: before it takes the routing, or after
+        interrupt = Interrupt(lambda: None, at, after)
+
+        def gating(module: Any, args: Any, out: Any) -> None:
+            if rt.active_frame is not None and not is_recomputing():  # where bagualu2's hook acts
+                interrupt()
+
+        handles = [router.register_forward_hook(gating, prepend=not after) for _, router in model.gates()]
+
+        def disarm() -> None:
+            for handle in handles:
+                handle.remove()
+
+        return disarm
     if point in ("pack", "offload", "unpack"):
-        name = {"pack": "_pack_in", "offload": "_start_offload", "unpack": "_unpack"}[point]
-        setattr(rt, name, Interrupt(getattr(rt, name), at, after))
-        return lambda: rt.__dict__.pop(name)
+        return wrap_step(rt, {"pack": "pack", "offload": "offload", "unpack": "unpack_hook"}[point],
+                         lambda original: Interrupt(original, at, after))
     if point == "learning":
         observer = rt.backward_observer
         rt.backward_observer = Interrupt(observer, at, after)
@@ -165,8 +176,8 @@ def _half_entered(what: str, prov: Any) -> Callable[[], None]:
         torch._C._set_grad_enabled(False)
     elif what == "replay count":  # a rebuild's _ReplayScope, in backward
         recipes._STATE.replaying = getattr(recipes._STATE, "replaying", 0) + 1
-    elif what == "saved-tensor hooks":  # the frame's saved_tensors_hooks
-        torch._C._autograd._push_saved_tensors_default_hooks(rt._pack, rt._unpack)
+    elif what == "saved-tensor hooks":  # the frame's saved_tensors_hooks, entered again
+        torch._C._autograd._push_saved_tensors_default_hooks(*torch._C._autograd._top_saved_tensors_default_hooks(True))
     elif what == "tracing mode":  # the frame's TracingMode
         rt.mode.__enter__()
     raise KeyboardInterrupt(f"{what} left")
@@ -285,11 +296,10 @@ def test_a_frame_an_interrupt_left_open_is_closed_by_the_next_forward() -> None:
     model, plain, prov = enabled()
     step(model, 0)
     rt = prov.runtime
-    close = rt._close_frame
-    rt._close_frame = Interrupt(close, 1)
+    undo = wrap_step(rt, "close_frame", lambda close: Interrupt(close, 1))
     with pytest.raises(KeyboardInterrupt):
         step(model, 1, spike=2.6)
-    del rt._close_frame
+    undo()
     assert rt.active_frame is not None  # left open
     assert_exact(model, plain, 2, spike=2.6)
     assert_nothing_held(prov)
@@ -318,7 +328,7 @@ def test_a_pin_counts_until_its_death_even_when_no_finalizer_runs() -> None:
     ledger.release(ref)  # a late release of a dead pin: no KeyError
     assert ledger.resident == 1000
     pins.clear()
-    assert ledger.resident == 0 and not ledger._pins and not ledger._held
+    assert ledger.resident == 0 and ledger.pins == 0 and ledger.count(storage._cdata) is None
 
 
 def test_finalizers_of_half_built_objects_do_not_raise() -> None:

@@ -141,6 +141,12 @@ class Frame:
     def choice(self, key: str) -> Choice:
         return self.choices.get(key, self.default)
 
+    @property
+    def prefetch_pending_bytes(self) -> int:
+        """Bytes backward has prefetched for this frame's host copies and not used yet
+        (charged to the ledger meanwhile; at most the runtime's ``prefetch_bytes``)."""
+        return self._prefetch_pending
+
     def offload_stores(self) -> List["_OffloadStore"]:
         """This frame's host copies still alive, in pack (forward) order."""
         return [s for s in (ref() for ref in self._offloads) if s is not None]

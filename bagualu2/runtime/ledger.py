@@ -61,6 +61,13 @@ class ResidencyLedger:
             self.collect()
         return self._resident
 
+    @property
+    def pins(self) -> int:
+        """How many live pins hold counts now (those that died are given back first)."""
+        if self._dead:
+            self.collect()
+        return len(self._pins)
+
     def acquire(self, storage: torch.UntypedStorage, pin: "_Pin") -> None:
         """Count ``storage`` for ``pin``'s life (or until ``release(pin._ref)``)."""
         cdata = storage._cdata

@@ -362,6 +362,11 @@ class RecomputeCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rebuilt storages it holds now."""
+        return sum(storage.nbytes() for storage, _ in self._entries.values())
+
 
 class Replayer:
     """Rebuilds storages from their recipes, in dependency order, reusing what is at hand.
