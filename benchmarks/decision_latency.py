@@ -1,7 +1,8 @@
 """Decision latency of the planner and of the overlap scheduler.
 
 Cold decisions: Planner.solve on random MoE-like candidate sets of 8..256 operators, timed
-through the Python facade and through the bare C++ binding (columns prebuilt), and with an
+through the Python facade and through the bare C++ binding (``bagualu2._C.Planner``, the DP
+the facade calls, on columns prebuilt: the "C++ us" column), and with an
 offload setup cost (a plan that offloads anything pays it once): small (10% of the plan's
 exposed time: the recompute-only bound usually rules out a plan without offloads) and large
 (10x: the plan without offloads is solved too, a second DP). Baselines in
@@ -24,6 +25,7 @@ from typing import Callable, Dict, List, Sequence
 
 import numpy as np
 
+from bagualu2 import _C
 from bagualu2.plan.overlap import OverlapOp, OverlapScheduler, OverlapTask, TaskKind
 from bagualu2.plan.planner import Candidate, Choice, Planner
 
@@ -112,11 +114,12 @@ def main() -> None:
         must = total // 2
         wf = wb = 0.25 * sum(c.offload_s for c in cands)  # copies only partly hidden
         planner = Planner()
+        bare = _C.Planner(0, 0.0, 0)  # what Planner() wraps: automatic quanta and cell cap
         dp = timed(lambda: planner.solve(cands, must, wf, wb), args.reps)
         cols = ([c.key for c in cands], [c.nbytes for c in cands], [c.recompute_s for c in cands],
                 [c.offload_s for c in cands], [c.reload_s for c in cands],
                 [c.can_offload for c in cands], [c.can_recompute for c in cands])
-        raw = timed(lambda: planner._impl.solve_columns(*cols, must, wf, wb), args.reps)
+        raw = timed(lambda: bare.solve_columns(*cols, must, wf, wb), args.reps)
         plan = planner.solve(cands, must, wf, wb)
         # setups the best plan pays (it offloads): a small one, and a large one for which the
         # planner also solves the plan without offloads
@@ -149,6 +152,7 @@ def main() -> None:
               f"{row['cpp_median_us']:>8.1f} {row['setup_median_us']:>9.1f} "
               f"{row['large_setup_median_us']:>15.1f} {row['greedy_median_us']:>10.1f} "
               f"{row['greedy_over_dp_time']:>9.1f} {row['greedy_gap_pct']:>9.2f}% {brute}")
+    print("(DP us: Planner.solve; C++ us: bagualu2._C.Planner.solve_columns, the DP it calls, on prebuilt columns)")
 
     # overlap scheduler: a 1F1B steady-state step (forward of A, bubble, backward of B)
     ops = [OverlapOp(1e-3, 1 << 30) for _ in range(16)] + [OverlapOp(2e-3, 0, bubble=True)] + \
