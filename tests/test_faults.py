@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import bagualu2
 from bagualu2.runtime.ledger import ResidencyLedger, _Pin
-from bagualu2.runtime import recipes
+from bagualu2.runtime import ActivationRuntime, Frame, recipes
 from bagualu2.runtime.recipes import StorageNode, is_recomputing
 from bagualu2.runtime.testing import wrap_step
 from bagualu2.models import MoEConfig, MoETransformer
@@ -389,3 +389,37 @@ def test_an_arena_that_runs_out_in_a_spike_falls_back_without_leaking_a_block() 
     assert report["violations"] == 0 and report["peak_bytes"] <= budget
     assert report["arena_capacity_bytes"] == 16 << 10
     assert report["saved_bytes_by_choice"]["recompute"] > 0
+
+
+def test_wrap_step_runs_the_wrapper_until_undone_and_refuses_an_unknown_step() -> None:
+    """The testing hook the interrupt tests stand on: each wrap sees every call of its step,
+    nested wraps undo in any order to what was there, and a step it cannot name is refused."""
+    rt = ActivationRuntime()
+    calls: List[str] = []
+
+    def counting(tag: str) -> Callable[[Callable[..., object]], Callable[..., object]]:
+        def wrapper(close: Callable[..., object]) -> Callable[..., object]:
+            def counted(*args: object) -> object:
+                calls.append(tag)
+                return close(*args)
+            return counted
+        return wrapper
+
+    def forward() -> None:
+        x = torch.randn(8, 8, requires_grad=True)
+        with rt.frame(Frame()):
+            y = (x.exp() * x).sum()
+        y.backward()
+
+    undo_outer = wrap_step(rt, "close_frame", counting("outer"))
+    undo_inner = wrap_step(rt, "close_frame", counting("inner"))
+    forward()
+    assert calls == ["inner", "outer"]
+    undo_inner()
+    forward()
+    assert calls == ["inner", "outer", "outer"]
+    undo_outer()
+    forward()
+    assert calls == ["inner", "outer", "outer"] and rt.ledger.resident == 0
+    with pytest.raises(ValueError, match="unknown runtime step 'close'.*'close_frame'"):
+        wrap_step(rt, "close", counting("never"))

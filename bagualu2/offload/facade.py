@@ -118,10 +118,10 @@ class OffloadHandle:
     """A tensor's bytes in (or on their way to) the host arena."""
 
     __slots__ = ("_engine", "_ticket", "nbytes", "dtype", "shape", "stride", "device", "_mode",
-                 "_span", "__weakref__")
+                 "__weakref__")
 
     def __init__(self, engine: "CopyEngine", ticket: Any, nbytes: int, t: torch.Tensor,
-                 mode: int, span: int) -> None:
+                 mode: int) -> None:
         self._engine = engine
         self._ticket = ticket
         self.nbytes = nbytes
@@ -130,7 +130,6 @@ class OffloadHandle:
         self.stride = t.stride()
         self.device = t.device
         self._mode = mode
-        self._span = span
 
     def done(self) -> bool:
         """Whether the offload copy completed (the source may be reused). Raises after release,
@@ -298,7 +297,7 @@ class CopyEngine:
                 src.record_stream(self._d2h)
             else:
                 self._inflight.append((ticket, src))
-        return OffloadHandle(self, ticket, nbytes, t, mode, span)
+        return OffloadHandle(self, ticket, nbytes, t, mode)
 
     @staticmethod
     def _layout(t: torch.Tensor):

@@ -152,7 +152,8 @@ class ActivationRuntime(Residency):
         super().__init__(engine, budget_bytes=budget_bytes, enforce_budget=enforce_budget, on_exceed=on_exceed,
                          prefetch_bytes=prefetch_bytes, reload_in_place=reload_in_place)
         self.min_bytes = min_bytes
-        # Overlap scheduling: called with each frame as it starts (bagualu2.plan.overlap.OverlapDriver).
+        # Overlap scheduling: called with each frame as it starts
+        # (bagualu2.integrations.pipeline.overlap_driver.OverlapDriver).
         self.frame_observer: Optional[Callable[[Frame], None]] = None
         # Timing (benchmarks): called after each saved-tensor hook of the frames that start while
         # it is set, as ``fn(hook, record, seconds)``: hook "pack" or "unpack", record what was

@@ -118,10 +118,10 @@ class Frame:
         # key -> (bytes, seconds of its own ops, recomputable, unsaved inputs rebuilt first)
         self.saved_profile: Dict[str, Tuple[int, float, bool, Tuple[str, ...]]] = {}
         self.unsaved_seconds: Dict[str, float] = {}  # those unsaved inputs' own seconds
-        # Overlap scheduling (bagualu2.plan.overlap.OverlapDriver): ``on_saved(key)`` is called once
-        # per operator key, right after the first activation of that key is packed (the op has
-        # run); with ``scheduled`` set, backward issues no reloads of its own beyond the one it
-        # is waiting for: the schedule issues them.
+        # Overlap scheduling (bagualu2.integrations.pipeline.overlap_driver.OverlapDriver):
+        # ``on_saved(key)`` is called once per operator key, right after the first activation of
+        # that key is packed (the op has run); with ``scheduled`` set, backward issues no reloads
+        # of its own beyond the one it is waiting for: the schedule issues them.
         self.on_saved: Optional[Callable[[str], None]] = None
         self.scheduled = False
         self._offloads: List["weakref.ref[_OffloadStore]"] = []

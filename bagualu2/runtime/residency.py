@@ -70,7 +70,7 @@ class Residency:
         self._frame: Optional[Frame] = None  # the running frame, set by the subclass: its Budget applies
         self._inflight: Deque["weakref.ref[_OffloadStore]"] = collections.deque()
         # Overlap scheduling: called with the operator key of every released activation backward
-        # unpacks (bagualu2.plan.overlap.OverlapDriver).
+        # unpacks (bagualu2.integrations.pipeline.overlap_driver.OverlapDriver).
         self.unpack_observer: Optional[Callable[[str], None]] = None
         # Called as each backward pass that unpacks anything packed here ends (autograd's
         # final callback of the pass, on the thread that ran it).
