@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import bagualu2
-from bagualu2.runtime.ledger import ResidencyLedger, _Pin
+from bagualu2.runtime.ledger import ResidencyLedger, Pin
 from bagualu2.runtime import ActivationRuntime, Frame, recipes
 from bagualu2.runtime.recipes import StorageNode, is_recomputing
 from bagualu2.runtime.testing import wrap_step
@@ -174,8 +174,8 @@ def _half_entered(what: str, prov: Any) -> Callable[[], None]:
     rt = prov.runtime
     if what == "grad off":  # a gate's torch.no_grad()
         torch._C._set_grad_enabled(False)
-    elif what == "replay count":  # a rebuild's _ReplayScope, in backward
-        recipes._STATE.replaying = getattr(recipes._STATE, "replaying", 0) + 1
+    elif what == "replay count":  # a rebuild's ReplayScope, in backward (grad is off there already)
+        recipes.ReplayScope().__enter__()
     elif what == "saved-tensor hooks":  # the frame's saved_tensors_hooks, entered again
         torch._C._autograd._push_saved_tensors_default_hooks(*torch._C._autograd._top_saved_tensors_default_hooks(True))
     elif what == "tracing mode":  # the frame's TracingMode
@@ -318,7 +318,7 @@ def test_a_pin_counts_until_its_death_even_when_no_finalizer_runs() -> None:
     at its first line; release after death, or twice, gives back nothing more."""
     ledger = ResidencyLedger()
     storage = torch.empty(1000, dtype=torch.uint8).untyped_storage()
-    pins = [_Pin(ledger, storage) for _ in range(3)]
+    pins = [Pin(ledger, storage) for _ in range(3)]
     assert ledger.resident == 1000 and ledger.peak == 1000
     pins[0].drop()
     pins[0].drop()
@@ -342,11 +342,11 @@ def test_finalizers_of_half_built_objects_do_not_raise() -> None:
         StorageNode.__new__(StorageNode).__del__()
         node = StorageNode.__new__(StorageNode)
         del node
-        from bagualu2.runtime.stores import _OffloadStore
+        from bagualu2.runtime.stores import OffloadStore
 
-        store = _OffloadStore.__new__(_OffloadStore)
+        store = OffloadStore.__new__(OffloadStore)
         del store
-        pin = _Pin.__new__(_Pin)
+        pin = Pin.__new__(Pin)
         pin.drop() if hasattr(pin, "_ref") else None
         del pin
         gc.collect()

@@ -37,7 +37,7 @@ Invariants:
   (``Residency``): one rerun makes them all.
 * Fallbacks never lose data: an offload the arena cannot take becomes a recompute (or a keep),
   a recompute that cannot be replayed becomes an offload (or a keep), an offload whose copy
-  fails keeps its device source (``_OffloadStore.settle``), and each is recorded. A reload that
+  fails keeps its device source (``OffloadStore.settle``), and each is recorded. A reload that
   fails raises, naming the activation.
 """
 
@@ -58,7 +58,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_
 
 from bagualu2.plan.planner import Choice
 from bagualu2.runtime.frame import Frame, check_keys, profile_saves
-from bagualu2.runtime.ledger import _drain_failed_backward, _drain_graph, _Pin
+from bagualu2.runtime.ledger import _drain_failed_backward, _drain_graph, Pin
 from bagualu2.runtime.rerun import BlockRerun, unrestorable
 from bagualu2.runtime.residency import Residency
 from bagualu2.runtime.stores import _Offloaded, _Recomputed, _uncounted, observed_hook, regeneration_source
@@ -139,7 +139,7 @@ class ActivationRuntime(Residency):
             raise (``on_exceed="raise"`` in ``bagualu2.enable``).
         prefetch_bytes: how far ahead of use backward reloads offloaded storages.
         reload_in_place: backward reads an offloaded cpu storage where it lies in the host arena
-            instead of copying it back (see ``_OffloadStore``); False copies it back as on a
+            instead of copying it back (see ``OffloadStore``); False copies it back as on a
             device (the way to exercise reloads and prefetches on a cpu-only machine).
     """
 
@@ -406,7 +406,7 @@ class ActivationRuntime(Residency):
         if name not in self._traced_blocks or name in self.mode.side_effect_modules:
             return False
         self.mode.__exit__(None, None, None)  # off torch's dispatch stack: the block's ops skip Python
-        frame._rerun = BlockRerun(module, name, flat, spec, self._pin_leaf, lambda s: _Pin(self.ledger, s))
+        frame._rerun = BlockRerun(module, name, flat, spec, self._pin_leaf, lambda s: Pin(self.ledger, s))
         frame.stats.rerun_blocks += 1
         return True
 
@@ -423,7 +423,7 @@ class ActivationRuntime(Residency):
                 return  # no room: recompute chains reach further back instead
             with self.untraced():
                 held = t.detach()  # holding t's autograd graph would be a reference cycle
-            node.anchor = (held, node.state, _Pin(self.ledger, t.untyped_storage()))
+            node.anchor = (held, node.state, Pin(self.ledger, t.untyped_storage()))
             self._frame.anchors.append(node)
             anchors = node.cache.anchors
             if outermost and (not anchors or anchors[-1] < node.position):

@@ -25,7 +25,7 @@ from bagualu2.runtime.rerun import BlockRerun
 from bagualu2.runtime.recipes import StorageNode, step_inputs
 
 if TYPE_CHECKING:
-    from bagualu2.runtime.stores import _OffloadStore
+    from bagualu2.runtime.stores import OffloadStore
 
 __all__ = ["Budget", "Frame", "FrameStats", "check_keys", "checked_choices", "profile_saves"]
 
@@ -124,7 +124,7 @@ class Frame:
         # of its own beyond the one it is waiting for: the schedule issues them.
         self.on_saved: Optional[Callable[[str], None]] = None
         self.scheduled = False
-        self._offloads: List["weakref.ref[_OffloadStore]"] = []
+        self._offloads: List["weakref.ref[OffloadStore]"] = []
         self._prefetch_cursor = 1 << 62  # next store index backward may prefetch (lazy issue)
         self._prefetch_task = -1  # the backward pass the cursor belongs to
         self._prefetch_pending = 0  # bytes prefetched and not used yet
@@ -135,7 +135,7 @@ class Frame:
         self.anchors: List[StorageNode] = []
         # Untraced frames, while the forward runs: storages offloaded without a node
         # (address -> the storage's weak ref, its version, the store's weak ref)
-        self._untraced_offloads: Dict[int, Tuple[StorageWeakRef, int, "weakref.ref[_OffloadStore]"]] = {}
+        self._untraced_offloads: Dict[int, Tuple[StorageWeakRef, int, "weakref.ref[OffloadStore]"]] = {}
         self._recomputed: Set[Tuple[int, int]] = set()  # (id(node), state) of storages released by recompute
 
     def choice(self, key: str) -> Choice:
@@ -147,7 +147,7 @@ class Frame:
         (charged to the ledger meanwhile; at most the runtime's ``prefetch_bytes``)."""
         return self._prefetch_pending
 
-    def offload_stores(self) -> List["_OffloadStore"]:
+    def offload_stores(self) -> List["OffloadStore"]:
         """This frame's host copies still alive, in pack (forward) order."""
         return [s for s in (ref() for ref in self._offloads) if s is not None]
 

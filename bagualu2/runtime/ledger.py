@@ -1,6 +1,6 @@
 """Residency ledger: the device bytes the activation runtime holds, counted once per storage.
 
-Owns ``ResidencyLedger``, ``_Pin`` (the handle that holds one count) and
+Owns ``ResidencyLedger``, ``Pin`` (the handle that holds one count) and
 ``_drain_failed_backward``, which frees what a failed backward pass left holding pins inside
 autograd. Everything else in the
 runtime that holds a storage on the device (a kept tensor, an offload's source while its copy
@@ -22,13 +22,13 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["ResidencyLedger"]
+__all__ = ["Pin", "ResidencyLedger"]
 
 
 class ResidencyLedger:
     """Device bytes held for activations, counted once per storage.
 
-    A count is held by a ``_Pin`` (``acquire``) and given back by ``release`` or by the pin's
+    A count is held by a ``Pin`` (``acquire``) and given back by ``release`` or by the pin's
     death; ``resident`` is the sum of the sizes of storages with a positive count, ``peak`` its
     high-water mark.
 
@@ -48,8 +48,8 @@ class ResidencyLedger:
         # cdata -> [count, nbytes, weak handle]; the weak handle keeps the address from being
         # reused by another storage while it is a key here
         self._held: Dict[int, List[Any]] = {}
-        self._pins: Dict["weakref.ref[_Pin]", int] = {}  # a live pin's weak reference -> its storage
-        self._dead: List["weakref.ref[_Pin]"] = []  # weak references of pins that died, not yet collected
+        self._pins: Dict["weakref.ref[Pin]", int] = {}  # a live pin's weak reference -> its storage
+        self._dead: List["weakref.ref[Pin]"] = []  # weak references of pins that died, not yet collected
         # Held here: releases run at interpreter exit too, when module globals may be gone.
         self._free_weak_ref = torch.UntypedStorage._free_weak_ref
         self._resident = 0
@@ -68,7 +68,7 @@ class ResidencyLedger:
             self.collect()
         return len(self._pins)
 
-    def acquire(self, storage: torch.UntypedStorage, pin: "_Pin") -> None:
+    def acquire(self, storage: torch.UntypedStorage, pin: "Pin") -> None:
         """Count ``storage`` for ``pin``'s life (or until ``release(pin._ref)``)."""
         cdata = storage._cdata
         ref = weakref.ref(pin, self._dead.append)
@@ -89,7 +89,7 @@ class ResidencyLedger:
             self._pins[ref] = cdata
             pin._ref = ref
 
-    def release(self, ref: "weakref.ref[_Pin]") -> None:
+    def release(self, ref: "weakref.ref[Pin]") -> None:
         """Give back the count a pin holds (its ``_ref``); nothing when it was given back."""
         pins, held = self._pins, self._held
         with self._lock:
@@ -139,7 +139,7 @@ class ResidencyLedger:
         self.peak = self.resident
 
 
-class _Pin:
+class Pin:
     """Holds one ledger count on a storage for as long as this object lives (or until
     ``drop``). No finalizer: the ledger notices its death (``ResidencyLedger``'s note)."""
 
@@ -147,7 +147,7 @@ class _Pin:
 
     def __init__(self, ledger: ResidencyLedger, storage: torch.UntypedStorage) -> None:
         self._ledger = ledger
-        self._ref: Optional["weakref.ref[_Pin]"] = None
+        self._ref: Optional["weakref.ref[Pin]"] = None
         ledger.acquire(storage, self)
 
     def drop(self) -> None:

@@ -37,7 +37,7 @@ import torch
 
 from bagualu2.runtime.op_effects import OpInfo
 
-__all__ = ["Leaf", "RecomputeCache", "Ref", "Replayer", "Step", "StorageNode", "ViewMeta", "call_key",
+__all__ = ["Leaf", "RecomputeCache", "Ref", "ReplayScope", "Replayer", "Step", "StorageNode", "ViewMeta", "call_key",
            "is_plain", "is_recomputing", "module_of", "recipe_refs", "reset_replay_depth", "step_inputs",
            "step_refs", "view_meta", "view_of"]
 
@@ -68,7 +68,7 @@ def is_recomputing() -> bool:
     return getattr(_STATE, "replaying", 0) > 0 or torch._C._current_graph_task_id() != -1
 
 
-class _ReplayScope:
+class ReplayScope:
     """Where recipes replay: ``is_recomputing()`` true, no autograd, and no autocast (the
     recorded ops already carry the dtypes autocast chose). Entered once per rebuilt chain.
 
@@ -423,7 +423,7 @@ class Replayer:
         timed = self._times
         lead = True
         mark, reloaded = 0.0, 0.0
-        with _ReplayScope():
+        with ReplayScope():
             while stack:
                 node, state, inputs_ready = stack.pop()
                 if self._at_hand(node, state) is not None:

@@ -23,7 +23,7 @@ Invariants:
   at it: what backward holds stays within the budget beside what the forward left.
 * Fallbacks never lose data: an offload without an engine, one the arena cannot take and one
   whose copy fails before its store exists return None, for the caller to fall back; a copy
-  that fails later keeps its device source (``_OffloadStore.settle``). A reload that fails
+  that fails later keeps its device source (``OffloadStore.settle``). A reload that fails
   raises, naming the activation.
 """
 
@@ -39,9 +39,9 @@ import torch
 
 from bagualu2 import _C
 from bagualu2.runtime.frame import Frame
-from bagualu2.runtime.ledger import ResidencyLedger, _Pin
+from bagualu2.runtime.ledger import ResidencyLedger, Pin
 from bagualu2.runtime.rerun import RerunSaved
-from bagualu2.runtime.stores import _Kept, _modified_error, _Offloaded, _OffloadStore, kept_tensor
+from bagualu2.runtime.stores import _Kept, _modified_error, _Offloaded, OffloadStore, kept_tensor
 from bagualu2.runtime.recipes import Replayer, StorageNode, ViewMeta, is_plain, view_meta, view_of
 from bagualu2.runtime.tracing import TracingMode
 
@@ -68,7 +68,7 @@ class Residency:
         self.mode = TracingMode(self._pin_leaf, self._charge)
         self._params: Set[int] = set()
         self._frame: Optional[Frame] = None  # the running frame, set by the subclass: its Budget applies
-        self._inflight: Deque["weakref.ref[_OffloadStore]"] = collections.deque()
+        self._inflight: Deque["weakref.ref[OffloadStore]"] = collections.deque()
         # Overlap scheduling: called with the operator key of every released activation backward
         # unpacks (bagualu2.integrations.pipeline.overlap_driver.OverlapDriver).
         self.unpack_observer: Optional[Callable[[str], None]] = None
@@ -103,19 +103,19 @@ class Residency:
             return True
         return is_plain(t) and t.untyped_storage()._cdata in self._params
 
-    def _pin_leaf(self, t: torch.Tensor) -> Optional[_Pin]:
+    def _pin_leaf(self, t: torch.Tensor) -> Optional[Pin]:
         if not is_plain(t) or self._is_parameter(t):
             return None
         storage = t.untyped_storage()
         frame = self._frame
         if frame is None or self.ledger.holds(storage):
-            return _Pin(self.ledger, storage)
+            return Pin(self.ledger, storage)
         frame.stats.leaf_bytes += storage.nbytes()
         if storage._cdata not in self.mode.nodes:
             frame.stats.outside_bytes += storage.nbytes()
         if self._crosses(storage.nbytes(), pins=True) and not self._make_room(frame, storage.nbytes()):
             self._count_violation(frame, storage.nbytes(), f"a tensor of shape {tuple(t.shape)} a recipe holds")
-        return _Pin(self.ledger, storage)
+        return Pin(self.ledger, storage)
 
     # -- budget -----------------------------------------------------------------------------
     def limit(self) -> Optional[int]:
@@ -149,10 +149,10 @@ class Residency:
         """Whether backward may hold ``storage`` for more readers within the budget."""
         return not self._over_budget(storage, pins=True)
 
-    def _charge(self, storage: torch.UntypedStorage) -> Optional[_Pin]:
+    def _charge(self, storage: torch.UntypedStorage) -> Optional[Pin]:
         """Count a storage backward rebuilt and would hold for more readers (the recompute
         cache's), for the pin's life; None, and it is not held, where that crosses the budget."""
-        return _Pin(self.ledger, storage) if self._room(storage) else None
+        return Pin(self.ledger, storage) if self._room(storage) else None
 
     def _violate(self, frame: Frame, t: torch.Tensor, key: str) -> Any:
         """Keep ``t`` although that crosses the target, unless kept storages can make room; a
@@ -180,7 +180,7 @@ class Residency:
         if t.grad_fn is not None:
             t = t.detach()  # an op's saved output: holding its grad_fn would be a reference cycle
         node = self.mode.nodes.get(storage._cdata) if frame.traced else None
-        kept = _Kept(t, _Pin(self.ledger, storage), node)
+        kept = _Kept(t, Pin(self.ledger, storage), node)
         if node is not None:
             node.kept[node.state] = (weakref.ref(t), t._version)
         if self.target() is not None and self.enforce_budget and self.engine is not None:
@@ -264,7 +264,7 @@ class Residency:
         node.offloaded[state] = store
         return _Offloaded(store, meta, node, state)
 
-    def _start_offload(self, frame: Frame, storage: torch.UntypedStorage, key: str) -> Optional[_OffloadStore]:
+    def _start_offload(self, frame: Frame, storage: torch.UntypedStorage, key: str) -> Optional[OffloadStore]:
         """Copy ``storage`` into the arena; None when there is no engine or no room there."""
         if self.engine is None:
             return None
@@ -278,7 +278,7 @@ class Residency:
                 return None
             if handle is None:
                 return None
-            pin: Optional[_Pin] = None
+            pin: Optional[Pin] = None
             if self._over_budget(storage):
                 self.settle(wait=True)
             if self._over_budget(storage):
@@ -289,9 +289,9 @@ class Residency:
                     handle.release()
                     return None
             else:
-                pin = _Pin(self.ledger, storage)
+                pin = Pin(self.ledger, storage)
             nbytes = storage.nbytes()
-            store = _OffloadStore(self.engine, handle, storage.device, nbytes, pin, frame, key,
+            store = OffloadStore(self.engine, handle, storage.device, nbytes, pin, frame, key,
                                   self.reload_in_place and storage.device.type == "cpu", self._copies,
                                   source, self.mode.nodes.get(storage._cdata))
             if pin is not None:
@@ -413,7 +413,7 @@ class Residency:
             return store.storage()
         return None
 
-    def _prefetch_before(self, frame: Frame, store: _OffloadStore) -> None:
+    def _prefetch_before(self, frame: Frame, store: OffloadStore) -> None:
         # Backward meets a frame's stores in about reverse pack order: keep up to
         # ``prefetch_bytes`` of reloads pending below the one being unpacked. A cursor makes
         # this O(1) amortized per unpack; a new backward pass (retain_graph) starts it again.
@@ -431,18 +431,18 @@ class Residency:
             cursor -= 1
         frame._prefetch_cursor = cursor
 
-    def prefetch(self, store: "_OffloadStore") -> bool:
+    def prefetch(self, store: "OffloadStore") -> bool:
         """Start reloading an offloaded storage now (charged to the ledger until backward
         uses it); False when one is already pending."""
         return store.prefetch(self.ledger)
 
-    def recompute_ahead(self, node: StorageNode, state: int) -> _Pin:
+    def recompute_ahead(self, node: StorageNode, state: int) -> Pin:
         """Rebuild a released storage now, before backward needs it, into its frame's recompute
         cache (where backward's unpack finds it). For the overlap scheduler's early recomputes,
         run while the device would otherwise idle; any thread may call it while no forward or
         backward of the same frame runs. Returns the ledger charge for the rebuilt storage:
         ``drop()`` it once backward has used it."""
-        return _Pin(self.ledger, Replayer(self._available).storage(node, state))
+        return Pin(self.ledger, Replayer(self._available).storage(node, state))
 
     # -- measured costs ---------------------------------------------------------------------
     def take_copy_times(self) -> Tuple[float, int, int]:

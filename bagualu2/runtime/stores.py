@@ -1,7 +1,7 @@
 """What a saved activation becomes once packed: kept, offloaded, or released for recompute.
 
 Owns the packed records autograd holds in a saved tensor's place (``_Kept``, ``_Offloaded``,
-``_Recomputed``) and ``_OffloadStore``, a storage's one copy in the host arena that every
+``_Recomputed``) and ``OffloadStore``, a storage's one copy in the host arena that every
 saved view of it reads, and the two lookups of where a traced storage's bytes are already held
 (``kept_tensor``, ``regeneration_source``). The runtime (``bagualu2.runtime.activations``)
 decides which record a save gets and turns records back into tensors; the records only hold
@@ -30,12 +30,12 @@ import torch
 
 from bagualu2 import _C
 from bagualu2.runtime.frame import Frame
-from bagualu2.runtime.ledger import ResidencyLedger, _Pin
+from bagualu2.runtime.ledger import ResidencyLedger, Pin
 from bagualu2.runtime.recipes import StorageNode, ViewMeta, view_of
 from bagualu2.runtime.rerun import RerunSaved
 
 
-class _OffloadStore:
+class OffloadStore:
     """One storage's copy in the host arena, shared by every saved view of it.
 
     Several saved tensors may read one storage (the per-expert slices of a permuted token
@@ -68,7 +68,7 @@ class _OffloadStore:
                  "__weakref__")
 
     def __init__(self, engine: Any, handle: Any, device: torch.device, nbytes: int,
-                 pin: Optional[_Pin], frame: Frame, key: str, in_place: bool = False,
+                 pin: Optional[Pin], frame: Frame, key: str, in_place: bool = False,
                  copies: Optional[List[Any]] = None, source: Optional[torch.Tensor] = None,
                  node: Optional[StorageNode] = None) -> None:
         self.engine = engine
@@ -79,7 +79,7 @@ class _OffloadStore:
         self.alias: Optional[torch.Tensor] = None  # with in_place: uint8 tensor over the block
         self.alias_version = 0
         self.key = key
-        self.pin: Optional[_Pin] = pin  # device source held until the copy completes
+        self.pin: Optional[Pin] = pin  # device source held until the copy completes
         # With ``pin``: the source itself (uint8 over its storage), kept for good if the copy
         # fails; and its traced node's state then, which must not move on for it to be read.
         self.source = source if pin is not None else None
@@ -87,13 +87,13 @@ class _OffloadStore:
         self.source_state = node.state if node is not None else 0
         self.failed = False  # the copy failed: ``source`` serves every use (``_keep_source``)
         self.prefetched: Any = None
-        self.prefetch_pin: Optional[_Pin] = None  # the prefetch's device buffer, until used
+        self.prefetch_pin: Optional[Pin] = None  # the prefetch's device buffer, until used
         self.refs = 0  # saved tensors that read this store at unpack
         self.task = -2  # the backward pass (graph task id) that ``unpacked`` counts for
         self.unpacked = 0
         self.held: Optional[torch.Tensor] = None  # uint8 tensor over the reloaded storage
         self.held_version = 0  # its version when it was made: any change means an in-place write
-        self.held_pin: Optional[_Pin] = None
+        self.held_pin: Optional[Pin] = None
         self.frame = frame  # kept alive by its stores: backward prefetches from its list
         self.copies = copies  # the runtime's copy seconds, which releasing the block adds to
         self.index = len(frame._offloads)
@@ -144,7 +144,7 @@ class _OffloadStore:
         except _C.RuntimeError as e:
             self.frame.stats.fallbacks.append(f"{self.key}: prefetch failed ({e}); reloaded when used")
             return False
-        self.prefetch_pin = _Pin(ledger, self.prefetched.destination.untyped_storage())
+        self.prefetch_pin = Pin(ledger, self.prefetched.destination.untyped_storage())
         self.frame._prefetch_pending += self.nbytes
         return True
 
@@ -170,7 +170,7 @@ class _OffloadStore:
             self.held = self.alias if self.in_place else (
                 torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage))
             self.held_version = self.held._version
-            self.held_pin = _Pin(ledger, storage)
+            self.held_pin = Pin(ledger, storage)
         return storage
 
     def unpack(self, meta: ViewMeta, ledger: ResidencyLedger,
@@ -273,7 +273,7 @@ class _Kept:
 
     __slots__ = ("tensor", "pin", "version", "node", "state", "moved", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor, pin: Optional[_Pin], node: Optional[StorageNode] = None) -> None:
+    def __init__(self, tensor: torch.Tensor, pin: Optional[Pin], node: Optional[StorageNode] = None) -> None:
         self.tensor: Optional[torch.Tensor] = tensor
         self.pin = pin
         self.version = tensor._version
@@ -296,7 +296,7 @@ class _Offloaded:
 
     __slots__ = ("store", "meta", "node", "state", "watch")
 
-    def __init__(self, store: _OffloadStore, meta: ViewMeta, node: Optional[StorageNode], state: int,
+    def __init__(self, store: OffloadStore, meta: ViewMeta, node: Optional[StorageNode], state: int,
                  watch: Optional[torch.Tensor] = None) -> None:
         self.store = store
         store.refs += 1
@@ -310,7 +310,7 @@ class _Recomputed:
     __slots__ = ("node", "state", "meta", "source")
 
     def __init__(self, node: StorageNode, state: int, meta: ViewMeta,
-                 source: Optional[_OffloadStore] = None) -> None:
+                 source: Optional[OffloadStore] = None) -> None:
         self.node = node
         self.state = state
         self.meta = meta
@@ -334,7 +334,7 @@ def kept_tensor(node: StorageNode, state: int) -> Optional[torch.Tensor]:
 _CAST_OPS = frozenset({"aten._to_copy.default", "aten.clone.default", "aten._to_dtype.default"})
 
 
-def regeneration_source(node: StorageNode, state: int) -> Tuple[bool, Optional[_OffloadStore]]:
+def regeneration_source(node: StorageNode, state: int) -> Tuple[bool, Optional[OffloadStore]]:
     """Whether the storage is a cast/copy (or chain of them) of a stored activation with
     nothing applied afterwards, and the offloaded store it is then rebuilt from (None when
     the source is kept)."""
