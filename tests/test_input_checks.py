@@ -112,8 +112,13 @@ def test_bad_options_name_the_argument_and_the_value(kwargs: dict, error: type, 
     ({"layers.0.attn:aten.mm.default:0": 2}, TypeError, "2 is not a bagualu2.Choice"),
 ])
 def test_a_bad_fixed_plan_names_the_key_or_the_choice(plan: dict, error: type, match: str) -> None:
+    model = make_model()
     with pytest.raises(error, match=match):
-        bagualu2.enable(make_model(), budget=None, policy=plan)
+        bagualu2.enable(model, budget=None, policy=plan)
+    # refused before anything was put on the model: it is plain, and can be enabled
+    assert "forward" not in model.__dict__
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    bagualu2.enable(model, budget=None).disable()
     with pytest.raises(error, match=match):
         bagualu2.enable(make_model(), budget=None, policy=Plan(plan) if error is ValueError else plan)
 
