@@ -33,8 +33,9 @@ Safety net: if the device runs out of memory inside a provisioned forward, the p
 micro-batch is dropped (its graph and saved activations with it), the RNG is rewound, and the
 forward reruns with a recompute-everything plan; the step goes on.
 
-The ``Provisioner`` makes these decisions; what it decides with are small objects it holds, each
-owning its own state (``bagualu2/provision/``): the micro-batches in flight (``Stacking``), what
+The ``Provisioner`` says when these decisions are made; what is decided, and what with, are
+small objects it holds, each owning its own state (``bagualu2/provision/``): what a gate decides
+and the planner it solves with (``GateDecisions``), the micro-batches in flight (``Stacking``), what
 one holds that no plan releases and the room that leaves (``Footprint``), the routing seen
 (``RoutingRecord``), the calibrating micro-batches (``Calibration``), the keys no plan can name
 (``UnplannedKeys``), the policy run and the frame each forward starts from (``Policy``), and
@@ -55,7 +56,7 @@ import torch
 from bagualu2.runtime import ActivationRuntime, Budget, Frame, is_recomputing
 from bagualu2.runtime.activations import AttachedHook
 from bagualu2.runtime.recipes import reset_replay_depth
-from bagualu2.plan.cost_model import SIZE, CostModel
+from bagualu2.plan.cost_model import CostModel
 from bagualu2.errors import BudgetExceededError
 from bagualu2.inputs import (
     check_materialized, check_options, checked_counts, device_of, input_bytes, resolve_budget,
@@ -63,6 +64,7 @@ from bagualu2.inputs import (
 )
 from bagualu2.provision.calibration import Calibration, learn
 from bagualu2.provision.copy_engine import make_engine, measure_copy_costs, reserve_arena
+from bagualu2.provision.decisions import GateDecisions
 from bagualu2.provision.footprint import Footprint
 from bagualu2.provision.forward import ProvisionedForward, active, plain_forward
 from bagualu2.provision.policy import POLICIES, Policy
@@ -70,8 +72,8 @@ from bagualu2.provision.routing import RoutingRecord
 from bagualu2.provision.stacking import Stacking
 from bagualu2.provision.unplanned import UnplannedKeys
 from bagualu2.runtime.gates import GateSpec, describe_unsupported, find_gates
-from bagualu2.plan.planner import Choice, Plan, Planner
-from bagualu2.telemetry import Decision, MicroBatch, Telemetry
+from bagualu2.plan.planner import Choice, Plan
+from bagualu2.telemetry import MicroBatch, Telemetry
 
 __all__ = ["Provisioner", "enable", "on_gating", "POLICIES"]
 
@@ -120,10 +122,6 @@ class Provisioner:
             on_exceed=self._exceeded if on_exceed == "raise" else None,
         )
         self.runtime.backward_observer = self._learn
-        # A fixed number of byte cells per candidate bounds a decision's time whatever the
-        # model (benchmarks/decision_latency.py measures it); sizes are rounded the safe way, so
-        # a plan frees what it must, at most a few percent more than an exact one.
-        self.planner = Planner(max_cells=2048)
         self.gates: List[GateSpec] = list(gates) if gates is not None else find_gates(model)
         in_place = self.runtime.reload_in_place and self.device.type == "cpu"  # a reload reads the host copy
         self.cost = CostModel({g.layer: g.experts_path for g in self.gates},
@@ -141,9 +139,10 @@ class Provisioner:
         self.routing = RoutingRecord()  # tokens per expert, this micro-batch's and summed
         self.calibration = Calibration()  # the micro-batches that release all they can
         self.unplanned = UnplannedKeys()  # saved keys no plan can name
+        # what each gate decides, and the planner it solves with
+        self.decisions = GateDecisions(self.cost, self.runtime, self.routing, self.stacking, self.gates, min_bytes)
         self._frames = 0
         self._step = 0
-        self._frame_predicted = 0
         self._oom_recoveries = 0
         self._peak_with_backward = 0  # the ledger's high-water mark over the run (_note_peak)
         self.overlap: Any = None  # an OverlapDriver on a pipeline rank (pipeline.enable_bagualu2)
@@ -204,7 +203,7 @@ class Provisioner:
         candidates, floor = self.cost.candidates(self.cost.order, counts, self.min_bytes, self.engine is not None)
         total = self.cost.predict_total(self.cost.order, counts)
         offload_window, reload_window = self.cost.windows(1.0, self.stacking.declared)
-        return self.planner.solve(candidates, total - int(self.budget * (1.0 - self.margin)),
+        return self.decisions.planner.solve(candidates, total - int(self.budget * (1.0 - self.margin)),
                                   offload_window, reload_window, self.cost.copy_frame_s)
 
     @property
@@ -407,7 +406,7 @@ class Provisioner:
         self._learn()  # what no backward's end learned (a forward's offloads, in a pipeline)
         frame = self._new_frame(conservative)
         self.routing.begin()
-        self._frame_predicted = 0
+        self.decisions.begin()
         start = time.perf_counter()
         adaptive = self.budget is not None and self._policy.adaptive
         inputs = input_bytes(args, kwargs) if adaptive or frame.traced else 0
@@ -446,7 +445,7 @@ class Provisioner:
         calibrating = self.calibration.running(frame.index)
         self.telemetry.add(MicroBatch(
             step=self._step, micro_batch=frame.index, peak_bytes=frame.stats.peak_resident,
-            predicted_peak_bytes=self._frame_predicted, budget_bytes=self.budget,
+            predicted_peak_bytes=self.decisions.predicted, budget_bytes=self.budget,
             imbalance=imbalance, bytes_by_choice=dict(frame.stats.bytes_by_choice),
             violations=frame.stats.violations, fallbacks=len(frame.stats.fallbacks),
             forward_seconds=seconds, oom_recovered=conservative, traced=frame.traced,
@@ -491,52 +490,14 @@ class Provisioner:
             return
         if self.calibration.running(frame.index):
             return  # it releases all it can already
-        if not frame.traced:
-            if not self._frame_predicted:  # the high-water mark, predicted as a traced frame's is
-                routed = self.routing.counts
-                exact = {g.layer: routed.get(g.layer, values) for g in self.gates}
-                exact.update({SIZE: routed[SIZE]} if SIZE in routed else {})
-                self._frame_predicted = (frame.stats.start_resident + self.footprint.outside_held
-                                         + self.cost.predict_total(self.cost.order, exact))
+        if not frame.traced:  # no recipes to plan from: only its high-water mark is predicted
+            self.decisions.predict(frame, values, self.footprint.outside_held)
             return
         start = time.perf_counter()
-        decision = self._decide(frame, layer, values)
+        decision = self.decisions.decide(frame, layer, values, self._target(), self.budget, self._step,
+                                         self.engine is not None)
         decision.latency_us = (time.perf_counter() - start) * 1e6
         self.telemetry.add(decision)
-
-    def _decide(self, frame: Frame, layer: int, values: List[int]) -> Decision:
-        cost = self.cost
-        # Later layers are assumed to route like this one.
-        routed = self.routing.counts
-        counts = {g.layer: (routed.get(g.layer) if g.layer < layer else values) for g in self.gates}
-        counts[layer] = values
-        counts[SIZE] = routed.get(SIZE) or next(iter(routed.values()), values)
-        remaining = [k for k in cost.order if k not in frame.keys_seen]
-        predicted = cost.predict_total(remaining, counts)
-        # In-flight offload sources are released as their copies complete.
-        resident = self.runtime.ledger.resident - self.runtime.inflight_bytes
-        must_free = resident + predicted - self._target()
-        if not self._frame_predicted:
-            self._frame_predicted = resident + predicted
-        imbalance = max(values) * len(values) / max(1, sum(values))
-        record = Decision(self._step, frame.index, layer, imbalance, resident, resident + predicted,
-                          resident + predicted, self.budget, {"keep": len(remaining)}, 0.0)
-        for key in remaining:  # a later gate may relax what an earlier one decided
-            frame.choices.pop(key, None)
-        if must_free <= 0:
-            return record
-        # A micro-batch's first offload costs more than its own copy (copy_frame_s).
-        setup = 0.0 if frame.stats.offloaded_storages else cost.copy_frame_s
-        anchors = [n.key for n in frame.anchors]
-        candidates, _ = cost.candidates(remaining, counts, self.min_bytes, self.engine is not None, anchors)
-        offload_window, reload_window = cost.windows(len(remaining) / max(1, len(cost.order)), self.stacking.declared)
-        plan = self.planner.solve(candidates, must_free, offload_window, reload_window, setup)
-        frame.choices.update(plan.choices)
-        record.feasible = plan.feasible
-        record.planned_bytes = resident + predicted - plan.freed_bytes
-        record.mix = {c.name.lower(): n for c, n in plan.mix().items()}
-        record.mix["keep"] += len(remaining) - len(plan.choices)
-        return record
 
 
 def enable(model: torch.nn.Module, budget: Union[str, int, float, None] = "auto",

@@ -1045,7 +1045,7 @@ def test_plans_pay_the_cost_a_micro_batch_s_first_offload_adds_once() -> None:
     plan = prov.plan_for(counts)
     Choice = bagualu2.Choice
     assert plan.feasible and plan.mix()[Choice.OFFLOAD] == 0 and plan.mix()[Choice.RECOMPUTE] > 0
-    unpriced = prov.planner.solve(*cost.candidates(cost.order, counts, 0, True)[:1],
+    unpriced = prov.decisions.planner.solve(*cost.candidates(cost.order, counts, 0, True)[:1],
                                   cost.predict_total(cost.order, counts) - int(prov.budget * (1 - prov.margin)),
                                   0.0, 0.0)
     assert unpriced.mix()[Choice.OFFLOAD] > 0  # without the setup, copies looked nearly free
