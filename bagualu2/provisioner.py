@@ -442,18 +442,16 @@ class Provisioner:
             self.footprint.observe_worst(self.routing.worst(self.gates), counts)
             self._reserve_arena()
         imbalance = max((max(c) * len(c) / max(1, sum(c)) for c in counts.values()), default=1.0)
-        calibrating = self.calibration.running(frame.index)
         self.telemetry.add(MicroBatch(
             step=self._step, micro_batch=frame.index, peak_bytes=frame.stats.peak_resident,
             predicted_peak_bytes=self.decisions.predicted, budget_bytes=self.budget,
             imbalance=imbalance, bytes_by_choice=dict(frame.stats.bytes_by_choice),
             violations=frame.stats.violations, fallbacks=len(frame.stats.fallbacks),
             forward_seconds=seconds, oom_recovered=conservative, traced=frame.traced,
-            calibrating=not conservative and calibrating, room_made_bytes=frame.stats.room_made_bytes,
+            calibrating=frame.calibrating, room_made_bytes=frame.stats.room_made_bytes,
         ))
-        if self._policy.adaptive and frame.traced and not frame.profile and not calibrating:
+        if self._policy.adaptive and frame.traced and not frame.profile and not frame.calibrating:
             self._last_choices = frame.choices  # the frame's, which its forward is done with
-        self.calibration.end(frame.index)
         return out
 
     def _check_feasible(self) -> None:
@@ -488,7 +486,7 @@ class Provisioner:
         self.routing.record(layer, values, size)
         if not self._policy.adaptive or self.budget is None or not self.cost.ready:
             return
-        if self.calibration.running(frame.index):
+        if frame.calibrating:
             return  # it releases all it can already
         if not frame.traced:  # no recipes to plan from: only its high-water mark is predicted
             self.decisions.predict(frame, values, self.footprint.outside_held)

@@ -699,6 +699,32 @@ def recalibrating(calibrate_frames: int) -> Tuple[MoETransformer, MoETransformer
     return plain, model, prov, frames
 
 
+def test_a_calibrating_forward_that_fails_does_not_keep_the_next_one_from_deciding() -> None:
+    """Which micro-batch calibrates is its frame's mark: a calibrating forward that raises (an
+    interrupt, an error the loop catches) leaves nothing that makes the next one, which takes
+    its number, skip its gates."""
+    model = make_model(ep_size=4)
+    prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.7), min_bytes=0, calibrate_frames=1)
+    for i in range(prov.profile_frames):
+        step(model, i)
+
+    def fail(module: torch.nn.Module, args: tuple) -> None:
+        raise RuntimeError("the loop's own error")
+
+    handle = model.layers[1].register_forward_pre_hook(fail)
+    frames: List[bagualu2.runtime.Frame] = []
+    prov.runtime.frame_observer = frames.append
+    with pytest.raises(RuntimeError, match="the loop's own error"):
+        step(model, 2)
+    handle.remove()
+    assert frames[-1].calibrating and frames[-1].index == 2
+    step(model, 3)
+    assert frames[-1].index == 2 and not frames[-1].calibrating
+    assert not prov.telemetry.micro_batches[-1].calibrating
+    assert {d.micro_batch for d in prov.telemetry.decisions} >= {2}
+    assert prov.runtime.ledger.resident == 0
+
+
 def test_every_other_recomputing_recalibration_recomputes_half_so_rebuilds_are_learned_at_two_sizes() -> None:
     """Recalibrations that recompute replay all they can, then half of it (every other key in
     save order, the two halves in turn), so that what rebuilds cost is

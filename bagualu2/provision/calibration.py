@@ -1,8 +1,8 @@
 """Calibration: the adaptive micro-batches that release all they can, so that their backward
 passes measure what releases cost before any plan relies on it.
 
-Owns ``Calibration``: which micro-batches in flight calibrate, how many have, and how many
-that may have to release ran since the last. The first ``calibrate_frames`` after profiling,
+Owns ``Calibration``: which micro-batches calibrate (it marks their frames ``calibrating``), how
+many have, and how many that may have to release ran since the last. The first ``calibrate_frames`` after profiling,
 where a plan may have to release, recompute all they can: their backward passes measure what
 replaying each op costs (``CostModel.observe_op_replays``) and what rebuilds cost, before any
 plan relies on them (a profiled forward's op times stand for a replay's only in part:
@@ -29,7 +29,7 @@ grows only with micro-batches that may have to release.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Set
+from typing import Dict, List, Sequence
 
 from bagualu2.plan.cost_model import CostModel
 from bagualu2.plan.planner import Choice
@@ -55,14 +55,14 @@ class Calibration:
     """Which micro-batches release all they can, to measure what releases cost."""
 
     def __init__(self) -> None:
-        self._running: Set[int] = set()  # the micro-batches in flight that release all they can
         self._done = 0  # micro-batches that did so
         self._since = 0  # micro-batches that may have to release since the last one
 
     def begin(self, frame: Frame, order: Sequence[str], can_offload: bool, first: int, every: int) -> bool:
         """Whether ``frame``, a micro-batch that may have to release, calibrates: one of the
         ``first`` after profiling, or one after ``every`` (0: never) such micro-batches since the
-        last. If so its plan is set to release all it can, as the cycle says."""
+        last. If so it is marked ``calibrating`` and its plan set to release all it can, as the
+        cycle says."""
         if not (self._done < first or 0 < every <= self._since):
             self._since += 1
             return False
@@ -71,18 +71,10 @@ class Calibration:
         if kind.startswith("recompute half"):
             half = int(kind[-1])
             frame.choices.update({k: Choice.KEEP for i, k in enumerate(order) if i % 2 == half})
-        self._running.add(frame.index)
+        frame.calibrating = True
         self._done += 1
         self._since = 0
         return True
-
-    def running(self, index: int) -> bool:
-        """Whether micro-batch ``index``, in flight, calibrates."""
-        return index in self._running
-
-    def end(self, index: int) -> None:
-        """Micro-batch ``index``'s forward ended."""
-        self._running.discard(index)
 
 
 def learn(cost: CostModel, runtime: ActivationRuntime, routed: Dict[int, List[int]]) -> None:

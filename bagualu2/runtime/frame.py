@@ -115,6 +115,9 @@ class Frame:
         self.stats = FrameStats()
         self.keys_seen: Dict[str, int] = {}  # operator key -> storage bytes, first save
         self.profile = False  # time every op, and fill ``saved_profile`` when the forward ends
+        # set by the provisioner: this micro-batch releases all it can, to measure what releases
+        # cost, and decides nothing at its gates (``provision/calibration.py``)
+        self.calibrating = False
         # key -> (bytes, seconds of its own ops, recomputable, unsaved inputs rebuilt first)
         self.saved_profile: Dict[str, Tuple[int, float, bool, Tuple[str, ...]]] = {}
         self.unsaved_seconds: Dict[str, float] = {}  # those unsaved inputs' own seconds
