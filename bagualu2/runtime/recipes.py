@@ -37,7 +37,7 @@ import torch
 
 from bagualu2.runtime.op_effects import OpInfo
 
-__all__ = ["Leaf", "RecomputeCache", "Ref", "ReplayScope", "Replayer", "Step", "StorageNode", "ViewMeta", "call_key",
+__all__ = ["Leaf", "RecomputeCache", "Ref", "ReplayDepth", "ReplayScope", "Replayer", "Step", "StorageNode", "ViewMeta", "call_key",
            "is_plain", "is_recomputing", "module_of", "recipe_refs", "reset_replay_depth", "step_inputs",
            "step_refs", "view_meta", "view_of"]
 
@@ -68,27 +68,41 @@ def is_recomputing() -> bool:
     return getattr(_STATE, "replaying", 0) > 0 or torch._C._current_graph_task_id() != -1
 
 
-class ReplayScope:
-    """Where recipes replay: ``is_recomputing()`` true, no autograd, and no autocast (the
-    recorded ops already carry the dtypes autocast chose). Entered once per rebuilt chain.
+class ReplayDepth:
+    """Where bagualu2 recomputes: ``is_recomputing()`` true inside. A block rerun
+    (``rerun.py``) enters only this: it runs the module with autograd, to capture its saves.
 
-    The exit restores the state the entry found (not one step back), so an interrupt that
+    The exit restores the depth the entry found (not one step back), so an interrupt that
     stops the entry halfway leaves nothing behind once the exit runs; ``reset_replay_depth``
     repairs the count where an interrupt stopped the entry before the ``with`` owned it."""
 
-    __slots__ = ("_depth", "_grad", "_autocast")
+    __slots__ = ("_depth",)
 
     def __enter__(self) -> None:
         self._depth = getattr(_STATE, "replaying", 0)
+        _STATE.replaying = self._depth + 1
+
+    def __exit__(self, *exc: object) -> None:
+        _STATE.replaying = self._depth
+
+
+class ReplayScope(ReplayDepth):
+    """Where recipes replay: ``is_recomputing()`` true, no autograd, and no autocast (the
+    recorded ops already carry the dtypes autocast chose). Entered once per rebuilt chain;
+    its exit, too, restores what its entry found."""
+
+    __slots__ = ("_grad", "_autocast")
+
+    def __enter__(self) -> None:
         self._grad = torch.is_grad_enabled()
         self._autocast = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
-        _STATE.replaying = self._depth + 1
+        super().__enter__()
         torch.set_grad_enabled(False)
         for device in self._autocast:
             torch.set_autocast_enabled(device, False)
 
     def __exit__(self, *exc: object) -> None:
-        _STATE.replaying = self._depth
+        super().__exit__()
         torch.set_grad_enabled(self._grad)
         for device in self._autocast:
             torch.set_autocast_enabled(device, True)

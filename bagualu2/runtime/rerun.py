@@ -173,23 +173,19 @@ class BlockRerun:
             raise AssertionError("the rerun's own graph is never run backward")
 
         devices = [self._device] if self._device is not None else []
-        recipes._STATE.replaying = getattr(recipes._STATE, "replaying", 0) + 1
-        try:
-            with torch.random.fork_rng(devices=devices, device_type="cuda"):
-                torch.set_rng_state(self._rng)
-                if self._device_rng is not None:
-                    torch.cuda.set_rng_state(self._device_rng, self._device)
-                with contextlib.ExitStack() as scope:
-                    scope.enter_context(torch.enable_grad())
-                    for device_type, enabled, dtype in self._autocast:
-                        scope.enter_context(torch.autocast(device_type, enabled=enabled, dtype=dtype))
-                    scope.enter_context(torch.autograd.graph.saved_tensors_hooks(capture, unreachable))
-                    try:
-                        self.module(*args, **kwargs)
-                    except _RerunDone:
-                        pass
-        finally:
-            recipes._STATE.replaying -= 1
+        with recipes.ReplayDepth(), torch.random.fork_rng(devices=devices, device_type="cuda"):
+            torch.set_rng_state(self._rng)
+            if self._device_rng is not None:
+                torch.cuda.set_rng_state(self._device_rng, self._device)
+            with contextlib.ExitStack() as scope:
+                scope.enter_context(torch.enable_grad())
+                for device_type, enabled, dtype in self._autocast:
+                    scope.enter_context(torch.autocast(device_type, enabled=enabled, dtype=dtype))
+                scope.enter_context(torch.autograd.graph.saved_tensors_hooks(capture, unreachable))
+                try:
+                    self.module(*args, **kwargs)
+                except _RerunDone:
+                    pass
         self._check(captured)
         return captured
 
