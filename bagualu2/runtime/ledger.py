@@ -91,17 +91,8 @@ class ResidencyLedger:
 
     def release(self, ref: "weakref.ref[Pin]") -> None:
         """Give back the count a pin holds (its ``_ref``); nothing when it was given back."""
-        pins, held = self._pins, self._held
         with self._lock:
-            if ref in pins:
-                cdata = pins[ref]
-                del pins[ref]
-                entry = held[cdata]
-                entry[0] -= 1
-                if not entry[0]:
-                    del held[cdata]
-                    self._resident -= entry[1]
-                    self._free_weak_ref(entry[2])
+            self._unpin_locked(ref)
 
     def collect(self) -> None:
         """Give back the counts of pins that died (their weak references' callbacks queued them)."""
@@ -109,19 +100,25 @@ class ResidencyLedger:
             self._collect_locked()
 
     def _collect_locked(self) -> None:
-        dead, pins, held = self._dead, self._pins, self._held
+        dead = self._dead
         while dead:
-            ref = dead[-1]
-            if ref in pins:  # as in release, inline: no call between unregistering and counting
-                cdata = pins[ref]
-                del pins[ref]
-                entry = held[cdata]
-                entry[0] -= 1
-                if not entry[0]:
-                    del held[cdata]
-                    self._resident -= entry[1]
-                    self._free_weak_ref(entry[2])
+            self._unpin_locked(dead[-1])
             del dead[-1]
+
+    def _unpin_locked(self, ref: "weakref.ref[Pin]") -> None:
+        """Unregister ``ref``'s pin and give back its count, if it still holds one. No call
+        comes between the two: an interrupt lands at a call's entry (here, before either) or
+        once the last call returns, never between them."""
+        pins = self._pins
+        if ref in pins:
+            cdata = pins[ref]
+            del pins[ref]
+            entry = self._held[cdata]
+            entry[0] -= 1
+            if not entry[0]:
+                del self._held[cdata]
+                self._resident -= entry[1]
+                self._free_weak_ref(entry[2])
 
     def holds(self, storage: torch.UntypedStorage) -> bool:
         if self._dead:
