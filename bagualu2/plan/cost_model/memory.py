@@ -85,6 +85,11 @@ def driving_tokens(op: OpCost, counts: Mapping[int, Optional[Sequence[int]]]) ->
     return float(layer_counts[op.expert])
 
 
+def _bytes(op: OpCost, counts: Mapping[int, Optional[Sequence[int]]]) -> int:
+    """``op``'s predicted saved bytes at ``counts``, rounded up (a plan then frees enough)."""
+    return int(math.ceil(op.bytes(driving_tokens(op, counts))))
+
+
 class MemoryModel:
     """The table of operator keys profiled micro-batches saved, and their bytes.
 
@@ -162,7 +167,7 @@ class MemoryModel:
     def predict_bytes(self, key: str, counts: Mapping[int, Sequence[int]]) -> int:
         """Predicted saved bytes of ``key`` for a micro-batch with ``counts``."""
         op = self.ops.get(key)
-        return 0 if op is None else int(math.ceil(op.bytes(driving_tokens(op, counts))))
+        return 0 if op is None else _bytes(op, counts)
 
     def predict_total(self, keys: Iterable[str], counts: Mapping[int, Sequence[int]]) -> int:
         """Predicted saved bytes of ``keys`` (all keep) for a micro-batch with ``counts``."""
@@ -176,7 +181,7 @@ class MemoryModel:
             op = self.ops.get(key)
             if op is None:
                 continue
-            nbytes = int(math.ceil(op.bytes(driving_tokens(op, counts))))
+            nbytes = _bytes(op, counts)
             if nbytes:
                 releasable = nbytes >= min_bytes and key not in fixed and (can_offload or op.recomputable)
                 yield key, op, nbytes, releasable

@@ -133,7 +133,6 @@ class CostModel:
     d2h_bandwidth = _read("copies", "d2h_bandwidth")
     h2d_bandwidth = _read("copies", "h2d_bandwidth")
     copy_fixed_s = _read("copies", "copy_fixed_s")
-    copies_overlap = _read("copies", "copies_overlap")
     copy_frame_s = _read("copies", "copy_frame_s")
     copy_overhead_s = _read("copies", "copy_overhead_s")
     copy_factor = _read("copies", "copy_factor")
