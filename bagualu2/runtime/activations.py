@@ -500,11 +500,11 @@ class ActivationRuntime(Residency):
                 self.settle(wait=True)
                 if self._over_budget(storage, pins=True):
                     return self._violate(frame, t, f"a saved input of shape {tuple(t.shape)}")
-            return self._keep(frame, t)
+            return self._keep(frame, t, storage)
         nbytes = node.nbytes
         frame.keys_seen.setdefault(node.key, nbytes)
         if nbytes < self.min_bytes and not self._over_budget(storage):
-            return self._keep(frame, t)
+            return self._keep(frame, t, storage, node)
         state = node.state
         meta = view_meta(t)
         store = node.offloaded.get(state)
@@ -548,7 +548,7 @@ class ActivationRuntime(Residency):
             stats.fallbacks.append(f"{node.key}: offload -> keep (arena full or no engine; not recomputable)")
         if self._over_budget(storage):
             return self._violate(frame, t, node.key)
-        return self._keep(frame, t)
+        return self._keep(frame, t, storage, node)
 
     def _pack_untraced(self, frame: Frame, t: torch.Tensor, storage: torch.UntypedStorage) -> Any:
         """Keep, unless that would cross an enforced budget: then offload (no recipe exists to
@@ -559,10 +559,10 @@ class ActivationRuntime(Residency):
             frame.stats.shared_bytes += storage.nbytes()
             return _Offloaded(store, view_meta(t), None, t._version, t)
         if not self._over_budget(storage):
-            return self._keep(frame, t)
+            return self._keep(frame, t, storage)
         self.settle(wait=True)
         if not self._over_budget(storage):
-            return self._keep(frame, t)
+            return self._keep(frame, t, storage)
         store = self._start_offload(frame, storage, "untraced") if self.enforce_budget else None
         if store is None:
             return self._violate(frame, t, f"a saved tensor of shape {tuple(t.shape)} (untraced forward)")

@@ -104,9 +104,13 @@ class Residency:
         return is_plain(t) and t.untyped_storage()._cdata in self._params
 
     def _pin_leaf(self, t: torch.Tensor) -> Optional[Pin]:
-        if not is_plain(t) or self._is_parameter(t):
+        if not is_plain(t):
             return None
         storage = t.untyped_storage()
+        # Most leaves are the model's weights, read by every op that uses them: known by their
+        # storage first, before the slower checks for parameters set_parameters did not see.
+        if storage._cdata in self._params or self._is_parameter(t):
+            return None
         frame = self._frame
         if frame is None or self.ledger.holds(storage):
             return Pin(self.ledger, storage)
@@ -170,7 +174,10 @@ class Residency:
                 self.on_exceed(self.ledger.resident + nbytes, limit, key)
 
     # -- kept storages, and making room -----------------------------------------------------
-    def _keep(self, frame: Frame, t: torch.Tensor, storage: Optional[torch.UntypedStorage] = None) -> _Kept:
+    def _keep(self, frame: Frame, t: torch.Tensor, storage: Optional[torch.UntypedStorage] = None,
+              node: Optional[StorageNode] = None) -> _Kept:
+        """Keep ``t`` on the device, counted. ``storage`` and ``node`` are ``t``'s where the
+        caller has them already (the pack path, per save), else looked up."""
         if storage is None:
             storage = t.untyped_storage()
         if self.ledger.holds(storage):
@@ -179,7 +186,8 @@ class Residency:
             frame.stats.bytes_by_choice["keep"] += storage.nbytes()
         if t.grad_fn is not None:
             t = t.detach()  # an op's saved output: holding its grad_fn would be a reference cycle
-        node = self.mode.nodes.get(storage._cdata) if frame.traced else None
+        if node is None and frame.traced:
+            node = self.mode.nodes.get(storage._cdata)
         kept = _Kept(t, Pin(self.ledger, storage), node)
         if node is not None:
             node.kept[node.state] = (weakref.ref(t), t._version)

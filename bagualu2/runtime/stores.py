@@ -331,14 +331,15 @@ def kept_tensor(node: StorageNode, state: int) -> Optional[torch.Tensor]:
 
 # Creating ops whose output is only a dtype cast or copy of their one tensor input: when that
 # input is already stored, the output is regenerated from it instead of being stored twice.
-_CAST_OPS = frozenset({"aten._to_copy.default", "aten.clone.default", "aten._to_dtype.default"})
+# The overloads themselves, not their names: this is asked at every traced save.
+_CAST_OPS = frozenset({torch.ops.aten._to_copy.default, torch.ops.aten.clone.default})
 
 
 def regeneration_source(node: StorageNode, state: int) -> Tuple[bool, Optional[OffloadStore]]:
     """Whether the storage is a cast/copy (or chain of them) of a stored activation with
     nothing applied afterwards, and the offloaded store it is then rebuilt from (None when
     the source is kept)."""
-    while node.creator.name in _CAST_OPS and not node.mutations and node.recomputable:
+    while node.creator.func in _CAST_OPS and not node.mutations and node.recomputable:
         source = node.creator.args[0] if node.creator.args else None
         src_node = getattr(source, "node", None)
         if not isinstance(src_node, StorageNode):
