@@ -348,17 +348,17 @@ class Residency:
             self.backward_passes += 1
             if self.backward_observer is not None and task >= 0:  # -1: not inside a backward pass
                 torch.autograd.Variable._execution_engine.queue_callback(self.backward_observer)
-        if isinstance(packed, torch.Tensor):
-            return packed
-        if isinstance(packed, RerunSaved):  # a frame's module hooks skip the rerun's module calls
-            return packed.record.take(packed.index, self.untraced)
-        if isinstance(packed, _Kept):
+        if type(packed) is _Kept:  # the common record first: a bare tensor is the rarest
             if packed.moved is not None:
                 return self._unpack(packed.moved)
             if packed.tensor._version != packed.version:
                 raise _modified_error(f"a tensor of shape {tuple(packed.tensor.shape)}", packed.version,
                                       packed.tensor._version)
             return packed.tensor
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if isinstance(packed, RerunSaved):  # a frame's module hooks skip the rerun's module calls
+            return packed.record.take(packed.index, self.untraced)
         if isinstance(packed, _Offloaded):
             node = packed.node() if packed.node is not None else None
             if node is not None and node.state != packed.state:
