@@ -1,0 +1,532 @@
+"""Head to head: bagualu2 ``adaptive`` against the fastest static configuration that held the budget.
+
+A user who does not install bagualu2 tunes their engine's own activation options until the run
+survives its spikes. This script does that tuning for them, on the same model, the same spike trace
+and the same per-rank budget, and times the winner against ``adaptive``.
+
+Setup (every engine): the reference MoE model with real expert parallelism on ``--world`` gloo
+processes (127.0.0.1, one thread each), the same weights for every configuration (built from one
+seed; no optimizer step, so every configuration computes the same losses on the same batches).
+The trace has ``--micro-batches`` micro-batches; about ``--spike-rate`` of them (at least two)
+route ``--imbalance`` x the mean load onto one expert, alternately one held by rank 0 and one held
+by the last rank, so the spike lands on either rank.
+
+Memory is measured the same way for every configuration, bagualu2 included: torch's CPU
+allocator, as its profiler records it (``profile_memory``), from the start of a micro-batch's
+forward to the end of its backward, above what was allocated when it started (the stand-in on
+this machine for ``torch.cuda.max_memory_allocated``: activations, temporaries and gradients).
+The per-rank budget is ``--headroom`` above the largest calm micro-batch's peak without any
+activation option (keep everything). bagualu2's own budget is on the activation bytes it holds
+for backward; the forward's working set (temporaries, and tensors it released that the forward
+still reads) comes on top. So ``adaptive`` gets the budget less a reserve, tuned on the same
+probes the static configurations are tuned on (below), as ``budget="auto"`` leaves
+``reserve_bytes``; it is judged by the meter like everything else.
+
+For each engine the script:
+
+1. measures every static configuration of its grid on the calm micro-batch and on one spike aimed
+   at each rank, and keeps those whose peak stays within the budget on every rank;
+2. times the survivors on a few calm micro-batches, interleaved, and picks the fastest;
+3. runs the whole trace once per configuration (the fastest survivor, ``adaptive``, keep-all and
+   full recompute), one micro-batch of each per round in a rotating order, timing each
+   micro-batch (the slowest rank's time, the ranks aligned by a barrier);
+4. replays the trace under the allocator meter for the fastest survivor and ``adaptive`` and
+   counts the micro-batches over the budget on any rank (violations).
+
+Speedups are paired: the trace is cut into ``--segments`` consecutive parts and each part's time
+of the static winner is divided by ``adaptive``'s over the same micro-batches; the table gives the
+median and the range of those ratios.
+
+On this machine an offload is a memcpy between two areas of the same RAM, competing with the
+compute for the same two cores; on a GPU it is a DMA transfer over PCIe that runs beside the
+kernels. Offload is therefore priced high here, and ``adaptive`` leans on recomputation; on a
+device the same planner gets cheaper offloads, which moves the ratio in its favour.
+
+    python benchmarks/versus_static.py --engines pytorch --out versus_static.json
+    python benchmarks/versus_static.py --quick      # the slow lane's short form
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import itertools
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+import bagualu2
+from bagualu2.models import MoEConfig, MoETransformer
+
+# The tests' multi-process harness (spawned gloo ranks on 127.0.0.1, a free port, hard timeouts);
+# the spawned ranks find it on the sys.path they inherit.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+from pipeline_harness import launch  # noqa: E402
+
+SEED = 0
+ENGINES = ("pytorch",)
+
+# ---------------------------------------------------------------------------------------------
+# The trace and the meter
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Which micro-batches spike, and onto which expert (global index)."""
+
+    micro_batches: int
+    spikes: Dict[int, int]
+    imbalance: float
+
+    @classmethod
+    def make(cls, n: int, rate: float, imbalance: float, num_experts: int, warmup: int) -> "Trace":
+        count = max(2, round(rate * n))
+        if count > n - warmup:
+            raise SystemExit(f"--micro-batches {n} leaves no room for {count} spikes after {warmup} calm ones")
+        step = (n - warmup) / count
+        where = [warmup + int(step * (k + 0.5)) for k in range(count)]
+        # Alternately an expert of rank 0 and one of the last rank (the last expert).
+        return cls(n, {i: (0 if k % 2 == 0 else num_experts - 1) for k, i in enumerate(where)}, imbalance)
+
+    def probes(self) -> List[int]:
+        """One calm micro-batch and the first spike aimed at each rank."""
+        first: Dict[int, int] = {}
+        for i, expert in sorted(self.spikes.items()):
+            first.setdefault(expert, i)
+        calm = next(i for i in range(self.micro_batches) if i not in self.spikes)
+        return [calm, *sorted(first.values())]
+
+
+def _tokens(cfg: MoEConfig, rank: int, i: int, batch: int, seq: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(SEED + 1000 * rank + i)
+    return torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+
+
+class AllocationMeter(TorchDispatchMode):
+    """The bytes of the storages that ops create while it is on and that are still alive, and
+    their high-water mark.
+
+    The outermost dispatch mode sees every aten op below it, bagualu2's tracing mode, selective
+    checkpointing's modes and backward's recomputations included, so every configuration is
+    measured alike. What no op creates (bagualu2's pinned host arena, filled by its copy engine)
+    is host memory and is not counted. A storage is counted from the op that creates it until it
+    dies (checked at each op), at its full size.
+    """
+
+    def __init__(self, ledger: Any = None) -> None:
+        super().__init__()
+        self.live: Dict[int, Tuple[StorageWeakRef, int]] = {}
+        self.bytes = 0
+        self.peak = 0
+        self._ledger = ledger
+        self.beyond_ledger = 0  # the most held at once beyond what ``ledger`` counted then
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            self.bytes -= self.live.pop(key)[1]
+        # A view of an older storage (a weight's transpose) is not a new storage.
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if storage._cdata not in self.live and storage._cdata not in inputs:
+                    self.live[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+                    self.bytes += storage.nbytes()
+        self.peak = max(self.peak, self.bytes)
+        if self._ledger is not None:
+            self.beyond_ledger = max(self.beyond_ledger, self.bytes - self._ledger.resident)
+        return out
+
+
+def allocation_peak(fn: Callable[[], Any]) -> Tuple[Any, int]:
+    """``fn()`` and the most bytes that storages created during it held at once."""
+    with AllocationMeter() as meter:
+        out = fn()
+    return out, meter.peak
+
+
+# ---------------------------------------------------------------------------------------------
+# Configurations: a name, how to build the model, and what one micro-batch runs
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Config:
+    name: str
+    build: Callable[[], Tuple[torch.nn.Module, Any]]  # -> (model, provisioner or None)
+    static: bool = True
+    model: Any = None
+    prov: Any = None
+
+    def ready(self) -> "Config":
+        if self.model is None:
+            self.model, self.prov = self.build()
+        return self
+
+    def step(self, args: argparse.Namespace, rank: int, trace: Trace, i: int) -> float:
+        """One forward + backward of micro-batch ``i``; returns the loss."""
+        model = self.model
+        expert = trace.spikes.get(i)
+        spike = model.routing_spike(trace.imbalance, experts=[expert]) if expert is not None \
+            else contextlib.nullcontext()
+        model.zero_grad(set_to_none=True)
+        with spike:  # backward inside: checkpointed blocks rerun the router
+            loss = model(_tokens(model.cfg, rank, i, args.batch, args.seq))
+            loss.backward()
+        if self.prov is not None:
+            self.prov.step()
+        return float(loss.detach())
+
+    def close(self) -> None:
+        if self.prov is not None:
+            self.prov.disable()
+        self.model = self.prov = None
+
+
+def _model(args: argparse.Namespace) -> MoETransformer:
+    torch.manual_seed(SEED)
+    cfg = getattr(MoEConfig, args.config)(num_layers=args.layers)
+    return MoETransformer(cfg, ep_group=dist.group.WORLD)
+
+
+def _checkpointed(blocks: Sequence[int], context_fn: Optional[Callable[[], Any]] = None):
+    """A model whose ``blocks`` run under ``torch.utils.checkpoint`` (non-reentrant), with
+    ``context_fn`` for selective checkpointing."""
+
+    def build(args: argparse.Namespace) -> Tuple[torch.nn.Module, Any]:
+        model = _model(args)
+        extra = {} if context_fn is None else {"context_fn": context_fn}
+        for b in blocks:
+            layer = model.layers[b]
+            layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False, **extra)
+        return model, None
+
+    return build
+
+
+def _sac(ops: Sequence[Any]) -> Callable[[], Any]:
+    return functools.partial(create_selective_checkpoint_contexts, list(ops))
+
+
+_MM = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+_ATTENTION = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+              torch.ops.aten._scaled_dot_product_efficient_attention.default,
+              torch.ops.aten._scaled_dot_product_flash_attention.default)
+
+
+def pytorch_grid(args: argparse.Namespace) -> Dict[str, Callable[..., Any]]:
+    """Plain PyTorch's static options: ``torch.utils.checkpoint`` on every subset of blocks, and
+    selective checkpointing of every block with op-list policies (what is saved; the rest is
+    recomputed)."""
+    layers = args.layers
+    grid: Dict[str, Callable[..., Any]] = {}
+    for k in range(1, layers + 1):
+        for blocks in itertools.combinations(range(layers), k):
+            grid[f"checkpoint blocks {','.join(map(str, blocks))}"] = _checkpointed(blocks)
+    everything = tuple(range(layers))
+    grid["selective: save matmuls"] = _checkpointed(everything, _sac(_MM))
+    grid["selective: save matmuls + attention"] = _checkpointed(everything, _sac(_MM + _ATTENTION))
+    grid["selective: save attention"] = _checkpointed(everything, _sac(_ATTENTION))
+    return grid
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank
+# ---------------------------------------------------------------------------------------------
+
+
+def _all_min(flag: bool) -> bool:
+    t = torch.tensor([1 if flag else 0])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def _timed_step(cfg: Config, args: argparse.Namespace, rank: int, trace: Trace, i: int) -> Tuple[float, float]:
+    """(slowest rank's seconds, loss) of micro-batch ``i``."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    loss = cfg.step(args, rank, trace, i)
+    elapsed = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed), loss
+
+
+def _peaks(cfg: Config, args: argparse.Namespace, rank: int, trace: Trace, which: Sequence[int]) -> Dict[int, int]:
+    out = {}
+    for i in which:
+        _, out[i] = allocation_peak(lambda: cfg.step(args, rank, trace, i))
+    return out
+
+
+def _rank_main(rank: int, world: int, args: argparse.Namespace, engine: str, out_path: str) -> None:
+    cfg0 = getattr(MoEConfig, args.config)(num_layers=args.layers)
+    trace = Trace.make(args.micro_batches, args.spike_rate, args.imbalance, cfg0.num_experts, args.warmup)
+    probes = trace.probes()
+    calm = [i for i in range(args.warmup) if i not in trace.spikes]
+    grid = pytorch_grid(args)
+    row: Dict[str, Any] = {"engine": engine, "rank": rank, "grid": list(grid)}
+
+    # The budget: headroom above the largest calm peak of keeping everything.
+    keep = Config("keep_all", lambda: _checkpointed(())(args)).ready()
+    keep.step(args, rank, trace, calm[0])  # first-call allocations out of the measurement
+    calm_peak = max(_peaks(keep, args, rank, trace, calm).values())
+    budget = int(calm_peak * (1.0 + args.headroom))
+    keep_probe = _peaks(keep, args, rank, trace, probes)
+    row.update(calm_peak_bytes=calm_peak, budget_bytes=budget, probes=probes)
+
+    # bagualu2's budget is on the activation bytes it holds for backward; the forward's working
+    # set (temporaries, and tensors it released that the forward still reads) comes on top. Like
+    # the static configurations, it is tuned on the probes: the reserve is the most the meter saw
+    # beyond bagualu2's ledger, found again under the budget it leads to.
+    reserve = _reserve(args, rank, trace, calm, probes, budget)
+    row["adaptive_reserve_bytes"] = reserve
+
+    # 1. Every static configuration on the probes; survivors hold the budget on every rank.
+    static_peaks: Dict[str, Dict[int, int]] = {}
+    survivors: List[str] = []
+    for name, build in grid.items():
+        c = Config(name, functools.partial(build, args)).ready()
+        c.step(args, rank, trace, calm[0])
+        static_peaks[name] = _peaks(c, args, rank, trace, probes)
+        c.close()
+        if _all_min(max(static_peaks[name].values()) <= budget):
+            survivors.append(name)
+    row["static_peaks"] = static_peaks
+    row["keep_all_probe_peaks"] = keep_probe
+    row["survivors"] = survivors
+
+    # 2. The fastest survivor on calm micro-batches, interleaved.
+    calm_s: Dict[str, List[float]] = {name: [] for name in survivors}
+    configs = {name: Config(name, functools.partial(grid[name], args)).ready() for name in survivors}
+    for r in range(args.pick_rounds):
+        for k in range(len(survivors)):
+            name = survivors[(r + k) % len(survivors)]
+            calm_s[name].append(_timed_step(configs[name], args, rank, trace, calm[r % len(calm)])[0])
+    for c in configs.values():
+        c.close()
+    fastest = min(survivors, key=lambda n: statistics.median(calm_s[n])) if survivors else None
+    row["pick_seconds"] = {n: statistics.median(v) for n, v in calm_s.items()}
+    row["fastest_static"] = fastest
+
+    # 3. The whole trace, interleaved: fastest survivor, adaptive, keep-all, full recompute.
+    full = f"checkpoint blocks {','.join(map(str, range(args.layers)))}"
+    contenders: Dict[str, Config] = {
+        "adaptive": _adaptive(args, budget - reserve),
+        "keep_all": Config("keep_all", functools.partial(_checkpointed(()), args)),
+        "recompute_all": Config("recompute_all", functools.partial(grid[full], args)),
+    }
+    if fastest is not None:
+        contenders["static"] = Config(fastest, functools.partial(grid[fastest], args))
+    for c in contenders.values():
+        c.ready()
+    seconds: Dict[str, List[float]] = {n: [] for n in contenders}
+    losses: Dict[str, List[float]] = {n: [] for n in contenders}
+    names = list(contenders)
+    for i in range(trace.micro_batches):
+        for k in range(len(names)):
+            name = names[(i + k) % len(names)]
+            s, loss = _timed_step(contenders[name], args, rank, trace, i)
+            seconds[name].append(s)
+            losses[name].append(loss)
+    row["seconds"] = seconds
+    row["losses_equal"] = {n: losses[n] == losses["keep_all"] for n in names}
+
+    # 4. The trace again under the meter, for the two that claim to hold the budget.
+    metered = ["adaptive"] + (["static"] if fastest is not None else [])
+    over: Dict[str, List[int]] = {}
+    for name in metered:
+        peaks = _peaks(contenders[name], args, rank, trace, range(trace.micro_batches))
+        over[name] = [i for i, p in peaks.items() if p > budget]
+        row.setdefault("trace_peak_bytes", {})[name] = max(peaks.values())
+    row["over_budget"] = over
+    if contenders["adaptive"].prov is not None:
+        report = contenders["adaptive"].prov.report()
+        row["adaptive_report"] = {k: report[k] for k in ("decisions", "traced_micro_batches", "violations",
+                                                           "decision_latency_us")}
+    for c in contenders.values():
+        c.close()
+
+    gathered: List[Any] = [None] * world
+    dist.all_gather_object(gathered, row)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(gathered, f)
+
+
+def _adaptive(args: argparse.Namespace, budget: int) -> Config:
+    def build() -> Tuple[torch.nn.Module, Any]:
+        model = _model(args)
+        prov = bagualu2.enable(model, budget=max(1, budget), policy="adaptive", min_bytes=0)
+        prov.runtime.reload_in_place = False  # backward copies offloads back, as on a device
+        return model, prov
+
+    return Config("adaptive", build, static=False)
+
+
+def _reserve(args: argparse.Namespace, rank: int, trace: Trace, calm: Sequence[int], probes: Sequence[int],
+             budget: int, rounds: int = 2) -> int:
+    """The most that adaptive, run on the warm-up and the probes, held beyond its ledger, under
+    the budget less the reserve found by the round before (the first round: none)."""
+    reserve = 0
+    for _ in range(rounds):
+        tuned = _adaptive(args, budget - reserve).ready()
+        for i in list(calm) + list(probes):
+            with AllocationMeter(tuned.prov.runtime.ledger) as meter:
+                tuned.step(args, rank, trace, i)
+            reserve = max(reserve, meter.beyond_ledger)
+        tuned.close()
+    return reserve
+
+
+# ---------------------------------------------------------------------------------------------
+# The table
+# ---------------------------------------------------------------------------------------------
+
+
+def _segments(values: Sequence[float], n: int) -> List[float]:
+    """Sums of ``n`` consecutive parts of ``values`` (the last takes the remainder)."""
+    size = max(1, len(values) // n)
+    cuts = list(range(0, len(values), size))[:n]
+    return [sum(values[a:b]) for a, b in zip(cuts, cuts[1:] + [len(values)])]
+
+
+def summarize(ranks: List[Dict[str, Any]], segments: int) -> Dict[str, Any]:
+    """Paired ratios (each run's time over adaptive's, per segment of the trace), violations
+    across ranks, and whether every run's losses equal keep-all's."""
+    r0 = ranks[0]
+    seconds = r0["seconds"]  # the slowest rank's seconds: the same on every rank
+    ref = _segments(seconds["adaptive"], segments)
+    rows: Dict[str, Any] = {}
+    for name, values in seconds.items():
+        ratios = sorted(s / a for s, a in zip(_segments(values, segments), ref))
+        metered = name in r0["over_budget"]
+        rows[name] = {
+            "config": r0["fastest_static"] if name == "static" else name,
+            "total_s": sum(values),
+            "speedup_median": statistics.median(ratios),
+            "speedup_range": [ratios[0], ratios[-1]],
+            "segments": len(ratios),
+            # micro-batches over the budget on any rank (metered over the whole trace), or, for
+            # keep_all, probes over it
+            "violations": len(set().union(*(r["over_budget"][name] for r in ranks))) if metered else None,
+            "losses_equal_keep_all": all(r["losses_equal"][name] for r in ranks),
+        }
+    keep_over = max(max(r["keep_all_probe_peaks"].values()) / r["budget_bytes"] for r in ranks)
+    rows["keep_all"]["probe_peak_over_budget"] = keep_over
+    rows["keep_all"]["violations"] = sum(
+        1 for i in r0["probes"] if any(r["keep_all_probe_peaks"][str(i)] > r["budget_bytes"] for r in ranks))
+    return {"engine": r0["engine"], "fastest_static": r0["fastest_static"], "survivors": r0["survivors"],
+            "grid": r0["grid"], "rows": rows}
+
+
+def closing_line(summary: Dict[str, Any]) -> str:
+    engine, rows = summary["engine"], summary["rows"]
+    adaptive = rows["adaptive"]
+    static = rows.get("static")
+    if static is None:
+        return (f"{engine}: no static configuration held the budget; adaptive held it with "
+                f"{adaptive['violations']} violations")
+    lo, hi = static["speedup_range"]
+    verdict = "a tie within the spread" if lo <= 1.0 <= hi else ("faster" if lo > 1.0 else "slower")
+    return (f"{engine}: adaptive {static['speedup_median']:.2f}x over the fastest static configuration that held "
+            f"the budget ({static['config']}), {adaptive['violations']} violations "
+            f"(range {lo:.2f}-{hi:.2f} over {static['segments']} segments: {verdict})")
+
+
+def print_engine(summary: Dict[str, Any], ranks: List[Dict[str, Any]]) -> None:
+    print(f"\n{summary['engine']}: per-rank budget " + ", ".join(
+        f"rank {r['rank']} {r['budget_bytes'] / 2**20:.2f} MiB (calm keep-all peak "
+        f"{r['calm_peak_bytes'] / 2**20:.2f} MiB; adaptive's activation budget "
+        f"{(r['budget_bytes'] - r['adaptive_reserve_bytes']) / 2**20:.2f} MiB)" for r in ranks))
+    print(f"grid ({len(summary['grid'])} static configurations): {'; '.join(summary['grid'])}")
+    print(f"held the budget on every rank at the calm micro-batch and the spikes: "
+          f"{'; '.join(summary['survivors']) or 'none'}")
+    head = (f"{'run':<15}{'configuration':<38}{'time s':>8}{'time / adaptive [range]':>26}"
+            f"{'violations':>12}{'losses':>8}")
+    print(head)
+    print("-" * len(head))
+    for name in ("adaptive", "static", "keep_all", "recompute_all"):
+        row = summary["rows"].get(name)
+        if row is None:
+            continue
+        lo, hi = row["speedup_range"]
+        ratio = "1.00" if name == "adaptive" else f"{row['speedup_median']:.2f}x [{lo:.2f}, {hi:.2f}]"
+        viol = "-" if row["violations"] is None else str(row["violations"])
+        if name == "keep_all":
+            viol += " (probes)"
+        print(f"{name:<15}{row['config'][:37]:<38}{row['total_s']:>8.2f}{ratio:>26}{viol:>12}"
+              f"{'equal' if row['losses_equal_keep_all'] else 'DIFFER':>8}")
+
+
+def run_engine(engine: str, args: argparse.Namespace) -> List[Dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ranks.json")
+        launch(_rank_main, args.world, args, engine, path, timeout_s=args.timeout)
+        with open(path) as f:
+            return json.load(f)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {','.join(ENGINES)}")
+    ap.add_argument("--world", type=int, default=2, help="expert-parallel ranks (gloo processes)")
+    ap.add_argument("--config", default="small", choices=("tiny", "small", "bench"))
+    ap.add_argument("--layers", type=int, default=3, help="transformer blocks")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--micro-batches", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=8, help="calm micro-batches first (adaptive profiles, calibrates)")
+    ap.add_argument("--spike-rate", type=float, default=0.03)
+    ap.add_argument("--imbalance", type=float, default=2.6)
+    ap.add_argument("--headroom", type=float, default=0.05, help="budget above the calm keep-all peak")
+    ap.add_argument("--pick-rounds", type=int, default=4, help="calm rounds that pick the fastest survivor")
+    ap.add_argument("--segments", type=int, default=4, help="parts of the trace the paired ratios come from")
+    ap.add_argument("--timeout", type=float, default=1800.0)
+    ap.add_argument("--quick", action="store_true", help="a short trace (the slow lane's form)")
+    ap.add_argument("--out", default="versus_static.json")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.config, args.layers, args.batch, args.seq = "tiny", 2, 2, 32
+        args.micro_batches, args.warmup, args.pick_rounds, args.segments = 16, 6, 2, 2
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown:
+        raise SystemExit(f"--engines: unknown {unknown}; choose from {', '.join(ENGINES)}")
+    results: Dict[str, Any] = {"args": vars(args), "machine": platform.platform(), "torch": torch.__version__,
+                               "engines": {}}
+    lines = []
+    for engine in engines:
+        ranks = run_engine(engine, args)
+        summary = summarize(ranks, args.segments)
+        results["engines"][engine] = {"summary": summary, "ranks": ranks}
+        print_engine(summary, ranks)
+        lines.append(closing_line(summary))
+    print()
+    for line in lines:
+        print(line)
+    results["lines"] = lines
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"wrote {args.out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
