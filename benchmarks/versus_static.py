@@ -18,9 +18,10 @@ this machine for ``torch.cuda.max_memory_allocated``: activations, temporaries a
 The per-rank budget is ``--headroom`` above the largest calm micro-batch's peak without any
 activation option (keep everything). bagualu2's own budget is on the activation bytes it holds
 for backward; the forward's working set (temporaries, and tensors it released that the forward
-still reads) comes on top. So ``adaptive`` gets the budget less a reserve, tuned on the same
-probes the static configurations are tuned on (below), as ``budget="auto"`` leaves
-``reserve_bytes``; it is judged by the meter like everything else.
+still reads) and the gradients come on top. So ``adaptive`` gets the budget less a reserve, as
+``budget="auto"`` leaves ``reserve_bytes``, tuned on the same probes the static configurations
+are tuned on (what keeping everything holds beyond the activations, raised by what adaptive still
+went over, until it does not); it is judged by the meter like everything else.
 
 For each engine the script:
 
@@ -290,10 +291,11 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, engine: str, out
     keep_probe = _peaks(keep, args, rank, trace, probes)
     row.update(calm_peak_bytes=calm_peak, budget_bytes=budget, probes=probes)
 
+    keep.close()
+
     # bagualu2's budget is on the activation bytes it holds for backward; the forward's working
-    # set (temporaries, and tensors it released that the forward still reads) comes on top. Like
-    # the static configurations, it is tuned on the probes: the reserve is the most the meter saw
-    # beyond bagualu2's ledger, found again under the budget it leads to.
+    # set (temporaries, and tensors it released that the forward still reads) and the gradients
+    # come on top. Like the static configurations, it is tuned on the probes (_reserve).
     reserve = _reserve(args, rank, trace, calm, probes, budget)
     row["adaptive_reserve_bytes"] = reserve
 
@@ -327,7 +329,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, engine: str, out
     # 3. The whole trace, interleaved: fastest survivor, adaptive, keep-all, full recompute.
     full = f"checkpoint blocks {','.join(map(str, range(args.layers)))}"
     contenders: Dict[str, Config] = {
-        "adaptive": _adaptive(args, budget - reserve),
+        "adaptive": _provisioned(args, "adaptive", max(1, budget - reserve)),
         "keep_all": Config("keep_all", functools.partial(_checkpointed(()), args)),
         "recompute_all": Config("recompute_all", functools.partial(grid[full], args)),
     }
@@ -369,28 +371,45 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, engine: str, out
             json.dump(gathered, f)
 
 
-def _adaptive(args: argparse.Namespace, budget: int) -> Config:
+def _provisioned(args: argparse.Namespace, policy: str, budget: Optional[int]) -> Config:
+    """The model under bagualu2 with ``policy`` and an activation ``budget``."""
+
     def build() -> Tuple[torch.nn.Module, Any]:
         model = _model(args)
-        prov = bagualu2.enable(model, budget=max(1, budget), policy="adaptive", min_bytes=0)
+        prov = bagualu2.enable(model, budget=budget, policy=policy, min_bytes=0)
         prov.runtime.reload_in_place = False  # backward copies offloads back, as on a device
         return model, prov
 
-    return Config("adaptive", build, static=False)
+    return Config(policy, build, static=False)
 
 
 def _reserve(args: argparse.Namespace, rank: int, trace: Trace, calm: Sequence[int], probes: Sequence[int],
-             budget: int, rounds: int = 2) -> int:
-    """The most that adaptive, run on the warm-up and the probes, held beyond its ledger, under
-    the budget less the reserve found by the round before (the first round: none)."""
+             budget: int, rounds: int = 3) -> int:
+    """What adaptive's activation budget leaves below the meter's budget, tuned on the probes:
+    first what keeping everything holds beyond bagualu2's ledger at its peak, then raised by
+    what adaptive still went over at the probes, for at most ``rounds`` rounds (each a fresh
+    run: warm-up, then the probes)."""
     reserve = 0
-    for _ in range(rounds):
-        tuned = _adaptive(args, budget - reserve).ready()
-        for i in list(calm) + list(probes):
+    for attempt in range(rounds + 1):
+        tuned = _provisioned(args, "adaptive", max(1, budget - reserve)) if attempt \
+            else _provisioned(args, "keep_all", None)
+        tuned.ready()
+        for i in calm:
+            tuned.step(args, rank, trace, i)
+        over = 0
+        for i in probes:
             with AllocationMeter(tuned.prov.runtime.ledger) as meter:
                 tuned.step(args, rank, trace, i)
-            reserve = max(reserve, meter.beyond_ledger)
+            if attempt:
+                over = max(over, meter.peak - budget)
+            else:  # keeping everything: the meter's peak beyond the ledger's own
+                over = max(over, meter.peak - tuned.prov.telemetry.micro_batches[-1].peak_bytes)
         tuned.close()
+        over_t = torch.tensor([max(0, over)])
+        dist.all_reduce(over_t, op=dist.ReduceOp.MAX)  # every rank runs the same number of rounds
+        if attempt and over_t.item() == 0:
+            break
+        reserve += max(0, over)
     return reserve
 
 
