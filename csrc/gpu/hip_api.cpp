@@ -3,10 +3,10 @@
 // HIP's runtime API has cudart's semantics (a current device per thread, streams and events
 // bound to it), so the adapters are one-line renames. bind() switches the thread's device only
 // when it differs and returns the one it found; restore() switches back only then, so a
-// thread's device changes for the span of a DeviceGuard and no longer. HIP reports a current
-// device (0) on a thread that never chose one; restoring that is a hipSetDevice(0) on such a
-// thread, which the HIP runtime (every device initialised at hipInit) makes without creating
-// anything. The library is looked for first among
+// thread's device changes for the span of a DeviceGuard and no longer. HIP has no "none": it
+// reports device 0 on a thread that never chose one, so restoring that selects device 0 again,
+// as HIP had it (unlike the CUDA driver, HIP selects a device without creating a context for
+// it; not yet checked on a device). The library is looked for first among
 // those already in the process (a ROCm build of torch loads its own copy, and a second HIP
 // runtime in one process would not share its streams), then by the usual names, then under
 // $ROCM_PATH and /opt/rocm (ROCm does not always register itself with the loader).
