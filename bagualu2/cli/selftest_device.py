@@ -186,7 +186,7 @@ def take_device_memory(device: torch.device, leave: int) -> Optional[torch.Tenso
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)
     take = free - leave
-    if take <= 0:
+    if leave < 0 or take <= 0:
         return None
     return torch.empty(take, dtype=torch.uint8, device=device)
 
