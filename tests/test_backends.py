@@ -169,3 +169,39 @@ def test_engine_streams_follow_torchs_device() -> None:
     assert engine.device == torch.device("cuda", dev)
     with pytest.raises(ValueError, match="out of range"):
         _C.CopyEngine(_C.HostArena(MiB, engine.backend), engine.backend, torch.cuda.device_count())
+
+
+@pytest.mark.cuda_only
+def test_a_tensor_recorded_on_a_dead_engines_stream_is_freed_safely() -> None:
+    """The copy streams outlive the engine: torch's allocator records an event on them when a
+    tensor recorded there is freed, inside a storage deleter, where an error aborts the process
+    (a fresh process, so an abort fails this test instead of the run)."""
+    code = """
+import gc, torch
+from bagualu2.offload import CopyEngine, HostArena
+engine = CopyEngine(HostArena(64 << 20, "auto"))
+t = torch.ones(8 << 20, device="cuda")
+back = engine.reload_async(engine.offload(t))
+del engine
+gc.collect()
+del t, back
+torch.cuda.synchronize()
+x = torch.ones(8 << 20, device="cuda")
+print("freed", float(x.sum()))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "freed" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.cuda_only
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_tensor_on_another_device_is_refused_naming_the_engine_to_use() -> None:
+    engine = CopyEngine(HostArena(MiB, "auto", device=0), device=0)
+    other = torch.ones(1024, device="cuda:1")
+    with pytest.raises(ValueError, match="device=1"):
+        engine.offload(other)
+    h = engine.offload(torch.ones(1024, device="cuda:0"))
+    with pytest.raises(ValueError, match="device=1"):
+        engine.reload(h, device="cuda:1")
+    with pytest.raises(ValueError, match="belongs to device 1"):
+        engine.offload(torch.ones(1024, device="cuda:0"), stream=torch.cuda.current_stream(1))

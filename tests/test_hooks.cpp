@@ -141,11 +141,17 @@ private:
 class Stream {
 public:
     Stream(const std::string& backend, int device)
-        : rt_(runtime(backend)), device_(device), stream_(rt_, device) {}
+        : rt_(runtime(backend)), device_(device < 0 ? rt_.get_device() : device),
+          stream_(rt_, device_) {
+        BAGUALU2_CHECK(device_ >= 0, "Stream: no device given and none current: pass device=");
+    }
 
     std::uintptr_t handle() const { return reinterpret_cast<std::uintptr_t>(stream_.get()); }
 
-    void synchronize() { rt_.stream_synchronize(stream_.get()); }
+    void synchronize() {
+        bagualu2::gpu::DeviceGuard guard(rt_, device_);
+        rt_.stream_synchronize(stream_.get());
+    }
 
     void copy(std::uintptr_t dst, std::uintptr_t src, std::int64_t nbytes) {
         BAGUALU2_CHECK(nbytes >= 0, "Stream.copy: nbytes must be >= 0, got ", nbytes);

@@ -17,7 +17,9 @@ def test_selftest_cpu_form_runs_every_row_and_writes_json_and_png(tmp_path, caps
     verdicts = {r["name"]: r["verdict"] for r in result["rows"]}
     assert rc == 0, result["failed"]
     assert verdicts == {"exact": "pass", "budget": "pass", "bandwidth": "info", "overlap": "not run",
-                        "oom": "not run", "growth": "pass", "device>0": "not run"}
+                        "oom-allocator": "not run", "oom-driver": "not run", "growth": "pass",
+                        "device>0": "not run"}
+    assert result["running"] is None  # the last write is the final one
     assert (out / "selftest.png").stat().st_size > 0
     assert result["form"] == "cpu"
     assert "device rows were not run" in capsys.readouterr().out
@@ -35,3 +37,13 @@ def test_selftest_environment_names_each_backend(tmp_path) -> None:
     env = environment(torch.device("cpu"))
     assert set(env["backend_status"]) == {"cpu", "cuda", "hip"}
     assert "cpu: usable" in env["backend_status_line"]
+
+
+def test_device_rows_copy_64_mib_and_up_and_nvml_answers_or_says_it_cannot() -> None:
+    from bagualu2.cli.selftest_device import _nvml_context_pids, _sizes
+
+    assert _sizes(None) == [64 << 20, 256 << 20, 1 << 30]
+    assert _sizes("128M") == [64 << 20]
+    assert _sizes("16M") == [64 << 20]  # never below 64 MiB: smaller copies measure overhead
+    pids = _nvml_context_pids("GPU-00000000-0000-0000-0000-000000000000")
+    assert pids is None or pids == []  # no GPU has that uuid

@@ -9,16 +9,22 @@ writes ``selftest.json`` and ``selftest.png`` under ``--out``:
   budget       peak activation memory, measured independently of bagualu2's ledger
                (torch.cuda.max_memory_allocated over each forward), stays within the budget
                through routing spikes where keep_all goes over it
-  bandwidth    offload (D2H) and reload (H2D), 1 MiB to 1 GiB, against pinned torch copies
-               (Tensor.copy_(non_blocking=True) into pinned memory: cudaMemcpyAsync /
-               hipMemcpyAsync) in the same run (`bagualu2 bench offload`); target 95%
-  overlap      offloads and reloads on the engine's streams while the compute stream runs: a
-               step with copies against the same step without, and events on both streams
-  oom          a real device out-of-memory under torch.cuda.set_per_process_memory_fraction,
-               caught by the safety net, the micro-batch rerun, results exact
+  bandwidth    offload (D2H) and reload (H2D), 64 MiB to 1 GiB, per-copy GPU event times
+               against pinned torch copies (Tensor.copy_(non_blocking=True) into pinned
+               memory) in the same run; target 95% (the CPU form: `bagualu2 bench offload`'s
+               wall-clock table, no target)
+  overlap      offloads and reloads on the engine's streams beside matmuls sized to the same
+               GPU time; their event intervals must overlap by half the shorter phase
+  oom-allocator  the caching allocator's limit (torch.cuda.set_per_process_memory_fraction)
+               between recompute_all's and keep_all's needs: the safety net reruns, exact
+  oom-driver   the same limit with the rest of the device taken, so cudaMalloc itself fails
   growth       no growth of device memory, pinned memory or the arena over 200 micro-batches
-  device>0     a device index other than 0, when more than one is present
+  device>0     a fresh process that sets the last device first: exact, and (NVML) no context
+               on GPU 0; when more than one device is present
 
+The device rows are in bagualu2/cli/selftest_device.py. selftest.json is written before each
+row (with the row in progress named) and after it, so a row that aborts the process leaves
+the rows before it on disk.
 Without an accelerator it runs its CPU form end to end (the cpu backend, the provisioner's
 ledger instead of device counters, a smaller model) and marks the device rows "not run".
 Exit status: 0 when no row failed, 1 otherwise.
@@ -228,15 +234,31 @@ def check_budget(bench: _Bench, gpu: bool) -> Row:
 
 
 def check_bandwidth(out: Path, gpu: bool, max_copy: Optional[str]) -> Row:
+    if gpu:
+        from bagualu2.cli.selftest_device import measure_bandwidth
+
+        data = measure_bandwidth(torch.device("cuda", torch.cuda.current_device()), max_copy)
+        table = data["rows"]
+    else:
+        data, table = _cpu_bandwidth(out, max_copy)
+    worst = min(table, key=lambda t: t["ratio"])
+    line = (f"engine / pinned torch copy >= {worst['ratio']:.2f} at {table[0]['bytes'] // MiB} MiB+ "
+            f"(worst: {worst['direction']} {worst['bytes'] // MiB} MiB, {worst['engine_GBps']:.1f} "
+            f"vs {worst['torch_pinned_GBps']:.1f} GB/s)")
+    if not gpu:
+        return Row("bandwidth", INFO, line + "; cpu: worker-thread copies, no DMA, no target", data)
+    ok = worst["ratio"] >= data["target_ratio"] and all(t["exact"] for t in table)
+    return Row("bandwidth", PASS if ok else FAIL, line + f" ({data['timing']})", data)
+
+
+def _cpu_bandwidth(out: Path, max_copy: Optional[str]) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
     from bagualu2.cli import bench
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    top = max_copy or ("1G" if gpu else "16M")
-    argv = ["--min-size", "1M", "--max-size", top, "--step", "4", "--quiet", "--no-plot",
-            "--backend", "auto", "--out", str(out / "bandwidth")]
-    argv += (["--min-time", "0.05", "--passes", "2"] if gpu else
-             ["--min-time", "0.005", "--min-iters", "2", "--max-iters", "8", "--passes", "1"])
+    argv = ["--min-size", "1M", "--max-size", max_copy or "16M", "--step", "4", "--quiet",
+            "--no-plot", "--backend", "auto", "--out", str(out / "bandwidth"), "--min-time", "0.005",
+            "--min-iters", "2", "--max-iters", "8", "--passes", "1"]
     bench.run(parser.parse_args(argv))
     result = json.loads((out / "bandwidth.json").read_text())
     table = []
@@ -245,87 +267,33 @@ def check_bandwidth(out: Path, gpu: bool, max_copy: Optional[str]) -> Row:
             eng, ref = r[d]["engine"]["GBps"], r[d]["torch_pinned"]["GBps"]
             table.append({"bytes": r["bytes"], "direction": d, "engine_GBps": eng,
                           "torch_pinned_GBps": ref, "ratio": eng / ref})
-    judged = [t for t in table if t["bytes"] >= 16 * MiB] or table
-    worst = min(judged, key=lambda t: t["ratio"])
-    line = (f"engine / pinned torch copy >= {worst['ratio']:.2f} at 16 MiB+ (worst: "
-            f"{worst['direction']} {worst['bytes'] // MiB} MiB, {worst['engine_GBps']:.1f} vs "
-            f"{worst['torch_pinned_GBps']:.1f} GB/s)")
-    data = {"rows": table, "target_ratio": 0.95}
-    if not gpu:
-        return Row("bandwidth", INFO, line + "; cpu: worker-thread copies, no DMA, no target", data)
-    return Row("bandwidth", PASS if worst["ratio"] >= 0.95 else FAIL, line, data)
+    return {"rows": table, "timing": "wall clock"}, table
 
 
 def check_overlap(device: torch.device) -> Row:
-    """Copies on the engine's streams beside compute on torch's: time of a step with copies
-    against compute alone and copies alone, and the events recorded on both streams."""
-    from bagualu2.offload import CopyEngine, HostArena
+    from bagualu2.cli.selftest_device import check_overlap as measure
 
-    n, count = 64 * MiB, 8
-    arena = HostArena(2 * n * count + 16 * MiB, "auto")
-    engine = CopyEngine(arena)
-    srcs = [torch.full((n,), i, dtype=torch.uint8, device=device) for i in range(count)]
-    back = [engine.offload(t) for t in srcs[: count // 2]]
-    a = torch.randn(4096, 4096, device=device)
-    compute = torch.cuda.current_stream(device)
-    d2h = engine.d2h_stream
-    events = {k: torch.cuda.Event(enable_timing=True) for k in ("c0", "c1", "x0", "x1")}
-
-    def copies() -> List:
-        handles = [engine.offload(t) for t in srcs[count // 2:]]
-        reloads = [engine.reload_async(h) for h in back]
-        return handles + reloads
-
-    def matmuls() -> None:
-        x = a
-        for _ in range(40):
-            x = torch.mm(x, a).div_(64.0)
-
-    def timed(fn: Callable[[], Any]) -> float:
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        keep = fn()
-        engine.synchronize()
-        torch.cuda.synchronize(device)
-        del keep
-        return time.perf_counter() - start
-
-    for h in back:
-        h.wait()
-    timed(matmuls), timed(copies)  # warm-up: kernels, streams, arena blocks
-    t_compute = min(timed(matmuls) for _ in range(3))
-    t_copies = min(timed(copies) for _ in range(3))
-
-    def both() -> List:
-        events["x0"].record(d2h)
-        handles = copies()  # enqueued first: they wait only for what compute queued before
-        events["x1"].record(d2h)
-        events["c0"].record(compute)
-        matmuls()
-        events["c1"].record(compute)
-        return handles
-
-    t_both = min(timed(both) for _ in range(3))
-    hidden = (t_compute + t_copies - t_both) / min(t_compute, t_copies)
-    c0_to_x1 = events["c0"].elapsed_time(events["x1"])  # > 0: copies still running after compute began
-    x0_to_c1 = events["x0"].elapsed_time(events["c1"])
-    data = {"compute_s": t_compute, "copies_s": t_copies, "both_s": t_both,
-            "hidden_fraction": hidden, "copy_end_after_compute_start_ms": c0_to_x1,
-            "compute_end_after_copy_start_ms": x0_to_c1, "bytes_each_way": n * count // 2}
-    for h in back:
-        h.release()
-    line = (f"step {t_both * 1e3:.1f} ms with copies vs {t_compute * 1e3:.1f} compute + "
-            f"{t_copies * 1e3:.1f} copies alone: {hidden:.0%} of the shorter hidden; events "
-            f"overlap by {min(c0_to_x1, x0_to_c1):.1f} ms")
-    ok = hidden >= 0.5 and c0_to_x1 > 0 and x0_to_c1 > 0
+    ok, line, data = measure(device)
     return Row("overlap", PASS if ok else FAIL, line, data)
 
 
-def check_oom(bench: _Bench) -> Row:
+def check_other_device(seed: int) -> Row:
+    from bagualu2.cli.selftest_device import check_other_device as probe
+
+    ok, line, data = probe(seed)
+    return Row("device>0", PASS if ok else FAIL, line, data)
+
+
+def check_oom(bench: _Bench, driver: bool) -> Row:
     """A memory limit between what recompute_all needs and what keep_all's forward needs: the
-    all-keep attempt hits a real device OOM, the safety net reruns the micro-batch releasing
-    what it can, and the result is exact."""
+    all-keep attempt runs out of memory, the safety net reruns the micro-batch releasing what it
+    can, and the result is exact. The limit is the caching allocator's (driver=False:
+    set_per_process_memory_fraction), or the device's own (driver=True: one tensor takes the
+    rest, so cudaMalloc fails in the driver)."""
     import bagualu2
+    from bagualu2.cli.selftest_device import take_device_memory
+
+    name = "oom-driver" if driver else "oom-allocator"
 
     device = bench.device
     deterministic = torch.are_deterministic_algorithms_enabled()
@@ -355,7 +323,7 @@ def check_oom(bench: _Bench) -> Row:
         need = max(rc_fwd, rc_bwd)
         data = {"keep_all_forward_reserved": keep_fwd, "recompute_all_reserved": need}
         if need >= keep_fwd * 0.95:
-            return Row("oom", FAIL, f"no limit separates recompute_all ({need / MiB:.0f} MiB) from "
+            return Row(name, FAIL, f"no limit separates recompute_all ({need / MiB:.0f} MiB) from "
                                     f"keep_all's forward ({keep_fwd / MiB:.0f} MiB) on this model", data)
         limit = (need + keep_fwd) // 2
         total = torch.cuda.get_device_properties(device).total_memory
@@ -363,20 +331,29 @@ def check_oom(bench: _Bench) -> Row:
         prov = bagualu2.enable(model, budget=None, policy="adaptive", min_bytes=0)
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-        torch.cuda.set_per_process_memory_fraction(limit / total, device)
+        blocker = None
+        if driver:
+            blocker = take_device_memory(device, limit - torch.cuda.memory_reserved(device))
+            if blocker is None:
+                return Row(name, FAIL, f"less than {limit / MiB:.0f} MiB free on the device", data)
+        else:
+            torch.cuda.set_per_process_memory_fraction(limit / total, device)
         try:
             got = bench.step(model, 0, 2.6)
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0, device)
+            del blocker
+            torch.cuda.empty_cache()
         report = prov.report()
         prov.disable()
     finally:
         torch.use_deterministic_algorithms(deterministic)
     data.update(limit_bytes=limit, oom_recoveries=report["oom_recoveries"])
     exact = _same(ref, got)
-    line = (f"limit {limit / MiB:.0f} MiB (keep_all forward needs {keep_fwd / MiB:.0f}): "
-            f"{report['oom_recoveries']} OOM caught and rerun, {'exact' if exact else 'NOT exact'}")
-    return Row("oom", PASS if exact and report["oom_recoveries"] >= 1 else FAIL, line, data)
+    line = (f"{'device' if driver else 'allocator'} limit {limit / MiB:.0f} MiB (keep_all forward "
+            f"needs {keep_fwd / MiB:.0f}): {report['oom_recoveries']} OOM caught and rerun, "
+            f"{'exact' if exact else 'NOT exact'}")
+    return Row(name, PASS if exact and report["oom_recoveries"] >= 1 else FAIL, line, data)
 
 
 def check_growth(bench: _Bench, gpu: bool, micro_batches: int) -> Row:
@@ -418,39 +395,8 @@ def check_growth(bench: _Bench, gpu: bool, micro_batches: int) -> Row:
                                f"warm-up; arena in use back to 0", data)
 
 
-def check_other_device(seed: int) -> Row:
-    """Exactness and a copy-engine round trip on the last device, with device 0 current."""
-    import bagualu2
-    from bagualu2.offload import CopyEngine, HostArena
-
-    index = torch.cuda.device_count() - 1
-    dev = torch.device("cuda", index)
-    bench = _Bench(dev, True, seed, (4, 64))
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        ref = bench.step(bench.fresh(), 0, 2.6)
-        model = bench.fresh()
-        prov = bagualu2.enable(model, budget=None, policy="offload_all", min_bytes=0)
-        with torch.cuda.device(0):  # the current device is another one: offloads must follow dev
-            got = bench.step(model, 0, 2.6)
-        prov.disable()
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
-    engine = CopyEngine(HostArena(8 * MiB, "auto"), device=index)
-    t = torch.arange(1 << 20, device=dev, dtype=torch.int32)
-    with torch.cuda.device(dev):
-        back = engine.reload(engine.offload(t))
-    torch.cuda.synchronize(dev)
-    ok = _same(ref, got) and back.device == dev and torch.equal(back, t)
-    return Row("device>0", PASS if ok else FAIL,
-               f"cuda:{index}: offload_all {'exact' if _same(ref, got) else 'NOT exact'}, engine "
-               f"round trip {'exact' if torch.equal(back, t) else 'wrong'}", {"device": index})
-
-
 # -- the command ---------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
-    import bagualu2
     from bagualu2.offload import torch_gpu_backend
 
     gpu = torch_gpu_backend() is not None and not args.cpu
@@ -472,7 +418,10 @@ def run(args: argparse.Namespace) -> int:
         ("budget", lambda: check_budget(bench, gpu)),
         ("bandwidth", lambda: check_bandwidth(args.out, gpu, args.max_copy)),
         ("overlap", (lambda: check_overlap(device)) if gpu else None),
-        ("oom", (lambda: check_oom(_Bench(device, True, args.seed, (32, 128)))) if gpu else None),
+        ("oom-allocator", (lambda: check_oom(_Bench(device, True, args.seed, (32, 128)), False))
+         if gpu else None),
+        ("oom-driver", (lambda: check_oom(_Bench(device, True, args.seed, (32, 128)), True))
+         if gpu else None),
         ("growth", lambda: check_growth(bench, gpu, args.micro_batches)),
         ("device>0", (lambda: check_other_device(args.seed))
          if gpu and torch.cuda.device_count() > 1 else None),
@@ -482,6 +431,7 @@ def run(args: argparse.Namespace) -> int:
             why = "no accelerator: device row" if not gpu else "one device only"
             rows.append(Row(name, NOT_RUN, why))
             continue
+        _write_json(args.out, env, gpu, rows, running=name)  # on disk if this row aborts
         start = time.perf_counter()
         try:
             row = fn()
@@ -491,16 +441,27 @@ def run(args: argparse.Namespace) -> int:
         rows.append(row)
         print(f"  {row.name:<10} {row.verdict:<8} {row.seconds:6.1f}s  {row.detail}", flush=True)
     _print_table(rows)
-    failed = [r.name for r in rows if r.verdict == FAIL]
-    out = {"environment": env, "form": "device" if gpu else "cpu", "rows": [asdict(r) for r in rows],
-           "failed": failed, "version": bagualu2.__version__}
-    (args.out / "selftest.json").write_text(json.dumps(out, indent=2, default=str))
+    failed = _write_json(args.out, env, gpu, rows, running=None)
     png = _plot(rows, args.out / "selftest.png")
     print(f"wrote {args.out / 'selftest.json'} and {png}")
     if not gpu:
         print("device rows were not run: no accelerator torch can use "
               f"({env['backend_status_line']})")
     return 1 if failed else 0
+
+
+def _write_json(out: Path, env: Dict[str, Any], gpu: bool, rows: List[Row],
+                running: Optional[str]) -> List[str]:
+    """selftest.json with the rows so far (and the one running, if any); the failed rows."""
+    import bagualu2
+
+    failed = [r.name for r in rows if r.verdict == FAIL]
+    doc = {"environment": env, "form": "device" if gpu else "cpu", "rows": [asdict(r) for r in rows],
+           "failed": failed, "running": running, "version": bagualu2.__version__}
+    tmp = out / "selftest.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=2, default=str))
+    tmp.replace(out / "selftest.json")
+    return failed
 
 
 def environment(device: torch.device) -> Dict[str, Any]:

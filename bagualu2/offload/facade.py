@@ -29,6 +29,16 @@ def _stream_handle(stream: Any) -> int:
     raise TypeError(f"stream must be an int handle or have .cuda_stream/.handle, got {type(stream)}")
 
 
+def _device_index(device: Union[int, str, torch.device, None]) -> int:
+    """The cuda device index of ``device`` (None: torch's current device)."""
+    if device is None:
+        return torch.cuda.current_device()
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"a gpu backend needs a cuda device, got {dev}")
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
 def _positive_bytes(name: str, value: Any) -> int:
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got bool")
@@ -46,11 +56,16 @@ class HostArena:
     large as the arena so far, until ``max_capacity`` is reached; ``reserve`` grows it ahead of
     need. Segments are kept until the arena dies. ``allocate``/``free`` are the raw block
     interface (addresses as ints); tensors go through :class:`CopyEngine`.
+
+    The memory is portable: engines of every device copy through it. On a gpu backend it is
+    reserved and freed in the context of ``device`` (default: torch's current device), a device
+    the process already uses, never device 0 by default.
     """
 
     __slots__ = ("_impl", "__weakref__")
 
-    def __init__(self, capacity_bytes: int, backend: str = "cpu", max_capacity: Optional[int] = None) -> None:
+    def __init__(self, capacity_bytes: int, backend: str = "cpu", max_capacity: Optional[int] = None,
+                 device: Union[int, str, torch.device, None] = None) -> None:
         capacity_bytes = _positive_bytes("capacity_bytes", capacity_bytes)
         if max_capacity is None:
             max_capacity = 0
@@ -59,7 +74,9 @@ class HostArena:
             if max_capacity < capacity_bytes:
                 raise ValueError(f"max_capacity={max_capacity} is below capacity_bytes={capacity_bytes}: "
                                  f"pass at least capacity_bytes, or None for an arena that does not grow")
-        self._impl = _C.HostArena(capacity_bytes, resolve_backend(backend), max_capacity)
+        backend = resolve_backend(backend)
+        index = _device_index(device) if backend != "cpu" else -1
+        self._impl = _C.HostArena(capacity_bytes, backend, max_capacity, index)
 
     @property
     def capacity(self) -> int:
@@ -179,14 +196,15 @@ class OffloadHandle:
 class ReloadHandle:
     """A reload in flight; ``wait()`` returns the tensor, ready for the current stream."""
 
-    __slots__ = ("_engine", "_ticket", "_result", "_staging")
+    __slots__ = ("_engine", "_ticket", "_result", "_staging", "_allocated_on")
 
     def __init__(self, engine: "CopyEngine", ticket: Any, result: torch.Tensor,
-                 staging: Optional[torch.Tensor]) -> None:
+                 staging: Optional[torch.Tensor], allocated_on: Any) -> None:
         self._engine = engine
         self._ticket = ticket
         self._result = result
         self._staging = staging
+        self._allocated_on = allocated_on  # the torch stream the destination belongs to (gpu)
 
     def done(self) -> bool:
         """Whether the reload copy completed."""
@@ -201,13 +219,19 @@ class ReloadHandle:
 
     def wait(self, stream: Any = None) -> torch.Tensor:
         """Make the consumer (``stream`` or the current stream; on cpu the calling thread) wait
-        for the copy and return the reloaded tensor."""
+        for the copy and return the reloaded tensor. A consumer stream other than the one the
+        tensor was allocated on is recorded on it (``record_stream``), so the caching allocator
+        does not reuse its memory before the consumer's work ends."""
         result = self._result
         if result is None:
             raise ValueError("ReloadHandle.wait() called twice: the tensor was already returned")
-        self._engine._consume(self._ticket, result, stream)
+        consumer = self._engine._consume(self._ticket, result, stream)
+        if consumer is not None and consumer.cuda_stream != self._allocated_on.cuda_stream:
+            result.record_stream(consumer)
+            if self._staging is not None:
+                self._staging.record_stream(consumer)
         if self._staging is not None:
-            result.copy_(self._staging)
+            self._engine._unstage(self._staging, result, consumer)
             self._staging = None
         self._result = None
         return result
@@ -237,12 +261,7 @@ class CopyEngine:
         self._gpu = backend != "cpu"
         index = -1
         if self._gpu:
-            dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-            if isinstance(device, int):
-                dev = torch.device("cuda", device)
-            if dev.type != "cuda":
-                raise ValueError(f"backend {backend!r} needs a cuda device, got {dev}")
-            index = dev.index if dev.index is not None else torch.cuda.current_device()
+            index = _device_index(device)
             self.device = torch.device("cuda", index)
         else:
             if device is not None and torch.device(device).type != "cpu":
@@ -278,6 +297,8 @@ class CopyEngine:
         on_device = t.is_cuda
         if on_device and not self._gpu:
             raise ValueError(f"the cpu backend cannot copy a tensor on {t.device}")
+        if on_device:
+            self._check_device(t.device, "offload of a tensor")
         if t.is_contiguous():
             src = t
             mode = _SPAN
@@ -320,7 +341,7 @@ class CopyEngine:
         if not result.is_cuda:
             ticket.wait()  # a host consumer is the calling thread
         if staging is not None:
-            result.copy_(staging)
+            self._unstage(staging, result, consumer)
         return result
 
     def reload_async(self, h: OffloadHandle, out: Optional[torch.Tensor] = None,
@@ -328,13 +349,13 @@ class CopyEngine:
                      stream: Any = None) -> ReloadHandle:
         """Start copying ``h``'s bytes back (prefetch); ``wait()`` on the result hands the
         tensor to the consumer."""
-        ticket, result, staging, _ = self._start_reload(h, out, device, stream, waits=False)
+        ticket, result, staging, consumer = self._start_reload(h, out, device, stream, waits=False)
         target = staging if staging is not None else result
         if target.is_cuda:
             target.record_stream(self._h2d)  # the allocator may not reuse it before the copy ends
         elif ticket.nbytes:
             self._inflight.append((ticket, target))  # freeing it mid-copy would corrupt the heap
-        return ReloadHandle(self, ticket, result, staging)
+        return ReloadHandle(self, ticket, result, staging, consumer)
 
     def _start_reload(self, h, out, device, stream, waits):
         if not isinstance(h, OffloadHandle):
@@ -348,6 +369,9 @@ class CopyEngine:
         dev = h.device if device is None else torch.device(device)
         if dev.type == "cuda" and not self._gpu:
             raise ValueError(f"the cpu backend cannot reload into {dev}")
+        if dev.type == "cuda":
+            dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+            self._check_device(dev, "reload into")
         staging = None
         if out is not None:
             if not isinstance(out, torch.Tensor):
@@ -356,33 +380,66 @@ class CopyEngine:
                 raise ValueError("reload out= must be contiguous: it receives the raw payload bytes")
             if out.is_cuda and not self._gpu:
                 raise ValueError(f"the cpu backend cannot reload into {out.device}")
+            if out.is_cuda:
+                self._check_device(out.device, "reload into out= on")
             cap = out.numel() * out.element_size()
             if cap < h.nbytes:
                 raise ValueError(f"reload destination too small: out holds {cap} bytes, "
                                  f"the handle has {h.nbytes} bytes")
             result = dst = out
-        elif h._mode == _SPAN:
-            result = dst = torch.empty_strided(h.shape, h.stride, dtype=h.dtype, device=dev)
+        target_device = out.device if out is not None else dev
+        # The consumer: a torch stream on the destination's device (None for a host consumer).
+        consumer = self._consumer_stream(stream, target_device) if target_device.type == "cuda" else None
+        if out is None:
+            # Allocated on the consumer stream, which the copy orders itself against.
+            with torch.cuda.stream(consumer):  # None (a host consumer): no-op
+                if h._mode == _SPAN:
+                    result = dst = torch.empty_strided(h.shape, h.stride, dtype=h.dtype, device=dev)
+                else:
+                    staging = dst = torch.empty(h.shape, dtype=h.dtype, device=dev)
+                    result = torch.empty_strided(h.shape, h.stride, dtype=h.dtype, device=dev)
             cap = h.nbytes
-        else:
-            staging = dst = torch.empty(h.shape, dtype=h.dtype, device=dev)
-            result = torch.empty_strided(h.shape, h.stride, dtype=h.dtype, device=dev)
-            cap = h.nbytes
-        if stream is None:
-            consumer = torch.cuda.current_stream(dst.device).cuda_stream if dst.is_cuda else 0
-        else:
-            consumer = _stream_handle(stream)
-        ticket = self._impl.reload(h._ticket, dst.data_ptr() if h.nbytes else 0, cap, consumer, waits)
+        handle = consumer.cuda_stream if consumer is not None else _stream_handle(stream)
+        ticket = self._impl.reload(h._ticket, dst.data_ptr() if h.nbytes else 0, cap, handle, waits)
         return ticket, result, staging, consumer
 
-    def _consume(self, ticket: Any, result: torch.Tensor, stream: Any) -> None:
+    def _check_device(self, device: torch.device, what: str) -> None:
+        # torch's stream handle 0 means every device's default stream, and the engine's copies
+        # order against its own device's streams only: another device's tensor would be copied
+        # without waiting for its producer, or handed to a consumer that does not wait.
+        if device != self.device:
+            raise ValueError(f"{what} {device} on the CopyEngine of {self.device}: use an engine "
+                             f"(and its arena) created with device={device.index}")
+
+    def _consumer_stream(self, stream: Any, device: torch.device):
+        """The torch stream a gpu consumer reads on: ``stream`` (a torch stream, or a raw handle
+        of ``device``) or the current stream of ``device``."""
+        if stream is None:
+            return torch.cuda.current_stream(device)
+        if isinstance(stream, torch.cuda.Stream):
+            if stream.device != device:
+                raise ValueError(f"consumer stream on {stream.device}, destination on {device}")
+            return stream
+        handle = _stream_handle(stream)
+        if handle == 0:
+            return torch.cuda.default_stream(device)
+        return torch.cuda.ExternalStream(handle, device=device)
+
+    def _consume(self, ticket: Any, result: torch.Tensor, stream: Any):
+        """Makes the consumer wait for the copy; returns its torch stream (None on the host)."""
         if result.is_cuda:
-            handle = torch.cuda.current_stream(result.device).cuda_stream if stream is None \
-                else _stream_handle(stream)
-            self._impl.wait_on(ticket, handle)
-        else:
-            ticket.wait()
-            self.prune()
+            consumer = self._consumer_stream(stream, result.device)
+            self._impl.wait_on(ticket, consumer.cuda_stream)
+            return consumer
+        ticket.wait()
+        self.prune()
+        return None
+
+    @staticmethod
+    def _unstage(staging: torch.Tensor, result: torch.Tensor, consumer: Any) -> None:
+        # The strided rebuild runs on the consumer stream, the one that waited for the copy.
+        with torch.cuda.stream(consumer):  # None (a host consumer): no-op
+            result.copy_(staging)
 
     # -- housekeeping --------------------------------------------------------------------------
     def prune(self) -> None:

@@ -2,9 +2,14 @@
 // the vendor headers. Built only where a toolkit is present (BAGUALU2_CHECK_ABI, on in CI); the
 // object is never linked: compiling it is the test.
 //
+// CUDA entries come from the one table the loader uses (cuda_abi.h), and each is checked twice:
+// its prototype, and that the symbol <cuda.h> maps its name to is one the loader looks up
+// (cuStreamDestroy and cuStreamDestroy_v2 share a prototype, so only the name tells them apart).
+//
 // Two prototypes match when they agree after erasing what the C ABI does not see: opaque
 // handle pointers (CUstream, hipEvent_t, ...) become void*, pointers to them void**, enums
 // their signed underlying integer. Arithmetic types and pointers to them must match exactly.
+#include <initializer_list>
 #include <type_traits>
 
 #if defined(BAGUALU2_CHECK_CUDA_ABI)
@@ -67,35 +72,42 @@ constexpr bool same_abi = std::is_same_v<erase_t<Vendor>, erase_t<Ours>>;
 #if defined(BAGUALU2_CHECK_CUDA_ABI)
 namespace cu = bagualu2::gpu::cuda_abi;
 static_assert(CUDA_SUCCESS == cu::kSuccess && CUDA_ERROR_NOT_READY == cu::kErrorNotReady);
+static_assert(CUDA_ERROR_INVALID_HANDLE == cu::kErrorInvalidHandle);
 static_assert(CU_STREAM_NON_BLOCKING == cu::kStreamNonBlocking);
 static_assert(CU_EVENT_DEFAULT == cu::kEventDefault && CU_EVENT_DISABLE_TIMING == cu::kEventDisableTiming);
 static_assert(CU_MEMHOSTALLOC_PORTABLE == cu::kMemHostAllocPortable);
 static_assert(std::is_same_v<CUdeviceptr, cu::DevicePtr> && std::is_same_v<CUdevice, cu::Device>);
 static_assert(sizeof(CUresult) == sizeof(cu::Result));
-BAGUALU2_SAME_ABI(::cuInit, cu::InitFn);
-BAGUALU2_SAME_ABI(::cuDriverGetVersion, cu::DriverGetVersionFn);
-BAGUALU2_SAME_ABI(::cuDeviceGetCount, cu::DeviceGetCountFn);
-BAGUALU2_SAME_ABI(::cuDeviceGet, cu::DeviceGetFn);
-BAGUALU2_SAME_ABI(::cuDevicePrimaryCtxRetain, cu::PrimaryCtxRetainFn);
-BAGUALU2_SAME_ABI(::cuCtxGetCurrent, cu::CtxGetCurrentFn);
-BAGUALU2_SAME_ABI(::cuCtxSetCurrent, cu::CtxSetCurrentFn);
-BAGUALU2_SAME_ABI(::cuCtxGetDevice, cu::CtxGetDeviceFn);
-BAGUALU2_SAME_ABI(::cuMemHostAlloc, cu::MemHostAllocFn);
-BAGUALU2_SAME_ABI(::cuMemFreeHost, cu::MemFreeHostFn);
-BAGUALU2_SAME_ABI(::cuStreamCreate, cu::StreamCreateFn);
-BAGUALU2_SAME_ABI(::cuStreamDestroy_v2, cu::StreamDestroyFn);
-BAGUALU2_SAME_ABI(::cuStreamSynchronize, cu::StreamSynchronizeFn);
-BAGUALU2_SAME_ABI(::cuStreamWaitEvent, cu::StreamWaitEventFn);
-BAGUALU2_SAME_ABI(::cuEventCreate, cu::EventCreateFn);
-BAGUALU2_SAME_ABI(::cuEventDestroy_v2, cu::EventDestroyFn);
-BAGUALU2_SAME_ABI(::cuEventRecord, cu::EventRecordFn);
-BAGUALU2_SAME_ABI(::cuEventQuery, cu::EventQueryFn);
-BAGUALU2_SAME_ABI(::cuEventSynchronize, cu::EventSynchronizeFn);
-BAGUALU2_SAME_ABI(::cuEventElapsedTime, cu::EventElapsedTimeFn);
-BAGUALU2_SAME_ABI(::cuMemcpyAsync, cu::MemcpyAsyncFn);
-BAGUALU2_SAME_ABI(::cuLaunchHostFunc, cu::LaunchHostFuncFn);
-BAGUALU2_SAME_ABI(::cuGetErrorString, cu::GetErrorStringFn);
-BAGUALU2_SAME_ABI(::cuGetErrorName, cu::GetErrorNameFn);
+
+namespace {
+constexpr bool same_name(const char* a, const char* b) {
+    while (*a != '\0' && *a == *b) {
+        ++a;
+        ++b;
+    }
+    return *a == *b;
+}
+// Whether `mapped` (the symbol <cuda.h> makes of a name) is one of the names looked up.
+constexpr bool looked_up(const char* mapped, std::initializer_list<const char*> names) {
+    for (const char* name : names) {
+        if (same_name(mapped, name)) {
+            return true;
+        }
+    }
+    return false;
+}
+}  // namespace
+
+// `api` arrives macro-expanded: the symbol <cuda.h> maps the name to (cuStreamDestroy ->
+// cuStreamDestroy_v2); its prototype and its name are both checked.
+#define BAGUALU2_STRINGIFY(x) #x
+#define BAGUALU2_EXPANDED_NAME(x) BAGUALU2_STRINGIFY(x)
+#define BAGUALU2_CHECK_CUDA_ENTRY(api, Fn, field, ...)                                         \
+    BAGUALU2_SAME_ABI(::api, cu::Fn);                                                          \
+    static_assert(looked_up(BAGUALU2_EXPANDED_NAME(api), {__VA_ARGS__}),                       \
+                  "cuda.h maps an entry point to " BAGUALU2_EXPANDED_NAME(api)                 \
+                  ", a symbol cuda_api.cpp does not look up (cuda_abi.h: " #field ")");
+BAGUALU2_CUDA_ENTRY_POINTS(BAGUALU2_CHECK_CUDA_ENTRY)
 #endif
 
 #if defined(BAGUALU2_CHECK_HIP_ABI)

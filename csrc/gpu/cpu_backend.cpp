@@ -388,9 +388,11 @@ public:
     bool is_host() const override { return true; }
     int device_count() override { return 1; }
     int get_device() override { return 0; }
-    void set_device(int device) override {
+    std::uintptr_t bind(int device) override {
         BAGUALU2_CHECK(device == 0, "the cpu backend has one device (0), got ", device);
+        return 0;
     }
+    void restore(std::uintptr_t /*previous*/) override {}
 
     void* host_alloc(std::size_t bytes) override {
         BAGUALU2_CHECK(bytes > 0, "host_alloc of 0 bytes");
@@ -412,7 +414,7 @@ public:
     }
 
     void stream_destroy(Stream stream) override {
-        check_stream(stream);
+        check_stream(stream, 0);
         {
             std::lock_guard<std::mutex> lock(registry_mutex_);
             streams_.erase(stream);
@@ -420,7 +422,7 @@ public:
         delete static_cast<CpuStream*>(stream);
     }
 
-    void check_stream(Stream stream) override {
+    void check_stream(Stream stream, int /*device*/) override {
         if (stream == nullptr) {
             return;
         }

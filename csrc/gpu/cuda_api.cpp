@@ -2,15 +2,23 @@
 //
 // Why the driver API: libcuda.so.1 ships with the NVIDIA driver, so one build works beside any
 // torch CUDA build (cudart 11, 12 or 13) and needs no toolkit. Its handles are the runtime's
-// (torch's cudaStream_t is a CUstream). What differs from cudart is the current context:
-// the driver binds work to the calling thread's context, where cudart binds it to a current
-// device whose primary context it creates on first use. The adapters below keep cudart's
-// semantics, so bagualu2 and torch (cudart) share one context per device:
-//   * set_device(d) makes device d's primary context current (retained once per process, as
-//     cudart does, and never released: runtimes live as long as the process);
-//   * get_device() is the current context's device, or 0 when the thread has none yet;
-//   * every other call first binds device 0's primary context when the thread has none, as
-//     cudart's implicit initialisation would.
+// (torch's cudaStream_t is a CUstream). What differs from cudart is the current context: the
+// driver binds work to the calling thread's context. bagualu2 and torch (cudart) share one
+// context per device, the device's primary context, and bagualu2 never opens one the process
+// did not ask for:
+//   * bind(d) makes device d's primary context current and returns the raw context it found
+//     (null included); restore() sets exactly that back, so a thread that had no context has
+//     none afterwards. d's primary context is retained once per process, on the first bind of
+//     d, and never released (runtimes live as long as the process).
+//   * No other entry binds anything. There is no "device 0 by default": a call on a thread
+//     with no current context fails as the driver makes it fail. Callers bind the device of
+//     the object they act on (gpu::DeviceGuard), so finalizers that run on the garbage
+//     collector's thread, and torch's autograd threads, touch only the devices their objects
+//     live on. (cudart's implicit initialisation binds device 0's primary context: under
+//     torchrun every rank would hold a context on GPU 0.)
+//   * get_device() is the current context's device, or -1 when the thread has none.
+//   * stream_device() maps a stream's context (cuStreamGetCtx) to the device whose primary
+//     context it is; a handle of a context bagualu2 never bound reports -1.
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
@@ -28,30 +36,9 @@ using namespace cuda_abi;
 
 // The driver's entry points, resolved once by load().
 struct Driver {
-    InitFn init = nullptr;
-    DriverGetVersionFn driver_get_version = nullptr;
-    DeviceGetCountFn device_get_count = nullptr;
-    DeviceGetFn device_get = nullptr;
-    PrimaryCtxRetainFn primary_ctx_retain = nullptr;
-    CtxGetCurrentFn ctx_get_current = nullptr;
-    CtxSetCurrentFn ctx_set_current = nullptr;
-    CtxGetDeviceFn ctx_get_device = nullptr;
-    MemHostAllocFn mem_host_alloc = nullptr;
-    MemFreeHostFn mem_free_host = nullptr;
-    StreamCreateFn stream_create = nullptr;
-    StreamDestroyFn stream_destroy = nullptr;
-    StreamSynchronizeFn stream_synchronize = nullptr;
-    StreamWaitEventFn stream_wait_event = nullptr;
-    EventCreateFn event_create = nullptr;
-    EventDestroyFn event_destroy = nullptr;
-    EventRecordFn event_record = nullptr;
-    EventQueryFn event_query = nullptr;
-    EventSynchronizeFn event_synchronize = nullptr;
-    EventElapsedTimeFn event_elapsed_time = nullptr;
-    MemcpyAsyncFn memcpy_async = nullptr;
-    LaunchHostFuncFn launch_host_func = nullptr;
-    GetErrorStringFn get_error_string = nullptr;
-    GetErrorNameFn get_error_name = nullptr;
+#define BAGUALU2_CUDA_FIELD(api, Fn, field, ...) Fn field = nullptr;
+    BAGUALU2_CUDA_ENTRY_POINTS(BAGUALU2_CUDA_FIELD)
+#undef BAGUALU2_CUDA_FIELD
 };
 
 Driver cu;
@@ -60,40 +47,53 @@ Driver cu;
 std::mutex contexts_mutex;
 std::vector<Context> contexts;
 
-Result set_device(int device) {
-    Context ctx = nullptr;
-    {
-        std::lock_guard<std::mutex> lock(contexts_mutex);
-        if (device >= 0 && static_cast<std::size_t>(device) < contexts.size()) {
-            ctx = contexts[static_cast<std::size_t>(device)];
-        }
-        if (ctx == nullptr) {
-            Device dev = 0;
-            Result r = cu.device_get(&dev, device);
-            if (r != kSuccess) {
-                return r;
-            }
-            r = cu.primary_ctx_retain(&ctx, dev);
-            if (r != kSuccess) {
-                return r;
-            }
-            if (contexts.size() <= static_cast<std::size_t>(device)) {
-                contexts.resize(static_cast<std::size_t>(device) + 1, nullptr);
-            }
-            contexts[static_cast<std::size_t>(device)] = ctx;
-        }
+// Device `device`'s primary context, retained on first use.
+Result primary(int device, Context* ctx) {
+    std::lock_guard<std::mutex> lock(contexts_mutex);
+    const auto index = static_cast<std::size_t>(device);
+    if (device >= 0 && index < contexts.size() && contexts[index] != nullptr) {
+        *ctx = contexts[index];
+        return kSuccess;
     }
-    return cu.ctx_set_current(ctx);
-}
-
-// Binds device 0's primary context when the calling thread has no current context.
-Result bind() {
-    Context ctx = nullptr;
-    const Result r = cu.ctx_get_current(&ctx);
-    if (r != kSuccess || ctx != nullptr) {
+    Device dev = 0;
+    Result r = cu.device_get(&dev, device);
+    if (r != kSuccess) {
         return r;
     }
-    return set_device(0);
+    r = cu.primary_ctx_retain(ctx, dev);
+    if (r != kSuccess) {
+        return r;
+    }
+    if (contexts.size() <= index) {
+        contexts.resize(index + 1, nullptr);
+    }
+    contexts[index] = *ctx;
+    return kSuccess;
+}
+
+Result bind(int device, std::uintptr_t* previous) {
+    Context current = nullptr;
+    Result r = cu.ctx_get_current(&current);
+    if (r != kSuccess) {
+        return r;
+    }
+    *previous = reinterpret_cast<std::uintptr_t>(current);
+    Context target = nullptr;
+    r = primary(device, &target);
+    if (r != kSuccess || target == current) {
+        return r;
+    }
+    return cu.ctx_set_current(target);
+}
+
+Result restore(std::uintptr_t previous) {
+    Context current = nullptr;
+    const Result r = cu.ctx_get_current(&current);
+    if (r != kSuccess) {
+        return r;
+    }
+    const auto wanted = reinterpret_cast<Context>(previous);
+    return current == wanted ? kSuccess : cu.ctx_set_current(wanted);
 }
 
 Result get_device(int* device) {
@@ -103,10 +103,26 @@ Result get_device(int* device) {
         return r;
     }
     if (ctx == nullptr) {
-        *device = 0;
+        *device = -1;
         return kSuccess;
     }
     return cu.ctx_get_device(device);
+}
+
+Result stream_device(void* stream, int* device) {
+    Context ctx = nullptr;
+    const Result r = cu.stream_get_ctx(stream, &ctx);
+    if (r != kSuccess) {
+        return r;
+    }
+    std::lock_guard<std::mutex> lock(contexts_mutex);
+    *device = -1;
+    for (std::size_t i = 0; i < contexts.size(); ++i) {
+        if (contexts[i] != nullptr && contexts[i] == ctx) {
+            *device = static_cast<int>(i);
+        }
+    }
+    return kSuccess;
 }
 
 DevicePtr address(const void* ptr) {
@@ -127,56 +143,40 @@ std::string describe(int status) {
     return out.str();
 }
 
-// Runs `call` once a context is bound; a failed binding is the call's status.
-template <typename Call>
-Result bound(Call call) {
-    const Result r = bind();
-    return r != kSuccess ? r : call();
-}
-
 DeviceApi table() {
     DeviceApi api;
     api.name = "cuda";
     api.not_ready = kErrorNotReady;
     api.device_count = [](int* count) { return cu.device_get_count(count); };
     api.get_device = get_device;
-    api.set_device = set_device;
+    api.bind = bind;
+    api.restore = restore;
     api.host_alloc = [](void** ptr, std::size_t bytes) {
-        return bound([&] { return cu.mem_host_alloc(ptr, bytes, kMemHostAllocPortable); });
+        return cu.mem_host_alloc(ptr, bytes, kMemHostAllocPortable);
     };
-    api.host_free = [](void* ptr) { return bound([&] { return cu.mem_free_host(ptr); }); };
-    api.stream_create = [](void** stream) {
-        return bound([&] { return cu.stream_create(stream, kStreamNonBlocking); });
-    };
-    api.stream_destroy = [](void* stream) {
-        return bound([&] { return cu.stream_destroy(stream); });
-    };
-    api.stream_synchronize = [](void* stream) {
-        return bound([&] { return cu.stream_synchronize(stream); });
-    };
+    api.host_free = [](void* ptr) { return cu.mem_free_host(ptr); };
+    api.stream_create = [](void** stream) { return cu.stream_create(stream, kStreamNonBlocking); };
+    api.stream_destroy = [](void* stream) { return cu.stream_destroy(stream); };
+    api.stream_synchronize = [](void* stream) { return cu.stream_synchronize(stream); };
     api.stream_wait_event = [](void* stream, void* event) {
-        return bound([&] { return cu.stream_wait_event(stream, event, 0); });
+        return cu.stream_wait_event(stream, event, 0);
     };
+    api.stream_device = stream_device;
     api.event_create = [](void** event, bool timing) {
-        const unsigned flags = timing ? kEventDefault : kEventDisableTiming;
-        return bound([&] { return cu.event_create(event, flags); });
+        return cu.event_create(event, timing ? kEventDefault : kEventDisableTiming);
     };
-    api.event_destroy = [](void* event) { return bound([&] { return cu.event_destroy(event); }); };
-    api.event_record = [](void* event, void* stream) {
-        return bound([&] { return cu.event_record(event, stream); });
-    };
-    api.event_query = [](void* event) { return bound([&] { return cu.event_query(event); }); };
-    api.event_synchronize = [](void* event) {
-        return bound([&] { return cu.event_synchronize(event); });
-    };
+    api.event_destroy = [](void* event) { return cu.event_destroy(event); };
+    api.event_record = [](void* event, void* stream) { return cu.event_record(event, stream); };
+    api.event_query = [](void* event) { return cu.event_query(event); };
+    api.event_synchronize = [](void* event) { return cu.event_synchronize(event); };
     api.event_elapsed_ms = [](float* ms, void* start, void* end) {
-        return bound([&] { return cu.event_elapsed_time(ms, start, end); });
+        return cu.event_elapsed_time(ms, start, end);
     };
     api.memcpy_async = [](void* dst, const void* src, std::size_t bytes, void* stream) {
-        return bound([&] { return cu.memcpy_async(address(dst), address(src), bytes, stream); });
+        return cu.memcpy_async(address(dst), address(src), bytes, stream);
     };
     api.launch_host_callback = [](void* stream, void* arg) {
-        return bound([&] { return cu.launch_host_func(stream, run_host_callback, arg); });
+        return cu.launch_host_func(stream, run_host_callback, arg);
     };
     api.describe = describe;
     return api;
@@ -198,45 +198,23 @@ Loaded load() {
     }
     std::string tried;
     if (!lib.open(names, &tried)) {
-        out.why = "the CUDA driver API library (libcuda.so.1, installed with the NVIDIA driver) "
-                  "could not be loaded: " + tried +
-                  ". Install the NVIDIA driver (R450 or newer), let the dynamic loader find it "
-                  "(ldconfig or LD_LIBRARY_PATH), start containers with the NVIDIA Container "
-                  "Toolkit (--gpus), or name the file in BAGUALU2_CUDA_LIBRARY";
+        out.why = std::string("the CUDA driver API library (libcuda.so.1, installed with the "
+                              "NVIDIA driver) could not be loaded: ") + tried +
+                  ". Install the NVIDIA driver (" + kMinimumDriver + " or newer), let the "
+                  "dynamic loader find it (ldconfig or LD_LIBRARY_PATH), start containers with "
+                  "the NVIDIA Container Toolkit (--gpus), or name the file in "
+                  "BAGUALU2_CUDA_LIBRARY";
         return out;
     }
     std::string missing;
     bool all = true;
-    all &= lib.symbol({"cuInit"}, &cu.init, &missing);
-    all &= lib.symbol({"cuDriverGetVersion"}, &cu.driver_get_version, &missing);
-    all &= lib.symbol({"cuDeviceGetCount"}, &cu.device_get_count, &missing);
-    all &= lib.symbol({"cuDeviceGet"}, &cu.device_get, &missing);
-    all &= lib.symbol({"cuDevicePrimaryCtxRetain"}, &cu.primary_ctx_retain, &missing);
-    all &= lib.symbol({"cuCtxGetCurrent"}, &cu.ctx_get_current, &missing);
-    all &= lib.symbol({"cuCtxSetCurrent"}, &cu.ctx_set_current, &missing);
-    all &= lib.symbol({"cuCtxGetDevice"}, &cu.ctx_get_device, &missing);
-    all &= lib.symbol({"cuMemHostAlloc"}, &cu.mem_host_alloc, &missing);
-    all &= lib.symbol({"cuMemFreeHost"}, &cu.mem_free_host, &missing);
-    all &= lib.symbol({"cuStreamCreate"}, &cu.stream_create, &missing);
-    all &= lib.symbol({"cuStreamDestroy_v2"}, &cu.stream_destroy, &missing);
-    all &= lib.symbol({"cuStreamSynchronize"}, &cu.stream_synchronize, &missing);
-    all &= lib.symbol({"cuStreamWaitEvent"}, &cu.stream_wait_event, &missing);
-    all &= lib.symbol({"cuEventCreate"}, &cu.event_create, &missing);
-    all &= lib.symbol({"cuEventDestroy_v2"}, &cu.event_destroy, &missing);
-    all &= lib.symbol({"cuEventRecord"}, &cu.event_record, &missing);
-    all &= lib.symbol({"cuEventQuery"}, &cu.event_query, &missing);
-    all &= lib.symbol({"cuEventSynchronize"}, &cu.event_synchronize, &missing);
-    // The unversioned name is in every driver; _v2 (same prototype) where a future one drops it.
-    all &= lib.symbol({"cuEventElapsedTime", "cuEventElapsedTime_v2"}, &cu.event_elapsed_time,
-                      &missing);
-    all &= lib.symbol({"cuMemcpyAsync"}, &cu.memcpy_async, &missing);
-    all &= lib.symbol({"cuLaunchHostFunc"}, &cu.launch_host_func, &missing);
-    all &= lib.symbol({"cuGetErrorString"}, &cu.get_error_string, &missing);
-    all &= lib.symbol({"cuGetErrorName"}, &cu.get_error_name, &missing);
+#define BAGUALU2_CUDA_RESOLVE(api, Fn, field, ...) \
+    all &= lib.symbol({__VA_ARGS__}, &cu.field, &missing);
+    BAGUALU2_CUDA_ENTRY_POINTS(BAGUALU2_CUDA_RESOLVE)
+#undef BAGUALU2_CUDA_RESOLVE
     if (!all) {
-        out.why = lib.path() + " lacks " + missing +
-                  ": the NVIDIA driver is too old (CUDA 10.0, R410, added the newest of them); "
-                  "update it";
+        out.why = lib.path() + " lacks " + missing + ": the NVIDIA driver is older than " +
+                  kMinimumDriver + ", which added the newest of them; update it";
         return out;
     }
     const Result r = cu.init(0);

@@ -7,6 +7,10 @@
 // device). One DeviceRuntime implements gpu::Runtime once over this table; each vendor file
 // (cuda_api.cpp, hip_api.cpp) only dlopens its library, resolves the symbols it names and
 // adapts them to these signatures. Invariants:
+//   * No entry binds anything by itself: only `bind` changes what is current on the calling
+//     thread, and only to the device it is given; `restore` puts back exactly what `bind`
+//     found (CUDA: the raw context, null included). Every other entry runs on whatever the
+//     caller bound (gpu::DeviceGuard, with the object's own device).
 //   * Every entry returns the vendor status (0 = success; `not_ready` from event_query means
 //     "pending", not an error) and takes the handles Python passes around (torch's
 //     cudaStream_t / hipStream_t are the driver's CUstream / hipStream_t).
@@ -19,6 +23,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <initializer_list>
 #include <string>
 #include <vector>
@@ -36,8 +41,12 @@ struct DeviceApi {
 
     // Devices.
     int (*device_count)(int* count) = nullptr;
+    // The calling thread's device, -1 when it has none (CUDA: no current context).
     int (*get_device)(int* device) = nullptr;
-    int (*set_device)(int device) = nullptr;
+    // Make `device` current on the calling thread; *previous receives what was current (an
+    // opaque token for restore, the raw context on CUDA: null when there was none).
+    int (*bind)(int device, std::uintptr_t* previous) = nullptr;
+    int (*restore)(std::uintptr_t previous) = nullptr;
     // Pinned host memory, portable across devices.
     int (*host_alloc)(void** ptr, std::size_t bytes) = nullptr;
     int (*host_free)(void* ptr) = nullptr;
@@ -46,6 +55,9 @@ struct DeviceApi {
     int (*stream_destroy)(void* stream) = nullptr;
     int (*stream_synchronize)(void* stream) = nullptr;
     int (*stream_wait_event)(void* stream, void* event) = nullptr;
+    // The device a (non-null) stream handle belongs to; -1 for a device whose context this
+    // process never bound through `bind`. nullptr where the runtime cannot tell (HIP).
+    int (*stream_device)(void* stream, int* device) = nullptr;
     // Events.
     int (*event_create)(void** event, bool timing) = nullptr;
     int (*event_destroy)(void* event) = nullptr;

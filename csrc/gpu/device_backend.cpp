@@ -16,6 +16,7 @@
 #include <dlfcn.h>
 
 #include <atomic>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -74,12 +75,18 @@ public:
     }
 
     int get_device() override {
-        int device = 0;
+        int device = -1;
         check(api_.get_device(&device), "get_device");
         return device;
     }
 
-    void set_device(int device) override { check(api_.set_device(device), "set_device"); }
+    std::uintptr_t bind(int device) override {
+        std::uintptr_t previous = 0;
+        check(api_.bind(device, &previous), "bind of device ", device);
+        return previous;
+    }
+
+    void restore(std::uintptr_t previous) override { check(api_.restore(previous), "restore"); }
 
     void* host_alloc(std::size_t bytes) override {
         void* ptr = nullptr;
@@ -108,7 +115,22 @@ public:
         check(api_.stream_wait_event(stream, event), "stream_wait_event");
     }
 
-    void check_stream(Stream /*stream*/) override {}  // GPU runtimes cannot validate handles
+    void check_stream(Stream stream, int device) override {
+        if (stream == nullptr || api_.stream_device == nullptr) {
+            return;  // 0: the bound device's default stream; HIP cannot tell a stream's device
+        }
+        int owner = -1;
+        const int status = api_.stream_device(stream, &owner);
+        const auto handle = reinterpret_cast<std::uintptr_t>(stream);
+        BAGUALU2_CHECK(status == 0, "stream 0x", std::hex, handle, std::dec, " is not a live ",
+                       api_.name, " stream: ", api_.describe(status));
+        BAGUALU2_CHECK(owner == device, "stream 0x", std::hex, handle, std::dec, " belongs to ",
+                       owner < 0 ? std::string("a context bagualu2 never used")
+                                 : "device " + std::to_string(owner),
+                       ", but the work is on device ", device, ": pass a stream of device ",
+                       device, " (torch.cuda.current_stream(", device,
+                       ")), or use the engine of the tensor's device");
+    }
 
     Event event_create(bool timing) override {
         void* event = nullptr;

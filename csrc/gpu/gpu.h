@@ -29,6 +29,22 @@
 // how to get it. `backend_status()` reports the same without throwing. A library is looked
 // for once per process (the first runtime() or backend_status() call).
 //
+// Devices and threads. The CUDA driver binds work to a per-thread current context, and
+// bagualu2's objects are used, and finalized, on any thread (the garbage collector's, torch's
+// autograd threads). So every call that acts on an object runs inside a DeviceGuard for the
+// object's own device: it binds that device, and gives the thread back exactly what it had,
+// nothing included (gpu/cuda_api.cpp). Nothing binds a device by default; an object's device
+// is fixed when it is created (an explicit index, or the caller's current device, refused
+// when the thread has none).
+//
+// Streams handed to torch. A copy engine's streams reach torch (ExternalStream,
+// tensor.record_stream): torch's caching allocator records an event on such a stream when a
+// tensor recorded on it is freed, inside a storage deleter, where an error is fatal, possibly
+// long after the engine died. So GPU copy streams are process-wide, one per (device,
+// direction), created on first use and never destroyed, as torch's own stream pool keeps its
+// streams (copy_stream() below). The cpu backend's streams are worker threads torch never
+// sees; each engine owns and joins its own (UniqueStream).
+//
 // Invariants every backend keeps:
 //   * Operations enqueued on one stream execute in enqueue order.
 //   * An event that was never recorded reports complete (as in CUDA).
@@ -36,7 +52,8 @@
 //     (callers release the GIL around them).
 //   * Raw handles are opaque integers-as-pointers. Whatever this library creates is owned by
 //     a UniqueStream or UniqueEvent (below), never by a bare handle, so a constructor that
-//     throws half-way leaks nothing. Runtime failures throw bagualu2::RuntimeError.
+//     throws half-way leaks nothing, except the process-wide copy streams, which are never
+//     destroyed on purpose. Runtime failures throw bagualu2::RuntimeError.
 #pragma once
 
 #include <cstddef>
@@ -66,12 +83,17 @@ public:
     /// Number of devices visible to this backend (1 for cpu; 0 when no GPU is present).
     virtual int device_count() = 0;
 
-    /// Current device of the calling thread.
+    /// Current device of the calling thread, -1 when it has none (CUDA: no current context).
     virtual int get_device() = 0;
 
-    /// Make `device` current for the calling thread.
+    /// Make `device` current for the calling thread (DeviceGuard's half; use DeviceGuard).
     /// \param[in] device  device index in [0, device_count()).
-    virtual void set_device(int device) = 0;
+    /// \return what was current before, for restore() (CUDA: the raw context, 0 for none).
+    virtual std::uintptr_t bind(int device) = 0;
+
+    /// Make current again what bind() returned (none included).
+    /// \param[in] previous  bind()'s result.
+    virtual void restore(std::uintptr_t previous) = 0;
 
     /// Allocate page-locked host memory (page-aligned on cpu).
     /// \param[in] bytes  number of bytes, > 0.
@@ -98,10 +120,13 @@ public:
     /// \param[in] event   the event; an event never recorded imposes no wait.
     virtual void stream_wait_event(Stream stream, Event event) = 0;
 
-    /// Throws bagualu2::Error when `stream` is not a stream this runtime knows (cpu checks its
-    /// registry of live streams; GPU runtimes cannot check and accept every handle).
+    /// Throws bagualu2::Error when `stream` is not a live stream of `device` (cpu checks its
+    /// registry of live streams; CUDA asks the driver which context a non-null handle belongs
+    /// to; HIP cannot tell and accepts every handle). Handle 0 is the current device's default
+    /// stream, so callers check it, and use it, inside a DeviceGuard for `device`.
     /// \param[in] stream  stream handle received from Python.
-    virtual void check_stream(Stream stream) = 0;
+    /// \param[in] device  the device the caller's work is on.
+    virtual void check_stream(Stream stream, int device) = 0;
 
     /// Create an event.
     /// \param[in] timing  whether event_elapsed_ms may be used on it.
@@ -172,27 +197,40 @@ std::vector<BackendStatus> backend_status();
 using RuntimeLookup = Runtime* (*)(const char* name, std::string* error);
 Runtime* lookup_runtime(const char* name, std::string* error);
 
-// Makes `device` current for the guard's lifetime (no-op on cpu or for device < 0).
+/// The device an object is created on: `device`, or for device < 0 the calling thread's
+/// current one; throws bagualu2::Error when that is out of range or the thread has none. 0 on
+/// cpu.
+/// \param[in] rt      runtime of the object.
+/// \param[in] device  requested device (< 0: the current one).
+/// \param[in] what    the object, for the error ("CopyEngine", "HostArena").
+int resolve_device(Runtime& rt, int device, const char* what);
+
+/// A process-wide stream of `device`, created on first use and never destroyed (see "Streams
+/// handed to torch" above); GPU backends only.
+/// \param[in] rt      runtime of the stream.
+/// \param[in] device  its device.
+/// \param[in] slot    which one (the copy engine uses 0 for D2H, 1 for H2D).
+Stream copy_stream(Runtime& rt, int device, int slot);
+
+// Makes `device` current for the guard's lifetime and then gives the thread back exactly what
+// it had, none included (no-op on cpu or for device < 0).
 class DeviceGuard {
 public:
     /// \param[in] rt      runtime to act on.
-    /// \param[in] device  device to make current; < 0 leaves the current device alone.
+    /// \param[in] device  device to make current; < 0 leaves the thread alone.
     DeviceGuard(Runtime& rt, int device) : rt_(rt) {
         if (device < 0 || rt.is_host()) {
             return;
         }
-        const int current = rt.get_device();
-        if (current != device) {
-            rt.set_device(device);
-            previous_ = current;
-        }
+        previous_ = rt.bind(device);
+        active_ = true;
     }
     ~DeviceGuard() {
-        if (previous_ >= 0) {
+        if (active_) {
             try {
-                rt_.set_device(previous_);
+                rt_.restore(previous_);
             } catch (...) {
-                // A destructor must not throw; the device stays as the guarded one.
+                // A destructor must not throw; the thread keeps the guarded device.
             }
         }
     }
@@ -200,13 +238,15 @@ public:
     DeviceGuard& operator=(const DeviceGuard&) = delete;
 
 private:
-    // Runtime and the device to restore (-1: nothing to restore).
+    // Runtime, whether the guard bound anything, and what to give back.
     Runtime& rt_;
-    int previous_ = -1;
+    bool active_ = false;
+    std::uintptr_t previous_ = 0;
 };
 
-// The one owner of a stream this library created: created on `device` in the constructor,
-// drained (pending work completes) and destroyed in the destructor.
+// The one owner of a stream this library created and never hands to torch (cpu copy streams,
+// the test hooks' streams): created on `device` in the constructor, drained (pending work
+// completes) and destroyed in the destructor.
 class UniqueStream {
 public:
     /// \param[in] rt      runtime to create the stream with.
@@ -240,15 +280,20 @@ private:
     Stream stream_ = nullptr;
 };
 
-// The one owner of an event this library created (destroying one whose record is still
-// pending is legal in every runtime).
+// The one owner of an event this library created on `device` (destroying one whose record is
+// still pending is legal in every runtime); created and destroyed with its device bound.
 class UniqueEvent {
 public:
     /// \param[in] rt      runtime to create the event with.
+    /// \param[in] device  device of the event (< 0: the current one).
     /// \param[in] timing  whether event_elapsed_ms may be used on it.
-    UniqueEvent(Runtime& rt, bool timing) : rt_(&rt), event_(rt.event_create(timing)) {}
+    UniqueEvent(Runtime& rt, int device, bool timing) : rt_(&rt), device_(device) {
+        DeviceGuard guard(rt, device);
+        event_ = rt.event_create(timing);
+    }
     ~UniqueEvent() {
         try {
+            DeviceGuard guard(*rt_, device_);
             rt_->event_destroy(event_);
         } catch (...) {
             // A destructor must not throw; a failing runtime at teardown leaks one event.
@@ -258,11 +303,13 @@ public:
     UniqueEvent& operator=(const UniqueEvent&) = delete;
 
     Event get() const { return event_; }
+    int device() const { return device_; }
 
 private:
-    // Runtime and the event it created.
+    // Runtime, device and the event it created.
     Runtime* rt_;
-    Event event_;
+    int device_;
+    Event event_ = nullptr;
 };
 
 // Backend factories: cpu_backend.cpp, and device_backend.cpp for the compiled GPU backends

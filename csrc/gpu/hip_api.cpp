@@ -1,10 +1,16 @@
 // The DeviceApi table of the HIP runtime (libamdhip64), loaded at first use.
 //
 // HIP's runtime API has cudart's semantics (a current device per thread, streams and events
-// bound to it), so the adapters are one-line renames. The library is looked for first among
+// bound to it), so the adapters are one-line renames. bind() switches the thread's device only
+// when it differs and returns the one it found; restore() switches back only then, so a
+// thread's device changes for the span of a DeviceGuard and no longer. HIP has no "none": it
+// reports device 0 on a thread that never chose one, so restoring that selects device 0 again,
+// as HIP had it (unlike the CUDA driver, HIP selects a device without creating a context for
+// it; not yet checked on a device). The library is looked for first among
 // those already in the process (a ROCm build of torch loads its own copy, and a second HIP
 // runtime in one process would not share its streams), then by the usual names, then under
 // $ROCM_PATH and /opt/rocm (ROCm does not always register itself with the loader).
+#include <cstdint>
 #include <cstdlib>
 #include <sstream>
 #include <string>
@@ -62,7 +68,21 @@ DeviceApi table() {
     api.not_ready = kErrorNotReady;
     api.device_count = [](int* count) { return hip.get_device_count(count); };
     api.get_device = [](int* device) { return hip.get_device(device); };
-    api.set_device = [](int device) { return hip.set_device(device); };
+    api.bind = [](int device, std::uintptr_t* previous) {
+        int current = 0;
+        const Error r = hip.get_device(&current);
+        if (r != kSuccess) {
+            return r;
+        }
+        *previous = static_cast<std::uintptr_t>(current);
+        return current == device ? kSuccess : hip.set_device(device);
+    };
+    api.restore = [](std::uintptr_t previous) {
+        int current = 0;
+        const Error r = hip.get_device(&current);
+        const int wanted = static_cast<int>(previous);
+        return r != kSuccess || current == wanted ? r : hip.set_device(wanted);
+    };
     api.host_alloc = [](void** ptr, std::size_t bytes) {
         return hip.host_malloc(ptr, bytes, kHostMallocPortable);
     };

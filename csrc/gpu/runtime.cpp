@@ -1,5 +1,9 @@
-// Backend registry of the neutral gpu:: API: selection by name, status, the extension entry.
+// Backend registry of the neutral gpu:: API: selection by name, status, the extension entry,
+// object devices and the process-wide copy streams (gpu.h says why they are never destroyed).
+#include <map>
+#include <mutex>
 #include <sstream>
+#include <tuple>
 
 #include "common/check.h"
 #include "gpu/gpu.h"
@@ -48,6 +52,34 @@ std::vector<BackendStatus> backend_status() {
     cpu.compiled = true;
     cpu.usable = true;
     return {cpu, device_backend_status("cuda"), device_backend_status("hip")};
+}
+
+int resolve_device(Runtime& rt, int device, const char* what) {
+    if (rt.is_host()) {
+        return 0;
+    }
+    const int count = rt.device_count();
+    BAGUALU2_CHECK(count > 0, "backend '", rt.name(), "' is compiled in but sees no device");
+    const int chosen = device < 0 ? rt.get_device() : device;
+    BAGUALU2_CHECK(chosen >= 0, what, " on backend '", rt.name(),
+                   "' was given no device and the calling thread has none current: pass "
+                   "device= (bagualu2 never picks device 0 by default)");
+    BAGUALU2_CHECK(chosen < count, what, ": device ", chosen, " out of range [0, ", count, ")");
+    return chosen;
+}
+
+Stream copy_stream(Runtime& rt, int device, int slot) {
+    BAGUALU2_CHECK(!rt.is_host(), "copy_stream is for GPU backends");
+    // Never destroyed: torch may record on these streams until the process ends.
+    static std::mutex* mutex = new std::mutex;
+    static auto* streams = new std::map<std::tuple<const Runtime*, int, int>, Stream>;
+    std::lock_guard<std::mutex> lock(*mutex);
+    Stream& stream = (*streams)[std::make_tuple(&rt, device, slot)];
+    if (stream == nullptr) {
+        DeviceGuard guard(rt, device);
+        stream = rt.stream_create();
+    }
+    return stream;
 }
 
 Runtime* lookup_runtime(const char* name, std::string* error) {

@@ -99,16 +99,19 @@ void register_offload(py::module_& m) {
     py::class_<HostArena, std::shared_ptr<HostArena>>(m, "HostArena",
                                                       "Pinned host reservation with best-fit blocks.")
         .def(py::init([](std::int64_t capacity, const std::string& backend,
-                         std::int64_t max_capacity) {
+                         std::int64_t max_capacity, int device) {
                  BAGUALU2_CHECK(capacity > 0, "HostArena capacity must be positive, got ",
                                 capacity);
                  BAGUALU2_CHECK(max_capacity >= 0,
                                 "HostArena max_capacity must be >= 0 (0: no growth), got ",
                                 max_capacity);
                  return std::make_shared<HostArena>(static_cast<std::size_t>(capacity), backend,
-                                                    static_cast<std::size_t>(max_capacity));
+                                                    static_cast<std::size_t>(max_capacity),
+                                                    device);
              }),
-             py::arg("capacity_bytes"), py::arg("backend") = "cpu", py::arg("max_capacity") = 0)
+             py::arg("capacity_bytes"), py::arg("backend") = "cpu", py::arg("max_capacity") = 0,
+             py::arg("device") = -1)
+        .def_property_readonly("device", &HostArena::device)
         .def_property_readonly("capacity", &HostArena::capacity)
         .def_property_readonly("max_capacity", &HostArena::max_capacity)
         .def_property_readonly("base", &HostArena::base)

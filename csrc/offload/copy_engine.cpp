@@ -149,41 +149,33 @@ std::shared_ptr<void> Ticket::hold() {
 
 namespace {
 
-// The engine's device, checked before any stream is created (-1 leaves the current one).
+// The engine's device, checked before any stream is created (-1: the caller's current one).
 int checked_device(gpu::Runtime& rt, const std::string& backend,
                    const std::shared_ptr<HostArena>& arena, std::size_t chunk_bytes, int device) {
     BAGUALU2_CHECK(arena != nullptr, "CopyEngine needs an arena");
     BAGUALU2_CHECK(arena->backend() == backend, "CopyEngine backend '", backend,
                    "' differs from its arena's backend '", arena->backend(), "'");
     BAGUALU2_CHECK(chunk_bytes > 0, "chunk_bytes must be positive");
-    if (rt.is_host()) {
-        return 0;
-    }
-    const int count = rt.device_count();
-    BAGUALU2_CHECK(count > 0, "backend '", backend, "' is compiled in but sees no device");
-    const int chosen = device < 0 ? rt.get_device() : device;
-    BAGUALU2_CHECK(chosen < count, "device ", chosen, " out of range [0, ", count, ")");
-    return chosen;
-}
-
-gpu::UniqueEvent make_event(gpu::Runtime& rt, int device) {
-    gpu::DeviceGuard guard(rt, device);
-    return gpu::UniqueEvent(rt, false);  // guaranteed elision: never copied or moved
+    return gpu::resolve_device(rt, device, "CopyEngine");
 }
 
 }  // namespace
+
+CopyEngine::Direction::Direction(gpu::Runtime& rt, int device, int slot)
+    : owned(rt.is_host() ? std::make_unique<gpu::UniqueStream>(rt, device) : nullptr),
+      stream(owned != nullptr ? owned->get() : gpu::copy_stream(rt, device, slot)) {}
 
 CopyEngine::CopyEngine(std::shared_ptr<HostArena> arena, const std::string& backend, int device,
                        std::size_t chunk_bytes)
     : arena_(std::move(arena)), rt_(gpu::runtime(backend)), backend_(backend),
       chunk_bytes_(chunk_bytes),
       device_(checked_device(rt_, backend_, arena_, chunk_bytes_, device)),
-      d2h_dir_(rt_, device_), h2d_dir_(rt_, device_), d2h_(d2h_dir_.stream),
-      h2d_(h2d_dir_.stream), sync_event_(make_event(rt_, device_)) {}
+      d2h_dir_(rt_, device_, 0), h2d_dir_(rt_, device_, 1), d2h_(d2h_dir_.stream),
+      h2d_(h2d_dir_.stream), sync_event_(rt_, device_, false) {}
 
 CopyEngine::~CopyEngine() {
     // Drain both directions before the members go (the timing events first, then the event,
-    // then the streams, each destroying its own handle).
+    // then a cpu engine's own streams; a GPU engine's streams stay, see copy_engine.h).
     try {
         synchronize();
     } catch (...) {
@@ -201,8 +193,8 @@ void CopyEngine::wait_for_stream(Direction& dir, gpu::Stream stream) {
 
 std::shared_ptr<EventFence> CopyEngine::enqueue_copy(Direction& dir, void* dst, const void* src,
                                                      std::size_t nbytes) {
-    auto start = std::make_shared<EventFence>(rt_, true);
-    auto end = std::make_shared<EventFence>(rt_, true);
+    auto start = std::make_shared<EventFence>(rt_, device_, true);
+    auto end = std::make_shared<EventFence>(rt_, device_, true);
     rt_.event_record(start->event(), dir.stream);
     auto* d = static_cast<char*>(dst);
     const auto* s = static_cast<const char*>(src);
@@ -222,7 +214,10 @@ TicketPtr CopyEngine::offload(std::uintptr_t src, std::int64_t nbytes,
                               std::uintptr_t producer_stream) {
     const std::size_t n = checked_size(nbytes, "offload nbytes");
     BAGUALU2_CHECK(n == 0 || src != 0, "offload of ", n, " bytes from a null pointer");
-    rt_.check_stream(as_stream(producer_stream));
+    {
+        gpu::DeviceGuard guard(rt_, device_);
+        rt_.check_stream(as_stream(producer_stream), device_);
+    }
     if (n == 0) {
         return std::make_shared<Ticket>(Ticket::Kind::kOffload, arena_, nullptr, 0, nullptr);
     }
@@ -258,7 +253,10 @@ TicketPtr CopyEngine::reload(const TicketPtr& from, std::uintptr_t dst, std::int
     BAGUALU2_CHECK(capacity >= n, "reload destination too small: ", capacity,
                    " bytes available, ", n, " bytes needed");
     BAGUALU2_CHECK(n == 0 || dst != 0, "reload of ", n, " bytes into a null pointer");
-    rt_.check_stream(as_stream(consumer_stream));
+    {
+        gpu::DeviceGuard guard(rt_, device_);
+        rt_.check_stream(as_stream(consumer_stream), device_);
+    }
 
     // Hold the source ticket's lock across submission: a concurrent release() must either see
     // this reload's fence or happen before it (and then this reload fails cleanly).
@@ -341,13 +339,13 @@ std::uint64_t CopyEngine::trace_dropped() {
 void CopyEngine::wait_on(const TicketPtr& ticket, std::uintptr_t stream) {
     BAGUALU2_CHECK(ticket != nullptr, "wait_on(None)");
     BAGUALU2_CHECK(!ticket->released(), "wait_on a released ticket (use after release)");
-    rt_.check_stream(as_stream(stream));
+    gpu::DeviceGuard guard(rt_, device_);
+    rt_.check_stream(as_stream(stream), device_);
     auto fence = ticket->fence();
     if (fence == nullptr) {
         return;
     }
     ticket->check_failure();  // a copy known to have failed is not handed to a consumer
-    gpu::DeviceGuard guard(rt_, device_);
     rt_.stream_wait_event(as_stream(stream), fence->event());
     ticket->check_failure();  // ... nor one found failed by now (the host thread waited on cpu)
 }
@@ -382,6 +380,7 @@ void CopyEngine::account(Direction& dir) {
 }
 
 DirectionStats CopyEngine::snapshot(Direction& dir) {
+    gpu::DeviceGuard guard(rt_, device_);  // account() reads event times
     std::lock_guard<std::mutex> lock(stats_mutex_);
     account(dir);
     return dir.stats;
@@ -391,6 +390,7 @@ DirectionStats CopyEngine::d2h_stats() { return snapshot(d2h_dir_); }
 DirectionStats CopyEngine::h2d_stats() { return snapshot(h2d_dir_); }
 
 void CopyEngine::reset_stats() {
+    gpu::DeviceGuard guard(rt_, device_);
     std::lock_guard<std::mutex> lock(stats_mutex_);
     account(d2h_dir_);
     account(h2d_dir_);

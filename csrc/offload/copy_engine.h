@@ -2,12 +2,21 @@
 //
 // Design note
 // -----------
-// The engine owns two streams of one backend (gpu::UniqueStream members: whatever the
-// constructor created is destroyed if a later step throws), one per direction (D2H "offload", H2D
-// "reload"), so both directions run at once and beside the caller's compute. On cpu the
-// streams are worker threads, a copy submitted to an idle stream runs on the calling thread
-// (gpu/cpu_backend.cpp says why), and large copies are also split across a pool of copy
-// threads.
+// The engine copies on two streams of one backend, one per direction (D2H "offload", H2D
+// "reload"), so both directions run at once and beside the caller's compute. On a GPU they are
+// the device's process-wide copy streams (gpu::copy_stream): the facade hands them to torch,
+// which may record on them after the engine died (gpu/gpu.h, "Streams handed to torch"), so
+// engines of one device share them and none destroys them; an engine drains them when it dies.
+// On cpu each engine owns its two streams (gpu::UniqueStream: whatever the constructor created
+// is destroyed if a later step throws); they are worker threads, a copy submitted to an idle
+// stream runs on the calling thread (gpu/cpu_backend.cpp says why), and large copies are also
+// split across a pool of copy threads.
+//
+// Devices. An engine works on one device, fixed at construction (explicit, or the caller's
+// current one; never 0 by default). Every runtime call it makes, on any thread, runs inside a
+// DeviceGuard for that device, so stream handle 0 means that device's default stream, and a
+// producer or consumer stream of another device is refused (invariant 3): its work would be
+// ordered against the wrong device's streams.
 // Every copy is cut into chunks of at most `chunk_bytes` (enqueued back to back), so a huge
 // copy does not monopolise the pool and the other direction interleaves with it.
 //
@@ -30,7 +39,7 @@
 //   3. Misuse throws bagualu2::Error (Python ValueError) and changes nothing: waiting on or
 //      querying a released ticket, releasing twice, reloading from a released ticket,
 //      reloading into a too-small buffer, null pointers with nonzero sizes, negative sizes,
-//      stream handles the backend does not know.
+//      stream handles the backend does not know, streams of another device than the engine's.
 //   4. Exhaustion is not an error: offload() returns nullptr when the arena has no block.
 //   5. Stats: per direction bytes, copies, busy time (elapsed between a copy's start and end
 //      events, so time spent waiting for a producer is not counted) and bandwidth; figures
@@ -244,9 +253,9 @@ private:
     };
 
     struct Direction {
-        Direction(gpu::Runtime& rt, int device) : owned(rt, device), stream(owned.get()) {}
-        gpu::UniqueStream owned;     // drained and destroyed with the engine
-        gpu::Stream stream;          // owned.get()
+        Direction(gpu::Runtime& rt, int device, int slot);
+        std::unique_ptr<gpu::UniqueStream> owned;  // cpu: the engine's own stream
+        gpu::Stream stream;          // owned's, or the device's process-wide copy stream
         std::deque<Timing> timings;  // copies whose time is not yet accounted
         DirectionStats stats;
     };

@@ -5,9 +5,11 @@
 // The arena must not hand out a block again while a copy into or out of it may still be in
 // flight, but it must not call the GPU runtime while holding its lock either. So a freed block
 // carries a list of fences and the arena queries them with its lock released. The library's
-// one kind is EventFence: it owns one gpu::Event of one runtime (a gpu::UniqueEvent);
-// ready() is event_query, wait() is event_synchronize; destroying the fence destroys the event
-// (a runtime call, so whoever drops the last reference must not hold the arena lock). Tests
+// one kind is EventFence: it owns one gpu::Event of one runtime and device (a gpu::UniqueEvent);
+// ready() is event_query, wait() is event_synchronize, each with the event's device bound, and
+// destroying the fence destroys the event (a runtime call, so whoever drops the last reference
+// must not hold the arena lock). Any thread may do either, the garbage collector's included:
+// the thread's own binding is given back untouched (gpu/gpu.h, DeviceGuard). Tests
 // add a host-signalled fence of their own (tests/test_hooks.cpp) to hold a block or a stream
 // "in flight" deterministically.
 // A fence is shared (std::shared_ptr) between the ticket that created it and every freed block
@@ -47,8 +49,10 @@ public:
 class EventFence final : public Fence {
 public:
     /// \param[in] rt      runtime that owns the event.
+    /// \param[in] device  device of the event (the engine's).
     /// \param[in] timing  whether elapsed time may be measured against this event.
-    EventFence(gpu::Runtime& rt, bool timing) : rt_(rt), event_(rt, timing) {}
+    EventFence(gpu::Runtime& rt, int device, bool timing)
+        : rt_(rt), event_(rt, device, timing) {}
 
     /// True once the work completed, failed included (see failure()).
     bool ready() override {
@@ -56,6 +60,7 @@ public:
             return true;
         }
         try {
+            gpu::DeviceGuard guard(rt_, event_.device());
             return rt_.event_query(event_.get());
         } catch (const RuntimeError& e) {
             fail(e.what());
@@ -69,6 +74,7 @@ public:
             return;
         }
         try {
+            gpu::DeviceGuard guard(rt_, event_.device());
             rt_.event_synchronize(event_.get());
         } catch (const RuntimeError& e) {
             fail(e.what());

@@ -13,8 +13,10 @@ std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to *
 constexpr std::size_t kMaxBytes = std::numeric_limits<std::size_t>::max() >> 2;
 }  // namespace
 
-HostArena::HostArena(std::size_t capacity, const std::string& backend, std::size_t max_capacity)
-    : rt_(gpu::runtime(backend)), backend_(backend) {
+HostArena::HostArena(std::size_t capacity, const std::string& backend, std::size_t max_capacity,
+                     int device)
+    : rt_(gpu::runtime(backend)), backend_(backend),
+      device_(gpu::resolve_device(rt_, device, "HostArena")) {
     BAGUALU2_CHECK(capacity > 0, "HostArena capacity must be positive, got ", capacity);
     BAGUALU2_CHECK(capacity <= kMaxBytes, "HostArena capacity ", capacity, " bytes is absurd");
     BAGUALU2_CHECK(max_capacity <= kMaxBytes, "HostArena max_capacity ", max_capacity,
@@ -23,7 +25,11 @@ HostArena::HostArena(std::size_t capacity, const std::string& backend, std::size
     BAGUALU2_CHECK(max_capacity == 0 || max_capacity >= capacity, "HostArena max_capacity (",
                    max_capacity, ") must be 0 (no growth) or at least capacity (", capacity, ")");
     max_capacity_ = max_capacity == 0 ? first : round_up(max_capacity, kAlignment);
-    auto* base = static_cast<char*>(rt_.host_alloc(first));
+    char* base = nullptr;
+    {
+        gpu::DeviceGuard guard(rt_, device_);
+        base = static_cast<char*>(rt_.host_alloc(first));
+    }
     const auto addr = reinterpret_cast<std::uintptr_t>(base);
     BAGUALU2_RUNTIME_CHECK(addr % kAlignment == 0, "host_alloc returned memory not aligned to ",
                            kAlignment, " bytes");
@@ -38,6 +44,7 @@ HostArena::~HostArena() {
     // dies, so no copy can still touch a segment here.
     for (const Segment& seg : segments_) {
         try {
+            gpu::DeviceGuard guard(rt_, device_);
             rt_.host_free(reinterpret_cast<void*>(seg.base));
         } catch (...) {
             // A destructor must not throw.
@@ -185,6 +192,7 @@ bool HostArena::add_segment(std::size_t seg_size) {
     // recomputes instead.
     char* base = nullptr;
     try {
+        gpu::DeviceGuard guard(rt_, device_);
         base = static_cast<char*>(rt_.host_alloc(seg_size));
     } catch (const RuntimeError&) {
         return false;

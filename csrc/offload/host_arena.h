@@ -4,7 +4,9 @@
 // -----------
 // The arena reserves `capacity` bytes up front, through the backend's host_alloc (cudaHostAlloc
 // / hipHostMalloc; page-aligned, pre-faulted memory on cpu), because pinning takes a
-// driver-wide lock and stalls for milliseconds. Afterwards allocate/free only move bookkeeping.
+// driver-wide lock and stalls for milliseconds. The memory is portable (every device's copies
+// may use it); reserving and freeing it run with the arena's own device bound, on whatever
+// thread does them (gpu/gpu.h, "Devices and threads"). Afterwards allocate/free only move bookkeeping.
 // With `max_capacity` above `capacity`, a request that no gap can hold reserves one more
 // segment (a rare, slow step, never taken while the bookkeeping lock is held); segments are
 // kept until the arena dies, so the steady state makes no runtime calls.
@@ -78,7 +80,10 @@ public:
     /// \param[in] backend       "cpu", "cuda" or "hip" (must be compiled in).
     /// \param[in] max_capacity  bytes the arena may grow to by adding segments (0: capacity,
     ///                          no growth; else >= capacity).
-    HostArena(std::size_t capacity, const std::string& backend, std::size_t max_capacity = 0);
+    /// \param[in] device        device whose context reserves and frees the (portable) pinned
+    ///                          memory (< 0: the caller's current one; never 0 by default).
+    HostArena(std::size_t capacity, const std::string& backend, std::size_t max_capacity = 0,
+              int device = -1);
     ~HostArena();
     HostArena(const HostArena&) = delete;
     HostArena& operator=(const HostArena&) = delete;
@@ -124,6 +129,7 @@ public:
     std::uintptr_t base() const;
     const std::string& backend() const { return backend_; }
     gpu::Runtime& runtime() const { return rt_; }
+    int device() const { return device_; }
 
 private:
     enum class State { kFree, kAllocated, kPending };
@@ -160,6 +166,7 @@ private:
     // The reservations. segments_ only grows, under mutex_; a segment is freed with the arena.
     gpu::Runtime& rt_;
     std::string backend_;
+    int device_;
     std::size_t max_capacity_ = 0;
     std::vector<Segment> segments_;
     std::size_t capacity_ = 0;  // sum of segment sizes, guarded by mutex_
