@@ -215,8 +215,6 @@ def _settings(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from bagualu2.models import MoEConfig, MoETransformer, synthetic_batches
 
     order, n, spans, spikes = _settings(args)
@@ -242,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
     expected = first_s * n * sum(POLICY_COST[p] for p in order)
     print(f"bagualu2 demo: {len(order)} policies x {n} micro-batches of {args.batch_size}x{args.seq_len} tokens, "
           f"{len(spikes)} routing spikes ({args.imbalance}x the mean load on a local expert, EP {args.ep_size}), "
-          f"activation budget {budget / 2**20:.2f} MiB (5% above a calm micro-batch's peak)")
+          f"activation budget {budget / 2**20:.2f} MiB" +
+          (" (5% above a calm micro-batch's peak)" if args.budget is None else ""))
     print(f"expect about {_duration(expected)} here: one calm micro-batch took {first_s * 1e3:.0f} ms "
           f"({threads} torch threads, {cpus} cores)" + ("" if args.full else "; --full runs the long version"))
     if load_before > cpus:
@@ -251,20 +250,13 @@ def run(args: argparse.Namespace) -> int:
     for name in order:
         print(f"  {name:<14}{POLICY_NOTES[name]}")
 
-    # Policies take turns micro-batch by micro-batch, so machine noise falls on all alike, the
-    # order rotating so that none always runs right after the same one.
     try:
-        trainers = {p: _Trainer(model, _static_plan(model, batches[0], budget) if p == "static" else p, budget,
-                                args.out / f"telemetry_{p}.jsonl") for p in order}
-        with warnings.catch_warnings(), \
-                tqdm(total=len(order) * n, unit="micro-batch", desc="training", dynamic_ncols=True) as bar:
+        with warnings.catch_warnings():
             # Crossing the budget is what the static policies are here to show: the table counts it.
             warnings.filterwarnings("ignore", message="bagualu2: micro-batch .* went over the activation budget")
-            for i, batch in enumerate(batches):
-                spike = args.imbalance if i in spikes else None
-                for policy in order[i % len(order):] + order[:i % len(order)]:
-                    trainers[policy].step(i, batch, spike, spiked_expert)
-                    bar.update(1)
+            trainers = {p: _Trainer(model, _static_plan(model, batches[0], budget) if p == "static" else p, budget,
+                                    args.out / f"telemetry_{p}.jsonl") for p in order}
+            _train(trainers, order, batches, spikes, args.imbalance, spiked_expert)
     except InfeasibleBudgetError as e:
         raise SystemExit(f"--budget: {e}") from None
 
@@ -298,6 +290,20 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {args.out / 'demo_results.json'}, {png} and the telemetry of each policy "
           f"({args.out / 'telemetry_<policy>.jsonl'})")
     return 0
+
+
+def _train(trainers: Dict[str, _Trainer], order: List[str], batches: List[torch.Tensor], spikes: List[int],
+           imbalance: float, expert: int) -> None:
+    """The policies take turns micro-batch by micro-batch, so machine noise falls on all alike,
+    the order rotating so that none always runs right after the same one."""
+    from tqdm import tqdm
+
+    with tqdm(total=len(order) * len(batches), unit="micro-batch", desc="training", dynamic_ncols=True) as bar:
+        for i, batch in enumerate(batches):
+            spike = imbalance if i in spikes else None
+            for policy in order[i % len(order):] + order[:i % len(order)]:
+                trainers[policy].step(i, batch, spike, expert)
+                bar.update(1)
 
 
 def _duration(seconds: float) -> str:
