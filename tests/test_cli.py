@@ -10,7 +10,7 @@ from bagualu2.sim.cli import main as simulate
 
 
 @pytest.mark.parametrize("argv, default", [
-    (["demo"], "(default: 0.03)"),
+    (["demo"], "--seed SEED seed of the weights, batches and spikes (default: 0)"),
     (["bench", "offload"], "(default: bagualu2-bench/offload"),
     (["simulate"], "(default: deepseek-v3-671b)"),
     (["selftest"], "(default: bagualu2-selftest)"),

@@ -17,7 +17,8 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> Optional[str]:
         text = action.help or ""
-        if action.default in (None, False) or "default" in text or action.default is argparse.SUPPRESS:
+        if action.default is None or action.default is False or action.default is argparse.SUPPRESS \
+                or "default" in text:
             return text
         return super()._get_help_string(action)
 
