@@ -71,6 +71,7 @@ def test_busy_note_only_when_the_machine_was_busy() -> None:
     (["--policies", "keep_all,fastest"], "unknown policies"),
     (["--micro-batches", "5"], "too few"),
     (["--spike-rate", "1.5"], "spike-rate"),
+    (["--spike-rate", "0.7", "--micro-batches", "20"], "at most half may spike"),
     (["--rounds", "0"], "--rounds 0 must be in"),
     (["--budget", "-5"], "--budget -5 must be a positive"),
     (["--imbalance", "0.5"], r"imbalance=0.5 is outside \[1, 4\]"),

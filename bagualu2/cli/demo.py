@@ -141,7 +141,8 @@ def paired_ratio(times_a: Sequence[float], times_b: Sequence[float], rounds: Seq
                  keep: Optional[set] = None) -> Ratio:
     """Throughput of ``a`` over ``b`` (their seconds per micro-batch, same micro-batches):
     over every micro-batch of ``rounds`` (those in ``keep`` only, when given) and per round.
-    A round with none of them gives no ratio."""
+    A round with none of them gives no ratio (``_settings`` keeps half the timed micro-batches
+    calm, so some round has them)."""
     def seconds(times: Sequence[float], r: range) -> float:
         return sum(times[i] for i in r if keep is None or i in keep)
 
@@ -209,6 +210,9 @@ def _settings(args: argparse.Namespace):
         spikes = _spike_schedule(n, args.spike_rate, args.seed, WARMUP)
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    if 2 * len(spikes) > n - WARMUP:
+        raise SystemExit(f"--spike-rate {args.spike_rate} spikes {len(spikes)} of {n - WARMUP} timed micro-batches; "
+                         f"at most half may spike, to leave calm ones to compare")
     if args.budget is not None and args.budget <= 0:
         raise SystemExit(f"--budget {args.budget} must be a positive number of bytes")
     return [p for p in POLICY_ORDER if p in policies], n, spans, spikes
@@ -271,9 +275,10 @@ def run(args: argparse.Namespace) -> int:
     _print_table(results, budget)
     for line in _verdict(results, comparisons):
         print(line)
-    some = trainers[order[0]].times
+    # The first micro-batch measured was keep_all's: another policy's calm ones, scaled to it.
+    calm_s = statistics.median(trainers[order[0]].times[i] for i in calm) / POLICY_COST[order[0]]
     load_after = os.getloadavg()[0]
-    note = busy_note(first_s, statistics.median(some[i] for i in calm), max(load_before, load_after), cpus, threads)
+    note = busy_note(first_s, calm_s, max(load_before, load_after), cpus, threads)
     if note:
         print(note)
     out = {
