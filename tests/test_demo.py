@@ -6,7 +6,7 @@ import json
 import pytest
 
 from bagualu2.cli import main
-from bagualu2.cli.demo import Ratio, busy_note, paired_ratio, rounds_of
+from bagualu2.cli.demo import Ratio, _spans, busy_note, paired_ratio, rounds_of
 
 
 def test_demo_trains_every_policy_exactly_and_adaptive_holds_the_budget(tmp_path, capsys) -> None:
@@ -19,6 +19,7 @@ def test_demo_trains_every_policy_exactly_and_adaptive_holds_the_budget(tmp_path
     assert "frozen" in printed and "static" in printed  # what each policy is, static included
     assert "adaptive over recompute_all" in printed and "rounds" in printed
     assert "losses: equal bit for bit under every policy" in printed
+    assert "profiled the operators or calibrated" in printed  # adaptive's lower first micro-batches, said
     result = json.loads((out / "demo_results.json").read_text())
     runs = result["results"]
     assert set(runs) == {"keep_all", "recompute_all", "static", "adaptive"}
@@ -58,6 +59,10 @@ def test_paired_ratio_calls_a_difference_inside_the_spread_a_tie() -> None:
     calm = paired_ratio(fast, slow, spans, keep={0, 2})  # only the kept micro-batches count
     assert (calm.low, calm.high) == (1.5, 2.0)
     assert Ratio(1.0, 0.9, 1.1).tie
+
+
+def test_spans_name_runs_of_micro_batches() -> None:
+    assert _spans([0, 1, 2, 3, 4, 9]) == "0-4, 9" and _spans([2]) == "2" and _spans([]) == ""
 
 
 def test_busy_note_only_when_the_machine_was_busy() -> None:

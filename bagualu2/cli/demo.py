@@ -273,7 +273,8 @@ def run(args: argparse.Namespace) -> int:
     times = {p: t.times for p, t in trainers.items()}
     comparisons = _comparisons(times, spans, calm)
     _print_table(results, budget)
-    for line in _verdict(results, comparisons):
+    adaptive = trainers.get("adaptive")
+    for line in _verdict(results, comparisons, _warm(adaptive) if adaptive is not None else []):
         print(line)
     # The first micro-batch measured was keep_all's: another policy's calm ones, scaled to it.
     calm_s = statistics.median(trainers[order[0]].times[i] for i in calm) / POLICY_COST[order[0]]
@@ -393,7 +394,14 @@ def _print_table(results: Dict[str, PolicyResult], budget: int) -> None:
               f"{r.over_budget_micro_batches:>27d}{match:>18}")
 
 
-def _verdict(results: Dict[str, PolicyResult], comparisons: Dict[str, Ratio]) -> List[str]:
+def _warm(trainer: _Trainer) -> List[int]:
+    """Adaptive's micro-batches that profile the operators or calibrate (release all they can, to
+    measure what that costs): slower and lower than the others, by design."""
+    prov = trainer.prov
+    return [m.micro_batch for m in prov.telemetry.micro_batches if m.calibrating or m.micro_batch < prov.profile_frames]
+
+
+def _verdict(results: Dict[str, PolicyResult], comparisons: Dict[str, Ratio], warm: List[int]) -> List[str]:
     """What the run shows, in the demo's terms: who crossed the budget, who was faster."""
     lines = ["what this run shows:"]
     a = results.get("adaptive")
@@ -417,7 +425,21 @@ def _verdict(results: Dict[str, PolicyResult], comparisons: Dict[str, Ratio]) ->
     if a is not None:
         lines.append(f"  adaptive decided in {a.decision_latency_us:.0f} us on average at each MoE gate; "
                      f"{a.traced_micro_batches} micro-batches traced (the others were calm)")
+    if warm:
+        lines.append(f"  adaptive's micro-batches {_spans(warm)} profiled the operators or calibrated (released all "
+                     f"they could, to measure what that costs): the plot's gold band, lower than keep_all's")
     return lines
+
+
+def _spans(indices: List[int]) -> str:
+    """[0, 1, 2, 3, 4, 9] -> '0-4, 9'."""
+    out: List[str] = []
+    for i in indices:
+        if out and out[-1].split("-")[-1] == str(i - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ", ".join(out)
 
 
 def _plot(trainers: Dict[str, _Trainer], spikes: List[int], budget: int, path: Path) -> Path:
@@ -440,9 +462,7 @@ def _plot(trainers: Dict[str, _Trainer], spikes: List[int], budget: int, path: P
         peaks = [p / mib for p in trainer.peaks]
         for i in spikes:
             ax.axvspan(i - 0.5, i + 0.5, color="red", alpha=0.18, lw=0)
-        warm = [m.micro_batch for m in trainer.prov.telemetry.micro_batches
-                if m.calibrating or m.micro_batch < trainer.prov.profile_frames] if name == "adaptive" else []
-        for i in warm:
+        for i in _warm(trainer) if name == "adaptive" else []:
             ax.axvspan(i - 0.5, i + 0.5, color="gold", alpha=0.35, lw=0)
         ax.plot(range(len(peaks)), peaks, color=colors[name], lw=1.2)
         over = [i for i, p in enumerate(trainer.peaks) if p > budget]
