@@ -41,6 +41,11 @@ def test_readme_snippet_runs_as_written_and_prints_what_the_readme_says() -> Non
     released = report["saved_bytes_by_choice"]["offload"] + report["saved_bytes_by_choice"]["recompute"]
     assert released > 0
     assert not scope["prov"].enabled and "forward" not in scope["model"].__dict__
+    # "a calm micro-batch of this model holds more than 6 MiB when it keeps everything"
+    model = scope["model"]
+    keep = bagualu2.enable(model, budget=None, policy="keep_all")
+    model(next(iter(scope["synthetic_batches"](model.cfg.vocab_size, batch_size=2, seq_len=64)))).backward()
+    assert keep.report()["peak_bytes_with_backward"] > 6 << 20
 
 
 def test_every_report_key_is_documented_and_every_documented_key_exists() -> None:
