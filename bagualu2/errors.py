@@ -2,23 +2,39 @@
 
 from __future__ import annotations
 
-__all__ = ["BudgetExceededError", "InfeasibleBudgetError"]
+__all__ = ["BudgetExceededError", "InfeasibleBudgetError", "exceed_hint"]
+
+
+def exceed_hint(policy: str) -> str:
+    """What would keep a run under its budget, for the policy that crossed it (``"adaptive"``,
+    ``"keep_all"``, ``"recompute_all"``, ``"offload_all"``, or ``"static"`` for a fixed plan)."""
+    if policy == "adaptive":
+        # Adaptive releases all a plan can name; what crossed is what no plan releases (inputs,
+        # labels, a save of an untraced forward with no copy engine to offload it to).
+        return ("adaptive already releases what it can, so what crossed is held by nothing a plan "
+                "releases: raise the budget or shrink the micro-batch")
+    if policy == "recompute_all":
+        return "recompute_all releases all it can already: raise the budget or shrink the micro-batch"
+    return (f"policy {policy!r} does not adapt to the routing: use policy='adaptive' (it keeps, "
+            f"offloads or recomputes per micro-batch to fit) or raise the budget")
 
 
 class BudgetExceededError(RuntimeError):
     """Resident activation bytes went over the budget (raised with ``on_exceed="raise"``).
 
     On a device this is the point where the job would have run out of memory. ``resident`` and
-    ``budget`` are in bytes; ``where`` names the operator whose activation crossed the line.
+    ``budget`` are in bytes; ``where`` names the operator whose activation crossed the line;
+    ``policy`` is the provisioner's (the message says what would help under it).
     """
 
-    def __init__(self, resident: int, budget: int, where: str) -> None:
+    def __init__(self, resident: int, budget: int, where: str, policy: str = "adaptive") -> None:
         self.resident = resident
         self.budget = budget
         self.where = where
+        self.policy = policy
         super().__init__(
             f"activation bytes {resident:,} exceed the budget {budget:,} by {resident - budget:,} "
-            f"at {where}; use policy='adaptive' or raise the budget"
+            f"at {where}; {exceed_hint(policy)}"
         )
 
 

@@ -57,7 +57,7 @@ from bagualu2.runtime import ActivationRuntime, Budget, Frame, is_recomputing
 from bagualu2.runtime.activations import AttachedHook
 from bagualu2.runtime.recipes import reset_replay_depth
 from bagualu2.plan.cost_model import CostModel
-from bagualu2.errors import BudgetExceededError
+from bagualu2.errors import BudgetExceededError, exceed_hint
 from bagualu2.inputs import (
     check_materialized, check_options, checked_counts, device_of, input_bytes, resolve_budget,
     token_slots,
@@ -147,6 +147,7 @@ class Provisioner:
         self._peak_with_backward = 0  # the ledger's high-water mark over the run (_note_peak)
         self.overlap: Any = None  # an OverlapDriver on a pipeline rank (pipeline.enable_bagualu2)
         self._last_choices: Optional[Dict[str, Choice]] = None  # what the last one that planned ran
+        self._told_violation = False  # on_exceed="record" warns at the first violation only
         self.enabled = True
 
     # -- public API -------------------------------------------------------------------------
@@ -452,7 +453,20 @@ class Provisioner:
         ))
         if self._policy.adaptive and frame.traced and not frame.profile and not frame.calibrating:
             self._last_choices = frame.choices  # the frame's, which its forward is done with
+        if frame.stats.violations and not self._told_violation:
+            self._tell_violation(frame)
         return out
+
+    def _tell_violation(self, frame: Frame) -> None:
+        """The first violation under ``on_exceed="record"``, told once: on a device it would have
+        been an out-of-memory crash, and a recorded count alone goes unread."""
+        self._told_violation = True
+        warnings.warn(
+            f"bagualu2: micro-batch {frame.index} went over the activation budget ({self.budget:,} bytes): "
+            f"peak {frame.stats.peak_resident:,} bytes, {frame.stats.violations} save(s) over it. "
+            f"{exceed_hint(self._policy.name)}. Recorded, not raised (on_exceed='record'): "
+            f"report()['violations'] counts them; this warning is shown once per provisioner",
+            UserWarning, stacklevel=4)
 
     def _check_feasible(self) -> None:
         """Refuse a micro-batch no plan can fit, before it allocates anything."""
@@ -462,7 +476,7 @@ class Provisioner:
                                       f"micro-batch {self._frames}")
 
     def _exceeded(self, resident: int, budget: int, key: str) -> None:
-        raise BudgetExceededError(resident, budget, key)
+        raise BudgetExceededError(resident, budget, key, self._policy.name)
 
     # -- gating -----------------------------------------------------------------------------
     def _gate_hook(self, spec: GateSpec) -> Callable[..., None]:

@@ -6,10 +6,17 @@ two pipeline stages trained by Megatron's 1F1B schedule. The training loop is Me
 ``forward_backward`` with one call in front, ``enable_pipeline(model, get_forward_backward_func(),
 budget=...)``: bagualu2 finds the MoE layers by itself, follows the schedule's phase, and decides
 per micro-batch, from the tokens each rank's experts receive (the token dispatcher's counts),
-what to keep, offload or recompute. Midway, every token of rank 0 is routed to expert 3 (on
-rank 1 under EP) for a few steps.
+what to keep, offload or recompute. At steps 7 to 9 every token of data-parallel rank 0 is
+routed to experts 2 and 3 (top-2; on rank 1 under EP).
 
-Run it on CPU (gloo), nothing else needed but megatron-core 0.16.1:
+The same training runs three times from the same weights on the same batches: Megatron alone
+(plain), bagualu2 keep_all and bagualu2 adaptive, both under one budget per rank, 5% above the
+peak keep_all's first calm steps showed. Rank 0 prints every rank's losses and peaks side by
+side: keep_all goes over the budget at the spike (on a device, an out-of-memory crash), adaptive
+stays within it, and every loss equals plain Megatron's.
+
+Run it on CPU (gloo) with megatron-core 0.16.1 installed (docs/engines.md), from the
+repository root:
 
     torchrun --nproc-per-node 2 examples/megatron_moe.py            # EP=2
     torchrun --nproc-per-node 2 examples/megatron_moe.py --pp 2     # PP=2, 1F1B
@@ -26,6 +33,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import Optional
 
 # Megatron's jit_fuser is torch.compile; compiling inside a provisioned forward is slow on a
 # CPU (docs/engines.md), so the example runs those functions eagerly.
@@ -34,11 +42,11 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import bagualu2  # noqa: E402
 from bagualu2.integrations.megatron import enable_pipeline  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import megatron_shims as shims  # noqa: E402  (CPU-only stand-ins, see the note above)
+from side_by_side import Run, report  # noqa: E402  (beside this file)
 
 VOCAB, HIDDEN, SEQ, MICRO_BATCH, MICRO_BATCHES = 256, 64, 32, 2, 4
 
@@ -68,26 +76,26 @@ def build_model(pp: int, ep: int):
     return model.train()
 
 
+SPIKES = range(7, 10)  # steps at which data-parallel rank 0 routes every token to experts 2 and 3
+CALM_STEPS = 3  # keep_all's first steps, whose peak sets the budget
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=14)
-    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (the rest is EP)")
-    parser.add_argument("--policy", default="adaptive", choices=bagualu2.POLICIES)
+    parser.add_argument("--steps", type=int, default=12, help="training steps of each run (default 12)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages, the rest is EP (default 1)")
     parser.add_argument("--headroom", type=float, default=1.05,
-                        help="budget as a multiple of the calm peak of the first steps")
+                        help="budget as a multiple of keep_all's calm peak (default 1.05)")
     args = parser.parse_args()
+    if args.steps <= SPIKES.stop:
+        parser.error(f"--steps {args.steps} must be above {SPIKES.stop}: the spike runs at steps 7 to 9")
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+    # keep_all going over the budget is what this example shows: the table counts it.
+    warnings.filterwarnings("ignore", message="bagualu2: micro-batch .* went over the activation budget")
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     torch.set_num_threads(1)
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    model = build_model(args.pp, dist.get_world_size() // args.pp)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    dp_group = parallel_state.get_data_parallel_group()
-    dp_rank = parallel_state.get_data_parallel_rank()
-    routers = [m for m in model.modules() if hasattr(m, "topk") and hasattr(m, "expert_bias")]
 
     def forward_step(data_iterator, model):
         tokens = next(data_iterator)
@@ -99,12 +107,13 @@ def main() -> None:
             return loss, torch.tensor(output.numel(), dtype=torch.int), {"loss": loss.detach()}
         return output, loss_func
 
-    def train_step(step: int, forward_backward) -> str:
-        spike = 7 <= step < 10 and dp_rank == 0
-        for router in routers:  # Megatron's own expert bias routes the spike (between steps)
-            router.expert_bias.zero_()
-            if spike:
-                router.expert_bias[3] = 10.0
+    def train(model, optimizer, step: int, forward_backward) -> Optional[float]:
+        dp_group = parallel_state.get_data_parallel_group()
+        dp_rank = parallel_state.get_data_parallel_rank()
+        for router in (m for m in model.modules() if hasattr(m, "topk") and hasattr(m, "expert_bias")):
+            router.expert_bias.zero_()  # Megatron's own expert bias routes the spike (between steps)
+            if step in SPIKES and dp_rank == 0:
+                router.expert_bias[2:] = 10.0
         g = torch.Generator().manual_seed(1000 * dp_rank + step)
         data = iter([torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=g) for _ in range(MICRO_BATCHES)])
         losses = forward_backward(forward_step_func=forward_step, data_iterator=data, model=[model],
@@ -116,25 +125,41 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         # Only the last pipeline stage computes the loss.
-        return f"{float(sum(d['loss'] for d in losses)):.4f}" if losses else "(last stage)"
+        return float(sum(d["loss"] for d in losses)) if losses else None
 
-    # Measure the calm peak with keep_all, then hold each rank to its own budget above it.
-    probe, forward_backward = enable_pipeline(model, get_forward_backward_func(), budget=None, policy="keep_all")
-    for step in range(3):
-        train_step(step, forward_backward)
-    calm = probe.report()["peak_bytes_with_backward"]
-    probe.disable()
-    prov, forward_backward = enable_pipeline(model, get_forward_backward_func(),
-                                             budget=int(calm * args.headroom), policy=args.policy)
-    for step in range(3, args.steps):
-        loss = train_step(step, forward_backward)
-        print(f"rank {rank} step {step:2d} loss {loss} activation peak so far "
-              f"{prov.report()['peak_bytes_with_backward']:,} B", flush=True)
-    report = prov.report()
-    print(f"rank {rank}: gates {len(report['gates'])}, budget {report['budget_bytes']:,} B, "
-          f"peak {report['peak_bytes_with_backward']:,} B, violations {report['violations']}, "
-          f"saved bytes by choice {report['saved_bytes_by_choice']}", flush=True)
+    def fresh():  # the same weights every time: Megatron's init under one seed
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        model = build_model(args.pp, dist.get_world_size() // args.pp)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    plain = Run("plain")
+    model, optimizer = fresh()
+    for step in range(args.steps):
+        plain.record(train(model, optimizer, step, get_forward_backward_func()))
+
+    # min_bytes=0: this tiny model's activations are all under the default 64 KiB, which are
+    # kept whatever the budget; a real model's are far larger.
+    keep_all = Run("keep_all")
+    model, optimizer = fresh()
+    prov, forward_backward = enable_pipeline(model, get_forward_backward_func(), budget=None,
+                                             policy="keep_all", min_bytes=0)
+    for step in range(args.steps):
+        if step == CALM_STEPS:  # each rank its own budget, above its own calm peak
+            prov.budget = int(keep_all.calm_peak() * args.headroom)
+        keep_all.record(train(model, optimizer, step, forward_backward), prov)
+    budget = prov.budget
     prov.disable()
+
+    adaptive = Run("adaptive")
+    model, optimizer = fresh()
+    prov, forward_backward = enable_pipeline(model, get_forward_backward_func(), budget=budget,
+                                             policy="adaptive", min_bytes=0)
+    for step in range(args.steps):
+        adaptive.record(train(model, optimizer, step, forward_backward), prov)
+    prov.disable()
+
+    report([plain, keep_all, adaptive], SPIKES, first_step=0)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 

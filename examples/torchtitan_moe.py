@@ -4,10 +4,16 @@ torchtitan builds and parallelizes a tiny Qwen3-MoE with its own functions (FSDP
 ranks, experts split over them by EP=2); the training loop is unchanged except for one call,
 ``bagualu2.enable(model, budget=...)``, which finds the MoE layers by itself and decides, per
 micro-batch, from the tokens each rank's experts receive after torchtitan's count exchange,
-what to keep, offload or recompute. Midway, every token of rank 0 is routed to expert 3
-(which lives on rank 1) for a few steps: rank 1's experts receive a spike they did not route.
+what to keep, offload or recompute. At steps 8 to 10 every token of rank 0 is routed to experts
+2 and 3 (top-2; they live on rank 1): rank 1's experts receive a spike they did not route.
 
-Run it on CPU (gloo), nothing else needed:
+The same training runs three times from the same weights on the same batches: torchtitan alone
+(plain), bagualu2 keep_all and bagualu2 adaptive, both under one budget per rank, 5% above
+the peak keep_all's first calm steps showed. Rank 0 prints every rank's losses and peaks side by
+side: on rank 1 keep_all goes over the budget at the spike (on a device, an out-of-memory crash),
+adaptive stays within it, and every loss equals plain torchtitan's.
+
+Run it on CPU (gloo) with torchtitan 0.3.0 installed (docs/engines.md), from the repository root:
 
     torchrun --nproc-per-node 2 examples/torchtitan_moe.py
 
@@ -20,7 +26,6 @@ compile and ``training.enable_cpu_offload``: bagualu2 refuses them at enable, na
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -34,6 +39,7 @@ import bagualu2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import torchtitan_shims as shims  # noqa: E402  (CPU-only stand-ins, see the note above)
+from side_by_side import Run, report  # noqa: E402  (beside this file)
 
 VOCAB, DIM, HEAD_DIM, SEQ, BATCH = 256, 64, 16, 32, 2
 
@@ -74,26 +80,30 @@ def build_model(ep: int):
     return model.train()
 
 
+SPIKES = range(8, 11)  # steps at which rank 0 routes every token to experts 2 and 3 (on rank 1)
+CALM_STEPS = 3  # keep_all's first steps, whose peak sets the budget
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--policy", default="adaptive", choices=bagualu2.POLICIES)
+    parser.add_argument("--steps", type=int, default=14, help="training steps of each run (default 14)")
     parser.add_argument("--headroom", type=float, default=1.05,
-                        help="budget as a multiple of the calm peak of the first steps")
+                        help="budget as a multiple of keep_all's calm peak (default 1.05)")
     args = parser.parse_args()
+    if args.steps <= SPIKES.stop:
+        parser.error(f"--steps {args.steps} must be above {SPIKES.stop}: the spike runs at steps 8 to 10")
     warnings.filterwarnings("ignore", message="In CPU autocast")  # torchtitan's fp32 router autocast
+    # keep_all going over the budget is what this example shows: the table counts it.
+    warnings.filterwarnings("ignore", message="bagualu2: micro-batch .* went over the activation budget")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.set_num_threads(1)
-    model = build_model(ep=dist.get_world_size())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    def train_step(step: int) -> float:
-        spike = 8 <= step < 11 and rank == 0
+    def train(model, optimizer, step: int) -> float:
         for layer in model.layers.values():  # torchtitan's own load-balancing bias routes the spike
             layer.moe.expert_bias_E.zero_()
-            if spike:
-                layer.moe.expert_bias_E[3] = 1.0
+            if step in SPIKES and rank == 0:
+                layer.moe.expert_bias_E[2:] = 1.0
         g = torch.Generator().manual_seed(1000 * rank + step)
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
         logits = model(tokens[:, :-1])
@@ -103,23 +113,35 @@ def main() -> None:
         optimizer.zero_grad()
         return loss.item()
 
-    # Measure the calm peak with keep_all, then hold each rank to its own budget above it.
-    probe = bagualu2.enable(model, budget=None, policy="keep_all")
-    for step in range(3):
-        train_step(step)
-    calm = probe.report()["peak_bytes_with_backward"]
-    probe.disable()
-    prov = bagualu2.enable(model, budget=int(calm * args.headroom), policy=args.policy)
-    for step in range(3, args.steps):
-        loss = train_step(step)
-        prov.step()
-        print(f"rank {rank} step {step:2d} loss {loss:.4f} activation peak so far "
-              f"{prov.report()['peak_bytes_with_backward']:,} B", flush=True)
-    report = prov.report()
-    print(f"rank {rank}: gates {len(report['gates'])}, budget {report['budget_bytes']:,} B, "
-          f"peak {report['peak_bytes_with_backward']:,} B, violations {report['violations']}, "
-          f"saved bytes by choice {report['saved_bytes_by_choice']}", flush=True)
+    def fresh():  # the same weights every time: torchtitan's init under one seed
+        model = build_model(ep=dist.get_world_size())
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    plain = Run("plain")
+    model, optimizer = fresh()
+    for step in range(args.steps):
+        plain.record(train(model, optimizer, step))
+
+    # min_bytes=0: this tiny model's activations are all under the default 64 KiB, which are
+    # kept whatever the budget; a real model's are far larger.
+    keep_all = Run("keep_all")
+    model, optimizer = fresh()
+    prov = bagualu2.enable(model, budget=None, policy="keep_all", min_bytes=0)
+    for step in range(args.steps):
+        if step == CALM_STEPS:  # each rank its own budget, above its own calm peak
+            prov.budget = int(keep_all.calm_peak() * args.headroom)
+        keep_all.record(train(model, optimizer, step), prov)
+    budget = prov.budget
     prov.disable()
+
+    adaptive = Run("adaptive")
+    model, optimizer = fresh()
+    prov = bagualu2.enable(model, budget=budget, policy="adaptive", min_bytes=0)
+    for step in range(args.steps):
+        adaptive.record(train(model, optimizer, step), prov)
+    prov.disable()
+
+    report([plain, keep_all, adaptive], SPIKES, first_step=0)
     dist.destroy_process_group()
 
 

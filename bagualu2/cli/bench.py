@@ -61,13 +61,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="auto", help="auto|cpu|cuda|hip (default auto)")
     parser.add_argument("--min-time", type=float, default=0.2,
                         help="seconds of copying per method and size, at least --min-iters batches per pass")
-    parser.add_argument("--min-iters", type=int, default=3)
-    parser.add_argument("--max-iters", type=int, default=200)
+    parser.add_argument("--min-iters", type=int, default=3, help="fewest batches per method, size and pass")
+    parser.add_argument("--max-iters", type=int, default=200, help="most batches per method, size and pass")
     parser.add_argument("--passes", type=int, default=3,
                         help="rounds in which every method runs its block of batches (drift reaches all alike)")
     parser.add_argument("--chunk-bytes", type=parse_size, default=None,
                         help="engine chunk size (default: the backend's, 4M on cpu, 16M on gpus)")
-    parser.add_argument("--out", default="out/bench_offload", help="output path prefix (.json, .png)")
+    parser.add_argument("--out", default="bagualu2-bench/offload",
+                        help="path prefix of the outputs, PREFIX.json and PREFIX.png "
+                             "(default: bagualu2-bench/offload, in the folder bagualu2-bench)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -237,7 +239,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         from tqdm import tqdm
-        bar = tqdm(total=len(sizes) * 7, disable=args.quiet, desc="offload bandwidth", file=sys.stderr)
+        bar = tqdm(total=len(sizes) * 7, unit="measurement", disable=args.quiet, desc="offload bandwidth",
+                   file=sys.stderr)
     except ImportError:  # pragma: no cover - tqdm is a dependency
         bar = None
     results = []
@@ -253,7 +256,8 @@ def run(args: argparse.Namespace) -> int:
             if fn is not None:
                 plan.append((direction, "hip_memcpy", fn))
         if bar is not None:
-            bar.set_postfix_str(f"{human(n)}: {len(plan)} methods round-robin")
+            methods = len({name for _, name, _ in plan})
+            bar.set_postfix_str(f"{human(n)}: {methods} methods taking turns, both directions")
         for (direction, name, _), m in zip(plan, _measure([fn for _, _, fn in plan], n * s.k, args)):
             m["batch"] = s.k
             if name == "save_on_cpu" and cpu_tensors:

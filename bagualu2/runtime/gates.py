@@ -239,8 +239,9 @@ def describe_unsupported(model: nn.Module) -> str:
             continue  # a scalar gate (e.g. Qwen2-MoE's shared_expert_gate) routes nothing
         if isinstance(module, nn.Linear):
             block = modules.get(_parent(name))
-            why = (f"nn.Linear({module.in_features}, {module.out_features}); a 4.x-style gate must be "
-                   f"named `gate` in a block with `experts` and `top_k`/`num_experts_per_tok` "
+            why = (f"nn.Linear({module.in_features}, {module.out_features}); a gate that is a plain Linear "
+                   f"layer (as in transformers 4.x) is found when it is named `gate` in a block with "
+                   f"`experts` and `top_k`/`num_experts_per_tok` "
                    f"(parent: {type(block).__name__ if block is not None else None})")
         else:
             missing = [attr for attr, names in (("top_k", ("top_k",)),

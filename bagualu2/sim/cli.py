@@ -31,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pp", type=int, default=16, help="pipeline stages")
     g.add_argument("--vpp", type=int, default=1,
                    help="virtual stages per pipeline stage (interleaved 1F1B when > 1)")
-    g.add_argument("--ep", type=int, default=64, help="expert parallel size")
+    g.add_argument("--ep", type=int, default=None,
+                   help="expert parallel size (default: the largest divisor of the model's experts up "
+                        "to 64: 64 for DeepSeek-V3's 256, 8 for Mixtral's 8; 1 for a dense model)")
     g.add_argument("--dp", type=int, default=12, help="data parallel size (on top of ep)")
     g.add_argument("--microbatches", type=int, default=0,
                    help="micro-batches per step (default 4 * pp)")
@@ -110,7 +112,8 @@ def _run(args: argparse.Namespace) -> int:
     policies = _policies(args.policies)
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
-    layout = Layout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, dp=args.dp,
+    ep = args.ep if args.ep is not None else default_ep(model.experts)
+    layout = Layout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=ep, dp=args.dp,
                     microbatches=args.microbatches, mbs=args.mbs, seq=model.seq)
     layout.validate(model)
     if args.seq == "auto":
@@ -150,12 +153,31 @@ def _run(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     print(format_table(result))
+    note = _why_alike(result)
+    if note:
+        print(note)
     print(f"simulated {result.steps} steps x {len(policies)} policies in {result.wall_s:.1f} s")
     if args.out:
         paths = write_outputs(result, args.out)
         _plot_throughput(result, Path(args.out) / "throughput.png")
         print("wrote " + ", ".join(str(p) for p in paths + [Path(args.out) / "throughput.png"]))
     return 0
+
+
+def default_ep(experts: int) -> int:
+    """``--ep`` when not given: the largest divisor of the model's routed experts up to 64."""
+    return max(d for d in range(1, 65) if experts % d == 0) if experts else 1
+
+
+def _why_alike(result: "SimResult") -> Optional[str]:
+    """Say why the policies look alike when no spike pushed keep_all past device memory."""
+    keep = result.policies.get("keep_all")
+    if keep is None or keep.summary.get("oom_count", 0) or float(keep.peak.max()) > result.device_memory:
+        return None
+    return (f"note: keep_all never ran out of memory here (highest stage peak "
+            f"{float(keep.peak.max()) / 2**30:.1f} GiB of {result.device_memory / 2**30:.0f} GiB): every spike "
+            f"fit, so adaptive keeps everything as keep_all does, and policies differ only by what they recompute "
+            f"or offload without need. Raise the load (--seq auto, --seq, --mbs, --max-imbalance) to see them part.")
 
 
 def _plot_throughput(result: "SimResult", path: Path) -> None:
