@@ -26,10 +26,11 @@ def _quiet_import() -> None:
         import megatron.core.models.gpt  # noqa: F401
 
 
-def build(*, pp: int = 1, ep: int = 1, dispatcher: str = "alltoall", shared_expert: bool = True,
-          dropout: float = 0.1, **config_options: Any) -> SimpleNamespace:
-    """Megatron's parallel state over the launched ranks (TP=1, ``pp`` stages, EP ``ep``) and
-    this rank's stage of a tiny MoE GPTModel built by Megatron's own classes."""
+def build(*, pp: int = 1, ep: int = 1, vpp: Optional[int] = None, dispatcher: str = "alltoall",
+          shared_expert: bool = True, dropout: float = 0.1, **config_options: Any) -> SimpleNamespace:
+    """Megatron's parallel state over the launched ranks (TP=1, ``pp`` stages, EP ``ep``, ``vpp``
+    model chunks per rank when given: ``LAYERS`` layers per chunk) and this rank's chunks of a
+    tiny MoE GPTModel built by Megatron's own classes (``chunks``; ``model`` is the first)."""
     _quiet_import()
     import megatron_shims as shims
     from megatron.core import parallel_state
@@ -40,10 +41,11 @@ def build(*, pp: int = 1, ep: int = 1, dispatcher: str = "alltoall", shared_expe
 
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        virtual_pipeline_model_parallel_size=vpp)
     shims.use_cpu(seed=1234)
     options = dict(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=2 * HIDDEN,
+        num_layers=LAYERS * (vpp or 1), hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=2 * HIDDEN,
         num_moe_experts=EXPERTS, moe_router_topk=TOP_K, moe_ffn_hidden_size=HIDDEN,
         moe_token_dispatcher_type=dispatcher, moe_aux_loss_coeff=1e-2,
         moe_router_load_balancing_type="aux_loss", moe_router_score_function="sigmoid",
@@ -51,17 +53,22 @@ def build(*, pp: int = 1, ep: int = 1, dispatcher: str = "alltoall", shared_expe
         moe_shared_expert_intermediate_size=HIDDEN if shared_expert else None,
         hidden_dropout=dropout, attention_dropout=0.0, add_bias_linear=False,
         pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        virtual_pipeline_model_parallel_size=vpp,
         **shims.cpu_config_options())
     options.update(config_options)
     config = TransformerConfig(**options)
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
     torch.manual_seed(1234)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
-                     max_sequence_length=SEQ, pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage(),
-                     share_embeddings_and_output_weights=False, position_embedding_type="rope")
-    model.train()
-    return SimpleNamespace(model=model, config=config, pp=pp, ep=ep,
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = dict(ignore_virtual=False, vp_stage=vp_stage) if vpp else {}
+        chunk = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
+                         max_sequence_length=SEQ, pre_process=parallel_state.is_pipeline_first_stage(**stage),
+                         post_process=parallel_state.is_pipeline_last_stage(**stage),
+                         share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                         vp_stage=vp_stage if vpp else None)
+        chunks.append(chunk.train())
+    return SimpleNamespace(model=chunks[0], chunks=chunks, config=config, pp=pp, ep=ep,
                            forward_backward=get_forward_backward_func())
 
 
@@ -107,27 +114,68 @@ def step(run: SimpleNamespace, seed: int, microbatches: int, spike: Optional[int
          forward_backward: Any = None) -> Dict[str, Any]:
     """One training step of ``microbatches`` through Megatron's schedule (the same RNG state for
     every run of it), routing this rank's tokens onto expert ``spike`` if given; returns the
-    losses this rank saw, every gradient and the tokens each router counted for its expert-bias
-    update (which a rerun in backward must not count twice), and clears them."""
+    losses this rank saw, every gradient of every chunk and the tokens each router counted for
+    its expert-bias update (which a rerun in backward must not count twice), and clears them."""
     import megatron_shims as shims
 
     func = forward_backward or run.forward_backward
-    set_spike(run.model, spike)
-    for router in _routers(run.model):
+    routers = [r for chunk in run.chunks for r in _routers(chunk)]
+    for chunk in run.chunks:
+        set_spike(chunk, spike)
+    for router in routers:
         router.local_tokens_per_expert.zero_()  # as Megatron's expert-bias update does each step
     shims.use_cpu(seed=seed)
-    data = iter(batches(seed, microbatches))
-    losses = func(forward_step_func=forward_step, data_iterator=data, model=[run.model],
+    # The interleaved schedule reads each chunk's micro-batches from its own iterator.
+    data = ([iter(batches(seed, microbatches)) for _ in run.chunks] if len(run.chunks) > 1
+            else iter(batches(seed, microbatches)))
+    losses = func(forward_step_func=forward_step, data_iterator=data, model=run.chunks,
                   num_microbatches=microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
                   forward_only=False)
     loss = torch.stack([d["loss"] for d in losses]) if losses else torch.zeros(0)
     grads = {}
-    for name, p in run.model.named_parameters():
-        if p.grad is not None:
-            grads[name] = p.grad.detach().clone()
-        p.grad = None
-    counted = {f"router {i}": r.local_tokens_per_expert.clone() for i, r in enumerate(_routers(run.model))}
+    for i, chunk in enumerate(run.chunks):
+        for name, p in chunk.named_parameters():
+            if p.grad is not None:
+                grads[f"chunk {i}: {name}"] = p.grad.detach().clone()
+            p.grad = None
+    counted = {f"router {i}": r.local_tokens_per_expert.clone() for i, r in enumerate(routers)}
     return {"loss": loss, "grads": grads, "counted": counted}
+
+
+def trace_schedule(run: SimpleNamespace, prov: Any = None) -> tuple:
+    """Record the order in which Megatron's schedule runs forwards and backwards on this rank's
+    chunks: ``("F", chunk, declared)`` as each chunk's decoder begins (``declared``: the phase and
+    stacked forwards ``prov`` was told for it, when given) and ``("B", chunk)`` as the gradient of
+    its decoder's output arrives. Returns (the record, a function removing the hooks)."""
+    record: List[tuple] = []
+    handles = []
+    for i, chunk in enumerate(run.chunks):
+        def before(module: Any, args: Any, i: int = i) -> None:
+            if torch.is_grad_enabled():
+                told = [prov.stacking.phase, prov.stacking.declared] if prov is not None else None
+                record.append(("F", i, told))
+
+        def after(module: Any, args: Any, out: Any, i: int = i) -> None:
+            if torch.is_grad_enabled() and out.requires_grad:
+                out.register_hook(lambda grad: record.append(("B", i)))
+
+        handles += [chunk.decoder.register_forward_pre_hook(before), chunk.decoder.register_forward_hook(after)]
+    return record, lambda: [h.remove() for h in handles]
+
+
+def stacked_in(record: List[tuple]) -> List[List[int]]:
+    """[chunk, forwards after it before the next backward] of each forward of a ``trace_schedule``
+    record: what actually stacked."""
+    out = []
+    for n, event in enumerate(record):
+        if event[0] == "F":
+            later = 0
+            for other in record[n + 1:]:
+                if other[0] == "B":
+                    break
+                later += 1
+            out.append([event[1], later])
+    return out
 
 
 def mismatches(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
@@ -157,7 +205,8 @@ def run_case(rank: int, world: int, case: Dict[str, Any], out: str) -> None:
     from bagualu2.integrations import megatron as adapter
     from megatron.core import parallel_state
 
-    options = {k: v for k, v in case.items() if k not in ("microbatches", "spike_rank", "spike_expert", "plan_seed")}
+    options = {k: v for k, v in case.items()
+               if k not in ("microbatches", "spike_rank", "spike_expert", "plan_seed", "spiked_keep_all")}
     run = build(**options)
     micro = case.get("microbatches", 2)
     data_rank = parallel_state.get_data_parallel_rank()
@@ -175,8 +224,19 @@ def run_case(rank: int, world: int, case: Dict[str, Any], out: str) -> None:
         return results
 
     prov = None
-    plain = {"static": sequence(STATIC), "spikes": sequence(SPIKES)}
-    found: Dict[str, Any] = {"gates": [], "policies": {}}
+    traced, untrace = trace_schedule(run)
+    plain = {"static": sequence(STATIC)}
+    untrace()
+    plain["spikes"] = sequence(SPIKES)
+    stages, stage = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
+    if len(run.chunks) > 1:
+        derived = [[c, n] for c, _, n in adapter.interleaved_phases(
+            stages, stage, micro, len(run.chunks), run.config.microbatch_group_size_per_vp_stage)]
+    else:
+        derived = [[0, n] for _, n in adapter.one_f_one_b_phases(stages, stage, micro)]
+    # What stacked in Megatron's own run, against what enable_pipeline derives (one step's worth).
+    found_schedule = {"megatron": stacked_in(traced), "derived": derived * len(STATIC)}
+    found: Dict[str, Any] = {"gates": [], "policies": {}, "schedule": found_schedule}
 
     def record(name: str, results: List[Dict[str, Any]], report: Dict[str, Any]) -> None:
         reference = plain["spikes" if len(results) == len(plain["spikes"]) else "static"]
@@ -191,14 +251,14 @@ def run_case(rank: int, world: int, case: Dict[str, Any], out: str) -> None:
             "counts": [r.get("counts") for r in results]}
 
     for policy in ("keep_all", "offload_all", "recompute_all"):
-        prov, fb = adapter.enable_pipeline(run.model, run.forward_backward, budget=None, policy=policy, min_bytes=0)
+        prov, fb = adapter.enable_pipeline(run.chunks, run.forward_backward, budget=None, policy=policy, min_bytes=0)
         results = sequence(STATIC, fb)
         found["gates"] = prov.report()["gates"]
         record(policy, results, prov.report())
         prov.disable()
 
     # A random plan over the operator keys a profiled step saved.
-    prov, fb = adapter.enable_pipeline(run.model, run.forward_backward, budget=None,
+    prov, fb = adapter.enable_pipeline(run.chunks, run.forward_backward, budget=None,
                                        policy=bagualu2.Plan({}), min_bytes=0)
     first = sequence(STATIC[:1], fb)  # profiled, all kept
     pick = random.Random(case.get("plan_seed", 0))
@@ -207,12 +267,24 @@ def run_case(rank: int, world: int, case: Dict[str, Any], out: str) -> None:
     prov.disable()
 
     # Adaptive under a budget 5% above the calm peak of keep_all on this rank.
-    prov, fb = adapter.enable_pipeline(run.model, run.forward_backward, budget=None, policy="keep_all", min_bytes=0)
+    prov, fb = adapter.enable_pipeline(run.chunks, run.forward_backward, budget=None, policy="keep_all", min_bytes=0)
     sequence([False] * 2, fb)
     calm = prov.report()["peak_bytes_with_backward"]
     prov.disable()
-    prov, fb = adapter.enable_pipeline(run.model, run.forward_backward, budget=int(calm * 1.05),
+    if case.get("spiked_keep_all"):
+        # The same budget under keep_all through the same spikes: what adaptive has to hold.
+        prov, fb = adapter.enable_pipeline(run.chunks, run.forward_backward, budget=int(calm * 1.05),
+                                           policy="keep_all", min_bytes=0)
+        record("keep_all_spiked", sequence(SPIKES, fb), prov.report())
+        prov.disable()
+    prov, fb = adapter.enable_pipeline(run.chunks, run.forward_backward, budget=int(calm * 1.05),
                                        policy="adaptive", min_bytes=0)
+    traced, untrace = trace_schedule(run, prov)
     record("adaptive", sequence(SPIKES, fb), prov.report())
+    untrace()
     prov.disable()
+    # What the provisioner was told before each forward, against what then stacked.
+    found_schedule["told"] = [[e[1], e[2][1]] for e in traced if e[0] == "F"]
+    found_schedule["phases"] = [e[2][0] for e in traced if e[0] == "F"]
+    found_schedule["provisioned"] = stacked_in(traced)
     Path(out, f"rank{rank}.json").write_text(json.dumps(found))
