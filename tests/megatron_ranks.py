@@ -10,7 +10,7 @@ import warnings
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 
@@ -27,10 +27,13 @@ def _quiet_import() -> None:
 
 
 def build(*, pp: int = 1, ep: int = 1, vpp: Optional[int] = None, dispatcher: str = "alltoall",
-          shared_expert: bool = True, dropout: float = 0.1, **config_options: Any) -> SimpleNamespace:
+          shared_expert: bool = True, dropout: float = 0.1, device: str = "cpu", te: bool = False,
+          grouped_gemm: bool = False, **config_options: Any) -> SimpleNamespace:
     """Megatron's parallel state over the launched ranks (TP=1, ``pp`` stages, EP ``ep``, ``vpp``
     model chunks per rank when given: ``LAYERS`` layers per chunk) and this rank's chunks of a
-    tiny MoE GPTModel built by Megatron's own classes (``chunks``; ``model`` is the first)."""
+    tiny MoE GPTModel built by Megatron's own classes (``chunks``; ``model`` is the first).
+    ``device="cuda"``: on this rank's GPU without the CPU shims, with Transformer Engine's layer
+    spec when ``te`` (its grouped GEMM experts when ``grouped_gemm``)."""
     _quiet_import()
     import megatron_shims as shims
     from megatron.core import parallel_state
@@ -39,11 +42,13 @@ def build(*, pp: int = 1, ep: int = 1, vpp: Optional[int] = None, dispatcher: st
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    if device == "cuda":
+        torch.cuda.set_device(torch.distributed.get_rank() % torch.cuda.device_count())
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=1, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
         virtual_pipeline_model_parallel_size=vpp)
-    shims.use_cpu(seed=1234)
+    reseed(device, 1234)
     options = dict(
         num_layers=LAYERS * (vpp or 1), hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=2 * HIDDEN,
         num_moe_experts=EXPERTS, moe_router_topk=TOP_K, moe_ffn_hidden_size=HIDDEN,
@@ -54,10 +59,17 @@ def build(*, pp: int = 1, ep: int = 1, vpp: Optional[int] = None, dispatcher: st
         hidden_dropout=dropout, attention_dropout=0.0, add_bias_linear=False,
         pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
         virtual_pipeline_model_parallel_size=vpp,
-        **shims.cpu_config_options())
+        **(shims.cpu_config_options() if device == "cpu" else dict(
+            moe_grouped_gemm=grouped_gemm, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+            deallocate_pipeline_outputs=False)))
     options.update(config_options)
     config = TransformerConfig(**options)
-    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
+    if te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=EXPERTS, moe_grouped_gemm=grouped_gemm)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
     torch.manual_seed(1234)
     chunks = []
     for vp_stage in range(vpp or 1):
@@ -67,9 +79,23 @@ def build(*, pp: int = 1, ep: int = 1, vpp: Optional[int] = None, dispatcher: st
                          post_process=parallel_state.is_pipeline_last_stage(**stage),
                          share_embeddings_and_output_weights=False, position_embedding_type="rope",
                          vp_stage=vp_stage if vpp else None)
-        chunks.append(chunk.train())
-    return SimpleNamespace(model=chunks[0], chunks=chunks, config=config, pp=pp, ep=ep,
+        chunks.append(chunk.to(device).train())
+    return SimpleNamespace(model=chunks[0], chunks=chunks, config=config, pp=pp, ep=ep, device=device,
                            forward_backward=get_forward_backward_func())
+
+
+def reseed(device: str, value: int) -> None:
+    """Seed torch and Megatron's RNG tracker: on the CPU generator through the test shims, or
+    as Megatron seeds a GPU run."""
+    import megatron_shims as shims
+
+    if device == "cpu":
+        shims.use_cpu(seed=value)
+    else:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        torch.manual_seed(value)
+        model_parallel_cuda_manual_seed(value)
 
 
 def batches(seed: int, count: int) -> List[Dict[str, Any]]:
@@ -86,15 +112,17 @@ def _routers(model: torch.nn.Module) -> List[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "topk") and hasattr(m, "expert_bias")]
 
 
-def set_spike(model: torch.nn.Module, expert: Optional[int]) -> None:
-    """Route every token of this rank to ``expert`` (besides its other top-k choices) through
-    Megatron's own expert bias, or route freely again (``None``). Called between steps only, as
-    Megatron updates the bias: under 1F1B a micro-batch's backward comes after later
-    micro-batches' forwards, and a recompute must see the routing its forward saw."""
+def set_spike(model: torch.nn.Module, expert: Union[int, List[int], None]) -> None:
+    """Route every token of this rank to ``expert`` (an expert, or a list of at most top-k of them;
+    besides its other top-k choices) through Megatron's own expert bias, or route freely again
+    (``None``). Called between steps only, as Megatron updates the bias: under 1F1B a
+    micro-batch's backward comes after later micro-batches' forwards, and a recompute must see
+    the routing its forward saw."""
+    experts = [] if expert is None else [expert] if isinstance(expert, int) else list(expert)
     for router in _routers(model):
         router.expert_bias.zero_()
-        if expert is not None:
-            router.expert_bias[expert] = 10.0  # above any sigmoid score: always chosen
+        for e in experts:
+            router.expert_bias[e] = 10.0  # above any sigmoid score: always chosen
 
 
 def _loss_func(output: torch.Tensor) -> tuple:
@@ -105,26 +133,25 @@ def _loss_func(output: torch.Tensor) -> tuple:
 def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple:
     """Megatron's forward_step_func: per-token losses and their reduction."""
     batch = next(data_iterator)
-    position_ids = torch.arange(SEQ).unsqueeze(0).expand(MICRO_BATCH, -1)
-    output = model(batch["tokens"], position_ids, None, labels=batch["labels"])
+    device = next(model.parameters()).device
+    position_ids = torch.arange(SEQ, device=device).unsqueeze(0).expand(MICRO_BATCH, -1)
+    output = model(batch["tokens"].to(device), position_ids, None, labels=batch["labels"].to(device))
     return output, _loss_func
 
 
-def step(run: SimpleNamespace, seed: int, microbatches: int, spike: Optional[int] = None,
+def step(run: SimpleNamespace, seed: int, microbatches: int, spike: Union[int, List[int], None] = None,
          forward_backward: Any = None) -> Dict[str, Any]:
     """One training step of ``microbatches`` through Megatron's schedule (the same RNG state for
     every run of it), routing this rank's tokens onto expert ``spike`` if given; returns the
     losses this rank saw, every gradient of every chunk and the tokens each router counted for
     its expert-bias update (which a rerun in backward must not count twice), and clears them."""
-    import megatron_shims as shims
-
     func = forward_backward or run.forward_backward
     routers = [r for chunk in run.chunks for r in _routers(chunk)]
     for chunk in run.chunks:
         set_spike(chunk, spike)
     for router in routers:
         router.local_tokens_per_expert.zero_()  # as Megatron's expert-bias update does each step
-    shims.use_cpu(seed=seed)
+    reseed(run.device, seed)
     # The interleaved schedule reads each chunk's micro-batches from its own iterator.
     data = ([iter(batches(seed, microbatches)) for _ in run.chunks] if len(run.chunks) > 1
             else iter(batches(seed, microbatches)))
@@ -210,7 +237,8 @@ def run_case(rank: int, world: int, case: Dict[str, Any], out: str) -> None:
     run = build(**options)
     micro = case.get("microbatches", 2)
     data_rank = parallel_state.get_data_parallel_rank()
-    spike = case.get("spike_expert", 3) if data_rank == case.get("spike_rank", 0) else None
+    # The data-parallel rank that spikes (None: every one).
+    spike = case.get("spike_expert", 3) if case.get("spike_rank", 0) in (None, data_rank) else None
 
     def sequence(spikes: List[bool], forward_backward: Any = None, start: int = 0) -> List[Dict[str, Any]]:
         results = []

@@ -1,6 +1,6 @@
 """Megatron-Core as an engine: tiny MoE GPTModels built by Megatron's own classes (local spec),
-trained through Megatron's own schedules (``get_forward_backward_func()``: no pipelining, and
-the non-interleaved 1F1B) on gloo, with and without bagualu2.
+trained through Megatron's own schedules (``get_forward_backward_func()``: no pipelining, the
+1F1B and the interleaved 1F1B with two model chunks per rank) on gloo, with and without bagualu2.
 
 Invariants defended, on every rank: exactness (loss and every gradient bit for bit against the
 same Megatron run without bagualu2, for keep_all, offload_all, recompute_all, a random
@@ -9,7 +9,9 @@ violations, the first pipeline stage included), nothing leaked (no resident acti
 and no host copy in use after each step); that the gates are found without registration and
 report the tokens each rank's experts receive (the token dispatcher's counts, alltoall and
 allgather); that the routers count each micro-batch's tokens for their expert-bias update once,
-as without bagualu2; and that Megatron's own recompute / offload options are refused by name.
+as without bagualu2; that the phase declared before each forward is what then stacks in
+Megatron's own schedule (and, interleaved, that a spike on an EP rank pushes keep_all over the
+budget adaptive holds); and that Megatron's own recompute / offload options are refused by name.
 
 The CPU shims Megatron needs here are in tests/megatron_shims.py (docs/engines.md). The ranks
 run with TORCHDYNAMO_DISABLE=1: Megatron's ``jit_fuser`` compiles a few functions with
@@ -18,6 +20,7 @@ docs/engines.md); both runs compared are then eager.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -76,8 +79,11 @@ CASES = {
     "pp2_1f1b": ({"pp": 2, "microbatches": 3}, 2),
     "pp2_ep2": ({"pp": 2, "ep": 2, "microbatches": 3}, 4),
     # Interleaved 1F1B: two model chunks per rank (one layer each), micro-batch groups of 2.
-    "pp2_vpp2": ({"pp": 2, "vpp": 2, "microbatches": 4, "spiked_keep_all": True}, 2),
-    "pp2_vpp2_ep2": ({"pp": 2, "vpp": 2, "ep": 2, "microbatches": 4, "spiked_keep_all": True}, 4),
+    "pp2_vpp2": ({"pp": 2, "vpp": 2, "microbatches": 4}, 2),
+    # Every rank routes all its tokens onto both experts of EP rank 1: a spike that about
+    # doubles what those experts receive.
+    "pp2_vpp2_ep2": ({"pp": 2, "vpp": 2, "ep": 2, "microbatches": 4, "spiked_keep_all": True,
+                      "spike_expert": [2, 3], "spike_rank": None}, 4),
 }
 
 
@@ -119,7 +125,7 @@ def test_megatron_exact_budget_no_leak(layout: str, tmp_path: Path, monkeypatch:
     _check(found)
     if case.get("pp", 1) > 1:
         _check_schedule(layout, case, found)
-    if case.get("spiked_keep_all") and case.get("ep", 1) > 1:
+    if case.get("spiked_keep_all"):
         _check_keep_all_crosses(case, found)
     for rank, result in enumerate(found):
         # Every policy leaves the routers' expert-bias counts as Megatron's own run does: a
@@ -135,7 +141,35 @@ def test_megatron_exact_budget_no_leak(layout: str, tmp_path: Path, monkeypatch:
         receiver = 1  # EP rank 1 of the first stage (Megatron's rank order: tp-cp-ep-dp-pp)
         counts = found[receiver]["policies"]["adaptive"]["counts"]
         spiked = [c for c, on in zip(counts, ranks.SPIKES) if on]
-        assert spiked and all(len(c["0"]) == 2 and c["0"][1] >= tokens for c in spiked), counts
+        # The step's last micro-batch ran the last chunk: its layer is the last reported.
+        assert spiked and all(len(v) == 2 and v[1] >= tokens for c in spiked for v in c.values()), counts
+
+
+# What only a GPU runs: each case needs the packages named (GPU-only builds) and as many GPUs
+# as processes; on a machine without them it skips and says which is missing.
+GPU_CASES = {
+    "te_spec": ({"device": "cuda", "te": True}, 1, ("transformer_engine",)),
+    "te_grouped_gemm": ({"device": "cuda", "te": True, "grouped_gemm": True}, 1, ("transformer_engine",)),
+    "flex_deepep": ({"device": "cuda", "te": True, "ep": 2, "dispatcher": "flex"}, 2,
+                    ("transformer_engine", "deep_ep")),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.cuda_only
+@pytest.mark.parametrize("layout", list(GPU_CASES))
+def test_megatron_gpu_exact_budget_no_leak(layout: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Transformer Engine's layer spec, its grouped GEMM experts and the flex (DeepEP) dispatcher,
+    under every policy on the GPU: the same checks as the CPU layouts."""
+    case, world, needs = GPU_CASES[layout]
+    missing = [name for name in needs if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (GPU-only packages, not installed here)")
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    launch(ranks.run_case, world, case, str(tmp_path), backend="nccl", timeout_s=600)
+    _check([json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)])
 
 
 @pytest.fixture(scope="module")
@@ -302,3 +336,33 @@ def test_megatron_interleaving_options_refused(one_rank: None, monkeypatch: pyte
         enable_pipeline([run.model, _tiny_model().model], forward_backward_pipelining_with_interleaving,
                         budget=None)
     assert "forward" not in run.model.__dict__
+
+
+def test_megatron_unexpected_chunk_order_warns(one_rank: None) -> None:
+    """A schedule that runs another chunk than the interleaved order expects is told, and the rest
+    of its step runs without declared phases (the provisioner counts what stacks itself)."""
+    from types import SimpleNamespace
+
+    from bagualu2.integrations.megatron import enable_pipeline
+
+    chunks = [_tiny_model().model, _tiny_model().model]
+    batch = ranks.batches(0, 1)[0]
+    positions = torch.arange(ranks.SEQ).unsqueeze(0).expand(ranks.MICRO_BATCH, -1)
+    seen = []
+
+    def forward_backward_pipelining_with_interleaving(*, model: list, **kwargs: object) -> list:
+        for chunk in (model[1], model[0]):  # the interleaved order runs chunk 0 first
+            out = chunk(batch["tokens"], positions, None, labels=batch["labels"])
+            seen.append((prov.stacking.phase, prov.stacking.declared))
+            out.sum().backward()
+        return []
+
+    prov, forward_backward = enable_pipeline(chunks, forward_backward_pipelining_with_interleaving,
+                                             budget=None, policy="keep_all", min_bytes=0)
+    try:
+        p2p = SimpleNamespace(pp_group=SimpleNamespace(size=lambda: 2, rank=lambda: 0))
+        with pytest.warns(RuntimeWarning, match=r"ran model chunk 1 where .* chunk 0"):
+            forward_backward(model=chunks, num_microbatches=2, p2p_communicator=p2p)
+        assert seen == [("none", 0), ("none", 0)]
+    finally:
+        prov.disable()

@@ -274,9 +274,9 @@ def interleaved_phases(stages: int, stage: int, microbatches: int, chunks: int,
     ``stage`` of ``stages`` with ``chunks`` model chunks per rank.
 
     A rank runs ``microbatches * chunks`` forwards, ``(stages - stage - 1) * 2 + (chunks - 1) *
-    group`` of them (at most all) before its first backward, then one forward and one backward at a time: the
-    order of 1F1B, over more forwards, with a warm-up that stacks more of them than 1F1B's
-    ``stages - stage - 1``.
+    group`` of them (at most all) before its first backward, then one forward and one backward
+    at a time: the order of 1F1B over more forwards, with a warm-up that stacks more of them
+    than 1F1B's ``stages - stage - 1``.
     """
     assert 0 <= stage < stages and chunks >= 1, f"{stages=}, {stage=}, {chunks=}"
     order = interleaved_chunks(microbatches, chunks, group)
@@ -315,6 +315,7 @@ class MegatronChunks(nn.Module):
         self._forwards = [chunk.forward for chunk in chunks]
 
     def forward(self, chunk: int, *args: Any, **kwargs: Any) -> Any:
+        """Chunk ``chunk``'s own forward on the rest of the arguments."""
         return self._forwards[chunk](*args, **kwargs)
 
 
