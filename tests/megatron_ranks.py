@@ -256,7 +256,8 @@ def run_case(rank: int, world: int, case: Dict[str, Any], out: str) -> None:
     plain = {"static": sequence(STATIC)}
     untrace()
     plain["spikes"] = sequence(SPIKES)
-    stages, stage = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    stage = parallel_state.get_pipeline_model_parallel_rank()
     if len(run.chunks) > 1:
         derived = [[c, n] for c, _, n in adapter.interleaved_phases(
             stages, stage, micro, len(run.chunks), run.config.microbatch_group_size_per_vp_stage)]
