@@ -37,7 +37,20 @@ and one backward at a time, then the remaining backwards. Before each forward of
 this rank runs before its next backward (``Provisioner.set_pipeline_phase``), and after the step
 calls ``Provisioner.step()``. The first stage stacks the most. Without pipelining
 (``forward_backward_no_pipelining``: forward then backward per micro-batch) nothing stacks.
-Interleaved (virtual) pipelines put several model chunks on a rank: refused, one stage per rank.
+
+Interleaved 1F1B (``forward_backward_pipelining_with_interleaving``, a virtual pipeline: ``v``
+model chunks per rank, passed to the schedule as a list) runs ``m * v`` forwards per rank, in
+groups of ``microbatch_group_size_per_vp_stage`` micro-batches through chunk 0, then chunk 1, ...
+(:func:`interleaved_chunks`), ``(pp_size - pp_rank - 1) * 2 + (v - 1) * group`` of them before
+the first backward, then one forward and one backward at a time: the order of 1F1B over more
+forwards, whose warm-up stacks more of them (:func:`interleaved_phases`). One provisioner and one
+budget serve all the rank's chunks: ``enable_pipeline`` provisions a ``MegatronChunks`` over
+them, and each chunk's ``forward`` goes through it, so every chunk forward is one micro-batch of
+one ledger. Before each forward the phase of the next forward in the derived order is declared;
+a chunk other than the one expected (a schedule this note does not describe) warns and leaves
+the rest of the step to the provisioner's own count of what stacks. Megatron's
+``overlap_moe_expert_parallel_comm`` (one micro-batch's forward merged with another's backward)
+is refused.
 
 Refused at ``enable`` (``ValueError`` naming the Megatron option to turn off), because each
 makes its own activation decision that bagualu2 cannot see or that would hide activations from
@@ -62,12 +75,14 @@ tests/megatron_shims.py and are listed in docs/engines.md.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["check_options", "enable_pipeline", "find_gates", "is_megatron_model", "one_f_one_b_phases"]
+__all__ = ["MegatronChunks", "check_options", "enable_pipeline", "find_gates", "interleaved_chunks",
+           "interleaved_phases", "is_megatron_model", "one_f_one_b_phases"]
 
 SUPPORTED_VERSIONS = ("0.16.1",)
 """megatron-core versions the tests ran against."""
@@ -221,51 +236,133 @@ def _pipeline_group(kwargs: dict) -> Tuple[int, int]:
             parallel_state.get_pipeline_model_parallel_rank())
 
 
-def one_f_one_b_phases(stages: int, stage: int, microbatches: int) -> List[Tuple[str, int]]:
-    """(phase, forwards after it before this rank's next backward) of each forward of
-    Megatron's non-interleaved 1F1B on ``stage`` of ``stages``: warm-up forwards first, each
-    followed by the rest of the warm-up and the first steady forward; steady forwards run just
-    before a backward."""
-    assert 0 <= stage < stages and microbatches >= 1, f"{stages=}, {stage=}, {microbatches=}"
-    warmup = min(stages - stage - 1, microbatches)
-    steady = microbatches - warmup
+def _phases(warmup: int, total: int) -> List[Tuple[str, int]]:
+    """(phase, forwards after it before this rank's next backward) of each of ``total`` forwards
+    of a 1F1B order: ``warmup`` forwards, then forward and backward alternating, then the
+    remaining backwards. A warm-up forward is followed by the rest of the warm-up and the first
+    steady forward; a steady forward runs just before a backward."""
+    steady = total - warmup
     return ([("warmup", warmup - 1 - i + (1 if steady else 0)) for i in range(warmup)]
             + [("steady", 0)] * steady)
 
 
-class _ScheduleHandle:
-    """Removes the stage's forward pre-hook with the provisioner's other hooks (``disable``)."""
+def one_f_one_b_phases(stages: int, stage: int, microbatches: int) -> List[Tuple[str, int]]:
+    """(phase, forwards after it before this rank's next backward) of each forward of
+    Megatron's non-interleaved 1F1B on ``stage`` of ``stages``: ``stages - stage - 1`` warm-up
+    forwards (at most the micro-batches), then one forward and one backward at a time."""
+    assert 0 <= stage < stages and microbatches >= 1, f"{stages=}, {stage=}, {microbatches=}"
+    return _phases(min(stages - stage - 1, microbatches), microbatches)
 
-    def __init__(self, handle: Any) -> None:
-        self._handle = handle
+
+def interleaved_chunks(microbatches: int, chunks: int, group: int) -> List[int]:
+    """The model chunk of each forward of Megatron's interleaved 1F1B, in the order a rank runs
+    them (``get_schedule_table``): groups of ``group`` micro-batches
+    (``microbatch_group_size_per_vp_stage``) run through chunk 0, then chunk 1, ...; the last
+    group takes the micro-batches left. Backward ``k`` runs chunk ``chunks - 1 - order[k]``."""
+    assert microbatches >= 1 and chunks >= 1 and group >= 1, f"{microbatches=}, {chunks=}, {group=}"
+    order: List[int] = []
+    for first in range(0, microbatches, group):
+        size = microbatches - first if first + group >= microbatches else group
+        order += [chunk for chunk in range(chunks) for _ in range(size)]
+    return order
+
+
+def interleaved_phases(stages: int, stage: int, microbatches: int, chunks: int,
+                       group: int) -> List[Tuple[int, str, int]]:
+    """(model chunk, phase, forwards after it before this rank's next backward) of each forward
+    of Megatron's interleaved 1F1B (``forward_backward_pipelining_with_interleaving``) on
+    ``stage`` of ``stages`` with ``chunks`` model chunks per rank.
+
+    A rank runs ``microbatches * chunks`` forwards, ``(stages - stage - 1) * 2 + (chunks - 1) *
+    group`` of them (at most all) before its first backward, then one forward and one backward
+    at a time: the order of 1F1B over more forwards, with a warm-up that stacks more of them
+    than 1F1B's ``stages - stage - 1``.
+    """
+    assert 0 <= stage < stages and chunks >= 1, f"{stages=}, {stage=}, {chunks=}"
+    order = interleaved_chunks(microbatches, chunks, group)
+    warmup = min((stages - stage - 1) * 2 + (chunks - 1) * group, len(order))
+    return [(chunk, phase, stacked) for chunk, (phase, stacked) in zip(order, _phases(warmup, len(order)))]
+
+
+class _ScheduleHandle:
+    """Undoes ``enable_pipeline``'s wiring with the provisioner's other hooks (``disable``)."""
+
+    def __init__(self, undo: Callable[[], None]) -> None:
+        self._undo = undo
 
     def remove(self) -> None:
-        self._handle.remove()
+        self._undo()
+
+
+class MegatronChunks(nn.Module):
+    """This rank's model chunks (virtual pipeline) behind one forward, so that one provisioner,
+    one ledger and one budget serve them all.
+
+    ``bagualu2.enable`` makes each call of a module's forward one micro-batch. Megatron's
+    interleaved schedule calls each chunk itself (``forward_step_func(data_iterator,
+    model[chunk])``); provisioning each chunk on its own would split the rank's budget into
+    fixed parts. ``enable_pipeline`` provisions this container instead, and each chunk's
+    ``forward`` goes through it (``chunk(...)`` runs the chunk's own hooks, then
+    ``MegatronChunks(i, ...)``, whose forward is the chunk's own): every chunk forward is still
+    its own micro-batch, and the chunks' parameters are the container's.
+    """
+
+    def __init__(self, chunks: List[nn.Module]) -> None:
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+        # The chunks' own forwards: a chunk's ``forward`` attribute goes through this container
+        # while it is provisioned.
+        self._forwards = [chunk.forward for chunk in chunks]
+
+    def forward(self, chunk: int, *args: Any, **kwargs: Any) -> Any:
+        """Chunk ``chunk``'s own forward on the rest of the arguments."""
+        return self._forwards[chunk](*args, **kwargs)
+
+
+def _chunk_config(chunks: List[nn.Module]) -> Any:
+    from megatron.core.utils import get_model_config
+
+    return get_model_config(chunks[0])
+
+
+_SCHEDULES = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
+              "forward_backward_pipelining_with_interleaving")
 
 
 def enable_pipeline(model: Any, forward_backward_func: Optional[Callable[..., Any]] = None,
                     **options: Any) -> Tuple[Any, Callable[..., Any]]:
-    """``bagualu2.enable`` on this rank's stage of a Megatron-Core model, and the schedule
-    function to train it with, which tells the provisioner the pipeline phase before every
+    """``bagualu2.enable`` on this rank's model chunks of a Megatron-Core model, and the schedule
+    function to train them with, which tells the provisioner the pipeline phase before every
     forward and ends the provisioner's step after every call.
 
+    One provisioner and one budget per rank: one chunk is provisioned itself; several (virtual
+    pipeline) through one ``MegatronChunks`` over them, whose ledger holds every chunk's
+    activations.
+
     Args:
-        model: this rank's model chunk (a ``GPTModel`` or Megatron's DDP around it), or a
-            one-element list of it as Megatron passes models to its schedules.
+        model: this rank's model chunk (a ``GPTModel`` or Megatron's DDP around it), or the list
+            of them as Megatron passes models to its schedules (several with a virtual pipeline).
         forward_backward_func: Megatron's schedule (``get_forward_backward_func()``, the
-            default): ``forward_backward_no_pipelining`` or the non-interleaved 1F1B
-            ``forward_backward_pipelining_without_interleaving``.
-        **options: passed to ``bagualu2.enable`` (budget, policy, ...).
+            default): ``forward_backward_no_pipelining``, the 1F1B
+            ``forward_backward_pipelining_without_interleaving`` or the interleaved 1F1B
+            ``forward_backward_pipelining_with_interleaving``.
+        **options: passed to ``bagualu2.enable`` (budget, policy, ...). With several chunks
+            ``profile_frames`` defaults to enough micro-batches for every chunk to run two of
+            them (``chunks * max(2, microbatch_group_size_per_vp_stage)``).
 
     Returns:
         ``(provisioner, forward_backward)``: call ``forward_backward`` with the arguments
-        Megatron's schedule takes. ``provisioner.disable()`` also stops following the schedule
-        (the returned function then runs Megatron's schedule as it is).
+        Megatron's schedule takes (the same chunks, in the same order). ``provisioner.disable()``
+        also stops following the schedule and gives each chunk its own forward back (the
+        returned function then runs Megatron's schedule as it is).
 
     Raises:
-        ValueError: more than one model chunk on this rank, or the interleaved (virtual pipeline)
-            schedule; a conflicting Megatron option (:func:`check_options`).
+        ValueError: several chunks with a schedule other than the interleaved one; the
+            interleaved schedule with ``overlap_moe_expert_parallel_comm``; a conflicting Megatron
+            option (:func:`check_options`).
+        RuntimeError: a chunk already has bagualu2 (or another forward wrapper) enabled.
     """
+    from bagualu2.provision.forward import ProvisionedForward
     from bagualu2.provisioner import enable
 
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
@@ -274,34 +371,79 @@ def enable_pipeline(model: Any, forward_backward_func: Optional[Callable[..., An
 
         forward_backward_func = get_forward_backward_func()
     name = getattr(forward_backward_func, "__name__", type(forward_backward_func).__name__)
-    if len(chunks) != 1 or name == "forward_backward_pipelining_with_interleaving":
+    if name not in _SCHEDULES:
+        raise ValueError(f"enable_pipeline follows Megatron's {', '.join(_SCHEDULES)}, not {name}")
+    interleaved = name == "forward_backward_pipelining_with_interleaving"
+    if len(chunks) > 1 and not interleaved:
         raise ValueError(
-            f"enable_pipeline provisions one model chunk per rank, and this rank has {len(chunks)} "
-            f"with schedule {name}: turn off the virtual pipeline "
-            f"(virtual_pipeline_model_parallel_size=None, command line: drop "
-            f"--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank)")
-    if name not in ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving"):
+            f"this rank has {len(chunks)} model chunks and the schedule is {name}: several chunks per "
+            f"rank (a virtual pipeline) run under forward_backward_pipelining_with_interleaving, which "
+            f"get_forward_backward_func() returns once virtual_pipeline_model_parallel_size is set")
+    wrapped = [i for i, chunk in enumerate(chunks) if "forward" in chunk.__dict__]
+    if len(chunks) > 1 and wrapped:
+        raise RuntimeError(f"model chunk(s) {wrapped} already have bagualu2 (or another forward wrapper) "
+                           f"enabled; call disable() on the existing Provisioner first")
+    if interleaved and getattr(_chunk_config(chunks), "overlap_moe_expert_parallel_comm", False):
         raise ValueError(
-            f"enable_pipeline follows Megatron's forward_backward_no_pipelining and "
-            f"forward_backward_pipelining_without_interleaving, not {name}")
-    stage = chunks[0]
-    prov = enable(stage, **options)
-    pipelined = name == "forward_backward_pipelining_without_interleaving"
-    phases: List[Tuple[str, int]] = []
+            "TransformerConfig.overlap_moe_expert_parallel_comm=True: Megatron's interleaved schedule then "
+            "runs one micro-batch's forward and another's backward as one merged step, which no "
+            "per-micro-batch plan can follow. Set overlap_moe_expert_parallel_comm=False (command line: "
+            "drop --overlap-moe-expert-parallel-comm)")
+    # (model chunk, phase, forwards after it before the next backward) of each forward to come.
+    phases: List[Tuple[int, str, int]] = []
 
-    def before_forward(module: nn.Module, args: tuple) -> None:
-        if prov.enabled and phases and torch.is_grad_enabled():
-            phase, stacked = phases.pop(0)
-            prov.set_pipeline_phase(phase, stacked)
+    def declare(prov: Any, chunk: int) -> None:
+        if not (prov.enabled and phases and torch.is_grad_enabled()):
+            return
+        expected, phase, stacked = phases.pop(0)
+        if expected != chunk:
+            phases.clear()  # not the order derived: let the provisioner count what stacks itself
+            phase, stacked = "none", 0
+            warnings.warn(f"enable_pipeline: Megatron ran model chunk {chunk} where its interleaved "
+                          f"schedule was expected to run chunk {expected}; the rest of this step is "
+                          f"provisioned without the schedule's phases", RuntimeWarning, stacklevel=3)
+        prov.set_pipeline_phase(phase, stacked)
 
-    prov._hooks.append(_ScheduleHandle(stage.register_forward_pre_hook(before_forward)))
+    if len(chunks) == 1:
+        prov = enable(chunks[0], **options)
+        handle = chunks[0].register_forward_pre_hook(lambda module, args: declare(prov, 0))
+        prov._hooks.append(handle)
+    else:
+        # The cost model learns each chunk's operators from the micro-batches it profiles: enough
+        # of them that every chunk runs at least two (the schedule runs a group of micro-batches
+        # through each chunk in turn).
+        group = getattr(_chunk_config(chunks), "microbatch_group_size_per_vp_stage", None) or 1
+        options.setdefault("profile_frames", len(chunks) * max(2, group))
+        root = MegatronChunks(chunks)
+        prov = enable(root, **options)
+
+        def entry(i: int) -> Callable[..., Any]:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                declare(prov, i)
+                return root(i, *args, **kwargs)
+            return run
+
+        for i, chunk in enumerate(chunks):
+            chunk.forward = ProvisionedForward(entry(i), root._forwards[i])
+
+        def restore() -> None:
+            for chunk in chunks:
+                chunk.__dict__.pop("forward", None)
+
+        prov._hooks.append(_ScheduleHandle(restore))
 
     def forward_backward(*args: Any, **kwargs: Any) -> Any:
         if not prov.enabled or kwargs.get("forward_only", False):
             return forward_backward_func(*args, **kwargs)
-        if pipelined:
+        if name != "forward_backward_no_pipelining":
             stages, rank = _pipeline_group(kwargs)
-            phases[:] = one_f_one_b_phases(stages, rank, int(kwargs["num_microbatches"]))
+            micro = int(kwargs["num_microbatches"])
+            if interleaved:
+                config = _chunk_config(chunks)
+                phases[:] = interleaved_phases(stages, rank, micro, len(chunks),
+                                               config.microbatch_group_size_per_vp_stage or stages)
+            else:
+                phases[:] = [(0, phase, stacked) for phase, stacked in one_f_one_b_phases(stages, rank, micro)]
         try:
             return forward_backward_func(*args, **kwargs)
         finally:

@@ -53,10 +53,13 @@ class RoutingRecord:
     def worst(self, gates: Sequence[GateSpec]) -> Optional[Dict[int, List[int]]]:
         """The routing of a micro-batch of this one's size whose every local expert gets every
         token it can (under expert parallelism, every token of every rank of the group, each
-        routing as many as this one); None when a gate did not fire (no bound)."""
+        routing as many as this one); None when a gate never fired (no bound)."""
         worst: Dict[int, List[int]] = {}
         for spec in gates:
-            seen = self.counts.get(spec.layer)
+            # A gate that did not fire in this micro-batch but did before belongs to a part of the
+            # model this forward does not run (another pipeline stage or model chunk of the rank):
+            # its micro-batches are sized as its past ones were on average.
+            seen = self.counts.get(spec.layer) or self.mean().get(spec.layer)
             if not seen:
                 return None
             routed = self.counts.get(SIZE) if spec.size_fn is not None else None
