@@ -69,6 +69,7 @@ from bagualu2.provision.footprint import Footprint
 from bagualu2.provision.forward import ProvisionedForward, active, plain_forward
 from bagualu2.provision.policy import POLICIES, Policy
 from bagualu2.provision.routing import RoutingRecord
+from bagualu2.provision import state
 from bagualu2.provision.stacking import Stacking
 from bagualu2.provision.unplanned import UnplannedKeys
 from bagualu2.runtime.gates import GateSpec, describe_unsupported, find_gates
@@ -294,6 +295,39 @@ class Provisioner:
             "unplanned_keys": len(self.unplanned),
             "overlap": self.overlap.report() if self.overlap is not None else None,
         }
+
+    # -- checkpoint state (torch's Stateful convention; bagualu2/provision/state.py) ----------
+    def _learned(self) -> Dict[str, Any]:
+        return {"cost": self.cost, "footprint": self.footprint, "routing": self.routing,
+                "stacking": self.stacking, "calibration": self.calibration, "unplanned": self.unplanned}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What this provisioner learned, this rank's under its own key, for a checkpoint beside
+        the model and optimizer (``torch.distributed.checkpoint`` saves it as any ``Stateful``):
+        the cost model, the footprint and routing it decides from, the pipeline stacking, the
+        calibration done. Loaded into a new run's provisioner (``load_state_dict``), it decides
+        as this run would have: nothing is profiled or calibrated again. Versioned; see
+        ``bagualu2.provision.state`` for the format."""
+        counters = {"frames": self._frames, "step": self._step, "peak_with_backward": self._peak_with_backward,
+                    "last_choices": self._last_choices, "backward_passes": self.runtime.backward_passes,
+                    "arena_bytes": self.engine.arena.capacity if self.engine is not None else 0}
+        return state.save(self._learned(), counters, state.signature(self.model, self.gates))
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resume from a ``state_dict()`` saved by this model's provisioner on this rank.
+
+        Raises:
+            ValueError: the state is another version's, another model's (its modules, gates or
+                profiled operators differ), another rank layout's, or cannot be read whole; the
+                message names the difference, and nothing was loaded.
+        """
+        counters = state.load(state_dict, self._learned(), state.signature(self.model, self.gates), self.cost.order)
+        self._frames, self._step = counters["frames"], counters["step"]
+        self._peak_with_backward, self._last_choices = counters["peak_with_backward"], counters["last_choices"]
+        # Stacking counts runs of forwards by the runtime's backward passes: they go on counting.
+        self.runtime.backward_passes = counters["backward_passes"]
+        if self.engine is not None and not self._arena_chosen:
+            reserve_arena(self.engine, counters["arena_bytes"])  # as the saved run had reserved it
 
     def plot(self, path: Union[str, Path]) -> Path:
         """Draw activation memory against the budget per micro-batch, spikes marked (PNG)."""

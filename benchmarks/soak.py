@@ -17,6 +17,18 @@ micro-batches are spikes: one local expert, chosen at random, gets 1.5x to 3x th
 Prints a table and writes JSON::
 
     python benchmarks/soak.py --config tiny --micro-batches 10000 --out soak.json
+
+``--pressure``: the reference model with real expert parallelism on 2 gloo ranks (experts
+``--expert-hidden`` wide), each rank under its own budget ``--slack`` above its calm keep-all
+peak; about ``--spike-rate`` of the micro-batches spike (every rank's tokens give one expert,
+on a rank drawn at random, ``--pressure-spike`` x the mean load), and the routing drifts slowly
+(a bias on the router's logits that turns once over the run). Per rank: violations,
+micro-batches planned (a gate's plan released something), the cost model's peak-prediction
+error (relative, on micro-batches that released nothing: its prediction is the all-keep peak)
+over the first and the last 1000 (or tenth), arena/ledger/RSS at start, middle and end, and
+decision latency p50/p99::
+
+    python benchmarks/soak.py --pressure --micro-batches 10000 --out soak_pressure.json
 """
 from __future__ import annotations
 
@@ -25,7 +37,10 @@ import contextlib
 import copy
 import gc
 import json
+import math
 import os
+import socket
+import tempfile
 import random
 import statistics
 import time
@@ -141,6 +156,157 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
+# -- --pressure: 2 expert-parallel gloo ranks ---------------------------------------------------
+
+
+def _recorder(prov: Any) -> Dict[str, List[Any]]:
+    """Every decision's latency and plan, and every micro-batch's peak and prediction (the
+    telemetry keeps a window in memory only)."""
+    seen: Dict[str, List[Any]] = {"latency": [], "planned": [], "peaks": []}
+    add = prov.telemetry.add
+
+    def record(item: Any) -> None:
+        if isinstance(item, Decision):
+            seen["latency"].append(item.latency_us)
+            if item.planned_bytes < item.predicted_bytes:
+                seen["planned"].append(item.micro_batch)
+        else:
+            released = item.bytes_by_choice.get("offload", 0) + item.bytes_by_choice.get("recompute", 0)
+            seen["peaks"].append((item.peak_bytes, item.predicted_peak_bytes, released))
+        add(item)
+
+    prov.telemetry.add = record  # type: ignore[method-assign]
+    return seen
+
+
+def _prediction_error(peaks: List[Any]) -> Dict[str, Any]:
+    """Mean relative error of the predicted all-keep peak on micro-batches that kept all."""
+    errors = [abs(pred - peak) / peak for peak, pred, released in peaks if pred and peak and not released]
+    return {"mean": statistics.fmean(errors) if errors else None, "n": len(errors)}
+
+
+def _pressure_rank(rank: int, world: int, args: argparse.Namespace, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cfg = getattr(MoEConfig, args.config)(expert_hidden_size=args.expert_hidden)
+
+    def build() -> MoETransformer:
+        torch.manual_seed(args.seed)
+        return MoETransformer(cfg, ep_group=dist.group.WORLD)
+
+    probe = build()
+    prov = bagualu2.enable(probe, budget=None, policy="keep_all", min_bytes=0)
+    for i in range(4):
+        probe(_batch(cfg, args, -1 - i - 100 * rank)).backward()
+    calm = prov.report()["peak_bytes"]
+    prov.disable()
+    budget = int(calm * (1.0 + args.slack))
+    model = build()
+    prov = bagualu2.enable(model, budget=budget)
+    seen = _recorder(prov)
+    drift = torch.zeros(cfg.num_experts)
+    for layer in model.layers:  # the drift: every rank's routers lean the same slowly turning way
+        layer.moe.router.proj.register_forward_hook(lambda m, a, out: out + drift)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    rng = random.Random(args.seed)  # the same draws on every rank: spikes are entered together
+    local = cfg.num_experts // world
+    limit = min(cfg.num_experts / cfg.top_k, args.pressure_spike)
+    snapshots: Dict[str, Dict[str, int]] = {}
+    spikes = [0] * world
+    phases = [2 * math.pi * e / cfg.num_experts for e in range(cfg.num_experts)]
+    start = time.perf_counter()
+    for i in range(args.micro_batches):
+        turn = 2 * math.pi * i / max(1, args.micro_batches)
+        drift.copy_(torch.tensor([args.drift * math.sin(turn + p) for p in phases]))
+        spike = rng.random() < args.spike_rate
+        target = rng.randrange(world)
+        expert = target * local + rng.randrange(local)
+        optimizer.zero_grad(set_to_none=True)
+        tokens = _batch(cfg, args, 1_000_000 * rank + i)
+        with model.routing_spike(limit, experts=(expert,)) if spike else contextlib.nullcontext():
+            model(tokens).backward()
+        spikes[target] += spike
+        optimizer.step()
+        prov.step()
+        if i == 0:
+            snapshots["start"] = _snapshot(prov)
+        elif i == args.micro_batches // 2:
+            snapshots["middle"] = _snapshot(prov)
+        if rank == 0 and args.progress and (i + 1) % args.progress == 0:
+            print(f"  {i + 1:>7} micro-batches  violations {prov.report()['violations']}  "
+                  f"RSS {_rss_bytes() / 2**20:.1f} MiB", flush=True)
+    seconds = time.perf_counter() - start
+    snapshots["end"] = _snapshot(prov)
+    snapshots.setdefault("middle", snapshots["end"])
+    report = prov.report()
+    window = min(1000, max(1, args.micro_batches // 10))
+    lat = sorted(seen["latency"])
+    result = {
+        "rank": rank, "calm_peak_bytes": calm, "budget_bytes": budget, "peak_bytes": report["peak_bytes"],
+        "violations": report["violations"], "fallbacks": report["fallbacks"], "spikes_aimed_here": spikes[rank],
+        "planned_micro_batches": len(set(seen["planned"])), "traced_micro_batches": report["traced_micro_batches"],
+        "decisions": len(lat), "prediction_window": window,
+        "peak_prediction_error_first": _prediction_error(seen["peaks"][:window]),
+        "peak_prediction_error_last": _prediction_error(seen["peaks"][-window:]),
+        "decision_latency_us": {"p50": lat[len(lat) // 2] if lat else 0.0,
+                                "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else 0.0},
+        "snapshots": snapshots, "ms_per_micro_batch": 1000 * seconds / max(1, args.micro_batches),
+        "rss_growth_middle_to_end": (snapshots["end"]["rss_bytes"] - snapshots["middle"]["rss_bytes"])
+        / max(1, snapshots["middle"]["rss_bytes"]),
+    }
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_pressure(args: argparse.Namespace, world: int = 2) -> Dict[str, Any]:
+    """The pressure soak on ``world`` gloo ranks; returns ``{"ranks": [per-rank result], ...}``."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_pressure_rank, args=(world, args, port, out_dir), nprocs=world, start_method="spawn")
+        ranks = []
+        for r in range(world):
+            with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+                ranks.append(json.load(f))
+    ok = all(r["violations"] == 0 and r["snapshots"]["end"]["ledger_bytes"] == 0
+             and r["snapshots"]["end"]["arena_in_use_bytes"] == 0 and r["rss_growth_middle_to_end"] < 0.01
+             for r in ranks)
+    return {"pressure": True, "config": args.config, "expert_hidden": args.expert_hidden,
+            "micro_batches": args.micro_batches, "spike_rate": args.spike_rate, "spike": args.pressure_spike,
+            "drift": args.drift, "slack": args.slack, "seed": args.seed, "ranks": ranks, "ok": ok}
+
+
+def _print_pressure(result: Dict[str, Any]) -> None:
+    def err(e: Dict[str, Any]) -> str:
+        return f"{e['mean']:.2%} (n={e['n']})" if e["mean"] is not None else "-"
+
+    print(f"\n{result['micro_batches']} micro-batches, 2 EP ranks, spikes {result['spike']}x at rate "
+          f"{result['spike_rate']}, budget calm peak + {result['slack']:.0%}")
+    print(f"{'rank':<5}{'viol.':>6}{'planned':>8}{'spikes':>7}{'pred. err first':>20}{'pred. err last':>20}"
+          f"{'lat p50 us':>11}{'p99 us':>8}{'ms/mb':>7}")
+    for r in result["ranks"]:
+        lat = r["decision_latency_us"]
+        print(f"{r['rank']:<5}{r['violations']:>6}{r['planned_micro_batches']:>8}{r['spikes_aimed_here']:>7}"
+              f"{err(r['peak_prediction_error_first']):>20}{err(r['peak_prediction_error_last']):>20}"
+              f"{lat['p50']:>11.0f}{lat['p99']:>8.0f}{r['ms_per_micro_batch']:>7.1f}")
+    print(f"{'rank':<5}{'when':<8}{'RSS MiB':>10}{'arena in use':>14}{'arena cap. MiB':>16}{'ledger bytes':>14}")
+    for r in result["ranks"]:
+        for name in ("start", "middle", "end"):
+            s = r["snapshots"][name]
+            print(f"{r['rank']:<5}{name:<8}{s['rss_bytes'] / 2**20:>10.1f}{s['arena_in_use_bytes']:>14}"
+                  f"{s['arena_capacity_bytes'] / 2**20:>16.1f}{s['ledger_bytes']:>14}")
+    print("RSS growth middle->end: " + ", ".join(f"rank {r['rank']} {r['rss_growth_middle_to_end']:+.2%}"
+                                                for r in result["ranks"]) + f"   {'OK' if result['ok'] else 'FAIL'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="tiny", choices=["tiny", "small", "bench"])
@@ -154,7 +320,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--progress", type=int, default=1000, help="print a line every that many (0: never)")
     parser.add_argument("--out", default="soak.json")
+    parser.add_argument("--pressure", action="store_true", help="2 expert-parallel gloo ranks under pressure")
+    parser.add_argument("--expert-hidden", type=int, default=128, help="--pressure: expert width")
+    parser.add_argument("--pressure-spike", type=float, default=2.6, help="--pressure: a spike's load (x mean)")
+    parser.add_argument("--drift", type=float, default=0.5, help="--pressure: the drift's amplitude (logits)")
     args = parser.parse_args()
+    if args.pressure:
+        result = run_pressure(args)
+        _print_pressure(result)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.out}")
+        return
     result = run(args)
     s = result["snapshots"]
     print()
