@@ -57,10 +57,11 @@ from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
 
 from bagualu2.plan.planner import Choice
+from bagualu2.runtime.compiled import CompiledRegions
 from bagualu2.runtime.frame import Frame, check_keys, profile_saves
 from bagualu2.runtime.ledger import _drain_failed_backward, _drain_graph, Pin
 from bagualu2.runtime.rerun import BlockRerun, unrestorable
-from bagualu2.runtime.residency import Residency
+from bagualu2.runtime.regions import RegionCall, compiled_regions
 from bagualu2.runtime.stores import _Offloaded, _Recomputed, _uncounted, observed_hook, regeneration_source
 from bagualu2.runtime.recipes import StorageNode, ViewMeta, is_plain, recipe_refs, view_meta
 
@@ -103,20 +104,32 @@ class _Attachment:
     run, and ``remove()`` takes them off for good."""
 
     def __init__(self, runtime: "ActivationRuntime",
-                 hooks: List[Tuple[torch.nn.Module, AttachedHook, AttachedHook]]) -> None:
+                 hooks: List[Tuple[torch.nn.Module, AttachedHook, AttachedHook]],
+                 calls: List[Tuple[torch.nn.Module, Callable[..., Any], Callable[..., Any]]]) -> None:
         self._runtime = runtime
         self._hooks = hooks
+        self._calls = calls  # module.compile()d regions: (module, enter, leave) around _compiled_call_impl
         self._handles: List[Any] = []
+        self._swapped: List[Tuple[torch.nn.Module, Any]] = []
 
     def install(self, on: bool) -> None:
-        if on and not self._handles:
+        if on and not self._handles and not self._swapped:
             for module, enter, leave in self._hooks:
                 self._handles.append(module.register_forward_pre_hook(enter, with_kwargs=True, prepend=True))
                 self._handles.append(module.register_forward_hook(leave))
+            for module, enter, leave in self._calls:
+                compiled = module._compiled_call_impl
+                if isinstance(compiled, RegionCall):  # another runtime's, left on: not ours to wrap
+                    continue
+                module._compiled_call_impl = RegionCall(module, compiled, enter, leave)
+                self._swapped.append((module, compiled))
         elif not on:
             for handle in self._handles:
                 handle.remove()
             self._handles = []
+            for module, compiled in self._swapped:
+                module._compiled_call_impl = compiled
+            self._swapped = []
 
     def remove(self) -> None:
         self.install(False)
@@ -124,7 +137,7 @@ class _Attachment:
             self._runtime._attachments.remove(self)
 
 
-class ActivationRuntime(Residency):
+class ActivationRuntime(CompiledRegions):
     """Applies per-operator KEEP / OFFLOAD / RECOMPUTE choices to saved activations: picks each
     save's choice here; its base ``Residency`` holds, counts and serves back what was picked.
 
@@ -218,6 +231,8 @@ class ActivationRuntime(Residency):
                 try:
                     yield frame
                 finally:
+                    if frame._region is not None:  # the region raised: its exit did not run
+                        self.region_leave()
                     if frame._rerun is not None:  # the block raised: its forward hook did not run
                         self._close_rerun(frame)
             if frame.strict:
@@ -258,6 +273,7 @@ class ActivationRuntime(Residency):
         frame._untraced_offloads = {}
         frame._recomputed = set()
         frame._rerun = None
+        frame._region = None
         self.mode.reset()  # the frame's nodes, and the anchors they pin
         self._clear_left_scopes()
         self._frame_owner = None
@@ -311,7 +327,7 @@ class ActivationRuntime(Residency):
                 self.engine.prune()
 
     # -- module hooks -----------------------------------------------------------------------
-    def attach(self, root: torch.nn.Module) -> List[Any]:
+    def attach(self, root: torch.nn.Module, root_compiled: bool = False) -> List[Any]:
         """Name operators by module path and anchor block inputs, through module hooks that
         traced frames install.
 
@@ -331,12 +347,24 @@ class ActivationRuntime(Residency):
         hook behind its other forward hooks, so the module's path names what its own hooks run,
         and a rerun block is called with the arguments its call had before any pre-hook changed
         them. Returns handles whose ``remove()`` detaches.
+
+        A compiled region (``bagualu2.runtime.regions``; all of ``root`` with ``root_compiled``)
+        gets region hooks instead (``CompiledRegions``), and the modules inside it none.
         """
         blocks = {id(child) for m in root.modules() if isinstance(m, torch.nn.ModuleList) for child in m}
         block_paths = [name for name, m in root.named_modules() if id(m) in blocks]
         hooks: List[Tuple[torch.nn.Module, AttachedHook, AttachedHook]] = []
+        calls: List[Tuple[torch.nn.Module, Callable[..., Any], Callable[..., Any]]] = []
+        regions = {} if root_compiled else compiled_regions(root)
         for name, module in root.named_modules():
-            if module is root:
+            if module is root or root_compiled or any(name.startswith(p + ".") for p in regions):
+                continue  # inside compiled code: Dynamo would trace a hook of ours
+            if name in regions:
+                enter, leave = self._region_hooks(name, block=id(module) in blocks)
+                if isinstance(module, torch.nn.Module) and getattr(module, "_compiled_call_impl", None) is not None:
+                    calls.append((module, enter, leave))
+                else:  # torch.compile(module): its own hooks run outside Dynamo
+                    hooks.append((module, AttachedHook(enter), AttachedHook(leave)))
                 continue
             block = 0
             if id(module) in blocks:
@@ -373,7 +401,7 @@ class ActivationRuntime(Residency):
                     frame.past_blocks = True
 
             hooks.append((module, AttachedHook(enter), AttachedHook(leave)))
-        attachment = _Attachment(self, hooks)
+        attachment = _Attachment(self, hooks, calls)
         self._attachments.append(attachment)
         return [attachment]
 
@@ -434,6 +462,8 @@ class ActivationRuntime(Residency):
         frame = self._frame
         if frame is None:
             return t
+        if frame._region is not None:
+            return self._pack_region(frame, frame._region, t)
         if frame._rerun is not None:
             frame.stats.packed += 1
             return frame._rerun.save(t, counted=is_plain(t) and not self._is_parameter(t))
