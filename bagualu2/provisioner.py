@@ -72,9 +72,9 @@ from bagualu2.provision.routing import RoutingRecord
 from bagualu2.provision.stacking import Stacking
 from bagualu2.provision.unplanned import UnplannedKeys
 from bagualu2.runtime.gates import GateSpec, describe_unsupported, find_gates
+from bagualu2.provision.region_gates import RegionGates
 from bagualu2.runtime.regions import (
-    check_compile_options, compiled_regions, hide_from_dynamo, is_compiled, rebuilt_call, register_gate_report, report_gate,
-    unregister_gate_report,
+    check_compile_options, compiled_regions, hide_from_dynamo, holds_collectives, is_compiled,
 )
 from bagualu2.plan.planner import Choice, Plan
 from bagualu2.telemetry import MicroBatch, Telemetry
@@ -104,14 +104,18 @@ class Provisioner:
         self._compiled_root: Optional[torch.nn.Module] = None
         wrapped = getattr(model, "_orig_mod", None)
         if isinstance(wrapped, torch.nn.Module) and is_compiled(model):
+            if isinstance(model.__dict__.get("forward"), ProvisionedForward):
+                raise RuntimeError(f"this compiled {type(wrapped).__name__} already has bagualu2 enabled; call "
+                                   f"disable() on the existing Provisioner first")
             check_compile_options(model, f"the model ({type(wrapped).__name__})")
             self._compiled_root, model = model, wrapped
         regions = compiled_regions(model)
         for path, region in regions.items():
             check_compile_options(region, f"module {path!r} ({type(region).__name__})")
+        self._root_rerunnable = self._compiled_root is None or not holds_collectives(model)
         if regions or self._compiled_root is not None:
             hide_from_dynamo(ActivationRuntime._pack, ActivationRuntime._pack_calm, ActivationRuntime._unpack,
-                             Provisioner._region_report, self._gate_hook(None))  # type: ignore[arg-type]
+                             RegionGates._report, self._gate_hook(None))  # type: ignore[arg-type]
         check_options(policy, POLICIES, on_exceed, margin, profile_frames, calibrate_frames, recalibrate_every,
                       min_bytes, reserve_bytes, arena_bytes, arena_max_bytes)
         check_materialized(model)
@@ -141,14 +145,16 @@ class Provisioner:
         self.cost = CostModel({g.layer: g.experts_path for g in self.gates},
                               *measure_copy_costs(self.engine, self.device, in_place),
                               copies_overlap=self.device.type != "cpu")  # the cpu's copy threads hide nothing
-        self._hooks: List[Any] = self.runtime.attach(model, root_compiled=self._compiled_root is not None)
-        # Gates inside compiled regions share one hook and one report slot (``_region_gate``).
-        self._report_slot = register_gate_report(self._region_report)
-        self._region_gate_hook = AttachedHook(self._region_gate)
-        self._region_gates: Dict[int, GateSpec] = {}
-        regions = [""] if self._compiled_root is not None else list(compiled_regions(model))
+        modules = dict(model.named_modules())
         for spec in self.gates:
-            self._hooks.append(self._hook_gate(spec, regions))
+            experts = modules.get(spec.experts_path)
+            if isinstance(experts, torch.nn.ModuleList) and len(experts) < spec.num_experts:
+                self.cost.memory.local_experts[spec.layer] = len(experts)
+        self._hooks: List[Any] = self.runtime.attach(model, root_compiled=self._compiled_root is not None)
+        self.region_gates = RegionGates(self._gate_hook)  # the gates inside compiled regions
+        paths = [""] if self._compiled_root is not None else list(regions)
+        for spec in self.gates:
+            self._hooks.append(self._hook_gate(spec, paths))
         host = self._compiled_root if self._compiled_root is not None else model
         self._forward = host.forward
         host.forward = ProvisionedForward(self._provisioned_forward, self._forward)  # type: ignore[method-assign]
@@ -325,7 +331,7 @@ class Provisioner:
             h.remove()
         self._hooks.clear()
         self.runtime.backward_observer = None
-        unregister_gate_report(self._report_slot)
+        self.region_gates.close()
         if self._compiled_root is not None:
             self._compiled_root.forward = self._forward  # the wrapper's compiled forward
         else:
@@ -445,7 +451,7 @@ class Provisioner:
             running.append(self)
             with self.runtime.frame(frame):
                 if self._compiled_root is not None:
-                    self.runtime.region_enter(self._forward, "", args, kwargs)
+                    self.runtime.region_enter(self._forward, "", args, kwargs, self._root_rerunnable)
                     try:
                         out = self._forward(*args, **kwargs)
                     finally:
@@ -498,31 +504,9 @@ class Provisioner:
     def _hook_gate(self, spec: GateSpec, regions: Sequence[str]) -> Any:
         """Put ``spec``'s hook on its gate: the shared region hook inside a compiled region."""
         register = spec.module.register_forward_pre_hook if spec.pre_hook else spec.module.register_forward_hook
-        inside = any(not r or spec.name.startswith(r + ".") for r in regions)
-        if inside and next(spec.module.parameters(recurse=False), None) is not None:
-            self._region_gates[id(spec.module)] = spec
-            return register(self._region_gate_hook)
+        if any(not r or spec.name.startswith(r + ".") for r in regions) and self.region_gates.add(spec):
+            return register(self.region_gates.hook)
         return register(AttachedHook(self._gate_hook(spec)))
-
-    def _region_gate(self, module: torch.nn.Module, args: tuple, output: Any = None) -> None:
-        """The hook of every gate inside a compiled region. Traced by Dynamo, it only calls the
-        report op (the gate's own parameter tells the gate at run time); run eagerly, the gate's hook."""
-        if torch.compiler.is_compiling():
-            report_gate(self._report_slot, next(module.parameters(recurse=False)), args, output)
-            return
-        spec = self._region_gates.get(id(module))
-        if spec is not None:
-            self._gate_hook(spec)(module, args, output)
-
-    def _region_report(self, tensors: List[torch.Tensor], args_count: int, output_kind: int) -> None:
-        """``report_gate``'s body: find the gate by its parameter, run its hook."""
-        anchor, args, output = rebuilt_call(tensors, args_count, output_kind)
-        ptr = anchor.data_ptr()
-        for spec in self._region_gates.values():
-            first = next(spec.module.parameters(recurse=False), None)
-            if first is not None and first.data_ptr() == ptr:
-                self._gate_hook(spec)(spec.module, args, output)
-                return
 
     def _gate_hook(self, spec: GateSpec) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: tuple, output: Any = None) -> None:

@@ -57,84 +57,16 @@ from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
 
 from bagualu2.plan.planner import Choice
+from bagualu2.runtime.attachment import AttachedHook, _Attachment
 from bagualu2.runtime.compiled import CompiledRegions
 from bagualu2.runtime.frame import Frame, check_keys, profile_saves
 from bagualu2.runtime.ledger import _drain_failed_backward, _drain_graph, Pin
 from bagualu2.runtime.rerun import BlockRerun, unrestorable
-from bagualu2.runtime.regions import RegionCall, compiled_regions
+from bagualu2.runtime.regions import compiled_regions, holds_collectives
 from bagualu2.runtime.stores import _Offloaded, _Recomputed, _uncounted, observed_hook, regeneration_source
 from bagualu2.runtime.recipes import StorageNode, ViewMeta, is_plain, recipe_refs, view_meta
 
 __all__ = ["ActivationRuntime", "AttachedHook"]
-
-
-def _unattached(*args: Any, **kwargs: Any) -> None:
-    """What a copy of a module holds in place of an ``AttachedHook``: a hook that does nothing."""
-
-
-def _detached() -> Callable[..., None]:
-    return _unattached
-
-
-class AttachedHook:
-    """A module hook bagualu2 installs on a user's module (through ``register_forward_*``).
-
-    A copy of the module (``copy.deepcopy``: an EMA or teacher model; ``torch.save`` of the
-    whole module) is a plain module: it gets a hook that does nothing in this one's place, so
-    it neither runs through nor reports to the original's runtime, and it pickles.
-    """
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
-
-    def __deepcopy__(self, memo: dict) -> Callable[..., None]:
-        return _unattached
-
-    def __reduce__(self) -> Tuple[Callable[[], Callable[..., None]], tuple]:
-        return _detached, ()
-
-
-class _Attachment:
-    """One module tree's hooks (``ActivationRuntime.attach``): installed while traced frames
-    run, and ``remove()`` takes them off for good."""
-
-    def __init__(self, runtime: "ActivationRuntime",
-                 hooks: List[Tuple[torch.nn.Module, AttachedHook, AttachedHook]],
-                 calls: List[Tuple[torch.nn.Module, Callable[..., Any], Callable[..., Any]]]) -> None:
-        self._runtime = runtime
-        self._hooks = hooks
-        self._calls = calls  # module.compile()d regions: (module, enter, leave) around _compiled_call_impl
-        self._handles: List[Any] = []
-        self._swapped: List[Tuple[torch.nn.Module, Any]] = []
-
-    def install(self, on: bool) -> None:
-        if on and not self._handles and not self._swapped:
-            for module, enter, leave in self._hooks:
-                self._handles.append(module.register_forward_pre_hook(enter, with_kwargs=True, prepend=True))
-                self._handles.append(module.register_forward_hook(leave))
-            for module, enter, leave in self._calls:
-                compiled = module._compiled_call_impl
-                if isinstance(compiled, RegionCall):  # another runtime's, left on: not ours to wrap
-                    continue
-                module._compiled_call_impl = RegionCall(module, compiled, enter, leave)
-                self._swapped.append((module, compiled))
-        elif not on:
-            for handle in self._handles:
-                handle.remove()
-            self._handles = []
-            for module, compiled in self._swapped:
-                module._compiled_call_impl = compiled
-            self._swapped = []
-
-    def remove(self) -> None:
-        self.install(False)
-        if self in self._runtime._attachments:
-            self._runtime._attachments.remove(self)
 
 
 class ActivationRuntime(CompiledRegions):
@@ -360,7 +292,7 @@ class ActivationRuntime(CompiledRegions):
             if module is root or root_compiled or any(name.startswith(p + ".") for p in regions):
                 continue  # inside compiled code: Dynamo would trace a hook of ours
             if name in regions:
-                enter, leave = self._region_hooks(name, block=id(module) in blocks)
+                enter, leave = self._region_hooks(name, id(module) in blocks, not holds_collectives(module))
                 if isinstance(module, torch.nn.Module) and getattr(module, "_compiled_call_impl", None) is not None:
                     calls.append((module, enter, leave))
                 else:  # torch.compile(module): its own hooks run outside Dynamo

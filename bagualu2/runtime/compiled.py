@@ -18,8 +18,10 @@ reruns the region whole at its first unpack (the compiled code again, no recompi
 exit the tracing mode is back on the stack, and the region's saved bytes (and, in a profiled
 frame, its forward seconds) are recorded under its key for the cost model.
 
-Invariants: bit-exactness as for blocks (``rerun.py``); a region called with an object its
-forward may change (``rerun.unrestorable``) is never recomputed (offloaded instead); nothing
+Invariants: bit-exactness as for blocks (``rerun.py``); a region that may issue collectives
+(``regions.holds_collectives``) or is called with an object its forward may change
+(``rerun.unrestorable``) is never recomputed (offloaded instead): nothing bagualu2 does in
+backward issues a collective; nothing
 of bagualu2 runs inside the compiled code but ``report_gate``.
 """
 
@@ -64,8 +66,10 @@ class RegionState:
 class CompiledRegions(Residency):
     """Entering, leaving and packing compiled region calls (see the module note)."""
 
-    def _region_hooks(self, name: str, block: bool) -> Tuple[Callable[..., None], Callable[..., None]]:
-        """The entry and exit of the compiled region at ``name`` (``block``: an outermost block)."""
+    def _region_hooks(self, name: str, block: bool, rerunnable: bool = True
+                      ) -> Tuple[Callable[..., None], Callable[..., None]]:
+        """The entry and exit of the compiled region at ``name`` (``block``: an outermost block;
+        ``rerunnable``: it issues no collective, see ``regions.holds_collectives``)."""
 
         def enter(mod: torch.nn.Module, args: tuple, kwargs: Dict[str, Any]) -> None:
             frame = self._frame
@@ -73,7 +77,7 @@ class CompiledRegions(Residency):
                 return
             if block:
                 frame.past_blocks = False
-            self.region_enter(mod, name, args, kwargs)
+            self.region_enter(mod, name, args, kwargs, rerunnable)
 
         def leave(mod: torch.nn.Module, args: tuple, out: Any, failed: bool = False) -> None:
             frame = self._frame
@@ -85,8 +89,10 @@ class CompiledRegions(Residency):
 
         return enter, leave
 
-    def region_enter(self, module: Any, path: str, args: tuple, kwargs: Dict[str, Any]) -> None:
-        """A region call begins (``module``: what a rerun calls again with ``args``)."""
+    def region_enter(self, module: Any, path: str, args: tuple, kwargs: Dict[str, Any],
+                     rerunnable: bool = True) -> None:
+        """A region call begins (``module``: what a rerun calls again with ``args``; not
+        ``rerunnable``: never recomputed)."""
         frame = self._frame
         if frame is None or frame._region is not None or frame._rerun is not None or is_recomputing():
             return
@@ -95,7 +101,7 @@ class CompiledRegions(Residency):
             self.mode.__exit__(None, None, None)  # Dynamo must never trace into the mode
         key = region_key(path)
         rerun = None
-        if frame.choice(key) == Choice.RECOMPUTE or self.enforce_budget or key in frame.choices:
+        if rerunnable and frame.choice(key) == Choice.RECOMPUTE or self.enforce_budget or key in frame.choices:
             flat, spec = tree_flatten((args, kwargs))
             if unrestorable(flat) is None:
                 rerun = BlockRerun(module, path or "the compiled model", flat, spec, self._pin_leaf,
@@ -126,8 +132,8 @@ class CompiledRegions(Residency):
         if state.choice is None:
             choice = frame.choice(state.key)
             if choice == Choice.RECOMPUTE and state.rerun is None:
-                frame.stats.fallbacks.append(f"{state.key}: recompute -> offload (called with an object its "
-                                             f"forward may change)")
+                frame.stats.fallbacks.append(f"{state.key}: recompute -> offload (it issues collectives, or is "
+                                             f"called with an object its forward may change)")
                 choice = Choice.OFFLOAD
             state.choice = choice
             if choice != Choice.RECOMPUTE:

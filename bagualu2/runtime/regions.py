@@ -88,6 +88,24 @@ def compiled_regions(root: torch.nn.Module) -> Dict[str, torch.nn.Module]:
     return found
 
 
+def holds_collectives(module: torch.nn.Module) -> bool:
+    """Whether a region may issue collectives (a module in it holds a process group or a device
+    mesh, or is sharded by FSDP2): a rerun in backward would issue them again on this rank
+    alone, so such a region is never recomputed (offloaded instead)."""
+    import torch.distributed as dist
+
+    kinds: Tuple[type, ...] = ()
+    if dist.is_available():
+        from torch.distributed.device_mesh import DeviceMesh
+        kinds = (dist.ProcessGroup, DeviceMesh)
+    for m in module.modules():
+        if callable(getattr(m, "_get_fsdp_state", None)) and m._get_fsdp_state() is not None:
+            return True
+        if kinds and any(isinstance(v, kinds) for v in vars(m).values()):
+            return True
+    return False
+
+
 def _compiled_fn(module: Any) -> Any:
     if isinstance(module, torch.nn.Module) and getattr(module, "_compiled_call_impl", None) is not None:
         return module._compiled_call_impl
