@@ -74,7 +74,7 @@ class DenseMoE(nn.Module):
                 layer.mlp.gate.bias[0] = 8.0
 
 
-def reference(ep_size: int = 2, dropout: float = 0.1) -> MoETransformer:
+def reference(ep_size: int = 4, dropout: float = 0.1) -> MoETransformer:
     """The reference model (single-process view of EP rank 0 with ``ep_size``: a spike on
     expert 0 grows this rank's expert activations)."""
     torch.manual_seed(0)
