@@ -74,7 +74,7 @@ from bagualu2.provision.unplanned import UnplannedKeys
 from bagualu2.runtime.gates import GateSpec, describe_unsupported, find_gates
 from bagualu2.provision.region_gates import RegionGates
 from bagualu2.runtime.regions import (
-    check_compile_options, compiled_regions, hide_from_dynamo, holds_collectives, is_compiled,
+    check_compile_config, check_compile_options, compiled_regions, hide_from_dynamo, holds_collectives, is_compiled,
 )
 from bagualu2.plan.planner import Choice, Plan
 from bagualu2.telemetry import MicroBatch, Telemetry
@@ -114,6 +114,7 @@ class Provisioner:
             check_compile_options(region, f"module {path!r} ({type(region).__name__})")
         self._root_rerunnable = self._compiled_root is None or not holds_collectives(model)
         if regions or self._compiled_root is not None:
+            check_compile_config()
             hide_from_dynamo(ActivationRuntime._pack, ActivationRuntime._pack_calm, ActivationRuntime._unpack,
                              RegionGates._report, self._gate_hook(None))  # type: ignore[arg-type]
         check_options(policy, POLICIES, on_exceed, margin, profile_frames, calibrate_frames, recalibrate_every,

@@ -173,6 +173,13 @@ def test_cuda_graph_options_are_refused_at_enable(options: Dict[str, Any], named
         bagualu2.enable(model, budget=None)
 
 
+def test_the_partitioners_memory_budget_is_refused_at_enable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch._functorch.config, "activation_memory_budget", 0.5)
+    model = compile_model(tiny_dense(), "blocks", backend="aot_eager")
+    with pytest.raises(ValueError, match="activation_memory_budget=0.5"):
+        bagualu2.enable(model, budget=None)
+
+
 def test_region_keys_in_a_fixed_plan_are_checked() -> None:
     model = compile_model(tiny_dense(), "blocks", backend="aot_eager")
     bagualu2.enable(model, budget=None, policy=bagualu2.Plan({"layers.0:compiled": Choice.RECOMPUTE})).disable()
@@ -225,3 +232,33 @@ def test_adaptive_holds_a_budget_keep_all_crosses_in_a_spike() -> None:
 def test_inductor_is_bit_exact(how: str, policy: str) -> None:
     """Inductor's own kernels: the rerun in backward runs the same compiled code."""
     _check(lambda: dense(), how, policy, fullgraph=True)
+
+
+@pytest.mark.slow
+@pytest.mark.cuda_only
+@pytest.mark.parametrize("policy", ["offload_all", "recompute_all"])
+def test_inductor_on_a_gpu_is_bit_exact(policy: str) -> None:
+    """Triton kernels, the CUDA copy engine and its prefetch around compiled blocks (needs a GPU)."""
+    def make() -> torch.nn.Module:
+        return dense().cuda()
+
+    plain = compile_model(make(), "blocks", fullgraph=True)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 64, (2, 16), device="cuda")
+    expected = []
+    for i in range(3):
+        torch.manual_seed(i)
+        loss = plain(tokens)
+        loss.backward()
+        expected.append((loss.detach(), [p.grad.clone() for p in inner(plain).parameters() if p.grad is not None]))
+        plain.zero_grad(set_to_none=True)
+    model = compile_model(make(), "blocks", fullgraph=True)
+    bagualu2.enable(model, budget=None, policy=policy, min_bytes=0)
+    got = []
+    for i in range(3):
+        torch.manual_seed(i)
+        loss = model(tokens)
+        loss.backward()
+        got.append((loss.detach(), [p.grad.clone() for p in inner(model).parameters() if p.grad is not None]))
+        model.zero_grad(set_to_none=True)
+    assert mismatches(expected, got) == []

@@ -44,7 +44,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["RegionCall", "check_compile_options", "compiled_regions", "hide_from_dynamo", "is_compiled", "region_key",
+__all__ = ["RegionCall", "check_compile_config", "check_compile_options", "compiled_regions", "hide_from_dynamo", "is_compiled", "region_key",
            "report_gate",
            "register_gate_report", "unregister_gate_report"]
 
@@ -157,6 +157,17 @@ def hide_from_dynamo(*fns: Callable[..., Any]) -> None:
     for fn in fns:
         code = getattr(fn, "__code__", None) or fn.__func__.__code__  # type: ignore[attr-defined]
         set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+
+
+def check_compile_config() -> None:
+    """ValueError when the compiler's partitioner is told to recompute inside compiled regions
+    (``torch._functorch.config.activation_memory_budget`` below 1): it would decide what a
+    region saves, beside and against bagualu2's plan."""
+    budget = getattr(torch._functorch.config, "activation_memory_budget", 1.0)
+    if budget < 1.0:
+        raise ValueError(
+            f"bagualu2: torch._functorch.config.activation_memory_budget={budget} makes the compiler decide "
+            f"what compiled regions recompute; bagualu2 plans each region itself: reset it to 1.0")
 
 
 class RegionCall:
