@@ -1,6 +1,6 @@
 """The runtime's side of compiled regions: a region call is one plan unit of its frame.
 
-Owns ``RegionCall``-time state (``RegionState``) and ``CompiledRegions``, the part of the
+Owns ``RegionState`` (one region call while it runs) and ``CompiledRegions``, the part of the
 activation runtime that enters and leaves a region call and packs what it saves. Which modules
 are regions and their keys are in ``bagualu2.runtime.regions``.
 
@@ -96,7 +96,8 @@ class CompiledRegions(Residency):
         frame = self._frame
         if frame is None or frame._region is not None or frame._rerun is not None or is_recomputing():
             return
-        tracing = bool(_get_current_dispatch_mode_stack()) and _get_current_dispatch_mode_stack()[-1] is self.mode
+        modes = _get_current_dispatch_mode_stack()
+        tracing = bool(modes) and modes[-1] is self.mode
         if tracing:
             self.mode.__exit__(None, None, None)  # Dynamo must never trace into the mode
         key = region_key(path)

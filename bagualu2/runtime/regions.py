@@ -39,6 +39,7 @@ Invariants:
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -68,13 +69,9 @@ def _optimized_module() -> type:
 def is_compiled(module: torch.nn.Module) -> bool:
     """Whether calling ``module`` runs compiled code: a ``torch.compile(module)`` wrapper or a
     module whose ``module.compile()`` was called."""
+    # Without torch._dynamo imported nothing was compiled (and importing it costs about 1 s).
     return (getattr(module, "_compiled_call_impl", None) is not None
-            or ("torch._dynamo" in _loaded() and isinstance(module, _optimized_module())))
-
-
-def _loaded() -> Dict[str, Any]:
-    import sys
-    return sys.modules
+            or ("torch._dynamo" in sys.modules and isinstance(module, _optimized_module())))
 
 
 def compiled_regions(root: torch.nn.Module) -> Dict[str, torch.nn.Module]:
