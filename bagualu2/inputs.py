@@ -72,15 +72,25 @@ def check_materialized(model: torch.nn.Module) -> None:
                              f"(model.to_empty(device=...) and initialize its weights), then enable")
 
 
-def checked_plan(plan: Mapping[str, Choice], model: torch.nn.Module) -> Dict[str, Choice]:
+def checked_plan(plan: Mapping[str, Choice], model: torch.nn.Module, compiled: bool = False) -> Dict[str, Choice]:
     """A fixed plan's entries: every choice a ``Choice``, every key of the form
-    ``'<module path>:<aten op>:<occurrence>'`` naming a module of ``model`` and an op torch has."""
+    ``'<module path>:<aten op>:<occurrence>'`` naming a module of ``model`` and an op torch has,
+    or ``'<module path>:compiled'`` naming a compiled region (``compiled``: all of ``model`` is
+    one, key ``':compiled'``)."""
     import difflib
+
+    from bagualu2.runtime.regions import is_compiled, is_region_key
 
     choices = checked_choices(plan)
     modules = [name for name, _ in model.named_modules()]
     known = set(modules)
+    regions = {name for name, m in model.named_modules() if is_compiled(m) or (not name and compiled)}
     for key in choices:
+        if isinstance(key, str) and is_region_key(key):
+            if key.partition(":")[0] not in regions:
+                raise ValueError(f"plan key {key!r}: the model has no compiled region there (compiled regions: "
+                                 f"{sorted(regions) or 'none'}; '<module path>:compiled' names one)")
+            continue
         if not isinstance(key, str) or key.count(":") < 2:
             raise ValueError(f"plan key {key!r} is not an operator key '<module path>:<aten op>:<occurrence>' "
                              f"(see Frame.keys_seen or Provisioner.last_plan)")

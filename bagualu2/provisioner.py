@@ -73,6 +73,10 @@ from bagualu2.provision import state
 from bagualu2.provision.stacking import Stacking
 from bagualu2.provision.unplanned import UnplannedKeys
 from bagualu2.runtime.gates import GateSpec, describe_unsupported, find_gates
+from bagualu2.provision.region_gates import RegionGates
+from bagualu2.runtime.regions import (
+    check_compile_config, check_compile_options, compiled_regions, hide_from_dynamo, holds_collectives, is_compiled,
+)
 from bagualu2.plan.planner import Choice, Plan
 from bagualu2.telemetry import MicroBatch, Telemetry
 
@@ -96,9 +100,24 @@ class Provisioner:
                  engine: Any = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"enable() needs a torch.nn.Module, got {type(model).__name__}")
-        compiled = getattr(model, "_orig_mod", None)
-        if isinstance(compiled, torch.nn.Module) and "forward" in model.__dict__:
-            model = compiled  # torch.compile's wrapper calls it: provision the module it wraps
+        # torch.compile(model): the whole forward is one compiled region, called by the wrapper;
+        # the provisioned forward goes on the wrapper, around the compiled call (never inside it)
+        self._compiled_root: Optional[torch.nn.Module] = None
+        wrapped = getattr(model, "_orig_mod", None)
+        if isinstance(wrapped, torch.nn.Module) and is_compiled(model):
+            if isinstance(model.__dict__.get("forward"), ProvisionedForward):
+                raise RuntimeError(f"this compiled {type(wrapped).__name__} already has bagualu2 enabled; call "
+                                   f"disable() on the existing Provisioner first")
+            check_compile_options(model, f"the model ({type(wrapped).__name__})")
+            self._compiled_root, model = model, wrapped
+        regions = compiled_regions(model)
+        for path, region in regions.items():
+            check_compile_options(region, f"module {path!r} ({type(region).__name__})")
+        self._root_rerunnable = self._compiled_root is None or not holds_collectives(model)
+        if regions or self._compiled_root is not None:
+            check_compile_config()
+            hide_from_dynamo(ActivationRuntime._pack, ActivationRuntime._pack_calm, ActivationRuntime._unpack,
+                             RegionGates._report, self._gate_hook(None))  # type: ignore[arg-type]
         check_options(policy, POLICIES, on_exceed, margin, profile_frames, calibrate_frames, recalibrate_every,
                       min_bytes, reserve_bytes, arena_bytes, arena_max_bytes)
         check_materialized(model)
@@ -108,7 +127,7 @@ class Provisioner:
         self.model = model
         self.device = device_of(model)
         self._budget = resolve_budget(budget, self.device, reserve_bytes)
-        self._policy = Policy(policy, model)
+        self._policy = Policy(policy, model, compiled=self._compiled_root is not None)
         self.on_exceed = on_exceed
         self.min_bytes = min_bytes
         self.margin = margin
@@ -128,12 +147,19 @@ class Provisioner:
         self.cost = CostModel({g.layer: g.experts_path for g in self.gates},
                               *measure_copy_costs(self.engine, self.device, in_place),
                               copies_overlap=self.device.type != "cpu")  # the cpu's copy threads hide nothing
-        self._hooks: List[Any] = self.runtime.attach(model)
+        modules = dict(model.named_modules())
         for spec in self.gates:
-            register = spec.module.register_forward_pre_hook if spec.pre_hook else spec.module.register_forward_hook
-            self._hooks.append(register(AttachedHook(self._gate_hook(spec))))
-        self._forward = model.forward
-        model.forward = ProvisionedForward(self._provisioned_forward, self._forward)  # type: ignore[method-assign]
+            experts = modules.get(spec.experts_path)
+            if isinstance(experts, torch.nn.ModuleList) and len(experts) < spec.num_experts:
+                self.cost.memory.local_experts[spec.layer] = len(experts)
+        self._hooks: List[Any] = self.runtime.attach(model, root_compiled=self._compiled_root is not None)
+        self.region_gates = RegionGates(self._gate_hook)  # the gates inside compiled regions
+        paths = [""] if self._compiled_root is not None else list(regions)
+        for spec in self.gates:
+            self._hooks.append(self._hook_gate(spec, paths))
+        host = self._compiled_root if self._compiled_root is not None else model
+        self._forward = host.forward
+        host.forward = ProvisionedForward(self._provisioned_forward, self._forward)  # type: ignore[method-assign]
         # What decisions are made with, each piece the one owner of its state.
         self.stacking = Stacking()  # the micro-batches in flight on this rank
         self.footprint = Footprint(self.cost)  # what one holds that no plan releases, and the room left
@@ -341,7 +367,11 @@ class Provisioner:
             h.remove()
         self._hooks.clear()
         self.runtime.backward_observer = None
-        self.model.__dict__.pop("forward", None)
+        self.region_gates.close()
+        if self._compiled_root is not None:
+            self._compiled_root.forward = self._forward  # the wrapper's compiled forward
+        else:
+            self.model.__dict__.pop("forward", None)
         self.enabled = False
         # The pinned arena goes now, or when the last graph holding one of its offloads dies.
         self.engine = self.runtime.engine = None
@@ -456,7 +486,14 @@ class Provisioner:
         try:
             running.append(self)
             with self.runtime.frame(frame):
-                out = self._forward(*args, **kwargs)
+                if self._compiled_root is not None:
+                    self.runtime.region_enter(self._forward, "", args, kwargs, self._root_rerunnable)
+                    try:
+                        out = self._forward(*args, **kwargs)
+                    finally:
+                        self.runtime.region_leave()
+                else:
+                    out = self._forward(*args, **kwargs)
                 anchored = sum(node.nbytes for node in frame.anchors)
         finally:
             while self in running:  # and above it, what an interrupt left there
@@ -513,6 +550,13 @@ class Provisioner:
         raise BudgetExceededError(resident, budget, key, self._policy.name)
 
     # -- gating -----------------------------------------------------------------------------
+    def _hook_gate(self, spec: GateSpec, regions: Sequence[str]) -> Any:
+        """Put ``spec``'s hook on its gate: the shared region hook inside a compiled region."""
+        register = spec.module.register_forward_pre_hook if spec.pre_hook else spec.module.register_forward_hook
+        if any(not r or spec.name.startswith(r + ".") for r in regions) and self.region_gates.add(spec):
+            return register(self.region_gates.hook)
+        return register(AttachedHook(self._gate_hook(spec)))
+
     def _gate_hook(self, spec: GateSpec) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: tuple, output: Any = None) -> None:
             if self.runtime.active_frame is None or is_recomputing():
@@ -520,9 +564,8 @@ class Provisioner:
             with self.runtime.untraced(), torch.no_grad():
                 counts = spec.counts_fn(module, args, output)
                 size = spec.size_fn(module, args, output) if spec.size_fn is not None else None
+            what = f"counts_fn of gate {spec.name!r} (layer {spec.layer})"
             self._on_gate(spec.layer, checked_counts(counts, what, spec.num_experts, token_slots(spec, args)), size)
-
-        what = f"counts_fn of gate {spec.name!r} (layer {spec.layer})"
 
         return hook
 

@@ -200,11 +200,13 @@ def test_forwards_without_grad_are_not_provisioned_and_teach_the_cost_model_noth
     assert prov.report()["saved_bytes_by_choice"]["recompute"] > 0
 
 
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")  # Dynamo's fakes
 @pytest.mark.parametrize("order", ["enable, then compile", "compile, then enable"])
-def test_a_compiled_model_is_provisioned_eagerly_and_exactly(order: str) -> None:
-    """torch.compile of an enabled model, or enable() of a compiled one (the module it wraps
-    is provisioned): the provisioned forward runs eagerly (Dynamo would graph-break and
-    recompile at every op of the tracing mode and hooks), still releasing."""
+def test_a_compiled_model_is_provisioned_exactly(order: str) -> None:
+    """torch.compile of an enabled model: the provisioned forward runs eagerly (Dynamo would
+    graph-break and recompile at every op of the tracing mode and hooks), still releasing.
+    enable() of a compiled one: the module it wraps is provisioned and its forward stays
+    compiled, one region of the plan (tests/test_compile.py)."""
     import torch._dynamo
 
     model = make_model(ep_size=4)
@@ -221,7 +223,8 @@ def test_a_compiled_model_is_provisioned_eagerly_and_exactly(order: str) -> None
         ref, got = step(plain, i), step(compiled, i)
         assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
     assert prov.report()["saved_bytes_by_choice"]["recompute"] > 0
-    assert sum(torch._dynamo.utils.counters["frames"].values()) == 0
+    compiled_frames = sum(torch._dynamo.utils.counters["frames"].values())
+    assert (compiled_frames == 0) == (order == "enable, then compile"), compiled_frames
     torch._dynamo.reset()
 
 

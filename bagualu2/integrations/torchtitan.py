@@ -34,8 +34,9 @@ Refused at ``enable`` (``ValueError`` naming the torchtitan option to turn off):
   activation_memory_budget`` below 1): the compiler's partitioner then decides what is saved;
 - ``training.enable_cpu_offload`` (FSDP2's ``CPUOffloadPolicy``): parameters copied in and out
   around every module, which rebuilds in backward would read;
-- ``compile`` of the model's blocks (``torch.compile``'d submodules): compiled regions save
-  their activations inside the compiled graph.
+- ``compile`` of the model's blocks (``torch.compile``'d submodules): compiled regions are
+  provisioned in plain PyTorch models (docs/CONTRACTS.md), but not yet verified inside
+  torchtitan's FSDP2 and EP wrapping, whose collectives run inside the compiled blocks.
 
 Nothing here changes torchtitan; CPU-only test shims (attention, device type, gloo reductions)
 live in the tests and are listed in docs/engines.md.
@@ -146,9 +147,9 @@ def check_options(model: nn.Module) -> None:
         if "_orig_mod" in module._modules:
             raise ValueError(
                 f"{name or type(model).__name__} is compiled (torch.compile, torchtitan's "
-                f"compile.enable with 'model' in compile.components): compiled regions save their "
-                f"activations inside the compiled graph, out of bagualu2's reach. Turn off "
-                f"compile.enable (or drop 'model' from compile.components)")
+                f"compile.enable with 'model' in compile.components): bagualu2 provisions compiled "
+                f"blocks of plain PyTorch models, but not yet inside torchtitan's FSDP2/EP wrapping "
+                f"(not verified). Turn off compile.enable (or drop 'model' from compile.components)")
         state = module._get_fsdp_state() if callable(getattr(module, "_get_fsdp_state", None)) else None
         groups = getattr(state, "_fsdp_param_groups", None) or []
         if any(type(getattr(g, "offload_policy", None)).__name__ == "CPUOffloadPolicy" for g in groups):

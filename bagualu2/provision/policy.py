@@ -33,8 +33,10 @@ POLICIES = ("adaptive", "keep_all", "recompute_all", "offload_all")
 class Policy:
     """What a provisioner was asked to run (see the module note)."""
 
-    def __init__(self, policy: Union[str, Plan, Mapping[str, Choice]], model: torch.nn.Module) -> None:
+    def __init__(self, policy: Union[str, Plan, Mapping[str, Choice]], model: torch.nn.Module,
+                 compiled: bool = False) -> None:
         self._model = model
+        self._compiled = compiled  # all of the model is one compiled region
         self.plan: Optional[Dict[str, Choice]] = None  # a fixed plan's choices
         self.shown: Union[str, Plan] = policy  # what ``Provisioner.policy`` returns
         self.keeps_all = policy == "keep_all"
@@ -59,7 +61,7 @@ class Policy:
         self._set(plan)
 
     def _set(self, plan: Union[Plan, Mapping[str, Choice]]) -> None:
-        self.plan = checked_plan(plan.choices if isinstance(plan, Plan) else plan, self._model)
+        self.plan = checked_plan(plan.choices if isinstance(plan, Plan) else plan, self._model, self._compiled)
         self.shown = plan if isinstance(plan, Plan) else Plan(dict(self.plan))
         self.keeps_all = all(c == Choice.KEEP for c in self.plan.values())
 

@@ -58,10 +58,12 @@ import torch.utils._python_dispatch as _dispatch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
 
 from bagualu2.plan.planner import Choice
+from bagualu2.runtime.attachment import AttachedHook, _Attachment
+from bagualu2.runtime.compiled import CompiledRegions
 from bagualu2.runtime.frame import Frame, check_keys, profile_saves
 from bagualu2.runtime.ledger import _drain_failed_backward, _drain_graph, Pin
 from bagualu2.runtime.rerun import BlockRerun, unrestorable
-from bagualu2.runtime.residency import Residency
+from bagualu2.runtime.regions import compiled_regions, holds_collectives
 from bagualu2.runtime.stores import _Offloaded, _Recomputed, _uncounted, observed_hook, regeneration_source
 from bagualu2.runtime.recipes import StorageNode, ViewMeta, is_plain, recipe_refs, view_meta
 
@@ -74,64 +76,7 @@ _MODE_FLAGS = (("_is_in_torch_dispatch_mode", "old_dispatch_mode_flags"),
                 "old_without_ignore_compile_internals_dispatch_mode_flags"))
 
 
-def _unattached(*args: Any, **kwargs: Any) -> None:
-    """What a copy of a module holds in place of an ``AttachedHook``: a hook that does nothing."""
-
-
-def _detached() -> Callable[..., None]:
-    return _unattached
-
-
-class AttachedHook:
-    """A module hook bagualu2 installs on a user's module (through ``register_forward_*``).
-
-    A copy of the module (``copy.deepcopy``: an EMA or teacher model; ``torch.save`` of the
-    whole module) is a plain module: it gets a hook that does nothing in this one's place, so
-    it neither runs through nor reports to the original's runtime, and it pickles.
-    """
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
-
-    def __deepcopy__(self, memo: dict) -> Callable[..., None]:
-        return _unattached
-
-    def __reduce__(self) -> Tuple[Callable[[], Callable[..., None]], tuple]:
-        return _detached, ()
-
-
-class _Attachment:
-    """One module tree's hooks (``ActivationRuntime.attach``): installed while traced frames
-    run, and ``remove()`` takes them off for good."""
-
-    def __init__(self, runtime: "ActivationRuntime",
-                 hooks: List[Tuple[torch.nn.Module, AttachedHook, AttachedHook]]) -> None:
-        self._runtime = runtime
-        self._hooks = hooks
-        self._handles: List[Any] = []
-
-    def install(self, on: bool) -> None:
-        if on and not self._handles:
-            for module, enter, leave in self._hooks:
-                self._handles.append(module.register_forward_pre_hook(enter, with_kwargs=True, prepend=True))
-                self._handles.append(module.register_forward_hook(leave))
-        elif not on:
-            for handle in self._handles:
-                handle.remove()
-            self._handles = []
-
-    def remove(self) -> None:
-        self.install(False)
-        if self in self._runtime._attachments:
-            self._runtime._attachments.remove(self)
-
-
-class ActivationRuntime(Residency):
+class ActivationRuntime(CompiledRegions):
     """Applies per-operator KEEP / OFFLOAD / RECOMPUTE choices to saved activations: picks each
     save's choice here; its base ``Residency`` holds, counts and serves back what was picked.
 
@@ -229,6 +174,8 @@ class ActivationRuntime(Residency):
                     self._trace(frame.traced)
                     yield frame
                 finally:
+                    if frame._region is not None:  # the region raised: its exit did not run
+                        self.region_leave()
                     if frame._rerun is not None:  # the block raised: its forward hook did not run
                         self._close_rerun(frame)
                     self._trace(False)
@@ -295,6 +242,7 @@ class ActivationRuntime(Residency):
         frame._untraced_offloads = {}
         frame._recomputed = set()
         frame._rerun = None
+        frame._region = None
         self.mode.reset()  # the frame's nodes, and the anchors they pin
         self._clear_left_scopes()
         self._frame_owner = None
@@ -345,7 +293,7 @@ class ActivationRuntime(Residency):
                 self.engine.prune()
 
     # -- module hooks -----------------------------------------------------------------------
-    def attach(self, root: torch.nn.Module) -> List[Any]:
+    def attach(self, root: torch.nn.Module, root_compiled: bool = False) -> List[Any]:
         """Name operators by module path and anchor block inputs, through module hooks that
         traced frames install.
 
@@ -365,12 +313,24 @@ class ActivationRuntime(Residency):
         hook behind its other forward hooks, so the module's path names what its own hooks run,
         and a rerun block is called with the arguments its call had before any pre-hook changed
         them. Returns handles whose ``remove()`` detaches.
+
+        A compiled region (``bagualu2.runtime.regions``; all of ``root`` with ``root_compiled``)
+        gets region hooks instead (``CompiledRegions``), and the modules inside it none.
         """
         blocks = {id(child) for m in root.modules() if isinstance(m, torch.nn.ModuleList) for child in m}
         block_paths = [name for name, m in root.named_modules() if id(m) in blocks]
         hooks: List[Tuple[torch.nn.Module, AttachedHook, AttachedHook]] = []
+        calls: List[Tuple[torch.nn.Module, Callable[..., Any], Callable[..., Any]]] = []
+        regions = {} if root_compiled else compiled_regions(root)
         for name, module in root.named_modules():
-            if module is root:
+            if module is root or root_compiled or any(name.startswith(p + ".") for p in regions):
+                continue  # inside compiled code: Dynamo would trace a hook of ours
+            if name in regions:
+                enter, leave = self._region_hooks(name, id(module) in blocks, not holds_collectives(module))
+                if isinstance(module, torch.nn.Module) and getattr(module, "_compiled_call_impl", None) is not None:
+                    calls.append((module, enter, leave))
+                else:  # torch.compile(module): its own hooks run outside Dynamo
+                    hooks.append((module, AttachedHook(enter), AttachedHook(leave)))
                 continue
             block = 0
             if id(module) in blocks:
@@ -407,7 +367,7 @@ class ActivationRuntime(Residency):
                     frame.past_blocks = True
 
             hooks.append((module, AttachedHook(enter), AttachedHook(leave)))
-        attachment = _Attachment(self, hooks)
+        attachment = _Attachment(self, hooks, calls)
         self._attachments.append(attachment)
         return [attachment]
 
@@ -468,6 +428,8 @@ class ActivationRuntime(Residency):
         frame = self._frame
         if frame is None:
             return t
+        if frame._region is not None:
+            return self._pack_region(frame, frame._region, t)
         if frame._rerun is not None:
             frame.stats.packed += 1
             return frame._rerun.save(t, counted=is_plain(t) and not self._is_parameter(t))

@@ -25,6 +25,7 @@ from bagualu2.runtime.rerun import BlockRerun
 from bagualu2.runtime.recipes import StorageNode, step_inputs
 
 if TYPE_CHECKING:
+    from bagualu2.runtime.compiled import RegionState
     from bagualu2.runtime.stores import OffloadStore
 
 __all__ = ["Budget", "Frame", "FrameStats", "check_keys", "checked_choices", "profile_saves"]
@@ -105,6 +106,9 @@ class Frame:
         # that is neither a tensor nor a plain value (a KV cache the forward appends to).
         self.rerun_blocks = False
         self._rerun: Optional[BlockRerun] = None  # the block running untraced now
+        self._region: Optional["RegionState"] = None  # the compiled region call running now
+        # Profiled frames: compiled region key -> (saved bytes, forward seconds) of its call
+        self.region_profile: Dict[str, Tuple[int, float]] = {}
         self.strict = strict  # a key in ``choices`` that names no op of the forward is an error
         # What the forward is held to; None: the runtime's ``budget_bytes``, all of it.
         self.budget: Optional[Budget] = None
@@ -163,7 +167,7 @@ class Frame:
 def check_keys(frame: Frame, nodes: Iterable[StorageNode]) -> None:
     """ValueError naming the keys of ``frame.choices`` that no traced op of its forward has (what a
     ``strict`` frame checks as its forward ends), with the nearest known key of each."""
-    known = {node.key for node in nodes}
+    known = {node.key for node in nodes} | set(frame.region_profile) | set(frame.keys_seen)
     unknown = sorted(set(frame.choices) - known)
     if unknown:
         import difflib
@@ -227,4 +231,7 @@ def profile_saves(frame: Frame, nodes: Iterable[StorageNode]
         if node is not None:
             inputs = chain(node)
             out[key] = (nbytes, own_seconds(node), node.rebuildable(node.state), inputs, reads(node, inputs))
+        elif key in frame.region_profile:  # a compiled region: one unit, rebuilt by rerunning it whole
+            nbytes, seconds = frame.region_profile[key]
+            out[key] = (nbytes, seconds, True, (), ())
     return out, unsaved

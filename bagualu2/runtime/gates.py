@@ -143,7 +143,10 @@ def counts_from_logits(num_experts: int, top_k: int) -> CountsFn:
 
 
 def _reference_counts(module: nn.Module, args: tuple, output: Any) -> Tensor:
-    return output.tokens_per_expert.detach().clone()
+    from bagualu2.models import RouterOutput
+
+    # inside a compiled region the output arrives as a plain tuple (``regions.report_gate``)
+    return RouterOutput(*output).tokens_per_expert.detach().clone()
 
 
 def _received_counts(module: nn.Module, args: tuple, output: Any) -> Tensor:

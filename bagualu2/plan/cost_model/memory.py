@@ -10,6 +10,8 @@ per expert. Each key is assigned a *driver*:
 
 * an expert op (its module path lies under ``<moe layer>.experts.<e>``) is driven by the tokens
   routed to expert ``e`` of that layer;
+* a compiled region (key ``"<path>:compiled"``, one unit of saves) is driven by the tokens its
+  first MoE layer's experts receive, summed over the experts this rank runs (``local_experts``);
 * any other op (attention, norms, routing and permutation of the token slots) is driven by the
   micro-batch's size: the tokens routed by its first MoE layer (top-k times its tokens), which
   changes only when the sequence length or batch size does.
@@ -34,6 +36,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from bagualu2.plan.cost_model.fit import LineFit
 from bagualu2.runtime.recipes import call_key, module_of
+from bagualu2.runtime.regions import is_region_key
 
 
 # A key of a counts mapping (MoE layer -> tokens per expert) holding the routing whose total
@@ -62,6 +65,7 @@ class OpCost:
     # number of ops replayed, cached for one version of that fit.
     replays: List[Tuple[float, float, int, float]] = field(default_factory=list)
     correction: Tuple[int, Dict[int, float]] = (-1, {})
+    span: Optional[int] = None  # a GROUPED op: the experts whose tokens drive it (None: all)
     call: str = field(init=False)  # the op call that makes its storage (``call_key``)
 
     def __post_init__(self) -> None:
@@ -81,7 +85,7 @@ def driving_tokens(op: OpCost, counts: Mapping[int, Optional[Sequence[int]]]) ->
     if layer_counts is None or op.expert is None or op.expert >= len(layer_counts):
         return 0.0
     if op.expert == GROUPED:
-        return float(sum(layer_counts))
+        return float(sum(layer_counts[:op.span] if op.span is not None else layer_counts))
     return float(layer_counts[op.expert])
 
 
@@ -100,6 +104,7 @@ class MemoryModel:
 
     def __init__(self, expert_prefixes: Mapping[int, str]) -> None:
         self.expert_prefixes = dict(expert_prefixes)
+        self.local_experts: Dict[int, int] = {}  # MoE layer -> experts this rank runs, where fewer than routed to
         self.ops: Dict[str, OpCost] = {}
         self.unsaved: Dict[str, OpCost] = {}  # ops whose outputs nothing saves (rebuilt as inputs)
         self.order: List[str] = []           # keys in the order a micro-batch first saves them
@@ -120,6 +125,12 @@ class MemoryModel:
         ``experts.local_experts.<e>``), ``GROUPED`` for other ops under it (experts run as one
         grouped call), (None, None) outside every experts path."""
         path = module_of(key)
+        if is_region_key(key):
+            region = key.rpartition(":")[0]
+            for layer, prefix in sorted(self.expert_prefixes.items()):
+                if not region or prefix.startswith(region + "."):
+                    return layer, GROUPED
+            return None, None
         for layer, prefix in self.expert_prefixes.items():
             if path == prefix or path.startswith(prefix + "."):
                 parts = path[len(prefix) + 1:].split(".")[:2]
@@ -149,6 +160,8 @@ class MemoryModel:
             if op is None:
                 layer, expert = self._driver(key)
                 op = self.ops[key] = OpCost(key, layer, expert, position=len(self.order))
+                if is_region_key(key) and layer is not None:
+                    op.span = self.local_experts.get(layer)
                 self.order.append(key)
             op.bytes.add(driving_tokens(op, counts), float(nbytes))
             self._time(op, counts, seconds)

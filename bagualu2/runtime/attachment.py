@@ -1,0 +1,89 @@
+"""Module hooks bagualu2 puts on a user's modules, and one module tree's set of them.
+
+Owns ``AttachedHook`` (a hook that copies as a no-op: a copy of a provisioned model is a plain
+model) and ``_Attachment`` (``ActivationRuntime.attach``'s hooks, installed while traced frames
+run; ``module.compile()``d regions get a ``RegionCall`` in ``_compiled_call_impl`` instead of
+module hooks, which Dynamo would trace).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, List, Tuple
+
+import torch
+
+from bagualu2.runtime.regions import RegionCall
+
+if TYPE_CHECKING:
+    from bagualu2.runtime.activations import ActivationRuntime
+
+__all__ = ["AttachedHook"]
+
+
+def _unattached(*args: Any, **kwargs: Any) -> None:
+    """What a copy of a module holds in place of an ``AttachedHook``: a hook that does nothing."""
+
+
+def _detached() -> Callable[..., None]:
+    return _unattached
+
+
+class AttachedHook:
+    """A module hook bagualu2 installs on a user's module (through ``register_forward_*``).
+
+    A copy of the module (``copy.deepcopy``: an EMA or teacher model; ``torch.save`` of the
+    whole module) is a plain module: it gets a hook that does nothing in this one's place, so
+    it neither runs through nor reports to the original's runtime, and it pickles.
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Callable[..., None]:
+        return _unattached
+
+    def __reduce__(self) -> Tuple[Callable[[], Callable[..., None]], tuple]:
+        return _detached, ()
+
+
+class _Attachment:
+    """One module tree's hooks (``ActivationRuntime.attach``): installed while traced frames
+    run, and ``remove()`` takes them off for good."""
+
+    def __init__(self, runtime: "ActivationRuntime",
+                 hooks: List[Tuple[torch.nn.Module, AttachedHook, AttachedHook]],
+                 calls: List[Tuple[torch.nn.Module, Callable[..., Any], Callable[..., Any]]]) -> None:
+        self._runtime = runtime
+        self._hooks = hooks
+        self._calls = calls  # module.compile()d regions: (module, enter, leave) around _compiled_call_impl
+        self._handles: List[Any] = []
+        self._swapped: List[Tuple[torch.nn.Module, Any]] = []
+
+    def install(self, on: bool) -> None:
+        if on and not self._handles and not self._swapped:
+            for module, enter, leave in self._hooks:
+                self._handles.append(module.register_forward_pre_hook(enter, with_kwargs=True, prepend=True))
+                self._handles.append(module.register_forward_hook(leave))
+            for module, enter, leave in self._calls:
+                compiled = module._compiled_call_impl
+                if isinstance(compiled, RegionCall):  # another runtime's, left on: not ours to wrap
+                    continue
+                module._compiled_call_impl = RegionCall(module, compiled, enter, leave)
+                self._swapped.append((module, compiled))
+        elif not on:
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+            for module, compiled in self._swapped:
+                module._compiled_call_impl = compiled
+            self._swapped = []
+
+    def remove(self) -> None:
+        self.install(False)
+        if self in self._runtime._attachments:
+            self._runtime._attachments.remove(self)

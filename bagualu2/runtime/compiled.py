@@ -1,0 +1,176 @@
+"""The runtime's side of compiled regions: a region call is one plan unit of its frame.
+
+Owns ``RegionState`` (one region call while it runs) and ``CompiledRegions``, the part of the
+activation runtime that enters and leaves a region call and packs what it saves. Which modules
+are regions and their keys are in ``bagualu2.runtime.regions``.
+
+Design note
+-----------
+At a region's entry (a hook that runs outside compiled code) the tracing mode leaves torch's
+dispatch stack, so Dynamo never sees it, and the call's inputs, RNG and autocast states are
+held in a ``BlockRerun`` when the region may be recomputed. The saved-tensor hooks stay on:
+the region's saves reach the pack hook when its forward returns, and its choice
+(``Frame.choice("<path>:compiled")``) is read at the first of them, so a gate inside the
+region (``regions.report_gate``) may still set it. KEEP: kept, counted (offloaded instead when
+that would cross an enforced budget); OFFLOAD: each storage copied once to the host arena and
+reloaded, prefetched, in backward; RECOMPUTE: packed as indices into the ``BlockRerun``, which
+reruns the region whole at its first unpack (the compiled code again, no recompile). At the
+exit the tracing mode is back on the stack, and the region's saved bytes (and, in a profiled
+frame, its forward seconds) are recorded under its key for the cost model.
+
+Invariants: bit-exactness as for blocks (``rerun.py``); a region that may issue collectives
+(``regions.holds_collectives``) or is called with an object its forward may change
+(``rerun.unrestorable``) is never recomputed (offloaded instead): nothing bagualu2 does in
+backward issues a collective; nothing
+of bagualu2 runs inside the compiled code but ``report_gate``.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from bagualu2.plan.planner import Choice
+from bagualu2.runtime.frame import Frame
+from bagualu2.runtime.ledger import Pin
+from bagualu2.runtime.recipes import is_plain, is_recomputing, view_meta
+from bagualu2.runtime.regions import region_key
+from bagualu2.runtime.rerun import BlockRerun, unrestorable
+from bagualu2.runtime.residency import Residency
+from bagualu2.runtime.stores import _Offloaded, _uncounted
+
+__all__ = ["CompiledRegions", "RegionState"]
+
+
+class RegionState:
+    """One region call of a frame while it runs: its key, the rerun record that may recompute
+    it, whether the tracing mode was on the stack at its entry, and what it saved."""
+
+    __slots__ = ("key", "rerun", "tracing", "choice", "storages", "start")
+
+    def __init__(self, key: str, rerun: Optional[BlockRerun], tracing: bool) -> None:
+        self.key = key
+        self.rerun = rerun
+        self.tracing = tracing
+        self.choice: Optional[Choice] = None  # read at its first save
+        self.storages: Dict[int, int] = {}  # address -> bytes, counted saves
+        self.start = time.perf_counter()
+
+
+class CompiledRegions(Residency):
+    """Entering, leaving and packing compiled region calls (see the module note)."""
+
+    def _region_hooks(self, name: str, block: bool, rerunnable: bool = True
+                      ) -> Tuple[Callable[..., None], Callable[..., None]]:
+        """The entry and exit of the compiled region at ``name`` (``block``: an outermost block;
+        ``rerunnable``: it issues no collective, see ``regions.holds_collectives``)."""
+
+        def enter(mod: torch.nn.Module, args: tuple, kwargs: Dict[str, Any]) -> None:
+            frame = self._frame
+            if frame is None or not frame.traced or self.mode.suspended or frame._rerun is not None:
+                return
+            if block:
+                frame.past_blocks = False
+            self.region_enter(mod, name, args, kwargs, rerunnable)
+
+        def leave(mod: torch.nn.Module, args: tuple, out: Any, failed: bool = False) -> None:
+            frame = self._frame
+            if frame is None or frame._region is None:
+                return
+            self.region_leave()
+            if block:
+                frame.past_blocks = True
+
+        return enter, leave
+
+    def region_enter(self, module: Any, path: str, args: tuple, kwargs: Dict[str, Any],
+                     rerunnable: bool = True) -> None:
+        """A region call begins (``module``: what a rerun calls again with ``args``; not
+        ``rerunnable``: never recomputed)."""
+        frame = self._frame
+        if frame is None or frame._region is not None or frame._rerun is not None or is_recomputing():
+            return
+        modes = _get_current_dispatch_mode_stack()
+        tracing = bool(modes) and modes[-1] is self.mode
+        if tracing:
+            self.mode.__exit__(None, None, None)  # Dynamo must never trace into the mode
+        key = region_key(path)
+        rerun = None
+        if rerunnable and frame.choice(key) == Choice.RECOMPUTE or self.enforce_budget or key in frame.choices:
+            flat, spec = tree_flatten((args, kwargs))
+            if unrestorable(flat) is None:
+                rerun = BlockRerun(module, path or "the compiled model", flat, spec, self._pin_leaf,
+                                   lambda s: Pin(self.ledger, s))
+        frame._region = RegionState(key, rerun, tracing)
+
+    def region_leave(self) -> None:
+        """The region call running in the frame ended (returned or raised)."""
+        frame = self._frame
+        state = frame._region if frame is not None else None
+        if state is None:
+            return
+        frame._region = None
+        if state.tracing:
+            self.mode.__enter__()
+        nbytes = sum(state.storages.values())
+        frame.keys_seen.setdefault(state.key, nbytes)
+        if state.choice == Choice.RECOMPUTE and state.rerun is not None:
+            frame.stats.rerun_blocks += 1
+            frame.stats.bytes_by_choice["recompute"] += nbytes
+            state.rerun.storages.clear()
+        if frame.profile:
+            frame.region_profile[state.key] = (nbytes, time.perf_counter() - state.start)
+
+    def _pack_region(self, frame: Frame, state: RegionState, t: torch.Tensor) -> Any:
+        """Pack one tensor a region saved, as the region's choice says."""
+        frame.stats.packed += 1
+        if state.choice is None:
+            choice = frame.choice(state.key)
+            if choice == Choice.RECOMPUTE and state.rerun is None:
+                frame.stats.fallbacks.append(f"{state.key}: recompute -> offload (it issues collectives, or is "
+                                             f"called with an object its forward may change)")
+                choice = Choice.OFFLOAD
+            state.choice = choice
+            if choice != Choice.RECOMPUTE:
+                state.rerun = None  # its inputs need not be held
+        counted = is_plain(t) and not self._is_parameter(t)
+        if state.choice == Choice.RECOMPUTE:
+            assert state.rerun is not None
+            packed = state.rerun.save(t, counted)
+            if counted:
+                storage = t.untyped_storage()
+                state.storages.setdefault(storage._cdata, storage.nbytes())
+            return packed
+        if not counted:
+            return _uncounted(t)
+        storage = t.untyped_storage()
+        state.storages.setdefault(storage._cdata, storage.nbytes())
+        found = frame._untraced_offloads.get(storage._cdata) if frame._untraced_offloads else None
+        store = found[2]() if found is not None and not found[0].expired() and found[1] == t._version else None
+        if store is not None:  # another saved view of a storage offloaded in this frame
+            frame.stats.shared_bytes += storage.nbytes()
+            return _Offloaded(store, view_meta(t), None, t._version, t)
+        if state.choice == Choice.KEEP:
+            if not self._over_budget(storage):
+                return self._keep(frame, t, storage)
+            self.settle(wait=True)
+            if not self._over_budget(storage):
+                return self._keep(frame, t, storage)
+            if not self.enforce_budget:
+                return self._violate(frame, t, state.key)
+            frame.stats.fallbacks.append(f"{state.key}: keep -> offload (budget)")
+        store = self._start_offload(frame, storage, state.key)
+        if store is None:
+            frame.stats.fallbacks.append(f"{state.key}: offload -> keep (arena full or no engine)")
+            if self._over_budget(storage):
+                return self._violate(frame, t, state.key)
+            return self._keep(frame, t, storage)
+        frame._untraced_offloads[storage._cdata] = (StorageWeakRef(storage), t._version, weakref.ref(store))
+        return _Offloaded(store, view_meta(t), None, t._version, t)
+

@@ -1,0 +1,313 @@
+"""torch.compile'd models: each compiled region is one unit of the plan (docs/CONTRACTS.md).
+
+Invariants defended: exactness (loss and every gradient bit for bit against the same compiled
+model without bagualu2, same compile options, for keep_all, offload_all, recompute_all, a
+random fixed plan and adaptive through spikes; blocks compiled with ``torch.compile(block)``
+and ``block.compile()``, and the whole model, ``fullgraph`` on and off); budget (adaptive under
+a budget 5% above the calm keep-all peak holds it through a spike that pushes keep_all over);
+compiled code stays compiled (no recompiles beyond the model's own, and the tracing mode never
+reaches Dynamo); gates inside ``fullgraph=True`` blocks report the real routing at run time and
+decide the region's choice before it is packed; CUDA-graph options are refused at ``enable``.
+
+Fast lane: ``backend="aot_eager"`` on tiny models (Dynamo and AOT autograd, no C++ build). Slow
+lane: the full matrix, and inductor (which compiles C++ here).
+"""
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import bagualu2
+from bagualu2 import Choice
+
+sys.path.insert(0, str(Path(__file__).parent))
+from compile_models import (  # noqa: E402
+    compile_model, dense, inner, mismatches, random_plan, reference, run_steps,
+)
+
+# Dynamo reads ``.grad`` of non-leaf inputs as it builds their fakes (torch's own filter for that
+# warning does not hold under "error"); inductor imports torch.utils.mkldnn, which warns that
+# torch.jit.script_method is deprecated.
+pytestmark = [pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf"),
+              pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")]
+
+SPIKES = [False, False, False, False, True, False, True, False]
+POLICIES = ("keep_all", "offload_all", "recompute_all", "random_plan", "adaptive")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Any:
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _graphs() -> int:
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _keys(model: torch.nn.Module, make: Any, how: str, options: Dict[str, Any]) -> List[str]:
+    """The plan keys a forward of ``model``'s build saves (regions and traced operators)."""
+    probe = compile_model(make(), how, **options)
+    prov = bagualu2.enable(probe, budget=None, policy=bagualu2.Plan({}), min_bytes=0, profile_frames=1)
+    run_steps(probe, [False])
+    keys = sorted(prov.cost.order)
+    prov.disable()
+    return keys
+
+
+def _calm_peak(make: Any, how: str, options: Dict[str, Any]) -> int:
+    probe = compile_model(make(), how, **options)
+    prov = bagualu2.enable(probe, budget=None, policy="keep_all", min_bytes=0)
+    run_steps(probe, [False, False])
+    return prov.report()["peak_bytes"]
+
+
+def _check(make: Any, how: str, policy: str, **options: Any) -> Dict[str, Any]:
+    """Run ``policy`` against the same compiled model without bagualu2; returns the report."""
+    plain = compile_model(make(), how, **options)
+    expected = run_steps(plain, SPIKES)
+    plain_graphs = _graphs()
+    torch._dynamo.reset()
+    counters.clear()
+    budget = None
+    chosen: Any = policy
+    if policy == "random_plan":
+        keys = _keys(plain, make, how, options)
+        assert any(k.endswith(":compiled") for k in keys), keys
+        chosen = bagualu2.Plan(random_plan(keys, seed=3))
+        torch._dynamo.reset()
+        counters.clear()
+    elif policy == "adaptive":
+        budget = int(_calm_peak(make, how, options) * 1.05)
+        torch._dynamo.reset()
+        counters.clear()
+    model = compile_model(make(), how, **options)
+    prov = bagualu2.enable(model, budget=budget, policy=chosen, min_bytes=0)
+    got = run_steps(model, SPIKES)
+    assert mismatches(expected, got) == [], f"{how} {policy}: not bit-exact"
+    assert _graphs() == plain_graphs, f"{how} {policy}: {_graphs()} graphs compiled, {plain_graphs} without bagualu2"
+    report = prov.report()
+    assert prov.runtime.ledger.resident == 0, "activations left counted after the last backward"
+    if policy == "adaptive":
+        assert report["violations"] == 0, report
+        assert report["peak_bytes_with_backward"] <= budget, (report["peak_bytes_with_backward"], budget)
+    return report
+
+
+# -- fast lane (what compiles is in the slow lane: a few seconds each here at best) ------------------------------------------------------------------------------------
+def tiny_dense() -> torch.nn.Module:
+    return dense(hidden=8, layers=2, num_experts=2, top_k=1, vocab=16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["recompute_all", "offload_all"])
+def test_fullgraph_compiled_blocks_are_bit_exact(policy: str) -> None:
+    report = _check(tiny_dense, "blocks", policy, backend="aot_eager", fullgraph=True)
+    if policy == "recompute_all":
+        assert report["saved_bytes_by_choice"]["recompute"] > 0
+    else:
+        assert report["saved_bytes_by_choice"]["offload"] > 0
+
+
+def test_gates_inside_fullgraph_blocks_report_the_real_routing() -> None:
+    """The gate hook inside compiled code runs (through the report op) on every call with the
+    routing of that micro-batch, calm or spiked, and the spike is seen."""
+    model = compile_model(tiny_dense(), "blocks", backend="aot_eager", fullgraph=True)
+    eager = tiny_dense()
+    prov = bagualu2.enable(model, budget=None, policy="keep_all", min_bytes=0)
+    seen = []
+    for i, spike in enumerate([False, True, False]):
+        run_steps(model, [spike])
+        with torch.no_grad():
+            eager.spike(spike)
+            h = eager.embed(torch.randint(0, 16, (2, 16), generator=torch.Generator().manual_seed(100)))
+            torch.manual_seed(0)
+            block = eager.layers[0]
+            x = h + block.drop(torch.tanh(block.attn(block.norm(h))))
+            _, _, indices = block.mlp.gate(x.reshape(-1, x.shape[-1]))
+        counts = torch.bincount(indices.reshape(-1), minlength=2).tolist()
+        assert prov.routing.counts[0] == counts, (i, prov.routing.counts, counts)
+        seen.append(counts[0])
+    assert seen[1] == 32 and seen[0] < 32 and seen[2] < 32, seen  # the spike is seen, and only there
+    assert prov.report()["micro_batches"] == 3
+
+
+@pytest.mark.slow
+def test_the_tracing_mode_never_reaches_dynamo() -> None:
+    """A traced frame (offload_all) around compiled blocks: Dynamo compiles no frame of
+    bagualu2's (the dispatch mode, the saved-tensor hooks, the gate callback)."""
+    model = compile_model(tiny_dense(), "blocks", backend="aot_eager", fullgraph=True)
+    bagualu2.enable(model, budget=None, policy="offload_all", min_bytes=0)
+    seen: List[str] = []
+    original = torch._dynamo.convert_frame.ConvertFrameAssert.__call__
+
+    def spy(self: Any, frame: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(frame.f_code.co_filename)
+        return original(self, frame, *args, **kwargs)
+
+    torch._dynamo.convert_frame.ConvertFrameAssert.__call__ = spy
+    try:
+        run_steps(model, [False, True])
+    finally:
+        torch._dynamo.convert_frame.ConvertFrameAssert.__call__ = original
+    assert seen and not [f for f in seen if "bagualu2" in f and "models" not in f], seen
+
+
+@pytest.mark.parametrize("options, named", [
+    (dict(mode="reduce-overhead"), "reduce-overhead"),
+    (dict(options={"triton.cudagraphs": True}), "triton.cudagraphs"),
+    (dict(backend="cudagraphs"), "cudagraphs"),
+])
+@pytest.mark.parametrize("how", ["blocks", "method", "whole"])
+def test_cuda_graph_options_are_refused_at_enable(options: Dict[str, Any], named: str, how: str) -> None:
+    model = compile_model(tiny_dense(), how, **options)
+    with pytest.raises(ValueError, match=named):
+        bagualu2.enable(model, budget=None)
+
+
+def test_the_partitioners_memory_budget_is_refused_at_enable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch._functorch.config, "activation_memory_budget", 0.5)
+    model = compile_model(tiny_dense(), "blocks", backend="aot_eager")
+    with pytest.raises(ValueError, match="activation_memory_budget=0.5"):
+        bagualu2.enable(model, budget=None)
+
+
+def test_region_keys_in_a_fixed_plan_are_checked() -> None:
+    model = compile_model(tiny_dense(), "blocks", backend="aot_eager")
+    bagualu2.enable(model, budget=None, policy=bagualu2.Plan({"layers.0:compiled": Choice.RECOMPUTE})).disable()
+    with pytest.raises(ValueError, match="no compiled region"):
+        bagualu2.enable(model, budget=None, policy=bagualu2.Plan({"embed:compiled": Choice.RECOMPUTE}))
+
+
+def test_disable_gives_the_compiled_model_back() -> None:
+    model = compile_model(tiny_dense(), "whole", backend="aot_eager", fullgraph=True)
+    forward = model.forward
+    prov = bagualu2.enable(model, budget=None, policy="recompute_all")
+    assert model.forward is not forward
+    prov.disable()
+    assert model.forward is forward
+    copy.deepcopy(inner(model))  # no hook of bagualu2's left behind that a copy would carry
+
+
+# -- slow lane ------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("how", ["blocks", "method", "whole"])
+def test_reference_model_compiled_is_bit_exact(how: str, policy: str) -> None:
+    """The reference model (graph breaks at its token split: fullgraph off), per policy."""
+    _check(reference, how, policy, backend="aot_eager")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("how", ["blocks", "whole"])
+def test_fullgraph_dense_moe_is_bit_exact(how: str, policy: str) -> None:
+    _check(lambda: dense(), how, policy, backend="aot_eager", fullgraph=True)
+
+
+@pytest.mark.slow
+def test_adaptive_holds_a_budget_keep_all_crosses_in_a_spike() -> None:
+    """5% above the calm keep-all peak: keep_all crosses it in the spike, adaptive does not."""
+    options = dict(backend="aot_eager")
+    budget = int(_calm_peak(reference, "blocks", options) * 1.05)
+    model = compile_model(reference(), "blocks", **options)
+    prov = bagualu2.enable(model, budget=budget, policy="keep_all", min_bytes=0)
+    run_steps(model, SPIKES)
+    assert prov.report()["violations"] > 0, "the spike must push keep_all over the budget"
+    report = _check(reference, "blocks", "adaptive", **options)
+    assert report["saved_bytes_by_choice"]["offload"] + report["saved_bytes_by_choice"]["recompute"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["recompute_all", "adaptive"])
+@pytest.mark.parametrize("how", ["blocks", "whole"])
+def test_inductor_is_bit_exact(how: str, policy: str) -> None:
+    """Inductor's own kernels: the rerun in backward runs the same compiled code."""
+    _check(lambda: dense(), how, policy, fullgraph=True)
+
+
+@pytest.mark.slow
+@pytest.mark.cuda_only
+@pytest.mark.parametrize("policy", ["offload_all", "recompute_all"])
+def test_inductor_on_a_gpu_is_bit_exact(policy: str) -> None:
+    """Triton kernels, the CUDA copy engine and its prefetch around compiled blocks (needs a GPU)."""
+    def make() -> torch.nn.Module:
+        return dense().cuda()
+
+    plain = compile_model(make(), "blocks", fullgraph=True)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 64, (2, 16), device="cuda")
+    expected = []
+    for i in range(3):
+        torch.manual_seed(i)
+        loss = plain(tokens)
+        loss.backward()
+        expected.append((loss.detach(), [p.grad.clone() for p in inner(plain).parameters() if p.grad is not None]))
+        plain.zero_grad(set_to_none=True)
+    model = compile_model(make(), "blocks", fullgraph=True)
+    bagualu2.enable(model, budget=None, policy=policy, min_bytes=0)
+    got = []
+    for i in range(3):
+        torch.manual_seed(i)
+        loss = model(tokens)
+        loss.backward()
+        got.append((loss.detach(), [p.grad.clone() for p in inner(model).parameters() if p.grad is not None]))
+        model.zero_grad(set_to_none=True)
+    assert mismatches(expected, got) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["offload_all", "recompute_all", "adaptive"])
+def test_hugging_face_qwen3_moe_with_compiled_layers_is_bit_exact(policy: str) -> None:
+    """A transformers 5.x MoE family: every decoder layer ``torch.compile``d (aot_eager), its
+    router found inside compiled code and reporting through the report op."""
+    transformers = pytest.importorskip("transformers")
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=64, intermediate_size=32, moe_intermediate_size=16, num_experts=8,
+            num_experts_per_tok=3, head_dim=8, use_cache=False))
+        layers = model.model.layers
+        for i in range(len(layers)):
+            layers[i] = torch.compile(layers[i], backend="aot_eager")
+        return model
+
+    def run(model: torch.nn.Module) -> list:
+        out = []
+        for i in range(4):
+            tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(i))
+            model.zero_grad(set_to_none=True)
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            out.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+        return out
+
+    expected = run(make())
+    torch._dynamo.reset()
+    model = make()
+    budget = None
+    if policy == "adaptive":
+        probe = make()
+        prov = bagualu2.enable(probe, budget=None, policy="keep_all", min_bytes=0)
+        run(probe)
+        budget = int(prov.report()["peak_bytes"] * 0.7)  # tight: the regions must be released
+    prov = bagualu2.enable(model, budget=budget, policy=policy, min_bytes=0)
+    assert len(prov.gates) == 2 and all(".mlp.gate" in g.name for g in prov.gates)
+    got = run(model)
+    assert mismatches(expected, got) == []
+    assert prov.routing.counts and sum(prov.routing.counts[0]) == 2 * 16 * 3  # reported from compiled code
+    report = prov.report()
+    released = report["saved_bytes_by_choice"]["offload"] + report["saved_bytes_by_choice"]["recompute"]
+    assert released > 0, report
+    if policy == "adaptive":
+        assert report["violations"] == 0, report
