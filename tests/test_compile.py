@@ -173,11 +173,12 @@ def test_cuda_graph_options_are_refused_at_enable(options: Dict[str, Any], named
         bagualu2.enable(model, budget=None)
 
 
-def test_the_partitioners_memory_budget_is_refused_at_enable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch._functorch.config, "activation_memory_budget", 0.5)
+def test_the_partitioners_memory_budget_is_refused_at_enable() -> None:
     model = compile_model(tiny_dense(), "blocks", backend="aot_eager")
-    with pytest.raises(ValueError, match="activation_memory_budget=0.5"):
-        bagualu2.enable(model, budget=None)
+    # torch's own patch: a monkeypatch of its config module deletes the entry on undo.
+    with torch._functorch.config.patch(activation_memory_budget=0.5):
+        with pytest.raises(ValueError, match="activation_memory_budget=0.5"):
+            bagualu2.enable(model, budget=None)
 
 
 def test_region_keys_in_a_fixed_plan_are_checked() -> None:

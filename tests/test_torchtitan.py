@@ -145,13 +145,14 @@ def test_torchtitan_activation_checkpointing_refused(option: str) -> None:
     assert "forward" not in model.__dict__, "a refused enable must leave the model as it was"
 
 
-def test_torchtitan_memory_budget_checkpointing_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torchtitan_memory_budget_checkpointing_refused() -> None:
     import bagualu2
 
     model = _tiny_model()
-    monkeypatch.setattr(torch._functorch.config, "activation_memory_budget", 0.5)
-    with pytest.raises(ValueError, match=r"activation_memory_budget=0.5.*activation_checkpoint=None"):
-        bagualu2.enable(model, budget=None)
+    # torch's own patch: a monkeypatch of its config module deletes the entry on undo.
+    with torch._functorch.config.patch(activation_memory_budget=0.5):
+        with pytest.raises(ValueError, match=r"activation_memory_budget=0.5.*activation_checkpoint=None"):
+            bagualu2.enable(model, budget=None)
 
 
 def test_torchtitan_compiled_blocks_refused() -> None:
