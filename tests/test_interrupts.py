@@ -3,8 +3,8 @@
 A line tracer (``sys.settrace``) raises KeyboardInterrupt at a line of the functions that enter
 and leave a frame's scopes (the saved-tensor hooks, the tracing mode, a rerun block's untraced
 stretch, and torch's own ``TorchDispatchMode`` entry and exit they call), the first time it runs
-from a given caller, for every such line in turn (lines that compile to NOPs excepted: no real
-interrupt lands there). Each time, what the step raised must be that KeyboardInterrupt, not an
+from a given caller, for every such line in turn (lines of instructions that run no Python code and check for
+no signal excepted: no real interrupt lands there). Each time, what the step raised must be that KeyboardInterrupt, not an
 error of a cleanup it cut short carrying it as ``__context__`` (a training loop's ``except
 KeyboardInterrupt:`` would miss it); afterwards nothing is held, no scope is left on the thread,
 and the next step is bit-exact against plain PyTorch. The timer storms of tests/test_faults.py
@@ -39,17 +39,22 @@ FRAME_SCOPE = RERUN_SCOPE + [
 ]
 
 
+# Instructions that run no Python code and at which the interpreter does not check for signals:
+# a line made only of them cannot be where a real interrupt lands.
+_QUIET = frozenset({"NOP", "CACHE", "POP_EXCEPT", "JUMP_FORWARD", "POP_TOP", "LOAD_CONST", "LOAD_FAST",
+                    "STORE_FAST", "RETURN_VALUE", "PUSH_EXC_INFO", "COPY", "SWAP", "RERAISE"})
+
+
 @functools.lru_cache(maxsize=None)
-def _nop_lines(code: CodeType) -> FrozenSet[int]:
-    """The lines of ``code`` that compile to nothing but NOPs (``try:``, ``pass``). CPython 3.11
-    puts such a NOP outside every enclosing handler's range, so an exception a tracer raises there
-    skips the ``with`` exits around it. A real interrupt cannot land there: signals are delivered
-    only where the interpreter checks for them (calls, backward jumps), never at a NOP."""
+def _quiet_lines(code: CodeType) -> FrozenSet[int]:
+    """The lines of ``code`` made only of quiet instructions (``try:``, ``pass`` closing an
+    ``except``). A tracer's exception raised there is not one a signal could raise: in CPython
+    3.11 one at a ``try:`` NOP even skips the ``with`` exits around it."""
     ops: Dict[int, Set[str]] = {}
     for ins in dis.get_instructions(code):
         if ins.positions is not None and ins.positions.lineno is not None:
             ops.setdefault(ins.positions.lineno, set()).add(ins.opname)
-    return frozenset(line for line, names in ops.items() if names <= {"NOP"})
+    return frozenset(line for line, names in ops.items() if names <= _QUIET)
 
 
 class LineInterrupt:
@@ -67,7 +72,7 @@ class LineInterrupt:
 
     def _line(self, frame: Any, event: str, arg: Any) -> Any:
         code: CodeType = frame.f_code
-        if event == "line" and frame.f_lineno not in _nop_lines(code):
+        if event == "line" and frame.f_lineno not in _quiet_lines(code):
             label = f"{code.co_name}:{frame.f_lineno} from {frame.f_back.f_code.co_name}"
             self.lines.append(label)
             if label == self.at:
