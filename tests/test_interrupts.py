@@ -120,8 +120,11 @@ def every_line(policy: str, functions: Sequence[Callable[..., Any]]) -> int:
         try:
             assert_nothing_held(prov)
             assert_no_scope_left()
-            assert not is_recomputing()
+            # An interrupt delivered as a replay's exit is entered (where a function call checks
+            # for signals) leaves the replay depth raised: the next provisioned forward clears it
+            # (reset_replay_depth), before any gate could read it.
             assert_exact(model, plain, 10 + k % 3, spike=2.6 if k % 2 else 0.0)
+            assert not is_recomputing()
             assert_nothing_held(prov)
             assert prov.runtime.mode.suspended == 0
         except AssertionError as e:
