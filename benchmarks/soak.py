@@ -73,6 +73,14 @@ def _calm_peak(model: MoETransformer, cfg: MoEConfig, args: argparse.Namespace) 
     return peak
 
 
+def _note_snapshot(snapshots: Dict[str, Any], i: int, micro_batches: int, prov: Any) -> None:
+    """The start and middle snapshots of a run, taken after micro-batch ``i``."""
+    if i == 0:
+        snapshots["start"] = _snapshot(prov)
+    elif i == micro_batches // 2:
+        snapshots["middle"] = _snapshot(prov)
+
+
 def _snapshot(prov: Any) -> Dict[str, int]:
     gc.collect()
     report = prov.report()
@@ -116,10 +124,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             model(tokens).backward()
         optimizer.step()
         prov.step()
-        if i == 0:
-            snapshots["start"] = _snapshot(prov)
-        elif i == args.micro_batches // 2:
-            snapshots["middle"] = _snapshot(prov)
+        _note_snapshot(snapshots, i, args.micro_batches, prov)
         if args.progress and (i + 1) % args.progress == 0:
             r = prov.report()
             print(f"  {i + 1:>7} micro-batches  violations {r['violations']}  traced {r['traced_micro_batches']}"
@@ -231,10 +236,7 @@ def _pressure_rank(rank: int, world: int, args: argparse.Namespace, port: int, o
         spikes[target] += spike
         optimizer.step()
         prov.step()
-        if i == 0:
-            snapshots["start"] = _snapshot(prov)
-        elif i == args.micro_batches // 2:
-            snapshots["middle"] = _snapshot(prov)
+        _note_snapshot(snapshots, i, args.micro_batches, prov)
         if rank == 0 and args.progress and (i + 1) % args.progress == 0:
             print(f"  {i + 1:>7} micro-batches  violations {prov.report()['violations']}  "
                   f"RSS {_rss_bytes() / 2**20:.1f} MiB", flush=True)
