@@ -1,4 +1,4 @@
-"""Collectives and sharded parameters inside a provisioned forward (DESIGN invariants 1 and 6).
+"""Collectives and sharded parameters inside a provisioned forward (docs/CONTRACTS.md invariants 1 and 6).
 
 c10d's collectives write into tensors they were given without their schemas saying so, and
 FSDP2 frees the parameters it unsharded once a module's forward is done. The tracer must know
@@ -263,6 +263,43 @@ def test_enable_over_collectives_every_policy_exact() -> None:
             assert got[2] == ref[2], policy
         prov.disable()
         assert prov.runtime.ledger.resident == 0
+
+
+def _fsdp2_tiny(shard: bool) -> MoETransformer:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = MoETransformer(MoEConfig.tiny())
+    if shard:
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    return model
+
+
+def _micro_batches(model: MoETransformer, policy: str, budget, steps: int) -> list:
+    prov = bagualu2.enable(model, budget=budget, policy=policy, min_bytes=0)
+    for i in range(steps):
+        tokens = torch.randint(0, model.cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(i))
+        model(tokens).backward()
+        prov.step()
+    seen = [(mb.traced, mb.calibrating, mb.peak_bytes, dict(mb.bytes_by_choice)) for mb in prov.telemetry.micro_batches]
+    prov.disable()
+    return seen
+
+
+def test_fsdp2_sharded_parameters_count_as_parameters_not_activations() -> None:
+    """FSDP2's parameters are ``DTensor``s whose shards its all-gather reads inside every traced
+    forward: they are weights, as the unsharded model's are, so every micro-batch counts the
+    bytes the unsharded one does, and a calm adaptive run keeps everything once it calibrated
+    (counted as pinned leaves, they would be a headroom that leaves no room to keep)."""
+    keep_plain = _micro_batches(_fsdp2_tiny(False), "keep_all", None, 3)
+    keep_sharded = _micro_batches(_fsdp2_tiny(True), "keep_all", None, 3)
+    assert [mb[2] for mb in keep_sharded] == [mb[2] for mb in keep_plain]
+    budget = int(max(mb[2] for mb in keep_plain) * 1.05)
+    adaptive = _micro_batches(_fsdp2_tiny(True), "adaptive", budget, 8)
+    calm = [mb for mb in adaptive if not mb[1]][-3:]
+    assert calm and all(mb[3]["offload"] == 0 and mb[3]["recompute"] == 0 for mb in calm), adaptive
 
 
 # -- FSDP2: two real ranks --------------------------------------------------------------------

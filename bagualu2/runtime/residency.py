@@ -48,6 +48,18 @@ from bagualu2.runtime.tracing import TracingMode
 __all__ = ["Residency"]
 
 
+def _storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    """The storages of ``t``, or of the tensors a wrapper subclass holds (``__tensor_flatten__``)."""
+    if is_plain(t) or not hasattr(t, "__tensor_flatten__"):
+        yield t.untyped_storage()
+        return
+    names, _ = t.__tensor_flatten__()
+    for name in names:
+        inner = getattr(t, name)
+        if isinstance(inner, torch.Tensor):
+            yield from _storages(inner)
+
+
 class Residency:
     """The device side of an ``ActivationRuntime`` (see its arguments): what is held, within
     which budget, and how each packed record becomes a tensor again in backward."""
@@ -88,8 +100,11 @@ class Residency:
 
     # -- parameters and leaves --------------------------------------------------------------
     def set_parameters(self, tensors: Iterator[torch.Tensor]) -> None:
-        """Storages that are not activations (parameters, buffers): never offloaded or counted."""
-        self._params = {t.untyped_storage()._cdata for t in tensors}
+        """Storages that are not activations (parameters, buffers): never offloaded or counted.
+        A tensor subclass that wraps others (FSDP2's sharded ``DTensor`` parameters) is known
+        by the storages of the tensors it holds: the ops that read it (FSDP2's all-gather of
+        the shards) see those."""
+        self._params = {s._cdata for t in tensors for s in _storages(t)}
 
     def _is_parameter(self, t: torch.Tensor) -> bool:
         # A plain Tensor is never a Parameter: it skips the Parameter metaclass's isinstance (in
