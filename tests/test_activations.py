@@ -1,4 +1,4 @@
-"""Activation runtime: exactness, lifetimes, accounting and errors (DESIGN invariants 1, 3, 4).
+"""Activation runtime: exactness, lifetimes, accounting and errors (docs/CONTRACTS.md invariants 1, 3, 4).
 
 Every test compares against the same model run by plain PyTorch, bit for bit.
 """

@@ -1,4 +1,4 @@
-"""Copies that fail inside the C++ runtime (copy_engine.h invariant 7; DESIGN invariant 7).
+"""Copies that fail inside the C++ runtime (copy_engine.h invariant 7; docs/CONTRACTS.md invariant 7).
 
 Failures are injected by the test-only copy fault switch of the backends (gpu/copy_faults.h),
 which only the test module reaches (``bagualu2_test_hooks.set_copy_faults``): a copy fails at

@@ -1,4 +1,4 @@
-"""Faults leave the runtime whole (DESIGN invariant 7; with 1 and 3).
+"""Faults leave the runtime whole (docs/CONTRACTS.md invariant 7; with 1 and 3).
 
 A KeyboardInterrupt at any point of a step (forward, gating, pack, offload, backward, unpack,
 learning, between steps), whether raised by a hook at a chosen point or by a timer signal at a

@@ -1,5 +1,5 @@
 """Every public input is checked where it enters: the error names the argument, the gate or the
-callback, and the bad value (DESIGN: "Public API contract")."""
+callback, and the bad value (docs/CONTRACTS.md)."""
 from __future__ import annotations
 
 import warnings

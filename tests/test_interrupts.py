@@ -1,4 +1,4 @@
-"""An interrupt stays itself, at every line of the frame and rerun scopes (DESIGN invariant 7).
+"""An interrupt stays itself, at every line of the frame and rerun scopes (docs/CONTRACTS.md invariant 7).
 
 A line tracer (``sys.settrace``) raises KeyboardInterrupt at a line of the functions that enter
 and leave a frame's scopes (the saved-tensor hooks, the tracing mode, a rerun block's untraced

@@ -1,4 +1,4 @@
-"""bagualu2.enable: budget held through spikes, exactness, errors, safety net (invariants 1, 2, 5)."""
+"""bagualu2.enable: budget held through spikes, exactness, errors, safety net (docs/CONTRACTS.md invariants 1, 2, 5)."""
 from __future__ import annotations
 
 import contextlib
