@@ -82,6 +82,8 @@ def test_torchtitan_ranks_resume_their_own_state_and_plan_the_first_spike(titan_
             assert cold["records"][0][1] and 0 not in cold["planned"]
 
 
+# Slow lane: CI installs torchtitan only there (the fast lane would skip it).
+@pytest.mark.slow
 def test_add_to_checkpoint_puts_the_provisioner_among_the_checkpointer_states(tmp_path: Path) -> None:
     import bagualu2
     from bagualu2.integrations.torchtitan import add_to_checkpoint
