@@ -165,8 +165,8 @@ def mismatches(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
 
 
 def set_spike(run: SimpleNamespace, on: bool, *experts: int) -> None:
-    """Route every token of this rank to each of ``experts`` (at most top-k of them; besides its
-    other top-k choices) through torchtitan's own load-balancing bias, or route freely again."""
+    """Route every token of this rank to each of ``experts`` (at most top-k of them; its other
+    choices as before) through torchtitan's own load-balancing bias, or route freely again."""
     for part in run.parts:
         for layer in part.layers.values():
             moe = getattr(layer, "moe", None)
