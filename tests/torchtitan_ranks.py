@@ -7,7 +7,7 @@ import json
 import random
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -121,15 +121,18 @@ def build(world: int, *, ep: int = 1, pp: int = 1, fsdp: bool = True, flavor: st
     return SimpleNamespace(parts=parts, schedule=schedule, first=first, last=last, dims=dims)
 
 
-def batch(seed: int) -> tuple:
-    g = torch.Generator().manual_seed(seed)
+def batch(seed: Optional[int]) -> tuple:
+    """Inputs and labels drawn from ``seed``, or from the global RNG when it is None (a data
+    pipeline whose state a checkpoint must restore)."""
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def step(run: SimpleNamespace, seed: int) -> Dict[str, Any]:
-    """One forward + backward; returns the loss and every gradient (local shards), and clears
-    the gradients."""
+def step(run: SimpleNamespace, seed: Optional[int],
+         update: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
+    """One forward + backward on ``batch(seed)``; returns the loss and every gradient (local
+    shards), calls ``update`` (an optimizer step) and clears the gradients."""
     inputs, labels = batch(seed)
     if run.schedule is not None:
         losses: List[torch.Tensor] = []
@@ -145,6 +148,10 @@ def step(run: SimpleNamespace, seed: int) -> Dict[str, Any]:
             g = p.grad
             if g is not None:
                 grads[f"{i}.{name}"] = (g.to_local() if hasattr(g, "to_local") else g).detach().clone()
+    if update is not None:
+        update()
+    for part in run.parts:
+        for p in part.parameters():
             p.grad = None
     return {"loss": loss.detach().clone(), "grads": grads}
 
@@ -157,16 +164,16 @@ def mismatches(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
     return bad
 
 
-def set_spike(run: SimpleNamespace, on: bool, expert: int) -> None:
-    """Route every token of this rank to ``expert`` (besides its other top-k choices) through
-    torchtitan's own load-balancing bias, or route freely again."""
+def set_spike(run: SimpleNamespace, on: bool, *experts: int) -> None:
+    """Route every token of this rank to each of ``experts`` (at most top-k of them; its other
+    choices as before) through torchtitan's own load-balancing bias, or route freely again."""
     for part in run.parts:
         for layer in part.layers.values():
             moe = getattr(layer, "moe", None)
             if moe is not None and moe.expert_bias_E is not None:
                 moe.expert_bias_E.zero_()
                 if on:
-                    moe.expert_bias_E[expert] = 1.0  # above any softmax score: always chosen
+                    moe.expert_bias_E[list(experts)] = 1.0  # above any softmax score: always chosen
 
 
 # Micro-batches of the adaptive run: profiled and calibrating ones first, then spikes.

@@ -38,6 +38,11 @@ Refused at ``enable`` (``ValueError`` naming the torchtitan option to turn off):
   provisioned in plain PyTorch models (docs/CONTRACTS.md), but not yet verified inside
   torchtitan's FSDP2 and EP wrapping, whose collectives run inside the compiled blocks.
 
+Checkpoints: :func:`add_to_checkpoint` puts the provisioner among the states torchtitan's
+``CheckpointManager`` saves and loads through DCP, beside the model, the optimizers, the
+learning-rate schedulers and the train state; each rank saves and loads its own entry
+(``Provisioner.state_dict``), so a resumed run decides as the one that never stopped would.
+
 Nothing here changes torchtitan; CPU-only test shims (attention, device type, gloo reductions)
 live in the tests and are listed in docs/engines.md.
 """
@@ -48,7 +53,7 @@ from typing import Any, List, Optional
 import torch
 from torch import Tensor, nn
 
-__all__ = ["check_options", "enable_pipeline", "find_gates", "is_torchtitan_model"]
+__all__ = ["add_to_checkpoint", "check_options", "enable_pipeline", "find_gates", "is_torchtitan_model"]
 
 
 def _from_torchtitan(module: nn.Module) -> bool:
@@ -208,3 +213,34 @@ def enable_pipeline(schedule: Any, model_parts: List[nn.Module], **options: Any)
 
     prov._hooks.append(_TrackerHandle(tracker, tracker.subscribe(phase_follower(prov))))
     return prov
+
+
+def add_to_checkpoint(checkpointer: Any, prov: Any, key: str = "bagualu2") -> None:
+    """Save ``prov`` in torchtitan's checkpoints and load it with them on resume.
+
+    torchtitan's ``CheckpointManager`` (``trainer.checkpointer``) saves and loads every
+    ``Stateful`` in its ``states`` through ``torch.distributed.checkpoint``; this adds the
+    provisioner there under ``key``. Its state holds each rank's entry under that rank's own key
+    (expert-parallel ranks see different loads), so every rank writes its own and reads its own
+    back. Call it after ``bagualu2.enable`` and before ``checkpointer.load()`` (torchtitan's
+    ``Trainer.train()`` loads first thing). To resume without the provisioner's state (it
+    profiles again), list ``key`` in ``checkpoint.exclude_from_loading``.
+
+    Args:
+        checkpointer: torchtitan's ``CheckpointManager``; a disabled one (``checkpoint.enable``
+            false) saves and loads nothing, and is left as it is.
+        prov: the ``Provisioner`` (from ``bagualu2.enable`` or :func:`enable_pipeline`).
+        key: its name in the checkpoint, beside ``model``, ``optimizer``, ``lr_scheduler``,
+            ``dataloader`` and ``train_state``.
+
+    Raises:
+        ValueError: ``key`` already names another state of ``checkpointer``.
+    """
+    if not getattr(checkpointer, "enable", False):
+        return
+    held = checkpointer.states.get(key)
+    if held is not None and held is not prov:
+        raise ValueError(
+            f"the checkpointer already saves {type(held).__name__} as {key!r}: pass another "
+            f"key=... to add_to_checkpoint")
+    checkpointer.states[key] = prov
