@@ -63,7 +63,7 @@ import test_resume_ep as ep  # noqa: E402
 WORLD = 2
 VICTIM = 1  # rank 0's tokens spike onto rank 1's experts: rank 1 offloads when it dies
 CHECKPOINT_EVERY = 4
-PG_TIMEOUT_S = 20  # the process group's timeout: the longest a collective waits for a dead peer
+PG_TIMEOUT_S = 30  # the process group's timeout: the longest a collective waits for a silent peer
 # The survivor's bound: its collective's timeout, then unwinding and interpreter exit on a busy
 # machine. Only a hang crosses it.
 EXIT_BOUND_S = 2 * PG_TIMEOUT_S + 60
@@ -102,8 +102,8 @@ class _Stops:
     """Where this rank tells the test it is (a file, renamed into place); the victim then waits
     there to be killed."""
 
-    def __init__(self, rank: int, scenario: str, out_dir: str, prov: Any) -> None:
-        self.rank, self.out_dir, self.prov = rank, out_dir, prov
+    def __init__(self, rank: int, scenario: str, out_dir: str) -> None:
+        self.rank, self.out_dir = rank, out_dir
         self.at = STOPS.get(scenario, {}).get(rank)
         self.step = -1
 
@@ -112,8 +112,7 @@ class _Stops:
             return
         path = os.path.join(self.out_dir, f"at{self.rank}")
         with open(f"{path}.tmp", "w") as f:
-            json.dump({"pid": os.getpid(), "step": self.step, "point": point,
-                       "arena_in_use": self.prov.engine.arena.stats()["in_use"]}, f)
+            json.dump({"step": self.step, "point": point}, f)
         os.replace(f"{path}.tmp", path)
         if self.rank == VICTIM:
             time.sleep(LAUNCH_TIMEOUT_S)
@@ -168,7 +167,7 @@ def rank_main(rank_s: str, port_s: str, out_dir: str, scenario: str) -> None:
     else:
         first, budget = 0, ep.budget_for(rank)
         prov = bagualu2.enable(model, budget=budget, **ep.OPTIONS)
-    stops = _Stops(rank, scenario, out_dir, prov)
+    stops = _Stops(rank, scenario, out_dir)
     _arm(model, stops)
     steps: List[Dict[str, Any]] = []
     for i in range(first, len(ep.TRACE)):
@@ -381,8 +380,6 @@ def test_nothing_of_the_run_is_left_on_the_machine(runs: Callable[[str], Any], s
     assert killed["left"] == [], "processes of the run outlived it"
     assert killed["shm_left"] == [], "shared memory left in /dev/shm"
     assert killed["sysv_left"] == [], "System V shared memory left"
-    if scenario in ("forward", "backward"):  # the victim died holding offloaded activations
-        assert killed["reached"][VICTIM]["arena_in_use"] > 0
 
 
 @pytest.mark.slow
