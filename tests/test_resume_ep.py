@@ -8,7 +8,8 @@ and gradient is bit-exact with the run that never stopped; the resumed run profi
 calibrates nothing, decides from the bytes the uninterrupted run decided from, and plans the
 first spike after the resume on the rank it lands on (rank 1: rank 0's tokens spike onto rank
 1's experts). A third launch resumes without the provisioner's state: the control, which starts
-over and does not plan that spike.
+over and does not plan that spike. tests/test_rank_kill.py trains, checkpoints and resumes
+with the helpers here.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import pytest
 import torch
@@ -39,7 +40,8 @@ CHECKPOINT_AFTER = 5
 LAUNCH_TIMEOUT_S = 300
 
 
-def _model() -> MoETransformer:
+def make_model() -> MoETransformer:
+    """The reference model, the same on every launch, its experts split over the default group."""
     torch.manual_seed(SEED)
     return MoETransformer(CFG, ep_group=dist.group.WORLD)
 
@@ -51,7 +53,8 @@ def _spike(model: MoETransformer, spiked: bool) -> Any:
     return model.routing_spike(SPIKE, experts=[last - 1, last], ranks=[0])
 
 
-def _step(model: MoETransformer, rank: int, i: int) -> Dict[str, Any]:
+def train_step(model: MoETransformer, rank: int, i: int) -> Dict[str, Any]:
+    """Forward and backward of step ``i`` of ``TRACE`` on ``rank``: its loss and gradients."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(SEED + i)
     g = torch.Generator().manual_seed(SEED + 1000 * rank + i)
@@ -61,52 +64,75 @@ def _step(model: MoETransformer, rank: int, i: int) -> Dict[str, Any]:
     return {"loss": loss.detach(), "grads": [p.grad.clone() for p in model.parameters()]}
 
 
-def _budget(rank: int) -> int:
+def budget_for(rank: int) -> int:
     """5% above what keeping everything takes on this rank without the spike."""
-    model = _model()
+    model = make_model()
     prov = bagualu2.enable(model, budget=None, policy="keep_all", **OPTIONS)
     for i in range(2):
-        _step(model, rank, i)
+        train_step(model, rank, i)
     peak = prov.report()["peak_bytes"]
     prov.disable()
     return int(peak * 1.05)
 
 
-def _rank_main(rank: int, world_size: int, mode: str, out_dir: str) -> None:
-    path = os.path.join(out_dir, f"checkpoint{rank}.pt")
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    if mode == "whole":
-        budget = _budget(rank)
-        prov = bagualu2.enable(model, budget=budget, **OPTIONS)
-        first = 0
-    else:
-        saved = torch.load(path, weights_only=True)
-        budget = saved["budget"]
-        prov = bagualu2.enable(model, budget=budget, **OPTIONS)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
-        torch.set_rng_state(saved["rng"])
-        if mode == "resumed":
-            prov.load_state_dict(saved["bagualu2"])
-        first = CHECKPOINT_AFTER
-    steps: List[Dict[str, Any]] = []
-    for i in range(first, len(TRACE)):
-        if mode == "whole" and i == CHECKPOINT_AFTER:
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": torch.get_rng_state(),
-                        "bagualu2": prov.state_dict(), "budget": budget}, path)
-        steps.append(_step(model, rank, i))
-        opt.step()
-        prov.step()
+def save_checkpoint(path: str, model: MoETransformer, opt: torch.optim.Optimizer, prov: Any, budget: int,
+                    write: Callable[[Dict[str, Any], str], None] = torch.save) -> None:
+    """This rank's checkpoint: model, optimizer, RNG, provisioner and budget. ``write(state, tmp)``
+    writes it to ``<path>.tmp``, which is then renamed over ``path`` (atomic on POSIX), so
+    ``path`` is always a whole checkpoint or absent, whenever the process dies."""
+    tmp = f"{path}.tmp"
+    write({"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": torch.get_rng_state(),
+           "bagualu2": prov.state_dict(), "budget": budget}, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str, model: MoETransformer, opt: torch.optim.Optimizer,
+                    load_provisioner: bool = True) -> Any:
+    """Enable bagualu2 on ``model`` with the saved budget and load ``path`` into the model, the
+    optimizer, the RNG and (unless ``load_provisioner`` is false: the control) the provisioner."""
+    saved = torch.load(path, weights_only=True)
+    prov = bagualu2.enable(model, budget=saved["budget"], **OPTIONS)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+    torch.set_rng_state(saved["rng"])
+    if load_provisioner:
+        prov.load_state_dict(saved["bagualu2"])
+    return prov
+
+
+def summary(prov: Any, steps: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """What a launch hands back: its steps, and per micro-batch (index, traced, calibrating, first
+    decision's predicted bytes, fallbacks, violations), the micro-batches a gate planned a release
+    for, the cost model's profiled frames and the provisioner state's keys."""
     decided: Dict[int, int] = {}
     for d in prov.telemetry.decisions:
         decided.setdefault(d.micro_batch, d.predicted_bytes)
     planned = sorted({d.micro_batch for d in prov.telemetry.decisions if d.planned_bytes < d.predicted_bytes})
     records = [(m.micro_batch, m.traced, m.calibrating, decided.get(m.micro_batch), m.fallbacks, m.violations)
                for m in prov.telemetry.micro_batches]
-    torch.save({"steps": steps[CHECKPOINT_AFTER - first:], "records": records, "planned": planned,
-                "profiled": prov.cost.frames, "state_keys": sorted(prov.state_dict())},
-               os.path.join(out_dir, f"{mode}{rank}.pt"))
+    return {"steps": steps, "records": records, "planned": planned, "profiled": prov.cost.frames,
+            "state_keys": sorted(prov.state_dict())}
+
+
+def _rank_main(rank: int, world_size: int, mode: str, out_dir: str) -> None:
+    path = os.path.join(out_dir, f"checkpoint{rank}.pt")
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if mode == "whole":
+        budget = budget_for(rank)
+        prov = bagualu2.enable(model, budget=budget, **OPTIONS)
+        first = 0
+    else:
+        prov = load_checkpoint(path, model, opt, load_provisioner=mode == "resumed")
+        first = CHECKPOINT_AFTER
+    steps: List[Dict[str, Any]] = []
+    for i in range(first, len(TRACE)):
+        if mode == "whole" and i == CHECKPOINT_AFTER:
+            save_checkpoint(path, model, opt, prov, budget)
+        steps.append(train_step(model, rank, i))
+        opt.step()
+        prov.step()
+    torch.save(summary(prov, steps[CHECKPOINT_AFTER - first:]), os.path.join(out_dir, f"{mode}{rank}.pt"))
 
 
 @pytest.fixture(scope="module")
