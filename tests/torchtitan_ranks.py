@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional
@@ -73,10 +74,12 @@ def pipeline_loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> tuple:
 
 
 def build(world: int, *, ep: int = 1, pp: int = 1, fsdp: bool = True, flavor: str = "qwen3",
-          layers: int = 2, microbatches: int = 2) -> SimpleNamespace:
+          layers: int = 2, microbatches: int = 2, compile_backend: Optional[str] = None) -> SimpleNamespace:
     """The model (or this rank's pipeline stages) parallelized by torchtitan: FSDP2 over the
     ranks a pipeline stage has (unless ``fsdp`` is false: torchtitan's ``skip_dp``), EP of
-    ``ep`` inside them."""
+    ``ep`` inside them; with ``compile_backend``, every block compiled by torchtitan
+    (``CompileConfig(enable=True, components=["model"], backend=compile_backend)``: each block's
+    ``compile(backend, fullgraph=True)``)."""
     shims.use_cpu()
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
@@ -97,8 +100,10 @@ def build(world: int, *, ep: int = 1, pp: int = 1, fsdp: bool = True, flavor: st
     torch.manual_seed(0)
     with torch.device("meta"):
         model = config.build()
+    compile_config = (CompileConfig() if compile_backend is None
+                      else CompileConfig(enable=True, components=["model"], backend=compile_backend))
     kwargs = dict(parallel_dims=dims, training=training, parallelism=parallelism,
-                  compile_config=CompileConfig(), ac_config=None, dump_folder="")
+                  compile_config=compile_config, ac_config=None, dump_folder="")
     if not fsdp:
         kwargs["skip_dp"] = True
     schedule = None
@@ -129,11 +134,15 @@ def batch(seed: Optional[int]) -> tuple:
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def step(run: SimpleNamespace, seed: Optional[int],
-         update: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
+def step(run: SimpleNamespace, seed: Optional[int], update: Optional[Callable[[], None]] = None,
+         count: bool = False) -> Dict[str, Any]:
     """One forward + backward on ``batch(seed)``; returns the loss and every gradient (local
-    shards), calls ``update`` (an optimizer step) and clears the gradients."""
+    shards), calls ``update`` (an optimizer step) and clears the gradients. ``count`` (no
+    pipeline): also the collectives backward dispatched."""
+    from pipeline_harness import CollectiveCounter
+
     inputs, labels = batch(seed)
+    counter = None
     if run.schedule is not None:
         losses: List[torch.Tensor] = []
         run.schedule.step(inputs if run.first else None, target=labels if run.last else None,
@@ -141,7 +150,11 @@ def step(run: SimpleNamespace, seed: Optional[int],
         loss = torch.stack(losses).sum() if losses else torch.zeros(())
     else:
         loss = loss_fn(run.parts[0](inputs), labels)
-        loss.backward()
+        if count:
+            with CollectiveCounter() as counter:
+                loss.backward()
+        else:
+            loss.backward()
     grads = {}
     for i, part in enumerate(run.parts):
         for name, p in part.named_parameters():
@@ -153,7 +166,8 @@ def step(run: SimpleNamespace, seed: Optional[int],
     for part in run.parts:
         for p in part.parameters():
             p.grad = None
-    return {"loss": loss.detach().clone(), "grads": grads}
+    return {"loss": loss.detach().clone(), "grads": grads,
+            "backward_collectives": counter.count if counter is not None else None}
 
 
 def mismatches(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
@@ -161,6 +175,9 @@ def mismatches(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
     if a["grads"].keys() != b["grads"].keys():
         bad.append(f"grad names differ: {sorted(a['grads'].keys() ^ b['grads'].keys())}")
     bad += [f"grad {n}" for n in a["grads"] if n in b["grads"] and not torch.equal(a["grads"][n], b["grads"][n])]
+    if a["backward_collectives"] != b["backward_collectives"]:
+        bad.append(f"backward dispatched {b['backward_collectives']} collectives, {a['backward_collectives']} "
+                   f"without bagualu2")
     return bad
 
 
@@ -179,23 +196,37 @@ def set_spike(run: SimpleNamespace, on: bool, *experts: int) -> None:
 # Micro-batches of the adaptive run: profiled and calibrating ones first, then spikes.
 SPIKES = [False] * 6 + [True, True, False, True, False]
 STATIC = [False, True, False]
+POLICIES = ("keep_all", "offload_all", "recompute_all", "random_plan", "adaptive", "adaptive_tight")
+
+
+def compiled_graphs() -> Dict[str, int]:
+    """What Dynamo compiled in this process so far: graphs, and recompiles (guard failures)."""
+    from torch._dynamo.utils import counters, guard_failures
+
+    return {"graphs": int(counters["stats"]["unique_graphs"]),
+            "recompiles": sum(len(v) for v in guard_failures.values())}
 
 
 def run_case(rank: int, world: int, case: Dict[str, Any], out: str) -> None:
-    """Every policy on one parallel layout against the same run without bagualu2; writes this
-    rank's findings to ``out/rank<r>.json``."""
+    """The policies ``case["policies"]`` (default all of ``POLICIES``) on one parallel layout
+    against the same run without bagualu2; writes this rank's findings to ``out/rank<r>.json``.
+    With ``case["compile"]`` (a backend) every block is compiled by torchtitan, and what Dynamo
+    compiled is recorded after the runs without bagualu2 and after all."""
     import bagualu2
     from bagualu2.integrations import torchtitan as adapter
 
     run = build(world, ep=case.get("ep", 1), pp=case.get("pp", 1), fsdp=case.get("fsdp", True),
-                flavor=case.get("flavor", "qwen3"))
-    spike_rank, spike_expert = case.get("spike_rank", 0), case.get("spike_expert", 3)
+                flavor=case.get("flavor", "qwen3"), compile_backend=case.get("compile"))
+    # The ranks that spike (default rank 0; "all": every rank), to the experts ``spike_experts``.
+    spike_rank, spike_experts = case.get("spike_rank", 0), case.get("spike_experts", (3,))
+    count = bool(case.get("count_collectives"))
+    wanted = set(case.get("policies", POLICIES))
 
     def sequence(spikes: List[bool], start: int = 0) -> List[Dict[str, Any]]:
         results = []
         for i, on in enumerate(spikes, start):
-            set_spike(run, on and rank == spike_rank, spike_expert)
-            results.append(step(run, 1000 * rank + i))
+            set_spike(run, on and spike_rank in (rank, "all"), *spike_experts)
+            results.append(step(run, 1000 * rank + i, count=count))
             if prov is not None:
                 rep = prov.report()
                 results[-1]["resident"] = rep["resident_bytes"]
@@ -210,7 +241,16 @@ def run_case(rank: int, world: int, case: Dict[str, Any], out: str) -> None:
 
     prov = None
     plain = {"static": sequence(STATIC), "spikes": sequence(SPIKES)}
-    found: Dict[str, Any] = {"gates": [], "policies": {}}
+    found: Dict[str, Any] = {"gates": [], "policies": {}, "compiled_plain": compiled_graphs()}
+    if case.get("compile"):
+        # bagualu2 is enabled before the compiled blocks' first forward, as a user does: Dynamo
+        # does not guard on module hooks (torch._dynamo.config.skip_nnmodule_hook_guards), so
+        # code compiled before enable would keep running without the gates' report.
+        from torch._dynamo.utils import counters, guard_failures
+
+        torch._dynamo.reset()
+        counters.clear()
+        guard_failures.clear()
 
     def record(name: str, results: List[Dict[str, Any]], report: Dict[str, Any]) -> None:
         reference = plain["spikes" if len(results) == len(SPIKES) else "static"]
@@ -225,32 +265,47 @@ def run_case(rank: int, world: int, case: Dict[str, Any], out: str) -> None:
             "counts": [r.get("counts") for r in results]}
 
     for policy in ("keep_all", "offload_all", "recompute_all"):
+        if policy not in wanted:
+            continue
         prov = enable(budget=None, policy=policy)
         results = sequence(STATIC)
         found["gates"] = prov.report()["gates"]
         record(policy, results, prov.report())
         prov.disable()
 
-    # A random plan over the operator keys a profiled micro-batch saved.
-    prov = enable(budget=None, policy=bagualu2.Plan({}))
-    first = sequence(STATIC[:1])  # profiled, all kept
-    choices = list(bagualu2.Choice)
-    pick = random.Random(case.get("plan_seed", 0))
-    prov.policy = {key: pick.choice(choices) for key in prov.cost.order}
-    record("random_plan", first + sequence(STATIC[1:], start=1), prov.report())
-    prov.disable()
+    if "random_plan" in wanted:  # over the operator and region keys a profiled micro-batch saved
+        prov = enable(budget=None, policy=bagualu2.Plan({}))
+        first = sequence(STATIC[:1])  # profiled, all kept
+        found["gates"] = prov.report()["gates"]
+        choices = list(bagualu2.Choice)
+        pick = random.Random(case.get("plan_seed", 0))
+        plan = {key: pick.choice(choices) for key in prov.cost.order}
+        prov.policy = plan
+        found["random_plan_keys"] = {key: choice.name for key, choice in plan.items()}
+        record("random_plan", first + sequence(STATIC[1:], start=1), prov.report())
+        prov.disable()
 
     # Adaptive under a budget 5% above the calm peak of keep_all on this rank.
     prov = enable(budget=None, policy="keep_all")
     sequence([False] * 2)
     calm = prov.report()["peak_bytes_with_backward"]
+    found["gates"] = prov.report()["gates"]
     prov.disable()
-    prov = enable(budget=int(calm * 1.05), policy="adaptive")
-    record("adaptive", sequence(SPIKES), prov.report())
-    prov.disable()
-    # ... and under one below it: every micro-batch is traced and planned, and the first ones
-    # after profiling recompute all they can (calibration).
-    prov = enable(budget=int(calm * 0.7), policy="adaptive")
-    record("adaptive_tight", sequence(SPIKES), prov.report())
-    prov.disable()
+    if case.get("keep_all_over"):  # what keep_all does under that budget through the spikes
+        prov = enable(budget=int(calm * 1.05), policy="keep_all")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "went over the activation budget")
+            record("keep_all_budget", sequence(SPIKES), prov.report())
+        prov.disable()
+    if "adaptive" in wanted:
+        prov = enable(budget=int(calm * 1.05), policy="adaptive")
+        record("adaptive", sequence(SPIKES), prov.report())
+        prov.disable()
+    if "adaptive_tight" in wanted:
+        # ... and under one below it: every micro-batch is traced and planned, and the first
+        # ones after profiling recompute all they can (calibration).
+        prov = enable(budget=int(calm * 0.7), policy="adaptive")
+        record("adaptive_tight", sequence(SPIKES), prov.report())
+        prov.disable()
+    found["compiled"] = compiled_graphs()
     Path(out, f"rank{rank}.json").write_text(json.dumps(found))

@@ -33,10 +33,16 @@ Refused at ``enable`` (``ValueError`` naming the torchtitan option to turn off):
 - ``memory-budget`` activation checkpointing (``torch._functorch.config.
   activation_memory_budget`` below 1): the compiler's partitioner then decides what is saved;
 - ``training.enable_cpu_offload`` (FSDP2's ``CPUOffloadPolicy``): parameters copied in and out
-  around every module, which rebuilds in backward would read;
-- ``compile`` of the model's blocks (``torch.compile``'d submodules): compiled regions are
-  provisioned in plain PyTorch models (docs/CONTRACTS.md), but not yet verified inside
-  torchtitan's FSDP2 and EP wrapping, whose collectives run inside the compiled blocks.
+  around every module, which rebuilds in backward would read.
+
+Compile. torchtitan's ``compile.enable`` with ``"model"`` in ``compile.components`` calls
+``block.compile(backend=..., fullgraph=True)`` on every transformer block before FSDP2 wraps
+it: each block is a compiled region, one unit of the plan (``"layers.<i>:compiled"``,
+docs/CONTRACTS.md "torch.compile"). FSDP2's hooks and the EP token exchange run inside the
+compiled call, so such a block issues collectives: it is kept or offloaded, never rerun in
+backward (``bagualu2.runtime.regions.holds_collectives`` sees the FSDP2 state, the DTensor
+expert weights and the EP dispatcher's device mesh). The gate's pre-hook on ``inner_experts``
+runs inside the compiled block and reports through ``report_gate``.
 
 Checkpoints: :func:`add_to_checkpoint` puts the provisioner among the states torchtitan's
 ``CheckpointManager`` saves and loads through DCP, beside the model, the optimizers, the
@@ -149,12 +155,6 @@ def check_options(model: nn.Module) -> None:
                 f"from it. Turn it off: activation_checkpoint=None in the Trainer config "
                 f"(command line: activation-checkpoint:none), or pass ac_config=None to "
                 f"parallelize_fn / pipelining_fn")
-        if "_orig_mod" in module._modules:
-            raise ValueError(
-                f"{name or type(model).__name__} is compiled (torch.compile, torchtitan's "
-                f"compile.enable with 'model' in compile.components): bagualu2 provisions compiled "
-                f"blocks of plain PyTorch models, but not yet inside torchtitan's FSDP2/EP wrapping "
-                f"(not verified). Turn off compile.enable (or drop 'model' from compile.components)")
         state = module._get_fsdp_state() if callable(getattr(module, "_get_fsdp_state", None)) else None
         groups = getattr(state, "_fsdp_param_groups", None) or []
         if any(type(getattr(g, "offload_policy", None)).__name__ == "CPUOffloadPolicy" for g in groups):

@@ -8,7 +8,8 @@ apart at run time; the op's body then runs the gate's eager hook (``hook_for(spe
 real tensors. Run eagerly (a region called outside Dynamo), the hook runs it directly.
 
 Invariant: only gates with a parameter of their own are served here (the caller hooks the
-others one by one); ``close`` frees the slot.
+others one by one); ``close`` frees the slot. The op takes plain tensors only: a DTensor
+parameter (EP-sharded experts) is passed as its local shard.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ class RegionGates:
 
     def _traced(self, module: torch.nn.Module, args: tuple, output: Any = None) -> None:
         if torch.compiler.is_compiling():
-            report_gate(self.slot, next(module.parameters(recurse=False)), args, output)
+            report_gate(self.slot, _local(next(module.parameters(recurse=False))), args, output)
             return
         spec = self._specs.get(id(module))
         if spec is not None:
@@ -60,6 +61,17 @@ class RegionGates:
         ptr = anchor.data_ptr()
         for spec in self._specs.values():
             first = next(spec.module.parameters(recurse=False), None)
-            if first is not None and first.data_ptr() == ptr:
+            if first is not None and _local(first).data_ptr() == ptr:
                 self._hook_for(spec)(spec.module, args, output)
                 return
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """A gate's parameter as the report op can take it: a DTensor's local shard (torchtitan's
+    EP experts), whose storage tells the gate apart as the parameter's own would."""
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(param, DTensor):
+            return param.to_local()
+    return param

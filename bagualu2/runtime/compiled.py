@@ -102,7 +102,7 @@ class CompiledRegions(Residency):
             self.mode.__exit__(None, None, None)  # Dynamo must never trace into the mode
         key = region_key(path)
         rerun = None
-        if rerunnable and frame.choice(key) == Choice.RECOMPUTE or self.enforce_budget or key in frame.choices:
+        if rerunnable and (frame.choice(key) == Choice.RECOMPUTE or self.enforce_budget or key in frame.choices):
             flat, spec = tree_flatten((args, kwargs))
             if unrestorable(flat) is None:
                 rerun = BlockRerun(module, path or "the compiled model", flat, spec, self._pin_leaf,

@@ -40,6 +40,7 @@ Invariants:
 from __future__ import annotations
 
 import sys
+import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -86,21 +87,43 @@ def compiled_regions(root: torch.nn.Module) -> Dict[str, torch.nn.Module]:
 
 
 def holds_collectives(module: torch.nn.Module) -> bool:
-    """Whether a region may issue collectives (a module in it holds a process group or a device
-    mesh, or is sharded by FSDP2): a rerun in backward would issue them again on this rank
-    alone, so such a region is never recomputed (offloaded instead)."""
+    """Whether a region may issue collectives: a module in it is sharded by FSDP2, has a
+    DTensor parameter or buffer, or holds a process group or a device mesh, directly or in an
+    object it holds (torchtitan's EP token dispatcher is such an object, not a module). A rerun
+    in backward would issue them again on this rank alone, so such a region is never
+    recomputed (offloaded instead)."""
     import torch.distributed as dist
 
-    kinds: Tuple[type, ...] = ()
-    if dist.is_available():
-        from torch.distributed.device_mesh import DeviceMesh
-        kinds = (dist.ProcessGroup, DeviceMesh)
+    if not dist.is_available():
+        return False
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    kinds = (dist.ProcessGroup, DeviceMesh)
     for m in module.modules():
         if callable(getattr(m, "_get_fsdp_state", None)) and m._get_fsdp_state() is not None:
             return True
-        if kinds and any(isinstance(v, kinds) for v in vars(m).values()):
+        if any(isinstance(t, DTensor) for t in (*m._parameters.values(), *m._buffers.values())):
+            return True
+        if any(_holds(v, kinds, depth=2) for v in vars(m).values()):
             return True
     return False
+
+
+def _holds(value: Any, kinds: Tuple[type, ...], depth: int) -> bool:
+    """Whether ``value`` is one of ``kinds`` or holds one within ``depth`` levels of attributes
+    and containers (modules and tensors are not entered: ``holds_collectives`` walks modules)."""
+    if isinstance(value, kinds):
+        return True
+    if depth == 0 or isinstance(value, (torch.nn.Module, Tensor, type, types.ModuleType, str, bytes)):
+        return False
+    if isinstance(value, (list, tuple, set, frozenset)):
+        inner: Any = value
+    elif isinstance(value, dict):
+        inner = value.values()
+    else:
+        inner = getattr(value, "__dict__", {}).values()
+    return any(_holds(v, kinds, depth - 1) for v in inner)
 
 
 def _compiled_fn(module: Any) -> Any:
