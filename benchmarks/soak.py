@@ -7,9 +7,10 @@ micro-batches are spikes: one local expert, chosen at random, gets 1.5x to 3x th
 (``routing_spike``). Reports:
 
 * budget violations (must be 0) and the peak against the budget;
-* the process's resident set (RSS), the host arena (in use, capacity) and the ledger (resident
-  activation bytes) at the start (after the first micro-batch), the middle and the end (with
-  the last graph dropped): RSS and arena growth from the middle to the end must stay under 1%,
+* the process's anonymous resident set (RSS: heap, arena and tensors, not the libraries' pages),
+  the host arena (in use, capacity) and the ledger (resident activation bytes) at the start
+  (after the first micro-batch), the middle and the end (with the last graph dropped): RSS and
+  arena growth from the middle to the end must stay under 1%,
   ledger and arena in use must be 0 at the end;
 * decision latency p50/p99 (every decision of the run, not only the telemetry's window);
 * how many micro-batches were traced (calm ones need not be), and the step time.
@@ -21,7 +22,8 @@ Prints a table and writes JSON::
 ``--pressure``: the reference model with real expert parallelism on 2 gloo ranks (experts
 ``--expert-hidden`` wide), each rank under its own budget ``--slack`` above its calm keep-all
 peak; about ``--spike-rate`` of the micro-batches spike (every rank's tokens give one expert,
-on a rank drawn at random, ``--pressure-spike`` x the mean load), and the routing drifts slowly
+on a rank drawn at random, ``--pressure-spike`` x the mean load, for ``--burst`` micro-batches in a
+row, as a hot expert stays hot for a while), and the routing drifts slowly
 (a bias on the router's logits that turns once over the run). Per rank: violations,
 micro-batches planned (a gate's plan released something), the cost model's peak-prediction
 error (relative, on micro-batches that released nothing: its prediction is the all-keep peak)
@@ -33,6 +35,7 @@ decision latency p50/p99::
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import copy
 import gc
@@ -53,9 +56,20 @@ from bagualu2.models import MoEConfig, MoETransformer
 from bagualu2.telemetry import Decision
 
 
+# The telemetry keeps its last records in memory (100,000 of each kind by default): a window
+# that fills over the first tens of thousands of micro-batches, and would read as growth here.
+_TELEMETRY_KEEP = 200
+
+
 def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    """The anonymous resident set (heap, arena, tensors): where a leak grows. The whole RSS also
+    counts file-backed pages (the libraries' code), which the kernel drops and reloads as other
+    processes need memory, and which moved it by a fifth in a long run on a busy machine."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no RssAnon line: the soak needs Linux's procfs")
 
 
 def _batch(cfg: MoEConfig, args: argparse.Namespace, i: int) -> torch.Tensor:
@@ -96,6 +110,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     calm = _calm_peak(model, cfg, args)
     budget = int(calm * (1.0 + args.slack))
     prov = bagualu2.enable(model, budget=budget)
+    prov.telemetry.keep = _TELEMETRY_KEEP
     latencies: List[float] = []
     add = prov.telemetry.add
 
@@ -164,20 +179,22 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 # -- --pressure: 2 expert-parallel gloo ranks ---------------------------------------------------
 
 
-def _recorder(prov: Any) -> Dict[str, List[Any]]:
-    """Every decision's latency and plan, and every micro-batch's peak and prediction (the
-    telemetry keeps a window in memory only)."""
-    seen: Dict[str, List[Any]] = {"latency": [], "planned": [], "peaks": []}
+def _recorder(prov: Any, window: int) -> Dict[str, Any]:
+    """Every decision's latency and plan, and the peak and prediction of the first and the last
+    ``window`` micro-batches (only those: the recorder must not grow with the run it measures)."""
+    seen: Dict[str, Any] = {"latency": [], "planned": set(), "first": [],
+                            "last": collections.deque(maxlen=window)}
     add = prov.telemetry.add
 
     def record(item: Any) -> None:
         if isinstance(item, Decision):
             seen["latency"].append(item.latency_us)
             if item.planned_bytes < item.predicted_bytes:
-                seen["planned"].append(item.micro_batch)
+                seen["planned"].add(item.micro_batch)
         else:
             released = item.bytes_by_choice.get("offload", 0) + item.bytes_by_choice.get("recompute", 0)
-            seen["peaks"].append((item.peak_bytes, item.predicted_peak_bytes, released))
+            peak = (item.peak_bytes, item.predicted_peak_bytes, released)
+            seen["first" if len(seen["first"]) < window else "last"].append(peak)
         add(item)
 
     prov.telemetry.add = record  # type: ignore[method-assign]
@@ -210,8 +227,12 @@ def _pressure_rank(rank: int, world: int, args: argparse.Namespace, port: int, o
     prov.disable()
     budget = int(calm * (1.0 + args.slack))
     model = build()
-    prov = bagualu2.enable(model, budget=budget)
-    seen = _recorder(prov)
+    # Every save of this small model is under the default min_bytes (64 KiB), which would leave
+    # the planner nothing to choose from and the runtime's fallbacks all the work.
+    prov = bagualu2.enable(model, budget=budget, min_bytes=0)
+    prov.telemetry.keep = _TELEMETRY_KEEP
+    window = min(1000, max(1, args.micro_batches // 10))
+    seen = _recorder(prov, window)
     drift = torch.zeros(cfg.num_experts)
     for layer in model.layers:  # the drift: every rank's routers lean the same slowly turning way
         layer.moe.router.proj.register_forward_hook(lambda m, a, out: out + drift)
@@ -223,12 +244,17 @@ def _pressure_rank(rank: int, world: int, args: argparse.Namespace, port: int, o
     spikes = [0] * world
     phases = [2 * math.pi * e / cfg.num_experts for e in range(cfg.num_experts)]
     start = time.perf_counter()
+    burst_left, target, expert = 0, 0, 0
     for i in range(args.micro_batches):
         turn = 2 * math.pi * i / max(1, args.micro_batches)
         drift.copy_(torch.tensor([args.drift * math.sin(turn + p) for p in phases]))
-        spike = rng.random() < args.spike_rate
-        target = rng.randrange(world)
-        expert = target * local + rng.randrange(local)
+        # A burst starts at spike_rate / burst per micro-batch, so that about spike_rate of them spike.
+        if burst_left == 0 and rng.random() < args.spike_rate / args.burst:
+            burst_left = args.burst
+            target = rng.randrange(world)
+            expert = target * local + rng.randrange(local)
+        spike = burst_left > 0
+        burst_left -= spike
         optimizer.zero_grad(set_to_none=True)
         tokens = _batch(cfg, args, 1_000_000 * rank + i)
         with model.routing_spike(limit, experts=(expert,)) if spike else contextlib.nullcontext():
@@ -244,15 +270,14 @@ def _pressure_rank(rank: int, world: int, args: argparse.Namespace, port: int, o
     snapshots["end"] = _snapshot(prov)
     snapshots.setdefault("middle", snapshots["end"])
     report = prov.report()
-    window = min(1000, max(1, args.micro_batches // 10))
     lat = sorted(seen["latency"])
     result = {
         "rank": rank, "calm_peak_bytes": calm, "budget_bytes": budget, "peak_bytes": report["peak_bytes"],
         "violations": report["violations"], "fallbacks": report["fallbacks"], "spikes_aimed_here": spikes[rank],
-        "planned_micro_batches": len(set(seen["planned"])), "traced_micro_batches": report["traced_micro_batches"],
+        "planned_micro_batches": len(seen["planned"]), "traced_micro_batches": report["traced_micro_batches"],
         "decisions": len(lat), "prediction_window": window,
-        "peak_prediction_error_first": _prediction_error(seen["peaks"][:window]),
-        "peak_prediction_error_last": _prediction_error(seen["peaks"][-window:]),
+        "peak_prediction_error_first": _prediction_error(seen["first"]),
+        "peak_prediction_error_last": _prediction_error(seen["last"]),
         "decision_latency_us": {"p50": lat[len(lat) // 2] if lat else 0.0,
                                 "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else 0.0},
         "snapshots": snapshots, "ms_per_micro_batch": 1000 * seconds / max(1, args.micro_batches),
@@ -283,27 +308,28 @@ def run_pressure(args: argparse.Namespace, world: int = 2) -> Dict[str, Any]:
              for r in ranks)
     return {"pressure": True, "config": args.config, "expert_hidden": args.expert_hidden,
             "micro_batches": args.micro_batches, "spike_rate": args.spike_rate, "spike": args.pressure_spike,
-            "drift": args.drift, "slack": args.slack, "seed": args.seed, "ranks": ranks, "ok": ok}
+            "drift": args.drift, "burst": args.burst, "slack": args.slack, "seed": args.seed, "ranks": ranks, "ok": ok}
 
 
 def _print_pressure(result: Dict[str, Any]) -> None:
     def err(e: Dict[str, Any]) -> str:
         return f"{e['mean']:.2%} (n={e['n']})" if e["mean"] is not None else "-"
 
-    print(f"\n{result['micro_batches']} micro-batches, 2 EP ranks, spikes {result['spike']}x at rate "
-          f"{result['spike_rate']}, budget calm peak + {result['slack']:.0%}")
-    print(f"{'rank':<5}{'viol.':>6}{'planned':>8}{'spikes':>7}{'pred. err first':>20}{'pred. err last':>20}"
-          f"{'lat p50 us':>11}{'p99 us':>8}{'ms/mb':>7}")
+    print(f"\n{result['micro_batches']} micro-batches, 2 EP ranks, spikes {result['spike']}x in bursts of "
+          f"{result['burst']} at rate {result['spike_rate']}, budget calm peak + {result['slack']:.0%}")
+    print(f"{'rank':<5}{'viol.':>6}{'planned':>8}{'fallbacks':>10}{'spikes':>7}{'pred. err first':>20}"
+          f"{'pred. err last':>20}{'lat p50 us':>11}{'p99 us':>8}{'ms/mb':>7}")
     for r in result["ranks"]:
         lat = r["decision_latency_us"]
-        print(f"{r['rank']:<5}{r['violations']:>6}{r['planned_micro_batches']:>8}{r['spikes_aimed_here']:>7}"
+        print(f"{r['rank']:<5}{r['violations']:>6}{r['planned_micro_batches']:>8}{r['fallbacks']:>10}"
+              f"{r['spikes_aimed_here']:>7}"
               f"{err(r['peak_prediction_error_first']):>20}{err(r['peak_prediction_error_last']):>20}"
               f"{lat['p50']:>11.0f}{lat['p99']:>8.0f}{r['ms_per_micro_batch']:>7.1f}")
-    print(f"{'rank':<5}{'when':<8}{'RSS MiB':>10}{'arena in use':>14}{'arena cap. MiB':>16}{'ledger bytes':>14}")
+    print(f"{'rank':<5}{'when':<8}{'anon RSS MiB':>13}{'arena in use':>14}{'arena cap. MiB':>16}{'ledger bytes':>14}")
     for r in result["ranks"]:
         for name in ("start", "middle", "end"):
             s = r["snapshots"][name]
-            print(f"{r['rank']:<5}{name:<8}{s['rss_bytes'] / 2**20:>10.1f}{s['arena_in_use_bytes']:>14}"
+            print(f"{r['rank']:<5}{name:<8}{s['rss_bytes'] / 2**20:>13.1f}{s['arena_in_use_bytes']:>14}"
                   f"{s['arena_capacity_bytes'] / 2**20:>16.1f}{s['ledger_bytes']:>14}")
     print("RSS growth middle->end: " + ", ".join(f"rank {r['rank']} {r['rss_growth_middle_to_end']:+.2%}"
                                                 for r in result["ranks"]) + f"   {'OK' if result['ok'] else 'FAIL'}")
@@ -326,7 +352,12 @@ def main() -> None:
     parser.add_argument("--expert-hidden", type=int, default=128, help="--pressure: expert width")
     parser.add_argument("--pressure-spike", type=float, default=2.6, help="--pressure: a spike's load (x mean)")
     parser.add_argument("--drift", type=float, default=0.5, help="--pressure: the drift's amplitude (logits)")
+    parser.add_argument("--burst", type=int, default=4,
+                        help="--pressure: micro-batches a spike lasts (a lone spike meets an untraced forward "
+                             "and is held by offload; from a burst's second micro-batch on, gates plan)")
     args = parser.parse_args()
+    if args.burst < 1:
+        parser.error(f"--burst {args.burst}: a spike lasts at least 1 micro-batch")
     if args.pressure:
         result = run_pressure(args)
         _print_pressure(result)
@@ -339,9 +370,9 @@ def main() -> None:
     print()
     print(f"{args.micro_batches} micro-batches of {args.config} ({args.batch} x {args.seq}), {result['spikes']} spikes, "
           f"budget {result['budget_bytes'] / 2**20:.2f} MiB (calm peak + {args.slack:.0%})")
-    print(f"{'':<10}{'RSS MiB':>10}{'arena in use':>14}{'arena cap. MiB':>16}{'ledger bytes':>14}")
+    print(f"{'':<10}{'anon RSS MiB':>13}{'arena in use':>14}{'arena cap. MiB':>16}{'ledger bytes':>14}")
     for name in ("start", "middle", "end"):
-        print(f"{name:<10}{s[name]['rss_bytes'] / 2**20:>10.1f}{s[name]['arena_in_use_bytes']:>14}"
+        print(f"{name:<10}{s[name]['rss_bytes'] / 2**20:>13.1f}{s[name]['arena_in_use_bytes']:>14}"
               f"{s[name]['arena_capacity_bytes'] / 2**20:>16.1f}{s[name]['ledger_bytes']:>14}")
     lat = result["decision_latency_us"]
     print(f"violations {result['violations']}   peak {result['peak_bytes'] / 2**20:.2f} MiB   "
