@@ -17,23 +17,26 @@ import torchtitan_shims as shims
 VOCAB, DIM, HEAD_DIM, SEQ, BATCH = 128, 64, 16, 16, 2
 
 
-def tiny_config(flavor: str = "qwen3", layers: int = 2, experts: int = 4, top_k: int = 2):
+def tiny_config(flavor: str = "qwen3", layers: int = 2, experts: int = 4, top_k: int = 2, *, vocab: int = VOCAB,
+                dim: int = DIM, heads: int = 4, head_dim: int = HEAD_DIM, moe_hidden: int = 32,
+                max_seq: int = 4 * SEQ):
     """A tiny torchtitan MoE decoder config of ``flavor`` (``"qwen3"``: every layer MoE;
     ``"deepseek_v3"``: MLA attention, a dense first layer, then ``layers`` MoE layers with a
-    shared expert), attention swapped for CPU SDPA."""
+    shared expert), attention swapped for CPU SDPA. The sizes are the tests' unless given
+    (``vocab``, ``heads``, ``head_dim``, ``max_seq``: qwen3 only)."""
     from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear
 
     if flavor == "qwen3":
         from torchtitan.models.qwen3 import (Qwen3Model, _EMBEDDING_INIT, _LINEAR_INIT, _build_qwen3_moe_layers,
                                              _qwen3_norm)
         config = Qwen3Model.Config(
-            vocab_size=VOCAB, dim=DIM, norm=_qwen3_norm(DIM),
-            tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
-            lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_LINEAR_INIT),
+            vocab_size=vocab, dim=dim, norm=_qwen3_norm(dim),
+            tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_INIT),
+            lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_LINEAR_INIT),
             layers=_build_qwen3_moe_layers(
-                n_layers=layers, dim=DIM, n_heads=4, n_kv_heads=2, head_dim=HEAD_DIM, moe_hidden_dim=32,
-                num_experts=experts, top_k=top_k, attn_backend="flex", moe_comm_backend="standard",
-                rope=CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=4 * SEQ, theta=1e6)))
+                n_layers=layers, dim=dim, n_heads=heads, n_kv_heads=max(1, heads // 2), head_dim=head_dim,
+                moe_hidden_dim=moe_hidden, num_experts=experts, top_k=top_k, attn_backend="flex",
+                moe_comm_backend="standard", rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=max_seq, theta=1e6)))
     elif flavor == "deepseek_v3":
         from torchtitan.models.common.nn_modules import RMSNorm
         from torchtitan.models.deepseek_v3 import (DeepSeekV3Model, _EMBEDDING_INIT, _NORM_INIT, _build_dsv3_layers,
@@ -41,13 +44,13 @@ def tiny_config(flavor: str = "qwen3", layers: int = 2, experts: int = 4, top_k:
         blocks = _build_dsv3_layers(
             n_layers=layers + 1, n_dense_layers=1, dim=DIM, n_heads=4, q_lora_rank=0, kv_lora_rank=32,
             qk_nope_head_dim=HEAD_DIM, qk_rope_head_dim=8, v_head_dim=HEAD_DIM, mscale=0.70,
-            dense_hidden_dim=64, moe_hidden_dim=32, num_experts=experts, num_shared_experts=1,
+            dense_hidden_dim=64, moe_hidden_dim=moe_hidden, num_experts=experts, num_shared_experts=1,
             router_top_k=top_k, router_score_func="softmax", attn_backend="flex", moe_comm_backend="standard",
             non_blocking_capacity_factor=None, rope=ComplexRoPE.Config(dim=8, max_seq_len=4 * SEQ, theta=1e4))
         config = DeepSeekV3Model.Config(
-            vocab_size=VOCAB, dim=DIM, norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
-            tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
-            lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
+            vocab_size=VOCAB, dim=dim, norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
+            tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=_EMBEDDING_INIT),
+            lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=_output_linear_init(dim)),
             layers=blocks, mtp_layers=_build_mtp_layers(blocks[-1], dim=DIM, num_mtp_layers=0))
     else:
         raise ValueError(f"flavor={flavor!r}: the tests build 'qwen3' or 'deepseek_v3'")
@@ -73,10 +76,11 @@ def pipeline_loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> tuple:
 
 
 def build(world: int, *, ep: int = 1, pp: int = 1, fsdp: bool = True, flavor: str = "qwen3",
-          layers: int = 2, microbatches: int = 2) -> SimpleNamespace:
+          layers: int = 2, microbatches: int = 2, ac_config: Any = None, **sizes: Any) -> SimpleNamespace:
     """The model (or this rank's pipeline stages) parallelized by torchtitan: FSDP2 over the
     ranks a pipeline stage has (unless ``fsdp`` is false: torchtitan's ``skip_dp``), EP of
-    ``ep`` inside them."""
+    ``ep`` inside them, torchtitan's activation checkpointing ``ac_config`` (none by default).
+    ``sizes``: :func:`tiny_config`'s keywords."""
     shims.use_cpu()
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
@@ -90,7 +94,7 @@ def build(world: int, *, ep: int = 1, pp: int = 1, fsdp: bool = True, flavor: st
     training = TrainingConfig(local_batch_size=BATCH, seq_len=SEQ, mixed_precision_param="float32")
     dims = ParallelDims.from_config(parallelism, world)
     dims.build_mesh()
-    config = tiny_config(flavor, layers)
+    config = tiny_config(flavor, layers, **sizes)
     # Sets the sharding torchtitan's parallelize applies (EP's expert sharding among it), as
     # its Trainer does before building.
     config.update_from_config(config=SimpleNamespace(parallelism=parallelism))
@@ -98,7 +102,7 @@ def build(world: int, *, ep: int = 1, pp: int = 1, fsdp: bool = True, flavor: st
     with torch.device("meta"):
         model = config.build()
     kwargs = dict(parallel_dims=dims, training=training, parallelism=parallelism,
-                  compile_config=CompileConfig(), ac_config=None, dump_folder="")
+                  compile_config=CompileConfig(), ac_config=ac_config, dump_folder="")
     if not fsdp:
         kwargs["skip_dp"] = True
     schedule = None
