@@ -86,9 +86,11 @@ class MegatronEngine(Engine):
         super().__init__(args)
         # Expected from Megatron 0.16.1 on this machine: selective core_attn recompute may be
         # redundant with Transformer Engine's fused attention (not used here); its own default
-        # cuda_graph_scope is deprecated; its schedule calls a deprecated torch collective.
+        # cuda_graph_scope is deprecated; its schedule calls a deprecated torch collective; Apex is
+        # missing (torch norms).
         warnings.filterwarnings("ignore", message="If you are using transformer_engine")
         warnings.filterwarnings("ignore", message="full scope is deprecated")
+        warnings.filterwarnings("ignore", message="Apex is not installed")
         warnings.filterwarnings("ignore", message="`torch.distributed.all_gather_into_tensor` is deprecated")
 
     def grid(self) -> Dict[str, Any]:
