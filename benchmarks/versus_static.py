@@ -4,17 +4,26 @@ A user who does not install bagualu2 tunes their engine's own activation options
 survives its spikes. This script does that tuning for them, on the same model, the same spike trace
 and the same per-rank budget, and times the winner against ``adaptive``.
 
-Setup (every engine): the reference MoE model with real expert parallelism on ``--world`` gloo
-processes (127.0.0.1, one thread each), the same weights for every configuration (built from one
-seed; no optimizer step, so every configuration computes the same losses on the same batches).
+Engines (``--engines``): ``pytorch``, the reference MoE model with ``torch.utils.checkpoint`` and
+selective checkpointing (versus_static_pytorch.py); ``torchtitan``, a torchtitan 0.3.0 qwen3 MoE
+decoder of the same sizes with its ``activation_checkpoint`` modes (versus_static_torchtitan.py);
+``megatron``, a Megatron-Core 0.16.1 MoE ``GPTModel`` of the same sizes with its
+``recompute_granularity`` / ``recompute_modules`` options (versus_static_megatron.py). Each names
+the options it leaves out and why. bagualu2's integrations refuse an engine's own recompute
+together with bagualu2, so ``adaptive`` runs with it off.
+
+Setup (every engine): real expert parallelism over ``--world`` gloo processes (127.0.0.1, one
+thread each), the same weights for every configuration (built from one seed; no optimizer step,
+so every configuration computes the same losses on the same batches, which the script checks).
 The trace has ``--micro-batches`` micro-batches; about ``--spike-rate`` of them (at least two)
 route ``--imbalance`` x the mean load onto one expert, alternately one held by rank 0 and one held
-by the last rank, so the spike lands on either rank.
+by the last rank, so the spike lands on either rank (every rank's router sends that share of its
+tokens there: the reference model's ``routing_spike``, or ``spike_logits`` on an engine's router).
 
-Memory is measured the same way for every configuration, bagualu2 included: torch's CPU
-allocator, as its profiler records it (``profile_memory``), from the start of a micro-batch's
-forward to the end of its backward, above what was allocated when it started (the stand-in on
-this machine for ``torch.cuda.max_memory_allocated``: activations, temporaries and gradients).
+Memory is measured the same way for every configuration, bagualu2 included, by
+``AllocationMeter``: every storage an aten op creates from the start of a micro-batch's forward
+to the end of its backward, while it lives (the stand-in on this machine for
+``torch.cuda.max_memory_allocated``: activations, temporaries and gradients).
 The per-rank budget is ``--headroom`` above the largest calm micro-batch's peak without any
 activation option (keep everything). bagualu2's own budget is on the activation bytes it holds
 for backward; the forward's working set (temporaries, and tensors it released that the forward
@@ -43,7 +52,7 @@ compute for the same two cores; on a GPU it is a DMA transfer over PCIe that run
 kernels. Offload is therefore priced high here, and ``adaptive`` leans on recomputation; on a
 device the same planner gets cheaper offloads, which moves the ratio in its favour.
 
-    python benchmarks/versus_static.py --engines pytorch --out versus_static.json
+    python benchmarks/versus_static.py --engines pytorch,torchtitan,megatron --out versus_static.json
     python benchmarks/versus_static.py --quick      # the slow lane's short form
 """
 from __future__ import annotations

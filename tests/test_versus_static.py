@@ -80,7 +80,7 @@ def test_the_trace_spikes_on_either_rank_after_the_warm_up() -> None:
 @pytest.mark.slow
 def test_the_short_head_to_head_runs_every_configuration_exactly_and_counts_violations(tmp_path: Path) -> None:
     out = tmp_path / "versus_static.json"
-    result = _bench().main(["--quick", "--out", str(out)])
+    result = _bench().main(["--quick", "--engines", "pytorch", "--out", str(out)])
     assert out.exists()
     summary = result["engines"]["pytorch"]["summary"]
     ranks = result["engines"]["pytorch"]["ranks"]

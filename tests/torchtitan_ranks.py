@@ -22,8 +22,8 @@ def tiny_config(flavor: str = "qwen3", layers: int = 2, experts: int = 4, top_k:
                 max_seq: int = 4 * SEQ):
     """A tiny torchtitan MoE decoder config of ``flavor`` (``"qwen3"``: every layer MoE;
     ``"deepseek_v3"``: MLA attention, a dense first layer, then ``layers`` MoE layers with a
-    shared expert), attention swapped for CPU SDPA. The sizes are the tests' unless given
-    (``vocab``, ``heads``, ``head_dim``, ``max_seq``: qwen3 only)."""
+    shared expert), attention swapped for CPU SDPA. The keyword sizes apply to qwen3 (the
+    deepseek_v3 config keeps the tests' own)."""
     from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear
 
     if flavor == "qwen3":
@@ -44,13 +44,13 @@ def tiny_config(flavor: str = "qwen3", layers: int = 2, experts: int = 4, top_k:
         blocks = _build_dsv3_layers(
             n_layers=layers + 1, n_dense_layers=1, dim=DIM, n_heads=4, q_lora_rank=0, kv_lora_rank=32,
             qk_nope_head_dim=HEAD_DIM, qk_rope_head_dim=8, v_head_dim=HEAD_DIM, mscale=0.70,
-            dense_hidden_dim=64, moe_hidden_dim=moe_hidden, num_experts=experts, num_shared_experts=1,
+            dense_hidden_dim=64, moe_hidden_dim=32, num_experts=experts, num_shared_experts=1,
             router_top_k=top_k, router_score_func="softmax", attn_backend="flex", moe_comm_backend="standard",
             non_blocking_capacity_factor=None, rope=ComplexRoPE.Config(dim=8, max_seq_len=4 * SEQ, theta=1e4))
         config = DeepSeekV3Model.Config(
-            vocab_size=VOCAB, dim=dim, norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
-            tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=_EMBEDDING_INIT),
-            lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=_output_linear_init(dim)),
+            vocab_size=VOCAB, dim=DIM, norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
+            tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
+            lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
             layers=blocks, mtp_layers=_build_mtp_layers(blocks[-1], dim=DIM, num_mtp_layers=0))
     else:
         raise ValueError(f"flavor={flavor!r}: the tests build 'qwen3' or 'deepseek_v3'")
