@@ -96,7 +96,7 @@ class MegatronEngine(Engine):
     def grid(self) -> Dict[str, Any]:
         layers = self.args.layers
         grid: Dict[str, Any] = {}
-        for n in range(1, layers + 1):
+        for n in (n for n in range(1, layers + 1) if layers % n == 0):  # uniform chunks must divide the layers
             grid[f"full, uniform, recompute_num_layers={n}"] = dict(
                 recompute_granularity="full", recompute_method="uniform", recompute_num_layers=n)
         for n in range(1, layers):  # block with every layer is uniform with one
