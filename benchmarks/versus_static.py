@@ -4,17 +4,26 @@ A user who does not install bagualu2 tunes their engine's own activation options
 survives its spikes. This script does that tuning for them, on the same model, the same spike trace
 and the same per-rank budget, and times the winner against ``adaptive``.
 
-Setup (every engine): the reference MoE model with real expert parallelism on ``--world`` gloo
-processes (127.0.0.1, one thread each), the same weights for every configuration (built from one
-seed; no optimizer step, so every configuration computes the same losses on the same batches).
+Engines (``--engines``): ``pytorch``, the reference MoE model with ``torch.utils.checkpoint`` and
+selective checkpointing (versus_static_pytorch.py); ``torchtitan``, a torchtitan 0.3.0 qwen3 MoE
+decoder of the same sizes with its ``activation_checkpoint`` modes (versus_static_torchtitan.py);
+``megatron``, a Megatron-Core 0.16.1 MoE ``GPTModel`` of the same sizes with its
+``recompute_granularity`` / ``recompute_modules`` options (versus_static_megatron.py). Each names
+the options it leaves out and why. bagualu2's integrations refuse an engine's own recompute
+together with bagualu2, so ``adaptive`` runs with it off.
+
+Setup (every engine): real expert parallelism over ``--world`` gloo processes (127.0.0.1, one
+thread each), the same weights for every configuration (built from one seed; no optimizer step,
+so every configuration computes the same losses on the same batches, which the script checks).
 The trace has ``--micro-batches`` micro-batches; about ``--spike-rate`` of them (at least two)
 route ``--imbalance`` x the mean load onto one expert, alternately one held by rank 0 and one held
-by the last rank, so the spike lands on either rank.
+by the last rank, so the spike lands on either rank (every rank's router sends that share of its
+tokens there: the reference model's ``routing_spike``, or ``spike_logits`` on an engine's router).
 
-Memory is measured the same way for every configuration, bagualu2 included: torch's CPU
-allocator, as its profiler records it (``profile_memory``), from the start of a micro-batch's
-forward to the end of its backward, above what was allocated when it started (the stand-in on
-this machine for ``torch.cuda.max_memory_allocated``: activations, temporaries and gradients).
+Memory is measured the same way for every configuration, bagualu2 included, by
+``AllocationMeter``: every storage an aten op creates from the start of a micro-batch's forward
+to the end of its backward, while it lives (the stand-in on this machine for
+``torch.cuda.max_memory_allocated``: activations, temporaries and gradients).
 The per-rank budget is ``--headroom`` above the largest calm micro-batch's peak without any
 activation option (keep everything). bagualu2's own budget is on the activation bytes it holds
 for backward; the forward's working set (temporaries, and tensors it released that the forward
@@ -43,15 +52,13 @@ compute for the same two cores; on a GPU it is a DMA transfer over PCIe that run
 kernels. Offload is therefore priced high here, and ``adaptive`` leans on recomputation; on a
 device the same planner gets cheaper offloads, which moves the ratio in its favour.
 
-    python benchmarks/versus_static.py --engines pytorch --out versus_static.json
+    python benchmarks/versus_static.py --engines pytorch,torchtitan,megatron --out versus_static.json
     python benchmarks/versus_static.py --quick      # the slow lane's short form
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
-import itertools
 import json
 import os
 import platform
@@ -59,18 +66,16 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-import bagualu2
-from bagualu2.models import MoEConfig, MoETransformer
+from bagualu2.models import MoEConfig
 
 # The tests' multi-process harness (spawned gloo ranks on 127.0.0.1, a free port, hard timeouts);
 # the spawned ranks find it on the sys.path they inherit.
@@ -79,7 +84,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from pipeline_harness import launch  # noqa: E402
 
 SEED = 0
-ENGINES = ("pytorch",)
+ENGINES = ("pytorch", "torchtitan", "megatron")
 
 # ---------------------------------------------------------------------------------------------
 # The trace and the meter
@@ -113,9 +118,10 @@ class Trace:
         return [calm, *sorted(first.values())]
 
 
-def _tokens(cfg: MoEConfig, rank: int, i: int, batch: int, seq: int) -> torch.Tensor:
+def _tokens(vocab: int, rank: int, i: int, batch: int, seq: int) -> torch.Tensor:
+    """Micro-batch ``i``'s tokens on ``rank`` (the same for every configuration)."""
     g = torch.Generator().manual_seed(SEED + 1000 * rank + i)
-    return torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    return torch.randint(0, vocab, (batch, seq), generator=g)
 
 
 class AllocationMeter(TorchDispatchMode):
@@ -162,89 +168,105 @@ def allocation_peak(fn: Callable[[], Any]) -> Tuple[Any, int]:
     return out, meter.peak
 
 
+def spike_logits(logits: torch.Tensor, expert: Optional[int], imbalance: float, top_k: int) -> torch.Tensor:
+    """``logits`` (``[..., experts]``, a router's) with ``expert`` lifted above every other
+    expert for just enough more tokens that it gets ``imbalance`` x the mean load of these
+    tokens (to within one token; tokens that chose it already keep it): the engines' form of the
+    reference model's ``routing_spike``, deterministic, so a recomputed router routes alike.
+    ``expert=None`` lifts nothing through the same ops (an op's name in a plan is its place in
+    its module's call, so a spiked micro-batch must not add ops)."""
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    tokens, experts = flat.shape
+    target = 0 if expert is None else min(tokens, round(imbalance * tokens * top_k / experts))
+    column = 0 if expert is None else expert
+    chosen = flat.topk(top_k, dim=-1).indices.eq(column).any(dim=-1)
+    extra = (~chosen).nonzero().flatten()[:max(0, target - int(chosen.sum()))]
+    lift = torch.zeros_like(flat)
+    lift[extra, column] = flat.max() - flat.min() + 1.0
+    return logits + lift.view(logits.shape).to(logits.dtype)
+
+
 # ---------------------------------------------------------------------------------------------
-# Configurations: a name, how to build the model, and what one micro-batch runs
+# Engines: the static options each offers, and one micro-batch of a model built with one
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Config:
-    name: str
-    build: Callable[[], Tuple[torch.nn.Module, Any]]  # -> (model, provisioner or None)
-    static: bool = True
-    model: Any = None
+class Run:
+    """One model built for the head to head (a static option, or under bagualu2 as ``prov``)."""
+
     prov: Any = None
 
-    def ready(self) -> "Config":
-        if self.model is None:
-            self.model, self.prov = self.build()
-        return self
-
-    def step(self, args: argparse.Namespace, rank: int, trace: Trace, i: int) -> float:
-        """One forward + backward of micro-batch ``i``; returns the loss."""
-        model = self.model
-        expert = trace.spikes.get(i)
-        spike = model.routing_spike(trace.imbalance, experts=[expert]) if expert is not None \
-            else contextlib.nullcontext()
-        model.zero_grad(set_to_none=True)
-        with spike:  # backward inside: checkpointed blocks rerun the router
-            loss = model(_tokens(model.cfg, rank, i, args.batch, args.seq))
-            loss.backward()
-        if self.prov is not None:
-            self.prov.step()
-        return float(loss.detach())
+    def step(self, rank: int, trace: Trace, i: int) -> float:
+        """One forward + backward of micro-batch ``i`` (spiked as the trace says); the loss."""
+        raise NotImplementedError
 
     def close(self) -> None:
         if self.prov is not None:
             self.prov.disable()
-        self.model = self.prov = None
+        self.prov = None
 
 
-def _model(args: argparse.Namespace) -> MoETransformer:
-    torch.manual_seed(SEED)
-    cfg = getattr(MoEConfig, args.config)(num_layers=args.layers)
-    return MoETransformer(cfg, ep_group=dist.group.WORLD)
+class Engine:
+    """What the head to head needs from an engine: its grid of static options (name -> option),
+    the name of the one that recomputes every block, models built with an option (``None``:
+    keep everything) or under bagualu2, and the options it leaves out, with why."""
+
+    name = ""
+    full = ""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.cfg = getattr(MoEConfig, args.config)(num_layers=args.layers)
+
+    def grid(self) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def left_out(self) -> Dict[str, str]:
+        return {}
+
+    def static(self, option: Any) -> Run:
+        raise NotImplementedError
+
+    def provisioned(self, policy: str, budget: Optional[int]) -> Run:
+        raise NotImplementedError
 
 
-def _checkpointed(blocks: Sequence[int], context_fn: Optional[Callable[[], Any]] = None):
-    """A model whose ``blocks`` run under ``torch.utils.checkpoint`` (non-reentrant), with
-    ``context_fn`` for selective checkpointing."""
+@dataclass
+class Config:
+    """A named run, built when first needed."""
 
-    def build(args: argparse.Namespace) -> Tuple[torch.nn.Module, Any]:
-        model = _model(args)
-        extra = {} if context_fn is None else {"context_fn": context_fn}
-        for b in blocks:
-            layer = model.layers[b]
-            layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False, **extra)
-        return model, None
+    name: str
+    build: Callable[[], Run]
+    run: Optional[Run] = None
 
-    return build
+    def ready(self) -> "Config":
+        if self.run is None:
+            self.run = self.build()
+        return self
+
+    @property
+    def prov(self) -> Any:
+        return self.run.prov
+
+    def step(self, rank: int, trace: Trace, i: int) -> float:
+        return self.run.step(rank, trace, i)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.close()
+        self.run = None
 
 
-def _sac(ops: Sequence[Any]) -> Callable[[], Any]:
-    return functools.partial(create_selective_checkpoint_contexts, list(ops))
-
-
-_MM = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
-_ATTENTION = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-              torch.ops.aten._scaled_dot_product_efficient_attention.default,
-              torch.ops.aten._scaled_dot_product_flash_attention.default)
-
-
-def pytorch_grid(args: argparse.Namespace) -> Dict[str, Callable[..., Any]]:
-    """Plain PyTorch's static options: ``torch.utils.checkpoint`` on every subset of blocks, and
-    selective checkpointing of every block with op-list policies (what is saved; the rest is
-    recomputed)."""
-    layers = args.layers
-    grid: Dict[str, Callable[..., Any]] = {}
-    for k in range(1, layers + 1):
-        for blocks in itertools.combinations(range(layers), k):
-            grid[f"checkpoint blocks {','.join(map(str, blocks))}"] = _checkpointed(blocks)
-    everything = tuple(range(layers))
-    grid["selective: save matmuls"] = _checkpointed(everything, _sac(_MM))
-    grid["selective: save matmuls + attention"] = _checkpointed(everything, _sac(_MM + _ATTENTION))
-    grid["selective: save attention"] = _checkpointed(everything, _sac(_ATTENTION))
-    return grid
+def engine(name: str, args: argparse.Namespace) -> Engine:
+    """The engine called ``name`` (its module imported only when asked for)."""
+    if name == "torchtitan":
+        from versus_static_torchtitan import TorchtitanEngine
+        return TorchtitanEngine(args)
+    if name == "megatron":
+        from versus_static_megatron import MegatronEngine
+        return MegatronEngine(args)
+    from versus_static_pytorch import PyTorchEngine
+    return PyTorchEngine(args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,68 +280,79 @@ def _all_min(flag: bool) -> bool:
     return bool(t.item())
 
 
-def _timed_step(cfg: Config, args: argparse.Namespace, rank: int, trace: Trace, i: int) -> Tuple[float, float]:
+def _timed_step(cfg: Config, rank: int, trace: Trace, i: int) -> Tuple[float, float]:
     """(slowest rank's seconds, loss) of micro-batch ``i``."""
     dist.barrier()
     t0 = time.perf_counter()
-    loss = cfg.step(args, rank, trace, i)
+    loss = cfg.step(rank, trace, i)
     elapsed = torch.tensor([time.perf_counter() - t0])
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed), loss
 
 
-def _peaks(cfg: Config, args: argparse.Namespace, rank: int, trace: Trace, which: Sequence[int]) -> Dict[int, int]:
+def _peaks(cfg: Config, rank: int, trace: Trace, which: Sequence[int]) -> Dict[int, int]:
     out = {}
     for i in which:
-        _, out[i] = allocation_peak(lambda: cfg.step(args, rank, trace, i))
+        _, out[i] = allocation_peak(lambda: cfg.step(rank, trace, i))
     return out
 
 
-def _rank_main(rank: int, world: int, args: argparse.Namespace, engine: str, out_path: str) -> None:
-    cfg0 = getattr(MoEConfig, args.config)(num_layers=args.layers)
-    trace = Trace.make(args.micro_batches, args.spike_rate, args.imbalance, cfg0.num_experts, args.warmup)
+def _rank_main(rank: int, world: int, args: argparse.Namespace, engine_name: str, out_path: str) -> None:
+    eng = engine(engine_name, args)
+    trace = Trace.make(args.micro_batches, args.spike_rate, args.imbalance, eng.cfg.num_experts, args.warmup)
     probes = trace.probes()
     calm = [i for i in range(args.warmup) if i not in trace.spikes]
-    grid = pytorch_grid(args)
-    row: Dict[str, Any] = {"engine": engine, "rank": rank, "grid": list(grid)}
+    grid = eng.grid()
+
+    def static(name: Optional[str]) -> Config:
+        return Config(name or "keep_all", functools.partial(eng.static, grid[name] if name else None))
+
+    def provisioned(policy: str, budget: Optional[int]) -> Config:
+        return Config(policy, functools.partial(eng.provisioned, policy, budget))
+
+    row: Dict[str, Any] = {"engine": eng.name, "rank": rank, "grid": list(grid), "left_out": eng.left_out()}
 
     # The budget: headroom above the largest calm peak of keeping everything.
-    keep = Config("keep_all", lambda: _checkpointed(())(args)).ready()
-    keep.step(args, rank, trace, calm[0])  # first-call allocations out of the measurement
-    calm_peak = max(_peaks(keep, args, rank, trace, calm).values())
+    keep = static(None).ready()
+    keep.step(rank, trace, calm[0])  # first-call allocations out of the measurement
+    calm_peak = max(_peaks(keep, rank, trace, calm).values())
     budget = int(calm_peak * (1.0 + args.headroom))
-    keep_probe = _peaks(keep, args, rank, trace, probes)
+    keep_probe = _peaks(keep, rank, trace, probes)
+    # Keep-all's losses on the probes: every static configuration must compute the same.
+    keep_losses = {i: keep.step(rank, trace, i) for i in probes}
     row.update(calm_peak_bytes=calm_peak, budget_bytes=budget, probes=probes)
-
     keep.close()
 
     # bagualu2's budget is on the activation bytes it holds for backward; the forward's working
     # set (temporaries, and tensors it released that the forward still reads) and the gradients
     # come on top. Like the static configurations, it is tuned on the probes (_reserve).
-    reserve = _reserve(args, rank, trace, calm, probes, budget)
+    reserve = _reserve(provisioned, rank, trace, calm, probes, budget)
     row["adaptive_reserve_bytes"] = reserve
 
     # 1. Every static configuration on the probes; survivors hold the budget on every rank.
     static_peaks: Dict[str, Dict[int, int]] = {}
+    probe_losses_equal: Dict[str, bool] = {}
     survivors: List[str] = []
-    for name, build in grid.items():
-        c = Config(name, functools.partial(build, args)).ready()
-        c.step(args, rank, trace, calm[0])
-        static_peaks[name] = _peaks(c, args, rank, trace, probes)
+    for name in grid:
+        c = static(name).ready()
+        c.step(rank, trace, calm[0])
+        static_peaks[name] = _peaks(c, rank, trace, probes)
+        probe_losses_equal[name] = all(c.step(rank, trace, i) == keep_losses[i] for i in probes)
         c.close()
         if _all_min(max(static_peaks[name].values()) <= budget):
             survivors.append(name)
     row["static_peaks"] = static_peaks
+    row["probe_losses_equal"] = probe_losses_equal
     row["keep_all_probe_peaks"] = keep_probe
     row["survivors"] = survivors
 
     # 2. The fastest survivor on calm micro-batches, interleaved.
     calm_s: Dict[str, List[float]] = {name: [] for name in survivors}
-    configs = {name: Config(name, functools.partial(grid[name], args)).ready() for name in survivors}
+    configs = {name: static(name).ready() for name in survivors}
     for r in range(args.pick_rounds):
         for k in range(len(survivors)):
             name = survivors[(r + k) % len(survivors)]
-            calm_s[name].append(_timed_step(configs[name], args, rank, trace, calm[r % len(calm)])[0])
+            calm_s[name].append(_timed_step(configs[name], rank, trace, calm[r % len(calm)])[0])
     for c in configs.values():
         c.close()
     fastest = min(survivors, key=lambda n: statistics.median(calm_s[n])) if survivors else None
@@ -327,14 +360,13 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, engine: str, out
     row["fastest_static"] = fastest
 
     # 3. The whole trace, interleaved: fastest survivor, adaptive, keep-all, full recompute.
-    full = f"checkpoint blocks {','.join(map(str, range(args.layers)))}"
     contenders: Dict[str, Config] = {
-        "adaptive": _provisioned(args, "adaptive", max(1, budget - reserve)),
-        "keep_all": Config("keep_all", functools.partial(_checkpointed(()), args)),
-        "recompute_all": Config("recompute_all", functools.partial(grid[full], args)),
+        "adaptive": provisioned("adaptive", max(1, budget - reserve)),
+        "keep_all": static(None),
+        "recompute_all": static(eng.full),
     }
     if fastest is not None:
-        contenders["static"] = Config(fastest, functools.partial(grid[fastest], args))
+        contenders["static"] = static(fastest)
     for c in contenders.values():
         c.ready()
     seconds: Dict[str, List[float]] = {n: [] for n in contenders}
@@ -343,7 +375,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, engine: str, out
     for i in range(trace.micro_batches):
         for k in range(len(names)):
             name = names[(i + k) % len(names)]
-            s, loss = _timed_step(contenders[name], args, rank, trace, i)
+            s, loss = _timed_step(contenders[name], rank, trace, i)
             seconds[name].append(s)
             losses[name].append(loss)
     row["seconds"] = seconds
@@ -353,14 +385,13 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, engine: str, out
     metered = ["adaptive"] + (["static"] if fastest is not None else [])
     over: Dict[str, List[int]] = {}
     for name in metered:
-        peaks = _peaks(contenders[name], args, rank, trace, range(trace.micro_batches))
+        peaks = _peaks(contenders[name], rank, trace, range(trace.micro_batches))
         over[name] = [i for i, p in peaks.items() if p > budget]
         row.setdefault("trace_peak_bytes", {})[name] = max(peaks.values())
     row["over_budget"] = over
-    if contenders["adaptive"].prov is not None:
-        report = contenders["adaptive"].prov.report()
-        row["adaptive_report"] = {k: report[k] for k in ("decisions", "traced_micro_batches", "violations",
-                                                           "decision_latency_us")}
+    report = contenders["adaptive"].prov.report()
+    row["adaptive_report"] = {k: report[k] for k in ("decisions", "traced_micro_batches", "violations",
+                                                       "decision_latency_us")}
     for c in contenders.values():
         c.close()
 
@@ -371,35 +402,22 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, engine: str, out
             json.dump(gathered, f)
 
 
-def _provisioned(args: argparse.Namespace, policy: str, budget: Optional[int]) -> Config:
-    """The model under bagualu2 with ``policy`` and an activation ``budget``."""
-
-    def build() -> Tuple[torch.nn.Module, Any]:
-        model = _model(args)
-        prov = bagualu2.enable(model, budget=budget, policy=policy, min_bytes=0)
-        prov.runtime.reload_in_place = False  # backward copies offloads back, as on a device
-        return model, prov
-
-    return Config(policy, build, static=False)
-
-
-def _reserve(args: argparse.Namespace, rank: int, trace: Trace, calm: Sequence[int], probes: Sequence[int],
-             budget: int, rounds: int = 3) -> int:
+def _reserve(provisioned: Callable[[str, Optional[int]], Config], rank: int, trace: Trace, calm: Sequence[int],
+             probes: Sequence[int], budget: int, rounds: int = 3) -> int:
     """What adaptive's activation budget leaves below the meter's budget, tuned on the probes:
     first what keeping everything holds beyond bagualu2's ledger at its peak, then raised by
     what adaptive still went over at the probes, for at most ``rounds`` rounds (each a fresh
     run: warm-up, then the probes)."""
     reserve = 0
     for attempt in range(rounds + 1):
-        tuned = _provisioned(args, "adaptive", max(1, budget - reserve)) if attempt \
-            else _provisioned(args, "keep_all", None)
+        tuned = provisioned("adaptive", max(1, budget - reserve)) if attempt else provisioned("keep_all", None)
         tuned.ready()
         for i in calm:
-            tuned.step(args, rank, trace, i)
+            tuned.step(rank, trace, i)
         over = 0
         for i in probes:
             with AllocationMeter(tuned.prov.runtime.ledger) as meter:
-                tuned.step(args, rank, trace, i)
+                tuned.step(rank, trace, i)
             if attempt:
                 over = max(over, meter.peak - budget)
             else:  # keeping everything: the meter's peak beyond the ledger's own
@@ -434,6 +452,9 @@ def summarize(ranks: List[Dict[str, Any]], segments: int) -> Dict[str, Any]:
     rows: Dict[str, Any] = {}
     for name, values in seconds.items():
         ratios = sorted(s / a for s, a in zip(_segments(values, segments), ref))
+        # Paired per micro-batch too (adjacent in time, in one round): robust to the stalls a
+        # busy machine puts into a few micro-batches, which a segment's sum carries whole.
+        each = statistics.quantiles([s / a for s, a in zip(values, seconds["adaptive"])], n=4)
         metered = name in r0["over_budget"]
         rows[name] = {
             "config": r0["fastest_static"] if name == "static" else name,
@@ -441,6 +462,8 @@ def summarize(ranks: List[Dict[str, Any]], segments: int) -> Dict[str, Any]:
             "speedup_median": statistics.median(ratios),
             "speedup_range": [ratios[0], ratios[-1]],
             "segments": len(ratios),
+            "per_micro_batch_median": each[1],
+            "per_micro_batch_quartiles": [each[0], each[2]],
             # micro-batches over the budget on any rank (metered over the whole trace), or, for
             # keep_all, probes over it
             "violations": len(set().union(*(r["over_budget"][name] for r in ranks))) if metered else None,
@@ -451,7 +474,9 @@ def summarize(ranks: List[Dict[str, Any]], segments: int) -> Dict[str, Any]:
     rows["keep_all"]["violations"] = sum(
         1 for i in r0["probes"] if any(r["keep_all_probe_peaks"][str(i)] > r["budget_bytes"] for r in ranks))
     return {"engine": r0["engine"], "fastest_static": r0["fastest_static"], "survivors": r0["survivors"],
-            "grid": r0["grid"], "rows": rows}
+            "grid": r0["grid"], "left_out": r0["left_out"], "rows": rows,
+            # every static configuration's losses at the probes equal keep-all's, on every rank
+            "probe_losses_equal": {n: all(r["probe_losses_equal"][n] for r in ranks) for n in r0["grid"]}}
 
 
 def closing_line(summary: Dict[str, Any]) -> str:
@@ -465,7 +490,8 @@ def closing_line(summary: Dict[str, Any]) -> str:
     verdict = "a tie within the spread" if lo <= 1.0 <= hi else ("faster" if lo > 1.0 else "slower")
     return (f"{engine}: adaptive {static['speedup_median']:.2f}x over the fastest static configuration that held "
             f"the budget ({static['config']}), {adaptive['violations']} violations "
-            f"(range {lo:.2f}-{hi:.2f} over {static['segments']} segments: {verdict})")
+            f"(range {lo:.2f}-{hi:.2f} over {static['segments']} segments: {verdict}; "
+            f"per micro-batch median {static['per_micro_batch_median']:.2f}x)")
 
 
 def print_engine(summary: Dict[str, Any], ranks: List[Dict[str, Any]]) -> None:
@@ -474,10 +500,15 @@ def print_engine(summary: Dict[str, Any], ranks: List[Dict[str, Any]]) -> None:
         f"{r['calm_peak_bytes'] / 2**20:.2f} MiB; adaptive's activation budget "
         f"{(r['budget_bytes'] - r['adaptive_reserve_bytes']) / 2**20:.2f} MiB)" for r in ranks))
     print(f"grid ({len(summary['grid'])} static configurations): {'; '.join(summary['grid'])}")
+    for option, why in summary["left_out"].items():
+        print(f"left out: {option}: {why}")
+    differ = [n for n, equal in summary["probe_losses_equal"].items() if not equal]
+    if differ:
+        print(f"losses differ from keeping everything at the probes: {'; '.join(differ)}")
     print(f"held the budget on every rank at the calm micro-batch and the spikes: "
           f"{'; '.join(summary['survivors']) or 'none'}")
     head = (f"{'run':<15}{'configuration':<38}{'time s':>8}{'time / adaptive [range]':>26}"
-            f"{'violations':>12}{'losses':>8}")
+            f"{'per micro-batch [IQR]':>24}{'violations':>12}{'losses':>8}")
     print(head)
     print("-" * len(head))
     for name in ("adaptive", "static", "keep_all", "recompute_all"):
@@ -486,19 +517,38 @@ def print_engine(summary: Dict[str, Any], ranks: List[Dict[str, Any]]) -> None:
             continue
         lo, hi = row["speedup_range"]
         ratio = "1.00" if name == "adaptive" else f"{row['speedup_median']:.2f}x [{lo:.2f}, {hi:.2f}]"
+        q1, q3 = row["per_micro_batch_quartiles"]
+        each = "1.00" if name == "adaptive" else f"{row['per_micro_batch_median']:.2f}x [{q1:.2f}, {q3:.2f}]"
         viol = "-" if row["violations"] is None else str(row["violations"])
         if name == "keep_all":
             viol += " (probes)"
-        print(f"{name:<15}{row['config'][:37]:<38}{row['total_s']:>8.2f}{ratio:>26}{viol:>12}"
+        print(f"{name:<15}{row['config'][:37]:<38}{row['total_s']:>8.2f}{ratio:>26}{each:>24}{viol:>12}"
               f"{'equal' if row['losses_equal_keep_all'] else 'DIFFER':>8}")
 
 
+# The environment an engine's ranks run in, for every configuration alike. Megatron's
+# ``jit_fuser`` is ``torch.compile``: a compiled function called inside a provisioned forward
+# makes dynamo trace into bagualu2's dispatch mode and recompile until its limit, which would
+# charge adaptive for compiles the static configurations pay once (Megatron's tests run so too).
+ENVIRONMENT: Dict[str, Dict[str, str]] = {"megatron": {"TORCHDYNAMO_DISABLE": "1"}}
+
+
 def run_engine(engine: str, args: argparse.Namespace) -> List[Dict[str, Any]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "ranks.json")
-        launch(_rank_main, args.world, args, engine, path, timeout_s=args.timeout)
-        with open(path) as f:
-            return json.load(f)
+    env = ENVIRONMENT.get(engine, {})
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # inherited by the spawned ranks
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "ranks.json")
+            launch(_rank_main, args.world, args, engine, path, timeout_s=args.timeout)
+            with open(path) as f:
+                return json.load(f)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:

@@ -28,12 +28,13 @@ def _quiet_import() -> None:
 
 def build(*, pp: int = 1, ep: int = 1, vpp: Optional[int] = None, dispatcher: str = "alltoall",
           shared_expert: bool = True, dropout: float = 0.1, device: str = "cpu", te: bool = False,
-          grouped_gemm: bool = False, **config_options: Any) -> SimpleNamespace:
+          grouped_gemm: bool = False, vocab: int = VOCAB, **config_options: Any) -> SimpleNamespace:
     """Megatron's parallel state over the launched ranks (TP=1, ``pp`` stages, EP ``ep``, ``vpp``
     model chunks per rank when given: ``LAYERS`` layers per chunk) and this rank's chunks of a
     tiny MoE GPTModel built by Megatron's own classes (``chunks``; ``model`` is the first).
     ``device="cuda"``: on this rank's GPU without the CPU shims, with Transformer Engine's layer
-    spec when ``te`` (its grouped GEMM experts when ``grouped_gemm``)."""
+    spec when ``te`` (its grouped GEMM experts when ``grouped_gemm``). ``config_options`` override
+    the TransformerConfig's (sizes, recompute options)."""
     _quiet_import()
     import megatron_shims as shims
     from megatron.core import parallel_state
@@ -74,7 +75,7 @@ def build(*, pp: int = 1, ep: int = 1, vpp: Optional[int] = None, dispatcher: st
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = dict(ignore_virtual=False, vp_stage=vp_stage) if vpp else {}
-        chunk = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
+        chunk = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab,
                          max_sequence_length=SEQ, pre_process=parallel_state.is_pipeline_first_stage(**stage),
                          post_process=parallel_state.is_pipeline_last_stage(**stage),
                          share_embeddings_and_output_weights=False, position_embedding_type="rope",

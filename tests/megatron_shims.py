@@ -14,6 +14,10 @@ those (listed in docs/engines.md):
   pipeline's p2p code, and ``device="cuda"`` tensors in the schedules: in those modules only,
   the name ``torch`` is a view of torch whose ``cuda`` has a current device of ``"cpu"``, no-op
   streams and events, and whose tensor factories turn ``device="cuda"`` into cpu;
+- the RNG states Megatron's own activation recompute saves and restores
+  (``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``, through
+  ``torch.cuda.random`` and ``torch.cuda.default_generators``): on the CPU the generator they
+  stand for is the CPU one, so they get and set its state;
 - the alltoall dispatcher's split sizes: on a GPU its ``maybe_move_tensor_to_cpu`` turns them
   into numpy arrays for ``all_to_all_single``; on a CPU it leaves them as tensors, which
   ``all_to_all_single`` does not take: the dispatcher's copy converts them as the GPU path does.
@@ -176,6 +180,14 @@ def _split_sizes_as_numpy(tensor: Any, as_numpy: bool = False, record_stream: bo
     return tensor
 
 
+def _cpu_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    torch.set_rng_state(new_state)
+
+
 def use_cpu(seed: int = 1234) -> None:
     """Apply the shims (idempotent) and seed Megatron's RNG tracker on the CPU generator, as
     ``model_parallel_cuda_manual_seed(seed)`` would on CUDA (tensor-model-parallel rank 0, expert
@@ -191,6 +203,9 @@ def use_cpu(seed: int = 1234) -> None:
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+    mrandom._get_cuda_rng_state = _cpu_rng_state
+    mrandom._set_cuda_rng_state = _set_cpu_rng_state
 
     tracker = CpuRNGTracker()
     mrandom._CUDA_RNG_STATE_TRACKER = tracker

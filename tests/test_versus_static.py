@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -79,13 +81,14 @@ def test_the_trace_spikes_on_either_rank_after_the_warm_up() -> None:
 @pytest.mark.slow
 def test_the_short_head_to_head_runs_every_configuration_exactly_and_counts_violations(tmp_path: Path) -> None:
     out = tmp_path / "versus_static.json"
-    result = _bench().main(["--quick", "--out", str(out)])
+    result = _bench().main(["--quick", "--engines", "pytorch", "--out", str(out)])
     assert out.exists()
     summary = result["engines"]["pytorch"]["summary"]
     ranks = result["engines"]["pytorch"]["ranks"]
     rows = summary["rows"]
     # Every configuration computes the same losses as keeping everything (exactness).
     assert all(row["losses_equal_keep_all"] for row in rows.values()), rows
+    assert all(summary["probe_losses_equal"].values()), summary["probe_losses_equal"]
     # The spikes matter: keeping everything crosses the budget at a spike probe on some rank.
     assert rows["keep_all"]["violations"] >= 1 and rows["keep_all"]["probe_peak_over_budget"] > 1.0
     # The survivors held the budget on every rank at every probe, by the same meter.
@@ -95,3 +98,57 @@ def test_the_short_head_to_head_runs_every_configuration_exactly_and_counts_viol
         # bagualu2 held its own (activation) budget on every rank.
         assert r["adaptive_report"]["violations"] == 0
     assert result["lines"] and result["lines"][0].startswith("pytorch: ")
+
+
+def test_spike_logits_sends_the_asked_share_of_tokens_to_the_expert_and_nothing_without_one() -> None:
+    spike = _bench().spike_logits
+    logits = torch.randn(4, 16, 8, generator=torch.Generator().manual_seed(0))  # [batch, seq, experts]
+    top_k, tokens = 2, 64
+    chosen = lambda x, e: int(x.reshape(-1, 8).topk(top_k, dim=-1).indices.eq(e).any(dim=-1).sum())  # noqa: E731
+    for expert in (0, 7):
+        spiked = spike(logits, expert, 2.6, top_k)
+        assert chosen(spiked, expert) == round(2.6 * tokens * top_k / 8)   # 2.6x the mean load
+        # Every other token keeps its choice.
+        same = spiked.reshape(-1, 8).topk(top_k, dim=-1).indices.eq(expert).any(dim=-1) == \
+            logits.reshape(-1, 8).topk(top_k, dim=-1).indices.eq(expert).any(dim=-1)
+        assert int((~same).sum()) == chosen(spiked, expert) - chosen(logits, expert)
+    assert torch.equal(spike(logits, None, 2.6, top_k), logits)
+
+
+def _engine_importable(module: str, require: str) -> None:
+    with warnings.catch_warnings():
+        # The engines warn at import: Megatron-Core that Transformer Engine and Apex are missing,
+        # torchtitan's compiler imports that torch.jit.script_method is deprecated.
+        warnings.simplefilter("ignore")
+        if os.environ.get(require) == "1":
+            importlib.import_module(module)  # CI installed it: a failed import fails the run, never skips it
+        else:
+            pytest.importorskip(module, reason=f"{module} is not installed (docs/engines.md)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine, module, require", [
+    ("torchtitan", "torchtitan", "BAGUALU2_REQUIRE_TORCHTITAN"),
+    ("megatron", "megatron.core", "BAGUALU2_REQUIRE_MEGATRON"),
+])
+def test_the_short_head_to_head_searches_each_engines_own_options(engine: str, module: str, require: str,
+                                                                  tmp_path: Path) -> None:
+    _engine_importable(module, require)
+    result = _bench().main(["--quick", "--engines", engine, "--out", str(tmp_path / "versus_static.json")])
+    summary = result["engines"][engine]["summary"]
+    ranks = result["engines"][engine]["ranks"]
+    # The engine's grid was searched: every option measured on every rank at every probe.
+    assert len(summary["grid"]) >= 4 and summary["survivors"], summary
+    for r in ranks:
+        assert set(r["static_peaks"]) == set(summary["grid"])
+        assert all(len(peaks) == len(r["probes"]) for peaks in r["static_peaks"].values())
+        for name in r["survivors"]:  # survivors held the budget under the meter, on every rank
+            assert max(r["static_peaks"][name].values()) <= r["budget_bytes"], (name, r["static_peaks"][name])
+        assert r["adaptive_report"]["violations"] == 0  # bagualu2 held its own (activation) budget
+    # The engine's recompute options are exact: every static configuration's losses equal
+    # keep-all's at the probes, and every run's over the whole trace.
+    assert all(summary["probe_losses_equal"].values()), summary["probe_losses_equal"]
+    assert all(row["losses_equal_keep_all"] for row in summary["rows"].values()), summary["rows"]
+    assert summary["fastest_static"] in summary["survivors"]
+    assert len(result["lines"]) == 1 and result["lines"][0].startswith(
+        f"{engine}: adaptive ") and "over the fastest static configuration that held the budget" in result["lines"][0]

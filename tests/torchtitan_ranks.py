@@ -18,23 +18,26 @@ import torchtitan_shims as shims
 VOCAB, DIM, HEAD_DIM, SEQ, BATCH = 128, 64, 16, 16, 2
 
 
-def tiny_config(flavor: str = "qwen3", layers: int = 2, experts: int = 4, top_k: int = 2):
+def tiny_config(flavor: str = "qwen3", layers: int = 2, experts: int = 4, top_k: int = 2, *, vocab: int = VOCAB,
+                dim: int = DIM, heads: int = 4, head_dim: int = HEAD_DIM, moe_hidden: int = 32,
+                max_seq: int = 4 * SEQ):
     """A tiny torchtitan MoE decoder config of ``flavor`` (``"qwen3"``: every layer MoE;
     ``"deepseek_v3"``: MLA attention, a dense first layer, then ``layers`` MoE layers with a
-    shared expert), attention swapped for CPU SDPA."""
+    shared expert), attention swapped for CPU SDPA. The keyword sizes apply to qwen3 (the
+    deepseek_v3 config keeps the tests' own)."""
     from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear
 
     if flavor == "qwen3":
         from torchtitan.models.qwen3 import (Qwen3Model, _EMBEDDING_INIT, _LINEAR_INIT, _build_qwen3_moe_layers,
                                              _qwen3_norm)
         config = Qwen3Model.Config(
-            vocab_size=VOCAB, dim=DIM, norm=_qwen3_norm(DIM),
-            tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
-            lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_LINEAR_INIT),
+            vocab_size=vocab, dim=dim, norm=_qwen3_norm(dim),
+            tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_INIT),
+            lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_LINEAR_INIT),
             layers=_build_qwen3_moe_layers(
-                n_layers=layers, dim=DIM, n_heads=4, n_kv_heads=2, head_dim=HEAD_DIM, moe_hidden_dim=32,
-                num_experts=experts, top_k=top_k, attn_backend="flex", moe_comm_backend="standard",
-                rope=CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=4 * SEQ, theta=1e6)))
+                n_layers=layers, dim=dim, n_heads=heads, n_kv_heads=max(1, heads // 2), head_dim=head_dim,
+                moe_hidden_dim=moe_hidden, num_experts=experts, top_k=top_k, attn_backend="flex",
+                moe_comm_backend="standard", rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=max_seq, theta=1e6)))
     elif flavor == "deepseek_v3":
         from torchtitan.models.common.nn_modules import RMSNorm
         from torchtitan.models.deepseek_v3 import (DeepSeekV3Model, _EMBEDDING_INIT, _NORM_INIT, _build_dsv3_layers,
@@ -74,12 +77,14 @@ def pipeline_loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> tuple:
 
 
 def build(world: int, *, ep: int = 1, pp: int = 1, fsdp: bool = True, flavor: str = "qwen3",
-          layers: int = 2, microbatches: int = 2, compile_backend: Optional[str] = None) -> SimpleNamespace:
+          layers: int = 2, microbatches: int = 2, compile_backend: Optional[str] = None, ac_config: Any = None,
+          **sizes: Any) -> SimpleNamespace:
     """The model (or this rank's pipeline stages) parallelized by torchtitan: FSDP2 over the
     ranks a pipeline stage has (unless ``fsdp`` is false: torchtitan's ``skip_dp``), EP of
-    ``ep`` inside them; with ``compile_backend``, every block compiled by torchtitan
-    (``CompileConfig(enable=True, components=["model"], backend=compile_backend)``: each block's
-    ``compile(backend, fullgraph=True)``)."""
+    ``ep`` inside them, torchtitan's activation checkpointing ``ac_config`` (none by default);
+    with ``compile_backend``, every block compiled by torchtitan (``CompileConfig(enable=True,
+    components=["model"], backend=compile_backend)``: each block's ``compile(backend,
+    fullgraph=True)``). ``sizes``: :func:`tiny_config`'s keywords."""
     shims.use_cpu()
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
@@ -93,7 +98,7 @@ def build(world: int, *, ep: int = 1, pp: int = 1, fsdp: bool = True, flavor: st
     training = TrainingConfig(local_batch_size=BATCH, seq_len=SEQ, mixed_precision_param="float32")
     dims = ParallelDims.from_config(parallelism, world)
     dims.build_mesh()
-    config = tiny_config(flavor, layers)
+    config = tiny_config(flavor, layers, **sizes)
     # Sets the sharding torchtitan's parallelize applies (EP's expert sharding among it), as
     # its Trainer does before building.
     config.update_from_config(config=SimpleNamespace(parallelism=parallelism))
@@ -103,7 +108,7 @@ def build(world: int, *, ep: int = 1, pp: int = 1, fsdp: bool = True, flavor: st
     compile_config = (CompileConfig() if compile_backend is None
                       else CompileConfig(enable=True, components=["model"], backend=compile_backend))
     kwargs = dict(parallel_dims=dims, training=training, parallelism=parallelism,
-                  compile_config=compile_config, ac_config=None, dump_folder="")
+                  compile_config=compile_config, ac_config=ac_config, dump_folder="")
     if not fsdp:
         kwargs["skip_dp"] = True
     schedule = None
