@@ -90,8 +90,9 @@ class TorchtitanEngine(Engine):
     def left_out(self) -> Dict[str, str]:
         return {"activation_checkpoint=memory-budget": (
             "it sets the compiler partitioner's activation_memory_budget, which only a torch.compile'd "
-            "model reads (eager runs it as keep-all); compiled blocks inside torchtitan's EP wrapping "
-            "are not yet provisioned by bagualu2, so the comparison would not be like for like")}
+            "model reads (eager runs it as keep-all); this grid runs torchtitan eager, and a like-for-like "
+            "comparison needs every contender compiled (bagualu2 provisions torchtitan's compiled "
+            "blocks: tests/test_torchtitan_compile.py)")}
 
     def _build(self, ac_config: Any = None) -> torch.nn.Module:
         import torch.distributed as dist
