@@ -70,9 +70,9 @@ def resume_case(rank: int, world: int, mode: str, out: str) -> None:
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 
     run = ranks.build(world, ep=2)
-    # FSDP2's first unshard outside the provisioner, in every launch: bagualu2 counts what that
-    # first unshard allocates inside a provisioned forward as held activations (docs/engines.md,
-    # "Checkpoints").
+    # FSDP2's first forward outside the provisioner, in every launch: after a checkpoint load,
+    # bagualu2 counts what that forward's lazy initialization lays out as held bytes
+    # (docs/engines.md, "Checkpoints", known limit).
     ranks.step(run, 0)
     budget_file = Path(out, f"budget{rank}.json")
     if mode == "whole":
