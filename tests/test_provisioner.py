@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import io
 import json
 import statistics
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import pytest
@@ -405,6 +407,25 @@ def test_disable_restores_the_model() -> None:
     prov.disable()
     loss.backward()
     assert prov.runtime.take_replay_times()
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")  # Dynamo's, tracing
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_model_dropped_without_disable_frees_its_provisioner_and_arena(compiled: bool) -> None:
+    """Nothing global holds a provisioner: a model and its provisioner dropped without
+    ``disable()`` (a notebook's rebuilt model, a search over configurations) are freed, host
+    arena included, by the next collection. A compiled block's gate reports through a process-wide
+    slot, which must not keep it alive either."""
+    model = make_model()
+    if compiled:
+        model.layers[0].compile(backend="eager")
+    prov = bagualu2.enable(model, budget=None, policy="offload_all", min_bytes=0)
+    step(model, 0)
+    assert prov.engine is not None
+    gone = [weakref.ref(prov), weakref.ref(prov.engine)]
+    del prov, model
+    gc.collect()
+    assert [r() for r in gone] == [None, None]
 
 
 class _OOMOnce(torch.nn.Module):

@@ -39,8 +39,10 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 import sys
 import types
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -215,14 +217,20 @@ class RegionCall:
 
 
 # -- gates inside compiled regions ---------------------------------------------------------------
-_REPORTS: Dict[int, Callable[[List[Tensor], int, int], None]] = {}
+_REPORTS: Dict[int, "weakref.WeakMethod[Callable[[List[Tensor], int, int], None]]"] = {}
+_SLOTS = itertools.count()
 _SINK = torch.zeros(1)  # what report_gate declares it writes: the compilers keep the call
 
 
 def register_gate_report(fn: Callable[[List[Tensor], int, int], None]) -> int:
-    """A slot for ``report_gate``: its body calls ``fn(tensors, args_count, output_kind)``."""
-    slot = max(_REPORTS, default=-1) + 1
-    _REPORTS[slot] = fn
+    """A slot for ``report_gate``: its body calls ``fn(tensors, args_count, output_kind)``.
+
+    ``fn`` is a bound method, held weakly: its owner (a provisioner's ``RegionGates``) dropped
+    without ``disable()`` is still freed, and with it its host arena; its slot then reports
+    nowhere. Slots are never reused: a graph compiled with a dead one must not report to a
+    later provisioner."""
+    slot = next(_SLOTS)
+    _REPORTS[slot] = weakref.WeakMethod(fn)  # type: ignore[arg-type]
     return slot
 
 
@@ -232,9 +240,12 @@ def unregister_gate_report(slot: int) -> None:
 
 @torch.library.custom_op("bagualu2::report_gate", mutates_args=("sink",))
 def _report_gate_op(sink: Tensor, tensors: List[Tensor], slot: int, args_count: int, output_kind: int) -> None:
-    fn = _REPORTS.get(slot)
-    if fn is not None:
-        fn(tensors, args_count, output_kind)
+    ref = _REPORTS.get(slot)
+    fn = ref() if ref is not None else None
+    if fn is None:
+        _REPORTS.pop(slot, None)
+        return
+    fn(tensors, args_count, output_kind)
 
 
 @_report_gate_op.register_fake
