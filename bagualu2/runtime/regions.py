@@ -218,7 +218,6 @@ class RegionCall:
 
 # -- gates inside compiled regions ---------------------------------------------------------------
 _REPORTS: Dict[int, "weakref.WeakMethod[Callable[[List[Tensor], int, int], None]]"] = {}
-_SLOTS = itertools.count()
 _SINK = torch.zeros(1)  # what report_gate declares it writes: the compilers keep the call
 
 
@@ -226,10 +225,13 @@ def register_gate_report(fn: Callable[[List[Tensor], int, int], None]) -> int:
     """A slot for ``report_gate``: its body calls ``fn(tensors, args_count, output_kind)``.
 
     ``fn`` is a bound method, held weakly: its owner (a provisioner's ``RegionGates``) dropped
-    without ``disable()`` is still freed, and with it its host arena; its slot then reports
-    nowhere. Slots are never reused: a graph compiled with a dead one must not report to a
-    later provisioner."""
-    slot = next(_SLOTS)
+    without ``disable()`` is still freed, and with it its host arena. The slot is the lowest
+    one no live owner holds: the slot is a constant of the compiled graphs, so a provisioner
+    enabled after another was disabled (or dropped) takes its slot and runs the same graphs,
+    with no recompile; its ``fn`` finds its gates by their parameters, never another model's."""
+    for dead in [s for s, ref in _REPORTS.items() if ref() is None]:
+        del _REPORTS[dead]
+    slot = next(s for s in itertools.count() if s not in _REPORTS)
     _REPORTS[slot] = weakref.WeakMethod(fn)  # type: ignore[arg-type]
     return slot
 
