@@ -15,7 +15,6 @@ not plan that spike. Rank code: tests/torchtitan_resume_ranks.py.
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, List
@@ -23,13 +22,12 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-if os.environ.get("BAGUALU2_REQUIRE_TORCHTITAN") == "1":
-    import torchtitan  # noqa: F401  CI installed it: a failed import fails the run, never skips it
-else:
-    pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 is not installed (pip install torchtitan==0.3.0 "
-                                             "triton==3.9.0, then huggingface-hub==2.4.0: docs/engines.md)")
-
 sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the helpers below
+
+from engine_required import TORCHTITAN, require  # noqa: E402
+
+require(*TORCHTITAN)
+
 
 import torchtitan_ranks as ranks  # noqa: E402
 import torchtitan_resume_ranks as resume  # noqa: E402

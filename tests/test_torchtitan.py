@@ -14,7 +14,6 @@ The CPU shims torchtitan needs here are in tests/torchtitan_shims.py (docs/engin
 from __future__ import annotations
 
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -22,11 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-if os.environ.get("BAGUALU2_REQUIRE_TORCHTITAN") == "1":
-    import torchtitan  # noqa: F401  CI installed it: a failed import fails the run, never skips it
-else:
-    pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 is not installed (pip install torchtitan==0.3.0 "
-                                             "triton==3.9.0, then huggingface-hub==2.4.0: docs/engines.md)")
+sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the helpers below
+
+from engine_required import TORCHTITAN, require  # noqa: E402
+
+require(*TORCHTITAN)
 
 with warnings.catch_warnings():
     # torchtitan's attention module compiles FlexAttention at import, and torch's compiler
@@ -34,7 +33,6 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     import torchtitan.models.qwen3  # noqa: F401
 
-sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the helpers below
 
 import torchtitan_ranks as ranks  # noqa: E402
 from pipeline_harness import launch  # noqa: E402
