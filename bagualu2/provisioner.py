@@ -500,6 +500,7 @@ class Provisioner:
                 running.pop()
         seconds = time.perf_counter() - start
         self._frames += 1
+        self.region_gates.check_heard()
         counts = self.routing.counts
         if frame.traced:
             stats = frame.stats

@@ -202,6 +202,28 @@ def test_disable_gives_the_compiled_model_back() -> None:
     copy.deepcopy(inner(model))  # no hook of bagualu2's left behind that a copy would carry
 
 
+@pytest.mark.parametrize("how", ["blocks", "method"])
+def test_code_compiled_before_enable_is_named_at_the_first_forward(how: str) -> None:
+    """Dynamo does not recompile for the gate hooks ``enable`` adds: blocks compiled by a
+    forward before ``enable`` run without the gates' reports. The first provisioned forward
+    says so, naming the gates; after ``torch._dynamo.reset()`` they report and nothing warns."""
+    model = compile_model(tiny_dense(), how, backend="aot_eager", fullgraph=True)
+    run_steps(model, [False])  # compiled here, before enable
+    prov = bagualu2.enable(model, budget=None, policy="keep_all", min_bytes=0)
+    gate = r"'layers\.{}\.(_orig_mod\.)?mlp\.gate'"  # torch.compile(block) puts _orig_mod in the path
+    with pytest.warns(UserWarning, match=f"{gate.format(0)}, {gate.format(1)} inside compiled code did not report "
+                                         r".* before bagualu2\.enable"):
+        run_steps(model, [False])
+    assert prov.routing.counts == {}  # what the warning is about: no gate decided
+    run_steps(model, [False])  # told once
+    prov.disable()
+
+    torch._dynamo.reset()
+    prov = bagualu2.enable(model, budget=None, policy="keep_all", min_bytes=0)
+    run_steps(model, [False, True])  # filterwarnings=error: any warning fails here
+    assert sorted(prov.routing.counts) == [0, 1]
+
+
 # -- slow lane ------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES)
