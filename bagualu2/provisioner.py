@@ -56,6 +56,7 @@ import torch
 from bagualu2.runtime import ActivationRuntime, Budget, Frame, is_recomputing
 from bagualu2.runtime.activations import AttachedHook
 from bagualu2.runtime.recipes import reset_replay_depth
+from bagualu2.runtime.rerun import RerunCapture
 from bagualu2.plan.cost_model import CostModel
 from bagualu2.errors import BudgetExceededError, exceed_hint
 from bagualu2.inputs import (
@@ -117,7 +118,8 @@ class Provisioner:
         if regions or self._compiled_root is not None:
             check_compile_config()
             hide_from_dynamo(ActivationRuntime._pack, ActivationRuntime._pack_calm, ActivationRuntime._unpack,
-                             RegionGates._report, self._gate_hook(None))  # type: ignore[arg-type]
+                             RegionGates._report, RerunCapture.__call__,
+                             self._gate_hook(None))  # type: ignore[arg-type]
         check_options(policy, POLICIES, on_exceed, margin, profile_frames, calibrate_frames, recalibrate_every,
                       min_bytes, reserve_bytes, arena_bytes, arena_max_bytes)
         check_materialized(model)
@@ -388,7 +390,7 @@ class Provisioner:
             return frame
         frame.profile = self.cost.frames < self.profile_frames
         if not frame.profile and self._calibrates() and self.calibration.begin(
-                frame, self.cost.order, self.engine is not None, self.calibrate_frames, self.recalibrate_every):
+                frame, self.cost, self.engine is not None, self.calibrate_frames, self.recalibrate_every):
             return frame
         # Stable phases cost nothing: a forward whose plan is not expected to release anything
         # is not traced (its recipes would never be used): keep_all's, a fixed plan's that

@@ -29,7 +29,7 @@ grows only with micro-batches that may have to release.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict, List
 
 from bagualu2.plan.cost_model import CostModel
 from bagualu2.plan.planner import Choice
@@ -58,16 +58,22 @@ class Calibration:
         self._done = 0  # micro-batches that did so
         self._since = 0  # micro-batches that may have to release since the last one
 
-    def begin(self, frame: Frame, order: Sequence[str], can_offload: bool, first: int, every: int) -> bool:
+    def begin(self, frame: Frame, cost: CostModel, can_offload: bool, first: int, every: int) -> bool:
         """Whether ``frame``, a micro-batch that may have to release, calibrates: one of the
         ``first`` after profiling, or one after ``every`` (0: never) such micro-batches since the
         last. If so it is marked ``calibrating`` and its plan set to release all it can, as the
-        cycle says."""
+        cycle says: a key no plan may recompute (``cost.ops``) is offloaded instead, or kept."""
         if not (self._done < first or 0 < every <= self._since):
             self._since += 1
             return False
         kind = _calibration(self._done - first, can_offload)
         frame.default = Choice.OFFLOAD if kind == "offload" else Choice.RECOMPUTE
+        order = cost.order
+        if kind != "offload":
+            # Measuring a rebuild no plan will use costs a backward pass and may cross the budget
+            # (the whole compiled model's rerun brings back every save at once).
+            instead = Choice.OFFLOAD if can_offload else Choice.KEEP
+            frame.choices.update({k: instead for k, op in cost.ops.items() if not op.recomputable})
         if kind.startswith("recompute half"):
             half = int(kind[-1])
             frame.choices.update({k: Choice.KEEP for i, k in enumerate(order) if i % 2 == half})

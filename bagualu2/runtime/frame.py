@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Mapping, Optio
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from bagualu2.plan.planner import Choice
+from bagualu2.runtime.regions import region_key
 from bagualu2.runtime.rerun import BlockRerun
 from bagualu2.runtime.recipes import StorageNode, step_inputs
 
@@ -48,6 +49,9 @@ class FrameStats:
     peak_resident: int = 0      # ledger high-water mark while this frame's forward ran
     rerun_blocks: int = 0       # block calls run untraced, to be rerun whole in backward
     start_resident: int = 0
+
+
+ROOT_REGION = region_key("")  # torch.compile(model): the whole forward is one region
 
 
 def checked_choices(choices: Mapping[str, Choice]) -> Dict[str, Choice]:
@@ -233,5 +237,8 @@ def profile_saves(frame: Frame, nodes: Iterable[StorageNode]
             out[key] = (nbytes, own_seconds(node), node.rebuildable(node.state), inputs, reads(node, inputs))
         elif key in frame.region_profile:  # a compiled region: one unit, rebuilt by rerunning it whole
             nbytes, seconds = frame.region_profile[key]
-            out[key] = (nbytes, seconds, True, (), ())
+            # The whole compiled model's rerun brings back every save of the forward at once:
+            # it can only move the peak into backward, so no plan is offered it (recompute_all
+            # still reruns it, as asked).
+            out[key] = (nbytes, seconds, key != ROOT_REGION, (), ())
     return out, unsaved

@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_unflatten
 
 from bagualu2.runtime import recipes
 
-__all__ = ["BlockRerun", "RerunSaved", "unrestorable"]
+__all__ = ["BlockRerun", "RerunCapture", "RerunSaved", "unrestorable"]
 
 # Argument types a rerun passes again as they were: values, not objects a forward may change.
 _VALUES = frozenset({type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.layout,
@@ -158,16 +158,7 @@ class BlockRerun:
         grads = iter(self._grad)
         flat = [x.detach().requires_grad_(next(grads)) if isinstance(x, torch.Tensor) else x for x in self._flat]
         args, kwargs = tree_unflatten(flat, self._spec)
-        captured: Dict[int, torch.Tensor] = {}
-        last = len(self._metas) - 1
-
-        def capture(t: torch.Tensor) -> None:
-            index = len(captured)
-            if index > last:
-                raise _RerunDone
-            captured[index] = t.detach()
-            if index == last:
-                raise _RerunDone
+        capture = RerunCapture(len(self._metas) - 1)
 
         def unreachable(_: Any) -> torch.Tensor:
             raise AssertionError("the rerun's own graph is never run backward")
@@ -186,8 +177,8 @@ class BlockRerun:
                     self.module(*args, **kwargs)
                 except _RerunDone:
                     pass
-        self._check(captured)
-        return captured
+        self._check(capture.captured)
+        return capture.captured
 
     def _check(self, captured: Dict[int, torch.Tensor]) -> None:
         if len(captured) != len(self._metas):
@@ -208,6 +199,28 @@ class BlockRerun:
                     f"rerun in backward: its forward must run the same way twice (a module attribute or "
                     f"routing override changed between forward and backward?); run backward before changing "
                     f"it, or use a per-operator plan, which replays recorded ops")
+
+
+class RerunCapture:
+    """A rerun's pack hook: keeps each saved tensor by its index, and ends the rerun at the
+    last one the forward saved. A class, not a closure, so that its code can be hidden from
+    Dynamo once (``regions.hide_from_dynamo``): a rerun of a compiled region with graph breaks
+    runs it between the region's graphs, where Dynamo would otherwise trace it and recompile
+    it as ``captured`` grows."""
+
+    __slots__ = ("captured", "last")
+
+    def __init__(self, last: int) -> None:
+        self.captured: Dict[int, torch.Tensor] = {}
+        self.last = last
+
+    def __call__(self, t: torch.Tensor) -> None:
+        index = len(self.captured)
+        if index > self.last:
+            raise _RerunDone
+        self.captured[index] = t.detach()
+        if index == self.last:
+            raise _RerunDone
 
 
 class RerunSaved:
