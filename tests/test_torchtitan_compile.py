@@ -142,10 +142,13 @@ def test_torchtitan_compiled_blocks_are_regions() -> None:
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:In CPU autocast")  # torchtitan's router asks for fp32 autocast
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
-@pytest.mark.parametrize("policy", ["recompute_all", "offload_all"])
-def test_torchtitan_compiled_blocks_without_parallelism_rerun_exactly(policy: str) -> None:
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
+@pytest.mark.parametrize("policy, backend", [("recompute_all", "aot_eager"), ("offload_all", "aot_eager"),
+                                             ("recompute_all", "inductor"), ("offload_all", "inductor")])
+def test_torchtitan_compiled_blocks_without_parallelism_rerun_exactly(policy: str, backend: str) -> None:
     """One process, no parallelism: the compiled blocks hold no collective, so recompute_all
-    reruns them whole in backward; bit-exact, and no more graphs than without bagualu2."""
+    reruns them whole in backward; bit-exact, and no more graphs than without bagualu2, with
+    AOT autograd alone and with inductor's generated kernels."""
     import bagualu2
     from torch._dynamo.utils import counters
 
@@ -161,11 +164,11 @@ def test_torchtitan_compiled_blocks_without_parallelism_rerun_exactly(policy: st
 
     torch._dynamo.reset()
     counters.clear()
-    expected = run(_tiny_compiled_model())
+    expected = run(_tiny_compiled_model(backend))
     plain = ranks.compiled_graphs()
     torch._dynamo.reset()
     counters.clear()
-    model = _tiny_compiled_model()
+    model = _tiny_compiled_model(backend)
     prov = bagualu2.enable(model, budget=None, policy=policy, min_bytes=0)
     try:
         got = run(model)
