@@ -81,6 +81,8 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from bagualu2.runtime.gates import GateSpec, register_gate_finder
+
 __all__ = ["MegatronChunks", "check_options", "enable_pipeline", "find_gates", "interleaved_chunks",
            "interleaved_phases", "is_megatron_model", "one_f_one_b_phases"]
 
@@ -133,7 +135,7 @@ def _ep_size(moe: nn.Module) -> int:
     return group.size() if group is not None else 1
 
 
-def find_gates(model: nn.Module) -> Optional[list]:
+def find_gates(model: nn.Module) -> Optional[List[GateSpec]]:
     """The gates of a Megatron-Core model as ``bagualu2.runtime.gates.GateSpec``s (a forward pre-hook on
     each MoE layer's ``experts``), or None when ``model`` holds no Megatron-Core module.
 
@@ -143,8 +145,6 @@ def find_gates(model: nn.Module) -> Optional[list]:
     if not is_megatron_model(model):
         return None
     check_options(model)
-    from bagualu2.runtime.gates import GateSpec
-
     specs = []
     for name, moe in _moe_layers(model):
         specs.append(GateSpec(
@@ -454,3 +454,6 @@ def enable_pipeline(model: Any, forward_backward_func: Optional[Callable[..., An
     forward_backward.__name__ = name
     forward_backward.__wrapped__ = forward_backward_func  # type: ignore[attr-defined]
     return prov, forward_backward
+
+
+register_gate_finder(find_gates)  # what bagualu2.enable finds on a Megatron-Core model

@@ -59,6 +59,8 @@ from typing import Any, List, Optional
 import torch
 from torch import Tensor, nn
 
+from bagualu2.runtime.gates import GateSpec, register_gate_finder
+
 __all__ = ["add_to_checkpoint", "check_options", "enable_pipeline", "find_gates", "is_torchtitan_model"]
 
 
@@ -111,7 +113,7 @@ def _ep_size(moe: nn.Module) -> int:
     return mesh.size() if mesh is not None else 1
 
 
-def find_gates(model: nn.Module) -> Optional[list]:
+def find_gates(model: nn.Module) -> Optional[List[GateSpec]]:
     """The gates of a torchtitan model as ``bagualu2.runtime.gates.GateSpec``s (a forward pre-hook on each
     MoE layer's ``routed_experts.inner_experts``), or None when ``model`` is not a torchtitan
     model (other discovery applies then).
@@ -123,8 +125,6 @@ def find_gates(model: nn.Module) -> Optional[list]:
     if not is_torchtitan_model(model):
         return None
     check_options(model)
-    from bagualu2.runtime.gates import GateSpec
-
     specs = []
     for name, moe in _moe_blocks(model):
         ep = _ep_size(moe)
@@ -244,3 +244,6 @@ def add_to_checkpoint(checkpointer: Any, prov: Any, key: str = "bagualu2") -> No
             f"the checkpointer already saves {type(held).__name__} as {key!r}: pass another "
             f"key=... to add_to_checkpoint")
     checkpointer.states[key] = prov
+
+
+register_gate_finder(find_gates)  # what bagualu2.enable finds on a torchtitan model
