@@ -284,16 +284,6 @@ def interleaved_phases(stages: int, stage: int, microbatches: int, chunks: int,
     return [(chunk, phase, stacked) for chunk, (phase, stacked) in zip(order, _phases(warmup, len(order)))]
 
 
-class _ScheduleHandle:
-    """Undoes ``enable_pipeline``'s wiring with the provisioner's other hooks (``disable``)."""
-
-    def __init__(self, undo: Callable[[], None]) -> None:
-        self._undo = undo
-
-    def remove(self) -> None:
-        self._undo()
-
-
 class MegatronChunks(nn.Module):
     """This rank's model chunks (virtual pipeline) behind one forward, so that one provisioner,
     one ledger and one budget serve them all.
@@ -406,8 +396,7 @@ def enable_pipeline(model: Any, forward_backward_func: Optional[Callable[..., An
 
     if len(chunks) == 1:
         prov = enable(chunks[0], **options)
-        handle = chunks[0].register_forward_pre_hook(lambda module, args: declare(prov, 0))
-        prov._hooks.append(handle)
+        prov.on_disable(chunks[0].register_forward_pre_hook(lambda module, args: declare(prov, 0)).remove)
     else:
         # The cost model learns each chunk's operators from the micro-batches it profiles: enough
         # of them that every chunk runs at least two (the schedule runs a group of micro-batches
@@ -430,7 +419,7 @@ def enable_pipeline(model: Any, forward_backward_func: Optional[Callable[..., An
             for chunk in chunks:
                 chunk.__dict__.pop("forward", None)
 
-        prov._hooks.append(_ScheduleHandle(restore))
+        prov.on_disable(restore)
 
     def forward_backward(*args: Any, **kwargs: Any) -> Any:
         if not prov.enabled or kwargs.get("forward_only", False):

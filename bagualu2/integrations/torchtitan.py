@@ -174,17 +174,6 @@ def check_options(model: nn.Module) -> None:
             f"torch._functorch.config.activation_memory_budget to 1.0 in this process")
 
 
-class _TrackerHandle:
-    """Closes a pipeline phase tracker with the provisioner's other hooks (``disable``)."""
-
-    def __init__(self, tracker: Any, unsubscribe: Any) -> None:
-        self._tracker, self._unsubscribe = tracker, unsubscribe
-
-    def remove(self) -> None:
-        self._unsubscribe()
-        self._tracker.close()
-
-
 def enable_pipeline(schedule: Any, model_parts: List[nn.Module], **options: Any) -> Any:
     """``bagualu2.enable`` on this rank's stage of a torchtitan pipeline (``pipeline_llm``'s
     schedule and model parts), told the schedule's phase before every forward.
@@ -210,8 +199,8 @@ def enable_pipeline(schedule: Any, model_parts: List[nn.Module], **options: Any)
             f"(parallelism.pipeline_parallel_schedule='1F1B' or 'GPipe')")
     prov = enable(model_parts[0], **options)
     tracker = PipelinePhaseTracker(schedule)
-
-    prov._hooks.append(_TrackerHandle(tracker, tracker.subscribe(phase_follower(prov))))
+    tracker.subscribe(phase_follower(prov))
+    prov.on_disable(tracker.close)  # its wrappers and subscribers go with the provisioner
     return prov
 
 
