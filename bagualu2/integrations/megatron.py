@@ -81,6 +81,8 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from bagualu2.provision.forward import ProvisionedForward
+from bagualu2.provisioner import enable
 from bagualu2.runtime.gates import GateSpec, register_gate_finder
 
 __all__ = ["MegatronChunks", "check_options", "enable_pipeline", "find_gates", "interleaved_chunks",
@@ -352,9 +354,6 @@ def enable_pipeline(model: Any, forward_backward_func: Optional[Callable[..., An
             option (:func:`check_options`).
         RuntimeError: a chunk already has bagualu2 (or another forward wrapper) enabled.
     """
-    from bagualu2.provision.forward import ProvisionedForward
-    from bagualu2.provisioner import enable
-
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     if forward_backward_func is None:
         from megatron.core.pipeline_parallel import get_forward_backward_func

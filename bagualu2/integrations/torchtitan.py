@@ -59,6 +59,7 @@ from typing import Any, List, Optional
 import torch
 from torch import Tensor, nn
 
+from bagualu2.provisioner import enable
 from bagualu2.runtime.gates import GateSpec, register_gate_finder
 
 __all__ = ["add_to_checkpoint", "check_options", "enable_pipeline", "find_gates", "is_torchtitan_model"]
@@ -190,7 +191,6 @@ def enable_pipeline(schedule: Any, model_parts: List[nn.Module], **options: Any)
         ValueError: more than one stage on this rank (interleaved and V schedules).
     """
     from bagualu2.integrations.pipeline import PipelinePhaseTracker, phase_follower
-    from bagualu2.provisioner import enable
 
     if len(model_parts) != 1:
         raise ValueError(

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from bagualu2.integrations.pipeline.build import Pipeline
 from bagualu2.integrations.pipeline.phases import phase_follower
+from bagualu2.provisioner import enable
 
 __all__ = ["RankStages", "StageEntry", "enable_bagualu2"]
 
@@ -73,8 +74,6 @@ def enable_bagualu2(pipe: Pipeline, overlap: bool = False, **kwargs: Any):
     ``bagualu2.enable`` (budget, policy, on_exceed, ...). ``prov.disable()`` removes bagualu2
     and undoes this wiring; ``pipe.close()`` then removes the tracker.
     """
-    from bagualu2.provisioner import enable
-
     root: nn.Module = pipe.modules[0] if len(pipe.modules) == 1 else RankStages(pipe.modules)
     prov = enable(root, **kwargs)
     if isinstance(root, RankStages):
