@@ -18,6 +18,10 @@ from bagualu2.offload import CopyEngine, HostArena
 from bagualu2.plan.planner import Candidate, Choice, Plan, Planner
 from bagualu2.provisioner import POLICIES, Provisioner, enable, on_gating
 
+# The reference model and the engine integrations register their gate finders on import: the
+# runtime's discovery finds their gates and imports neither.
+from bagualu2 import integrations, models
+
 __version__ = "0.1.0"
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["BudgetExceededError", "InfeasibleBudgetError", "exceed_hint"]
+__all__ = ["BudgetExceededError", "InfeasibleBudgetError", "exceed_hint", "recorded_violation"]
 
 
 def exceed_hint(policy: str) -> str:
@@ -17,6 +17,14 @@ def exceed_hint(policy: str) -> str:
         return "recompute_all releases all it can already: raise the budget or shrink the micro-batch"
     return (f"policy {policy!r} does not adapt to the routing: use policy='adaptive' (it keeps, "
             f"offloads or recomputes per micro-batch to fit) or raise the budget")
+
+
+def recorded_violation(micro_batch: int, budget: int, peak: int, violations: int, policy: str) -> str:
+    """The warning ``on_exceed="record"`` gives at a provisioner's first violation: on a device it
+    would have been an out-of-memory crash, and a recorded count alone goes unread."""
+    return (f"bagualu2: micro-batch {micro_batch} went over the activation budget ({budget:,} bytes): "
+            f"peak {peak:,} bytes, {violations} save(s) over it. {exceed_hint(policy)}. Recorded, not raised "
+            f"(on_exceed='record'): report()['violations'] counts them; this warning is shown once per provisioner")
 
 
 class BudgetExceededError(RuntimeError):

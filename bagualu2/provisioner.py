@@ -58,25 +58,26 @@ from bagualu2.runtime.activations import AttachedHook
 from bagualu2.runtime.recipes import reset_replay_depth
 from bagualu2.runtime.rerun import RerunCapture
 from bagualu2.plan.cost_model import CostModel
-from bagualu2.errors import BudgetExceededError, exceed_hint
+from bagualu2.errors import BudgetExceededError, recorded_violation
 from bagualu2.inputs import (
     check_materialized, check_options, checked_counts, device_of, input_bytes, resolve_budget,
     token_slots,
 )
 from bagualu2.provision.calibration import Calibration, learn
-from bagualu2.provision.copy_engine import make_engine, measure_copy_costs, reserve_arena
+from bagualu2.provision.copy_engine import arena_need, make_engine, measure_copy_costs, reserve_arena
 from bagualu2.provision.decisions import GateDecisions
 from bagualu2.provision.footprint import Footprint
-from bagualu2.provision.forward import ProvisionedForward, active, plain_forward
+from bagualu2.provision.forward import ProvisionedForward, active, plain_forward, unwrap_compiled
 from bagualu2.provision.policy import POLICIES, Policy
 from bagualu2.provision.routing import RoutingRecord
 from bagualu2.provision import state
 from bagualu2.provision.stacking import Stacking
+from bagualu2.provision.teardown import Teardown
 from bagualu2.provision.unplanned import UnplannedKeys
 from bagualu2.runtime.gates import GateSpec, describe_unsupported, find_gates
 from bagualu2.provision.region_gates import RegionGates
 from bagualu2.runtime.regions import (
-    check_compile_config, check_compile_options, compiled_regions, hide_from_dynamo, holds_collectives, is_compiled,
+    check_compile_config, check_compile_options, compiled_regions, hide_from_dynamo, holds_collectives,
 )
 from bagualu2.plan.planner import Choice, Plan
 from bagualu2.telemetry import MicroBatch, Telemetry
@@ -101,16 +102,7 @@ class Provisioner:
                  engine: Any = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"enable() needs a torch.nn.Module, got {type(model).__name__}")
-        # torch.compile(model): the whole forward is one compiled region, called by the wrapper;
-        # the provisioned forward goes on the wrapper, around the compiled call (never inside it)
-        self._compiled_root: Optional[torch.nn.Module] = None
-        wrapped = getattr(model, "_orig_mod", None)
-        if isinstance(wrapped, torch.nn.Module) and is_compiled(model):
-            if isinstance(model.__dict__.get("forward"), ProvisionedForward):
-                raise RuntimeError(f"this compiled {type(wrapped).__name__} already has bagualu2 enabled; call "
-                                   f"disable() on the existing Provisioner first")
-            check_compile_options(model, f"the model ({type(wrapped).__name__})")
-            self._compiled_root, model = model, wrapped
+        self._compiled_root, model = unwrap_compiled(model)  # torch.compile(model): the wrapper, what it wraps
         regions = compiled_regions(model)
         for path, region in regions.items():
             check_compile_options(region, f"module {path!r} ({type(region).__name__})")
@@ -154,14 +146,20 @@ class Provisioner:
             experts = modules.get(spec.experts_path)
             if isinstance(experts, torch.nn.ModuleList) and len(experts) < spec.num_experts:
                 self.cost.memory.local_experts[spec.layer] = len(experts)
-        self._hooks: List[Any] = self.runtime.attach(model, root_compiled=self._compiled_root is not None)
+        self._teardown = Teardown()  # what disable() undoes, last first (on_disable)
+        for handle in self.runtime.attach(model, root_compiled=self._compiled_root is not None):
+            self.on_disable(handle.remove)
         self.region_gates = RegionGates(self._gate_hook)  # the gates inside compiled regions
+        self.on_disable(self.region_gates.close)
         paths = [""] if self._compiled_root is not None else list(regions)
         for spec in self.gates:
-            self._hooks.append(self._hook_gate(spec, paths))
+            self.on_disable(self._hook_gate(spec, paths).remove)
         host = self._compiled_root if self._compiled_root is not None else model
         self._forward = host.forward
         host.forward = ProvisionedForward(self._provisioned_forward, self._forward)  # type: ignore[method-assign]
+        # a compiled wrapper gets its compiled forward back; the model, its class's
+        self.on_disable(lambda: setattr(host, "forward", self._forward) if host is not model
+                        else model.__dict__.pop("forward", None))
         # What decisions are made with, each piece the one owner of its state.
         self.stacking = Stacking()  # the micro-batches in flight on this rank
         self.footprint = Footprint(self.cost)  # what one holds that no plan releases, and the room left
@@ -201,8 +199,19 @@ class Provisioner:
         spec = GateSpec(module, name, layer, num_experts, counts_fn, None, name.rpartition(".")[0])
         self.gates.append(spec)
         self.cost.expert_prefixes[layer] = spec.experts_path
-        self._hooks.append(module.register_forward_hook(AttachedHook(self._gate_hook(spec))))
+        self.on_disable(module.register_forward_hook(AttachedHook(self._gate_hook(spec))).remove)
         return spec
+
+    def on_disable(self, fn: Callable[[], Any]) -> None:
+        """Have :meth:`disable` call ``fn()``: how an integration undoes what it wired around this
+        provisioner (hooks, wrappers, subscriptions), as the provisioner undoes its own. Each runs
+        once, last registered first; when one raises, the rest still run and ``disable`` raises
+        the first error (``bagualu2.provision.teardown``).
+
+        Raises:
+            RuntimeError: this provisioner is disabled already (nothing would call ``fn``).
+        """
+        self._teardown.add(fn)
 
     def set_pipeline_phase(self, phase: str, stacked_forwards: int = 0) -> None:
         """Tell the planner where this rank is in a pipeline schedule.
@@ -295,7 +304,6 @@ class Provisioner:
         Counts and sums cover the whole run; the latency median, the decisions in memory."""
         self.runtime.collect()  # what an interrupt left held is given back before it is counted
         totals = self.telemetry.totals
-        lat = sorted(d.latency_us for d in self.telemetry.decisions)
         arena = self.engine.arena.stats() if self.engine is not None else {}
         return {
             "policy": self._policy.name,
@@ -312,11 +320,7 @@ class Provisioner:
             "oom_recoveries": self._oom_recoveries,
             "saved_bytes_by_choice": dict(totals.bytes_by_choice),
             "decisions": totals.decisions,
-            "decision_latency_us": {
-                "mean": totals.latency_us_sum / totals.decisions if totals.decisions else 0.0,
-                "p50": lat[len(lat) // 2] if lat else 0.0,
-                "max": totals.latency_us_max,
-            },
+            "decision_latency_us": self.telemetry.decision_latency_us(),
             "arena_in_use_bytes": arena.get("in_use", 0),
             "arena_capacity_bytes": arena.get("capacity", 0),  # host memory reserved for offloads
             "gates": [g.name for g in self.gates],
@@ -362,21 +366,21 @@ class Provisioner:
         return self.telemetry.plot(path, title=f"bagualu2 {self.report()['policy']}")
 
     def disable(self) -> None:
-        """Remove every hook and the forward wrapper; the model behaves exactly as before."""
+        """Remove every hook and the forward wrapper, and undo what integrations wired
+        (:meth:`on_disable`, last first); the model behaves exactly as before. A second call
+        does nothing.
+
+        Raises:
+            Exception: the first error an ``on_disable`` function raised, once all have run.
+        """
         if not self.enabled:
             return
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        self.runtime.backward_observer = None
-        self.region_gates.close()
-        if self._compiled_root is not None:
-            self._compiled_root.forward = self._forward  # the wrapper's compiled forward
-        else:
-            self.model.__dict__.pop("forward", None)
         self.enabled = False
-        # The pinned arena goes now, or when the last graph holding one of its offloads dies.
-        self.engine = self.runtime.engine = None
+        self.runtime.backward_observer = None
+        try:
+            self._teardown.run()
+        finally:  # the pinned arena goes now, or when the last graph holding one of its offloads dies
+            self.engine = self.runtime.engine = None
 
     # -- forward ----------------------------------------------------------------------------
     def _new_frame(self, conservative: bool) -> Frame:
@@ -422,20 +426,12 @@ class Provisioner:
         return self.footprint.reserve(self.stacking.behind())
 
     def _reserve_arena(self) -> None:
-        """Reserve the host arena's room for offloads once the profiled micro-batches tell how
-        large they can get: the micro-batches in flight (this one and those stacking on it; two
-        at least) at the worst routing, less the budget where the planner keeps what fits
-        (nothing when it all fits, or when the policy never offloads). Reserved now, between
-        micro-batches: an offload that had to reserve it would hold the copies up for as long
-        as pinning takes. A user's arena (``arena_bytes``, ``engine``) is left as it is."""
-        if self.engine is None or self._arena_chosen or self.footprint.worst_bytes is None:
-            return
-        worst = (1 + max(1, self.stacking.deepest())) * self.footprint.worst_bytes
-        if self._policy.adaptive:
-            need = worst - self.budget if self.budget is not None else 0
-        else:  # a fixed plan (the named static policies are not profiled)
-            need = worst if self._policy.offloads else 0
-        reserve_arena(self.engine, need)
+        """Reserve the host arena's room for offloads (``arena_need``) now, between micro-batches:
+        an offload that had to reserve it would hold the copies up for as long as pinning takes.
+        A user's arena (``arena_bytes``, ``engine``) is left as it is."""
+        if self.engine is not None and not self._arena_chosen and self.footprint.worst_bytes is not None:
+            reserve_arena(self.engine, arena_need(self.footprint.worst_bytes, self.stacking.deepest(), self.budget,
+                                                  self._policy.adaptive, self._policy.offloads))
 
     def _provisioned_forward(self, *args: Any, **kwargs: Any) -> Any:
         # Without grad (evaluation, inference mode) autograd saves nothing: there is nothing to
@@ -535,12 +531,8 @@ class Provisioner:
         """The first violation under ``on_exceed="record"``, told once: on a device it would have
         been an out-of-memory crash, and a recorded count alone goes unread."""
         self._told_violation = True
-        warnings.warn(
-            f"bagualu2: micro-batch {frame.index} went over the activation budget ({self.budget:,} bytes): "
-            f"peak {frame.stats.peak_resident:,} bytes, {frame.stats.violations} save(s) over it. "
-            f"{exceed_hint(self._policy.name)}. Recorded, not raised (on_exceed='record'): "
-            f"report()['violations'] counts them; this warning is shown once per provisioner",
-            UserWarning, stacklevel=4)
+        warnings.warn(recorded_violation(frame.index, self.budget, frame.stats.peak_resident, frame.stats.violations,
+                                         self._policy.name), UserWarning, stacklevel=4)
 
     def _check_feasible(self) -> None:
         """Refuse a micro-batch no plan can fit, before it allocates anything."""

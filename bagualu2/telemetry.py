@@ -109,6 +109,13 @@ class Telemetry:
             with self.path.open("a") as f:
                 f.write(json.dumps(asdict(record)) + "\n")
 
+    def decision_latency_us(self) -> Dict[str, float]:
+        """Decision latency in microseconds: the mean and max over the whole run, the median
+        over the decisions kept in memory (0.0 before any)."""
+        t, lat = self.totals, sorted(d.latency_us for d in self.decisions)
+        return {"mean": t.latency_us_sum / t.decisions if t.decisions else 0.0,
+                "p50": lat[len(lat) // 2] if lat else 0.0, "max": t.latency_us_max}
+
     def plot(self, path: Union[str, Path], title: str = "activation memory") -> Path:
         """Memory of every micro-batch against the budget, spikes (imbalance >= 1.5) marked."""
         import matplotlib

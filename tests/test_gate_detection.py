@@ -11,7 +11,7 @@ from torch import nn
 
 from bagualu2.models import MoEConfig, MoETransformer, load_imbalance
 from bagualu2.runtime.gates import (GateSpec, counts_from_indices, counts_from_logits,
-                          describe_unsupported, find_gates)
+                          describe_unsupported, find_gates, register_gate_finder, register_module_gate)
 
 BATCH, SEQ = 2, 12
 
@@ -231,6 +231,42 @@ def test_unknown_model_gives_no_gates_and_a_helpful_description():
     assert "0 MoE gate(s) recognized" in message and "router: nn.Linear(4, 3)" in message
     assert "register_gate" in message and "on_gating" in message
     assert "No other module" in describe_unsupported(nn.Linear(2, 2))
+
+
+class _Dispatch(nn.Module):
+    """A routing module of a model family discovery does not know by itself."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def test_registered_finders_are_asked_in_order_and_unregister():
+    model = nn.Sequential(_Dispatch(), nn.Linear(4, 4), _Dispatch())
+    model.add_module("router", _Dispatch())  # looks like a router: described unless a finder knows it
+    counts = counts_from_indices(2)
+
+    def family(name: str, module: nn.Module, modules: dict) -> tuple | None:
+        if not isinstance(module, _Dispatch):
+            return None
+        return () if name.endswith("router") else (GateSpec(module, name, 99, 2, counts, 1, ""),)
+
+    assert find_gates(model) == [] and "router: _Dispatch" in describe_unsupported(model)
+    unregister = register_module_gate(family)
+    try:
+        specs = find_gates(model)
+        # renumbered in model order; the module the finder knows as no gate is not described
+        assert [(s.layer, s.name) for s in specs] == [(0, "0"), (1, "2")]
+        assert "router: _Dispatch" not in describe_unsupported(model)
+        engine = [GateSpec(model[1], "1", 0, 4, counts_from_indices(4))]
+        unregister_engine = register_gate_finder(lambda m: engine if m is model else None)
+        try:
+            assert find_gates(model) == engine  # a model finder that answers decides alone
+            assert [s.name for s in find_gates(nn.Sequential(model))] == ["0.0", "0.2"]
+        finally:
+            unregister_engine()
+    finally:
+        unregister()
+    assert find_gates(model) == []
 
 
 def test_counts_functions_reject_outputs_they_cannot_read():

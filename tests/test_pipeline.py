@@ -144,7 +144,8 @@ def _run_job(rank: int, world_size: int, job: dict, budgets: dict) -> dict | Non
         extra["told"] = told
     result = harness.gather_step_result(pipe, losses, extra=extra)
     if prov is not None:
-        prov.disable()
+        prov.disable()  # undoes enable_bagualu2's wiring (Provisioner.on_disable)
+        assert not any(isinstance(st.submod, pp.StageEntry) for st in pipe.stages)
     pipe.close()
     if policy in ("keep_all", "recompute_all") and variant == policy:
         budgets[f"{schedule}/{policy}"] = extra["report"]["peak_bytes"]

@@ -380,6 +380,33 @@ def test_bad_arguments_name_the_value(kwargs, error, match) -> None:
         bagualu2.enable(make_model(), **kwargs)
 
 
+def test_on_disable_runs_once_last_first_and_all_of_it_when_one_raises() -> None:
+    model = make_model()
+    hooks_before = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    prov = bagualu2.enable(model, budget=None)
+    ran: List[str] = []
+
+    def fails(name: str) -> Any:
+        def fn() -> None:
+            ran.append(name)
+            raise ValueError(name)
+        return fn
+
+    prov.on_disable(lambda: ran.append("first"))
+    prov.on_disable(fails("second"))
+    prov.on_disable(fails("third"))
+    with pytest.raises(ValueError, match="^third$"):  # the first error raised, once all ran
+        prov.disable()
+    assert ran == ["third", "second", "first"]
+    # the provisioner's own teardown ran as well: the model is as it was
+    assert not prov.enabled and "forward" not in model.__dict__
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == hooks_before
+    prov.disable()  # once: nothing runs again
+    assert ran == ["third", "second", "first"]
+    with pytest.raises(RuntimeError, match="disabled"):
+        prov.on_disable(lambda: None)
+
+
 def test_not_a_module_and_double_enable() -> None:
     with pytest.raises(TypeError, match="torch.nn.Module"):
         bagualu2.enable(lambda x: x)  # type: ignore[arg-type]

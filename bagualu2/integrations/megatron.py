@@ -81,6 +81,10 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from bagualu2.provision.forward import ProvisionedForward
+from bagualu2.provisioner import enable
+from bagualu2.runtime.gates import GateSpec, register_gate_finder
+
 __all__ = ["MegatronChunks", "check_options", "enable_pipeline", "find_gates", "interleaved_chunks",
            "interleaved_phases", "is_megatron_model", "one_f_one_b_phases"]
 
@@ -133,7 +137,7 @@ def _ep_size(moe: nn.Module) -> int:
     return group.size() if group is not None else 1
 
 
-def find_gates(model: nn.Module) -> Optional[list]:
+def find_gates(model: nn.Module) -> Optional[List[GateSpec]]:
     """The gates of a Megatron-Core model as ``bagualu2.runtime.gates.GateSpec``s (a forward pre-hook on
     each MoE layer's ``experts``), or None when ``model`` holds no Megatron-Core module.
 
@@ -143,8 +147,6 @@ def find_gates(model: nn.Module) -> Optional[list]:
     if not is_megatron_model(model):
         return None
     check_options(model)
-    from bagualu2.runtime.gates import GateSpec
-
     specs = []
     for name, moe in _moe_layers(model):
         specs.append(GateSpec(
@@ -284,16 +286,6 @@ def interleaved_phases(stages: int, stage: int, microbatches: int, chunks: int,
     return [(chunk, phase, stacked) for chunk, (phase, stacked) in zip(order, _phases(warmup, len(order)))]
 
 
-class _ScheduleHandle:
-    """Undoes ``enable_pipeline``'s wiring with the provisioner's other hooks (``disable``)."""
-
-    def __init__(self, undo: Callable[[], None]) -> None:
-        self._undo = undo
-
-    def remove(self) -> None:
-        self._undo()
-
-
 class MegatronChunks(nn.Module):
     """This rank's model chunks (virtual pipeline) behind one forward, so that one provisioner,
     one ledger and one budget serve them all.
@@ -362,9 +354,6 @@ def enable_pipeline(model: Any, forward_backward_func: Optional[Callable[..., An
             option (:func:`check_options`).
         RuntimeError: a chunk already has bagualu2 (or another forward wrapper) enabled.
     """
-    from bagualu2.provision.forward import ProvisionedForward
-    from bagualu2.provisioner import enable
-
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     if forward_backward_func is None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -406,8 +395,7 @@ def enable_pipeline(model: Any, forward_backward_func: Optional[Callable[..., An
 
     if len(chunks) == 1:
         prov = enable(chunks[0], **options)
-        handle = chunks[0].register_forward_pre_hook(lambda module, args: declare(prov, 0))
-        prov._hooks.append(handle)
+        prov.on_disable(chunks[0].register_forward_pre_hook(lambda module, args: declare(prov, 0)).remove)
     else:
         # The cost model learns each chunk's operators from the micro-batches it profiles: enough
         # of them that every chunk runs at least two (the schedule runs a group of micro-batches
@@ -430,7 +418,7 @@ def enable_pipeline(model: Any, forward_backward_func: Optional[Callable[..., An
             for chunk in chunks:
                 chunk.__dict__.pop("forward", None)
 
-        prov._hooks.append(_ScheduleHandle(restore))
+        prov.on_disable(restore)
 
     def forward_backward(*args: Any, **kwargs: Any) -> Any:
         if not prov.enabled or kwargs.get("forward_only", False):
@@ -454,3 +442,6 @@ def enable_pipeline(model: Any, forward_backward_func: Optional[Callable[..., An
     forward_backward.__name__ = name
     forward_backward.__wrapped__ = forward_backward_func  # type: ignore[attr-defined]
     return prov, forward_backward
+
+
+register_gate_finder(find_gates)  # what bagualu2.enable finds on a Megatron-Core model

@@ -59,6 +59,9 @@ from typing import Any, List, Optional
 import torch
 from torch import Tensor, nn
 
+from bagualu2.provisioner import enable
+from bagualu2.runtime.gates import GateSpec, register_gate_finder
+
 __all__ = ["add_to_checkpoint", "check_options", "enable_pipeline", "find_gates", "is_torchtitan_model"]
 
 
@@ -111,7 +114,7 @@ def _ep_size(moe: nn.Module) -> int:
     return mesh.size() if mesh is not None else 1
 
 
-def find_gates(model: nn.Module) -> Optional[list]:
+def find_gates(model: nn.Module) -> Optional[List[GateSpec]]:
     """The gates of a torchtitan model as ``bagualu2.runtime.gates.GateSpec``s (a forward pre-hook on each
     MoE layer's ``routed_experts.inner_experts``), or None when ``model`` is not a torchtitan
     model (other discovery applies then).
@@ -123,8 +126,6 @@ def find_gates(model: nn.Module) -> Optional[list]:
     if not is_torchtitan_model(model):
         return None
     check_options(model)
-    from bagualu2.runtime.gates import GateSpec
-
     specs = []
     for name, moe in _moe_blocks(model):
         ep = _ep_size(moe)
@@ -174,17 +175,6 @@ def check_options(model: nn.Module) -> None:
             f"torch._functorch.config.activation_memory_budget to 1.0 in this process")
 
 
-class _TrackerHandle:
-    """Closes a pipeline phase tracker with the provisioner's other hooks (``disable``)."""
-
-    def __init__(self, tracker: Any, unsubscribe: Any) -> None:
-        self._tracker, self._unsubscribe = tracker, unsubscribe
-
-    def remove(self) -> None:
-        self._unsubscribe()
-        self._tracker.close()
-
-
 def enable_pipeline(schedule: Any, model_parts: List[nn.Module], **options: Any) -> Any:
     """``bagualu2.enable`` on this rank's stage of a torchtitan pipeline (``pipeline_llm``'s
     schedule and model parts), told the schedule's phase before every forward.
@@ -201,7 +191,6 @@ def enable_pipeline(schedule: Any, model_parts: List[nn.Module], **options: Any)
         ValueError: more than one stage on this rank (interleaved and V schedules).
     """
     from bagualu2.integrations.pipeline import PipelinePhaseTracker, phase_follower
-    from bagualu2.provisioner import enable
 
     if len(model_parts) != 1:
         raise ValueError(
@@ -210,8 +199,8 @@ def enable_pipeline(schedule: Any, model_parts: List[nn.Module], **options: Any)
             f"(parallelism.pipeline_parallel_schedule='1F1B' or 'GPipe')")
     prov = enable(model_parts[0], **options)
     tracker = PipelinePhaseTracker(schedule)
-
-    prov._hooks.append(_TrackerHandle(tracker, tracker.subscribe(phase_follower(prov))))
+    tracker.subscribe(phase_follower(prov))
+    prov.on_disable(tracker.close)  # its wrappers and subscribers go with the provisioner
     return prov
 
 
@@ -244,3 +233,6 @@ def add_to_checkpoint(checkpointer: Any, prov: Any, key: str = "bagualu2") -> No
             f"the checkpointer already saves {type(held).__name__} as {key!r}: pass another "
             f"key=... to add_to_checkpoint")
     checkpointer.states[key] = prov
+
+
+register_gate_finder(find_gates)  # what bagualu2.enable finds on a torchtitan model

@@ -15,6 +15,7 @@ from bagualu2.models.moe_layer import (ExpertDispatcher, MoELayer, RouterOutput,
                                        SwiGLUExpert, TopKRouter, load_imbalance)
 from bagualu2.models.transformer import (CausalSelfAttention, MoEBlock, MoETransformer,
                                          RMSNorm)
+from bagualu2.models import gates  # registers the reference model's gates with discovery
 
 __all__ = [
     "CausalSelfAttention",

@@ -20,22 +20,14 @@ Contract (docs/CONTRACTS.md, ``bagualu2.plan.planner``):
 """
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass, field, replace
 from typing import Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 from bagualu2 import _C
+from bagualu2.shared import Choice
 
 __all__ = ["Choice", "Candidate", "Plan", "Planner"]
-
-
-class Choice(enum.IntEnum):
-    """What happens to one saved activation."""
-
-    KEEP = 0  #: stays on the device
-    OFFLOAD = 1  #: copied to pinned host memory in forward, reloaded before backward
-    RECOMPUTE = 2  #: dropped in forward, recomputed in backward
 
 
 _CHOICES: Tuple[Choice, Choice, Choice] = (Choice.KEEP, Choice.OFFLOAD, Choice.RECOMPUTE)

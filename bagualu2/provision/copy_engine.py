@@ -3,7 +3,7 @@ room reserved for offloads.
 
 Owns ``make_engine`` (the ``CopyEngine`` and ``HostArena`` for the model's device, unless the user
 brings one), ``measure_copy_costs`` (the copy path timed as the runtime uses it, for the cost
-model) and ``reserve_arena`` (the arena grown in one step to what offloading may need).
+model) and ``reserve_arena`` (the arena grown in one step to what offloading may need: ``arena_need``).
 
 Invariants: the arena starts small (room for the copy-cost probes and the first offloads) and
 may grow only up to half of this process's share of host memory unless the user says
@@ -76,6 +76,17 @@ def measure_copy_costs(engine: Any, device: torch.device, in_place: bool) -> Tup
     bandwidth = [((8 << 20) - (64 << 10)) / max(1e-9, big[i] - small[i]) for i in (0, 1)]
     fixed = [max(0.0, small[i] - (64 << 10) / bandwidth[i]) for i in (0, 1)]
     return bandwidth[0], bandwidth[1], (fixed[0], fixed[1])
+
+
+def arena_need(worst_bytes: int, stacked: int, budget: Optional[int], adaptive: bool, offloads: bool) -> int:
+    """The host arena's room for offloads once the profiled micro-batches tell how large they
+    can get (``worst_bytes``, at the worst routing): the micro-batches in flight (this one and
+    the ``stacked`` on it; two at least), less the ``budget`` where the planner keeps what fits
+    (``adaptive``; nothing when it all fits), or nothing when a fixed plan never ``offloads``."""
+    worst = (1 + max(1, stacked)) * worst_bytes
+    if adaptive:
+        return worst - budget if budget is not None else 0
+    return worst if offloads else 0  # a fixed plan (the named static policies are not profiled)
 
 
 def reserve_arena(engine: Any, need: int) -> None:

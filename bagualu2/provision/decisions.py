@@ -25,12 +25,13 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
 
-from bagualu2.plan.cost_model import SIZE, CostModel
+from bagualu2.plan.cost_model import CostModel
 from bagualu2.plan.planner import Planner
 from bagualu2.provision.routing import RoutingRecord
 from bagualu2.provision.stacking import Stacking
 from bagualu2.runtime import ActivationRuntime, Frame
 from bagualu2.runtime.gates import GateSpec
+from bagualu2.shared import SIZE
 from bagualu2.telemetry import Decision
 
 __all__ = ["GateDecisions"]

@@ -2,7 +2,7 @@
 provisioners whose forward runs on each thread.
 
 Owns ``ProvisionedForward`` (the wrapper), ``plain_forward`` (whether a model's forward is its
-own) and ``active`` (the per-thread stack of running provisioners, innermost last).
+own), ``unwrap_compiled`` (where the wrapper goes on a ``torch.compile``d model) and ``active`` (the per-thread stack of running provisioners, innermost last).
 
 Invariants: a routing report (``on_gating``) belongs to the thread that makes it, and so to the
 model that thread runs: the stack is per thread, and a provisioner is on it only while its
@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import copy
 import threading
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-__all__ = ["ProvisionedForward", "plain_forward", "active"]
+from bagualu2.runtime.regions import check_compile_options, is_compiled
+
+__all__ = ["ProvisionedForward", "active", "plain_forward", "unwrap_compiled"]
 
 _LOCAL = threading.local()
 
@@ -73,3 +75,22 @@ def plain_forward(model: torch.nn.Module) -> bool:
     forward = model.__dict__.get("forward")
     return (getattr(forward, "__self__", None) is model
             and getattr(forward, "__func__", None) is getattr(type(model), "forward", None))
+
+
+def unwrap_compiled(model: torch.nn.Module) -> Tuple[Optional[torch.nn.Module], torch.nn.Module]:
+    """``(wrapper, the module it wraps)`` for a ``torch.compile(model)`` wrapper, else ``(None,
+    model)``. The whole forward is then one compiled region, called by the wrapper: the
+    provisioned forward goes on the wrapper, around the compiled call (never inside it).
+
+    Raises:
+        RuntimeError: the wrapper is provisioned already.
+        ValueError: it was compiled with an option that stays refused (``check_compile_options``).
+    """
+    wrapped = getattr(model, "_orig_mod", None)
+    if not (isinstance(wrapped, torch.nn.Module) and is_compiled(model)):
+        return None, model
+    if isinstance(model.__dict__.get("forward"), ProvisionedForward):
+        raise RuntimeError(f"this compiled {type(wrapped).__name__} already has bagualu2 enabled; call "
+                           f"disable() on the existing Provisioner first")
+    check_compile_options(model, f"the model ({type(wrapped).__name__})")
+    return model, wrapped

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
 
-from bagualu2.plan.cost_model import SIZE
+from bagualu2.shared import SIZE
 from bagualu2.runtime.gates import GateSpec
 
 __all__ = ["RoutingRecord"]

@@ -38,7 +38,9 @@ import torch
 
 __all__ = ["VERSION", "load", "rank_key", "save", "signature"]
 
-VERSION = 1
+VERSION = 2
+"""2: the cost model's grouped-expert index became ``GROUPED = -2`` (it was -1, the value of
+``SIZE``); a version-1 state would read its grouped operators as driven by the last expert."""
 _FIELDS = ("version", "gates", "modules", "learned")
 
 

@@ -57,7 +57,7 @@ from torch.utils._pytree import tree_flatten
 import torch.utils._python_dispatch as _dispatch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
 
-from bagualu2.plan.planner import Choice
+from bagualu2.shared import Choice
 from bagualu2.runtime.attachment import AttachedHook, _Attachment
 from bagualu2.runtime.compiled import CompiledRegions
 from bagualu2.runtime.frame import Frame, check_keys, profile_saves

@@ -36,7 +36,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from bagualu2.plan.planner import Choice
+from bagualu2.shared import Choice
 from bagualu2.runtime.frame import Frame
 from bagualu2.runtime.ledger import Pin
 from bagualu2.runtime.recipes import is_plain, is_recomputing, view_meta

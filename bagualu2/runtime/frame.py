@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Mapping, Optio
 
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from bagualu2.plan.planner import Choice
-from bagualu2.runtime.regions import region_key
+from bagualu2.shared import Budget, Choice, SavedOp, region_key
 from bagualu2.runtime.rerun import BlockRerun
 from bagualu2.runtime.recipes import StorageNode, step_inputs
 
@@ -62,27 +61,6 @@ def checked_choices(choices: Mapping[str, Choice]) -> Dict[str, Choice]:
         if not isinstance(choice, Choice):
             raise TypeError(f"plan entry {key!r}: {choice!r} is not a bagualu2.Choice")
     return out
-
-
-@dataclass(frozen=True)
-class Budget:
-    """What one micro-batch's forward holds its saved activations to, in device bytes.
-
-    ``limit`` is the budget: only crossing it is a violation. Releases aim lower, at the
-    ``target``: ``reserve`` is left for the micro-batches that will stack on this rank before
-    this one's backward (pipeline warm-up), and ``pin_headroom`` within the rest for what
-    recipes pin and nothing can release (the forward's inputs, labels the loss reads at the
-    end), which only those pins may use.
-    """
-
-    limit: int
-    reserve: int = 0
-    pin_headroom: int = 0
-
-    def target(self, pins: bool = False) -> int:
-        """Where releases aim: the limit less the reserve, less the pin headroom unless the
-        bytes are ``pins`` it is left for."""
-        return max(0, self.limit - self.reserve - (0 if pins else self.pin_headroom))
 
 
 class Frame:
@@ -126,8 +104,7 @@ class Frame:
         # set by the provisioner: this micro-batch releases all it can, to measure what releases
         # cost, and decides nothing at its gates (``provision/calibration.py``)
         self.calibrating = False
-        # key -> (bytes, seconds of its own ops, recomputable, unsaved inputs rebuilt first)
-        self.saved_profile: Dict[str, Tuple[int, float, bool, Tuple[str, ...]]] = {}
+        self.saved_profile: Dict[str, SavedOp] = {}  # key -> what the profiled forward measured of it
         self.unsaved_seconds: Dict[str, float] = {}  # those unsaved inputs' own seconds
         # Overlap scheduling (bagualu2.integrations.pipeline.overlap_driver.OverlapDriver):
         # ``on_saved(key)`` is called once per operator key, right after the first activation of
@@ -185,9 +162,9 @@ def check_keys(frame: Frame, nodes: Iterable[StorageNode]) -> None:
 
 
 def profile_saves(frame: Frame, nodes: Iterable[StorageNode]
-                  ) -> Tuple[Dict[str, Tuple[int, float, bool, Tuple[str, ...], Tuple[str, ...]]], Dict[str, float]]:
-    """Per saved key: bytes, seconds of its own ops, whether it can be rebuilt, the
-    storages nothing saved (freed after the forward) that rebuilding it must rebuild first,
+                  ) -> Tuple[Dict[str, SavedOp], Dict[str, float]]:
+    """Per saved key a ``SavedOp``: bytes, seconds of its own ops, whether it can be rebuilt,
+    the storages nothing saved (freed after the forward) that rebuilding it must rebuild first,
     up to saved storages and block inputs, and the saved storages that rebuild reads; and
     the unsaved storages' own seconds."""
     by_key = {node.key: node for node in nodes}
@@ -229,16 +206,16 @@ def profile_saves(frame: Frame, nodes: Iterable[StorageNode]
                 keys.update((n.key, None) for n in step_inputs(step) if n.key in saved and n is not root)
         return tuple(keys)
 
-    out: Dict[str, Tuple[int, float, bool, Tuple[str, ...], Tuple[str, ...]]] = {}
+    out: Dict[str, SavedOp] = {}
     for key, nbytes in saved.items():
         node = by_key.get(key)
         if node is not None:
             inputs = chain(node)
-            out[key] = (nbytes, own_seconds(node), node.rebuildable(node.state), inputs, reads(node, inputs))
+            out[key] = SavedOp(nbytes, own_seconds(node), node.rebuildable(node.state), inputs, reads(node, inputs))
         elif key in frame.region_profile:  # a compiled region: one unit, rebuilt by rerunning it whole
             nbytes, seconds = frame.region_profile[key]
             # The whole compiled model's rerun brings back every save of the forward at once:
             # it can only move the peak into backward, so no plan is offered it (recompute_all
             # still reruns it, as asked).
-            out[key] = (nbytes, seconds, key != ROOT_REGION, (), ())
+            out[key] = SavedOp(nbytes, seconds, key != ROOT_REGION)
     return out, unsaved

@@ -4,23 +4,27 @@ A gate is the module whose forward decides the routing of a MoE layer. The provi
 forward hook on it: the hook runs after routing and before the experts, and turns the gate's
 output into the number of token slots per expert (``GateSpec.counts_fn``).
 
-Recognized, walking ``model.named_modules()`` in order (layers are numbered 0, 1, ... in that
-order, counting MoE layers only):
+Gate finders register here; this module imports nothing above the runtime. A *model* finder
+(``register_gate_finder``) answers for a whole model or not at all: the engines' (Megatron-Core
+MoE layers, ``decoder.layers.i.mlp``, through :mod:`bagualu2.integrations.megatron`, and
+torchtitan's through :mod:`bagualu2.integrations.torchtitan`: a pre-hook on each layer's
+experts reads the counts its token dispatcher computed), tried in registration order; the first
+that answers gives the gates. Otherwise ``model.named_modules()`` is walked in order (layers are
+numbered 0, 1, ... in that order, counting MoE layers only), and each module is asked of the
+*module* finders (``register_module_gate``), then of the built-in rules:
 
-- the reference model's :class:`bagualu2.models.TopKRouter` (reads ``tokens_per_expert``), or,
-  in an expert-parallel layer, its :class:`bagualu2.models.ExpertDispatcher` instead: its hook runs
-  after the count exchange and before any token moves, and reads what this rank's experts will
-  receive from every rank (``num_experts`` = local experts) and, for the operators outside the
-  experts, how many slots this rank's own tokens routed (``GateSpec.size_fn``);
+- (module finder, :mod:`bagualu2.models`) the reference model's :class:`bagualu2.models.TopKRouter`
+  (reads ``tokens_per_expert``), or, in an expert-parallel layer, its
+  :class:`bagualu2.models.ExpertDispatcher` instead: its hook runs after the count exchange and
+  before any token moves, and reads what this rank's experts will receive from every rank
+  (``num_experts`` = local experts) and, for the operators outside the experts, how many slots
+  this rank's own tokens routed (``GateSpec.size_fn``);
 - Hugging Face transformers 5.x routers at ``model.layers.i.mlp.gate`` (``MixtralTopKRouter``,
   ``Qwen2MoeTopKRouter``, ``Qwen3MoeTopKRouter``, ``DeepseekV3TopkRouter`` and routers built
   the same way: a module with ``top_k`` and ``num_experts`` returning ``(router_logits,
   weights, indices)``). Counts come from the returned indices, which already include
   DeepSeek-V3's group-limited selection and ``e_score_correction_bias``; re-deriving them from
   the logits would be wrong for DeepSeek-V3;
-- Megatron-Core MoE layers (``decoder.layers.i.mlp``: ``TopKRouter`` with ``topk``), through
-  :mod:`bagualu2.integrations.megatron`: a pre-hook on each layer's experts reads the counts its
-  token dispatcher computed (torchtitan models likewise through their integration);
 - transformers 4.x gates: a plain ``nn.Linear`` named ``gate`` inside a sparse MoE block
   (a parent with ``experts`` and ``top_k`` or ``num_experts_per_tok``), returning logits; the
   counts are the top-k of the logits, as the block's softmax + top-k choose the same experts.
@@ -31,9 +35,10 @@ caller registers them explicitly (``prov.register_gate``) with :func:`counts_fro
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +48,17 @@ CountsFn = Callable[[nn.Module, tuple, Any], Tensor]
 
 SizeFn = Callable[[nn.Module, tuple, Any], int]
 """(gate module, forward args, forward output) -> token slots this rank's own tokens routed."""
+
+ModelGateFinder = Callable[[nn.Module], Optional[Sequence["GateSpec"]]]
+"""model -> its gates, or None when it is not a model the finder knows (an engine's)."""
+
+ModuleGateFinder = Callable[[str, nn.Module, Mapping[str, nn.Module]], Optional[Sequence["GateSpec"]]]
+"""(path, module, every module of the model by path) -> None when the module is not the finder's;
+else the gates at it: one, or none (a module the finder knows that is not a gate). Their
+``layer`` is renumbered in model order."""
+
+_MODEL_FINDERS: List[ModelGateFinder] = []
+_MODULE_FINDERS: List[ModuleGateFinder] = []
 
 HF_ROUTER_CLASSES = frozenset(
     {"MixtralTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "DeepseekV3TopkRouter"})
@@ -142,21 +158,6 @@ def counts_from_logits(num_experts: int, top_k: int) -> CountsFn:
     return counts_fn
 
 
-def _reference_counts(module: nn.Module, args: tuple, output: Any) -> Tensor:
-    from bagualu2.models import RouterOutput
-
-    # inside a compiled region the output arrives as a plain tuple (``regions.report_gate``)
-    return RouterOutput(*output).tokens_per_expert.detach().clone()
-
-
-def _received_counts(module: nn.Module, args: tuple, output: Any) -> Tensor:
-    return output.sum(dim=0)  # [source rank, local expert] -> per local expert
-
-
-def _routed_slots(module: nn.Module, args: tuple, output: Any) -> int:
-    return int(args[0].sum())  # the dispatcher's argument: this rank's slots per expert
-
-
 def _int_attr(module: nn.Module, *names: str) -> Optional[int]:
     for name in names:
         value = getattr(module, name, None)
@@ -169,35 +170,53 @@ def _parent(name: str) -> str:
     return name.rpartition(".")[0]
 
 
+def _registered(finders: List[Any], finder: Any) -> Callable[[], None]:
+    finders.append(finder)
+    return lambda: finders.remove(finder) if finder in finders else None
+
+
+def register_gate_finder(finder: ModelGateFinder) -> Callable[[], None]:
+    """Have :func:`find_gates` ask ``finder(model)`` first, after the finders registered before
+    it: an engine's, for the models of that engine (None for any other). Returns the function
+    that unregisters it."""
+    return _registered(_MODEL_FINDERS, finder)
+
+
+def register_module_gate(finder: ModuleGateFinder) -> Callable[[], None]:
+    """Have :func:`find_gates` ask ``finder(path, module, modules)`` of every module, before the
+    built-in rules and after the finders registered before it (a model family's gate classes).
+    Returns the function that unregisters it."""
+    return _registered(_MODULE_FINDERS, finder)
+
+
 def find_gates(model: nn.Module) -> list[GateSpec]:
     """Every recognized MoE gate of ``model``, in model order; ``[]`` when none is recognized
     (see :func:`describe_unsupported` for what to do then)."""
-    from bagualu2.integrations import megatron, torchtitan
-    from bagualu2.models import ExpertDispatcher, MoELayer, TopKRouter
+    return _discover(model)[0]
 
-    for engine in (torchtitan, megatron):
-        engine_gates = engine.find_gates(model)  # None: not a model of that engine
+
+def _discover(model: nn.Module) -> Tuple[List[GateSpec], Set[str]]:
+    """The gates found, and the paths of the modules a module finder knew that are no gate."""
+    for finder in list(_MODEL_FINDERS):
+        engine_gates = finder(model)  # None: not a model of that engine
         if engine_gates is not None:
-            return engine_gates
+            return list(engine_gates), set()
     modules = dict(model.named_modules())
     specs: list[GateSpec] = []
+    known: Set[str] = set()
 
-    def add(name: str, module: nn.Module, num_experts: int, counts_fn: CountsFn,
-            top_k: Optional[int], size_fn: Optional[SizeFn] = None, ep_size: int = 1) -> None:
-        specs.append(GateSpec(module, name, len(specs), num_experts, counts_fn, top_k, _parent(name),
-                              size_fn, ep_size))
+    def add(name: str, module: nn.Module, num_experts: int, counts_fn: CountsFn, top_k: Optional[int]) -> None:
+        specs.append(GateSpec(module, name, len(specs), num_experts, counts_fn, top_k, _parent(name)))
 
     for name, module in modules.items():
         leaf = name.rpartition(".")[2]
-        if isinstance(module, TopKRouter):
-            layer = modules.get(_parent(name))
-            if not (isinstance(layer, MoELayer) and layer.dispatcher is not None):
-                add(name, module, module.num_experts, _reference_counts, module.top_k)
-            # else the layer's dispatcher is its gate: it knows what this rank's experts receive
-        elif isinstance(module, ExpertDispatcher):
-            layer = modules.get(_parent(name))
-            top_k = layer.top_k if isinstance(layer, MoELayer) else None
-            add(name, module, module.num_local_experts, _received_counts, top_k, _routed_slots, module.ep_size)
+        found = next((f for f in (finder(name, module, modules) for finder in list(_MODULE_FINDERS))
+                      if f is not None), None)
+        if found is not None:
+            for spec in found:
+                specs.append(dataclasses.replace(spec, layer=len(specs)))
+            if not found:
+                known.add(name)
         elif type(module).__name__ in HF_ROUTER_CLASSES or (
                 leaf in ("gate", "router") and not isinstance(module, nn.Linear)
                 and _int_attr(module, "top_k") is not None
@@ -218,7 +237,7 @@ def find_gates(model: nn.Module) -> list[GateSpec]:
                     f"{name}: gate has {num_experts} outputs but its block states "
                     f"num_experts={stated}; register it explicitly with the right count")
             add(name, module, num_experts, counts_from_logits(num_experts, top_k), top_k)
-    return specs
+    return specs, known
 
 
 _ROUTER_LIKE = re.compile(r"(?i)router|routing|gating|^gate$|_gate$|gate$")
@@ -227,17 +246,14 @@ _ROUTER_LIKE = re.compile(r"(?i)router|routing|gating|^gate$|_gate$|gate$")
 def describe_unsupported(model: nn.Module) -> str:
     """Explain what :func:`find_gates` saw: modules named or typed like routers that it did not
     recognize, why, and how to register them by hand."""
-    from bagualu2.models import TopKRouter
-
-    recognized = {spec.name for spec in find_gates(model)}
+    gates, known = _discover(model)
+    recognized = {spec.name for spec in gates}
     modules = dict(model.named_modules())
     lines = []
     for name, module in modules.items():
         leaf, cls = name.rpartition(".")[2], type(module).__name__
-        if not name or name in recognized or not (_ROUTER_LIKE.search(leaf) or _ROUTER_LIKE.search(cls)):
-            continue
-        if isinstance(module, TopKRouter):
-            continue  # an expert-parallel layer's router: its dispatcher is the gate
+        if not name or name in recognized or name in known or not (_ROUTER_LIKE.search(leaf) or _ROUTER_LIKE.search(cls)):
+            continue  # known: a module finder's, no gate (an expert-parallel layer's router)
         if isinstance(module, nn.Linear) and module.out_features < 2:
             continue  # a scalar gate (e.g. Qwen2-MoE's shared_expert_gate) routes nothing
         if isinstance(module, nn.Linear):

@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set,
 import torch
 
 from bagualu2.runtime.op_effects import OpInfo
+from bagualu2.shared import call_key, module_of
 
 __all__ = ["Leaf", "RecomputeCache", "Ref", "ReplayDepth", "ReplayScope", "Replayer", "Step", "StorageNode", "ViewMeta", "call_key",
            "is_plain", "is_recomputing", "module_of", "recipe_refs", "reset_replay_depth", "step_inputs",
@@ -43,19 +44,6 @@ __all__ = ["Leaf", "RecomputeCache", "Ref", "ReplayDepth", "ReplayScope", "Repla
 
 
 _STATE = threading.local()
-
-
-def call_key(key: str) -> str:
-    """The key of the op call that made ``key``'s storage: the key of the call's first output
-    (``"<module path>:<op>:<occurrence>"``; output ``i > 0`` has ``"<that key>.<i>"``)."""
-    head, _, occurrence = key.rpartition(":")
-    return f"{head}:{occurrence.partition('.')[0]}" if "." in occurrence else key
-
-
-def module_of(key: str) -> str:
-    """The path of the module whose call ran ``key``'s op (the ``#<n>`` that numbers a module's
-    second and later calls in one forward left out)."""
-    return key.partition(":")[0].partition("#")[0]
 
 
 def is_recomputing() -> bool:

@@ -48,21 +48,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from bagualu2.shared import is_region_key, region_key
+
 __all__ = ["RegionCall", "check_compile_config", "check_compile_options", "compiled_regions", "hide_from_dynamo", "is_compiled", "region_key",
            "report_gate",
            "register_gate_report", "unregister_gate_report"]
-
-REGION_SUFFIX = "compiled"
-
-
-def region_key(path: str) -> str:
-    """The plan key of the compiled region at module path ``path`` (``""``: the whole model)."""
-    return f"{path}:{REGION_SUFFIX}"
-
-
-def is_region_key(key: str) -> bool:
-    return key.endswith(":" + REGION_SUFFIX) and key.count(":") == 1
-
 
 def _optimized_module() -> type:
     from torch._dynamo.eval_frame import OptimizedModule

@@ -60,17 +60,11 @@ PLANNED = ("static", "adaptive", "adaptive_overlap")
 def planner_api():  # noqa: ANN201 - returns the module-level names of the runtime planner
     """The runtime's planner classes ``(Planner, Candidate, Choice)``.
 
-    The simulator never re-implements the planner: it imports the same facade the runtime uses
-    (``bagualu2.Planner`` when exported there, else ``bagualu2.plan.planner``).
+    The simulator never re-implements the planner: it uses the one the provisioner solves with.
     """
-    import bagualu2
+    from bagualu2.plan.planner import Candidate, Choice, Planner
 
-    names = ("Planner", "Candidate", "Choice")
-    if all(hasattr(bagualu2, n) for n in names):
-        return tuple(getattr(bagualu2, n) for n in names)
-    from bagualu2.plan import planner as _p
-
-    return tuple(getattr(_p, n) for n in names)
+    return Planner, Candidate, Choice
 
 
 @dataclass(frozen=True)

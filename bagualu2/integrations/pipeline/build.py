@@ -41,7 +41,6 @@ class Pipeline:
     world_size: int
     num_stages: int
     n_microbatches: int
-    _cleanups: list = dataclasses.field(default_factory=list)
 
     @property
     def has_first_stage(self) -> bool:
@@ -68,9 +67,7 @@ class Pipeline:
         return losses
 
     def close(self) -> None:
-        """Undo enable_bagualu2's wiring and the tracker's wrappers."""
-        while self._cleanups:
-            self._cleanups.pop()()
+        """Remove the tracker's wrappers (``prov.disable()`` undoes what ``enable_bagualu2`` wired)."""
         self.tracker.close()
 
 

@@ -7,8 +7,8 @@
 is shared. The tracker calls ``Provisioner.set_pipeline_phase(phase, stacked_forwards - 1)``
 before each forward (the provisioner counts the *other* forwards that stack) and
 ``Provisioner.step()`` at the end of each schedule step; with ``overlap=True`` an
-``OverlapDriver`` follows the same events. ``pipe.close()`` undoes the wiring;
-``prov.disable()`` removes bagualu2.
+``OverlapDriver`` follows the same events. ``prov.disable()`` removes bagualu2 and undoes this
+wiring (``Provisioner.on_disable``); ``pipe.close()`` removes the tracker.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from bagualu2.integrations.pipeline.build import Pipeline
 from bagualu2.integrations.pipeline.phases import phase_follower
+from bagualu2.provisioner import enable
 
 __all__ = ["RankStages", "StageEntry", "enable_bagualu2"]
 
@@ -70,15 +71,12 @@ def enable_bagualu2(pipe: Pipeline, overlap: bool = False, **kwargs: Any):
     ``OverlapDriver`` (:mod:`.overlap_driver`) schedules each forward/backward pair: reloads of
     the coming backward are prefetched during the forward and the bubble, recomputes may run
     in the bubble; its counters are ``prov.report()["overlap"]``. Other keyword arguments go to
-    ``bagualu2.enable`` (budget, policy, on_exceed, ...). ``pipe.close()`` undoes the wiring;
-    ``prov.disable()`` removes bagualu2 itself.
+    ``bagualu2.enable`` (budget, policy, on_exceed, ...). ``prov.disable()`` removes bagualu2
+    and undoes this wiring; ``pipe.close()`` then removes the tracker.
     """
-    from bagualu2.provisioner import enable
-
-    if len(pipe.modules) == 1:
-        root: nn.Module = pipe.modules[0]
-    else:
-        root = RankStages(pipe.modules)
+    root: nn.Module = pipe.modules[0] if len(pipe.modules) == 1 else RankStages(pipe.modules)
+    prov = enable(root, **kwargs)
+    if isinstance(root, RankStages):
         originals = [st.submod for st in pipe.stages]
         for i, st in enumerate(pipe.stages):
             st.submod = StageEntry(root, i)
@@ -87,15 +85,13 @@ def enable_bagualu2(pipe: Pipeline, overlap: bool = False, **kwargs: Any):
             for st, sub in zip(pipe.stages, originals):
                 st.submod = sub
 
-        pipe._cleanups.append(restore)
-    prov = enable(root, **kwargs)
-
-    pipe._cleanups.append(pipe.tracker.subscribe(phase_follower(prov)))
+        prov.on_disable(restore)
+    prov.on_disable(pipe.tracker.subscribe(phase_follower(prov)))
     if overlap:
         from bagualu2.integrations.pipeline.overlap_driver import OverlapDriver
 
         driver = OverlapDriver(prov.runtime, prov.cost, prov.budget, counts=prov.mean_counts)
         prov.overlap = driver
-        pipe._cleanups.append(pipe.tracker.subscribe(driver.on_event))
-        pipe._cleanups.append(driver.close)
+        prov.on_disable(pipe.tracker.subscribe(driver.on_event))
+        prov.on_disable(driver.close)
     return prov

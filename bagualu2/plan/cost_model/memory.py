@@ -35,16 +35,12 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from bagualu2.plan.cost_model.fit import LineFit
-from bagualu2.runtime.recipes import call_key, module_of
-from bagualu2.runtime.regions import is_region_key
+from bagualu2.shared import SIZE, SavedOp, call_key, is_region_key, module_of
 
-
-# A key of a counts mapping (MoE layer -> tokens per expert) holding the routing whose total
-# sizes the micro-batch, when the layers' own entries are rounded up (planning).
-SIZE = -1
-GROUPED = -1
+GROUPED = -2
 """The expert index of an op that runs every expert of its layer at once (grouped experts):
-the layer's tokens, summed, drive it."""
+the layer's tokens, summed, drive it. An expert index, never a key of a counts mapping: it
+differs from ``SIZE`` (that key), so that neither can be read for the other."""
 
 
 @dataclass
@@ -138,14 +134,14 @@ class MemoryModel:
                 return layer, int(index) if index is not None else GROUPED
         return None, None
 
-    def observe(self, saved: Mapping[str, Tuple], counts: Mapping[int, Sequence[int]],
+    def observe(self, saved: Mapping[str, SavedOp], counts: Mapping[int, Sequence[int]],
                 forward_seconds: float, unsaved: Optional[Mapping[str, float]] = None) -> None:
         """Learn from one profiled micro-batch.
 
         Args:
-            saved: key -> (saved storage bytes, measured seconds of its own ops, recomputable,
-                keys of the unsaved storages its rebuild rebuilds first[, saved keys its rebuild
-                reads]), in the order the micro-batch first saved them.
+            saved: key -> ``SavedOp`` (saved storage bytes, measured seconds of its own ops,
+                recomputable, keys of the unsaved storages its rebuild rebuilds first, saved keys
+                its rebuild reads), in the order the micro-batch first saved them.
             counts: MoE layer -> tokens per expert of this micro-batch.
             forward_seconds: wall time of the micro-batch's forward.
             unsaved: key -> measured seconds of the ops of those unsaved storages.
@@ -155,7 +151,8 @@ class MemoryModel:
             if op is None:
                 op = self.unsaved[key] = OpCost(key, *self._driver(key))
             self._time(op, counts, seconds)
-        for key, (nbytes, seconds, recomputable, unsaved_inputs, *saved_inputs) in saved.items():
+        for key, entry in saved.items():
+            nbytes, seconds, recomputable, unsaved_inputs, saved_inputs = SavedOp(*entry)
             op = self.ops.get(key)
             if op is None:
                 layer, expert = self._driver(key)
@@ -167,7 +164,7 @@ class MemoryModel:
             self._time(op, counts, seconds)
             op.recomputable = op.recomputable and recomputable
             op.unsaved_inputs = tuple(unsaved_inputs)
-            op.saved_inputs = tuple(saved_inputs[0]) if saved_inputs else ()
+            op.saved_inputs = tuple(saved_inputs)
         self.forward_seconds = (forward_seconds if self.frames == 0
                                 else 0.5 * (self.forward_seconds + forward_seconds))
         self.frames += 1

@@ -1,0 +1,155 @@
+"""The package's layers, one way (docs/CONTRACTS.md "Layers"): the import-linter contract in
+pyproject.toml holds, an upward import breaks it, and no module reaches into another
+component's private names or through the package root."""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Tuple
+
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "bagualu2"
+
+
+def _lint_imports(package_parent: Path) -> subprocess.CompletedProcess:
+    """``lint-imports`` with the repository's contract, on the ``bagualu2`` found in
+    ``package_parent``."""
+    assert importlib.util.find_spec("importlinter"), "import-linter is missing: pip install -e '.[test]'"
+    return subprocess.run(
+        [sys.executable, "-c", "from importlinter.cli import lint_imports_command; lint_imports_command()",
+         "--no-cache", "--no-logo", str(ROOT / "pyproject.toml")],
+        cwd=package_parent, env={**os.environ, "PYTHONPATH": str(package_parent)}, capture_output=True, text=True,
+        timeout=300)
+
+
+def test_lint_imports_keeps_the_layers() -> None:
+    done = _lint_imports(ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 kept, 0 broken" in done.stdout, done.stdout
+
+
+def test_an_upward_import_inside_a_function_breaks_the_contract(tmp_path: Path) -> None:
+    # the runtime's gate discovery reaching for the reference model, as it once did
+    shutil.copytree(PACKAGE, tmp_path / "bagualu2", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    gates = tmp_path / "bagualu2" / "runtime" / "gates.py"
+    gates.write_text(gates.read_text() + "\n\ndef _reference():\n    from bagualu2.models import TopKRouter\n"
+                     "    return TopKRouter\n")
+    done = _lint_imports(tmp_path)
+    assert done.returncode != 0
+    assert "bagualu2.runtime is not allowed to import bagualu2.models" in done.stdout, done.stdout
+    assert "0 kept, 1 broken" in done.stdout
+
+
+# --- private names and the package root ---------------------------------------------------------
+
+
+def _modules() -> Iterator[Tuple[str, Path]]:
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        yield ".".join(parts), path
+
+
+def _component(module: str) -> str:
+    """``bagualu2.<first name>``: the unit whose private names its modules share."""
+    return ".".join(module.split(".")[:2])
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _absolute(module: str, path: Path, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    base = package[:len(package) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _reaches(module: str, path: Path, source: str) -> List[str]:
+    """Where ``module`` (at ``path``, reading ``source``) reaches another component's private
+    name: ``from m import _x`` or ``m._x`` with ``m`` a bagualu2 module it imported
+    (``bagualu2._C`` is the compiled module, not a private name)."""
+    tree = ast.parse(source, str(path))
+    bound: Dict[str, str] = {}  # local name -> the bagualu2 module it is
+    found = []
+
+    def foreign(target: str) -> bool:
+        return target.startswith("bagualu2.") and _component(target) != _component(module)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("bagualu2.") and alias.asname:
+                    bound[alias.asname] = alias.name
+        elif isinstance(node, ast.ImportFrom):
+            origin = _absolute(module, path, node)
+            for alias in node.names:
+                target = f"{origin}.{alias.name}"
+                if target == "bagualu2._C":
+                    continue
+                if _is_module(target):
+                    bound[alias.asname or alias.name] = target
+                elif _private(alias.name) and foreign(origin):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: from {origin} import {alias.name}")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and _private(node.attr)
+                and node.value.id in bound and foreign(bound[node.value.id])):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value.id}.{node.attr} "
+                         f"({bound[node.value.id]})")
+    return found
+
+
+def _root_imports(module: str, path: Path) -> List[str]:
+    """Imports of the package root itself (its re-exports), which the layer contract cannot see
+    through: allowed in the command line only, above every layer."""
+    if _component(module) == "bagualu2.cli" or module == "bagualu2":
+        return []
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names: List[Optional[str]] = []
+        if isinstance(node, ast.Import):
+            names = [None for alias in node.names if alias.name == "bagualu2"]
+        elif isinstance(node, ast.ImportFrom) and _absolute(module, path, node) == "bagualu2":
+            names = [alias.name for alias in node.names if alias.name != "_C" and not _is_module(f"bagualu2.{alias.name}")]
+        found += [f"{path.relative_to(ROOT)}:{node.lineno}: " + (f"from bagualu2 import {n}" if n else "import bagualu2")
+                  for n in names]
+    return found
+
+
+def test_no_module_reaches_another_components_private_names() -> None:
+    found = [line for module, path in _modules() for line in _reaches(module, path, path.read_text())]
+    assert not found, "private names reached from another component (make them public, or add a public way):\n" + \
+        "\n".join(found)
+
+
+def test_the_private_name_check_sees_what_it_flags() -> None:
+    # a module of bagualu2.provision: another component's privates are flagged, its own and the
+    # compiled module are not
+    source = ("from bagualu2.runtime.recipes import _STATE\nfrom bagualu2.provision.state import _Refs\n"
+              "from bagualu2 import _C\nfrom bagualu2.runtime import recipes\nrecipes._STATE\n"
+              "import bagualu2.runtime.ledger as ledger\nledger._drain_graph\n"
+              "from bagualu2.provision import state\nstate._Refs\n")
+    found = _reaches("bagualu2.provision.example", PACKAGE / "provision" / "example.py", source)
+    assert [line.split(": ", 1)[1] for line in found] == [
+        "from bagualu2.runtime.recipes import _STATE",
+        "recipes._STATE (bagualu2.runtime.recipes)", "ledger._drain_graph (bagualu2.runtime.ledger)"]
+
+
+def test_only_the_command_line_imports_the_package_root() -> None:
+    found = [line for module, path in _modules() for line in _root_imports(module, path)]
+    assert not found, ("imports of the package root below the command line (import the module that "
+                       "defines the name instead):\n" + "\n".join(found))
