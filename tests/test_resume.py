@@ -139,6 +139,27 @@ def test_a_state_from_another_model_version_or_rank_layout_or_a_partial_one_is_r
     _refused(fewer_gates, saved, "another model's: its gates differ")
 
 
+
+def test_a_version_1_state_loads_with_its_grouped_operators_read_as_grouped(profiled: Any) -> None:
+    """Version 1 wrote a grouped-experts operator's expert as -1 (``SIZE``'s value, since
+    ``GROUPED`` became -2): such a state still loads, and decides as the run that saved it."""
+    from bagualu2.plan.cost_model import GROUPED
+    from bagualu2.provision.state import VERSION
+
+    key, op = next(iter(profiled.cost.ops.items()))
+    was = op.expert
+    op.expert = -1  # what version 1 wrote for a grouped operator
+    try:
+        entry = profiled.state_dict()["rank_0"]
+    finally:
+        op.expert = was
+    assert VERSION == 2
+    fresh = bagualu2.enable(make_model(), budget=profiled.budget, min_bytes=0)
+    fresh.load_state_dict({"rank_0": {**entry, "version": 1}})
+    assert fresh.cost.ops[key].expert == GROUPED
+    assert [o.expert for k, o in fresh.cost.ops.items() if k != key] == \
+        [o.expert for k, o in profiled.cost.ops.items() if k != key]
+
 # torch warns that a save without a process group is a single process's: that is the intent here.
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_torch_distributed_checkpoint_saves_and_loads_the_provisioner_as_a_stateful(profiled: Any,

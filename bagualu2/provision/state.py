@@ -36,12 +36,26 @@ from typing import Any, Dict, Mapping, Sequence
 
 import torch
 
+from bagualu2.plan.cost_model import GROUPED
+
 __all__ = ["VERSION", "load", "rank_key", "save", "signature"]
 
 VERSION = 2
 """2: the cost model's grouped-expert index became ``GROUPED = -2`` (it was -1, the value of
-``SIZE``); a version-1 state would read its grouped operators as driven by the last expert."""
+``SIZE``); a version-1 state is still read, its grouped operators' -1 as ``GROUPED``."""
 _FIELDS = ("version", "gates", "modules", "learned")
+
+
+def _from_version_1(fields: Dict[str, Any]) -> None:
+    """A version-1 state's grouped operators, expert -1, read as ``GROUPED`` (no other op has a
+    negative expert). Only the freshly read objects change: pieces are objects of their own."""
+    memory = fields.get("cost", {}).get("memory")
+    for op in getattr(memory, "ops", {}).values():
+        if op.expert == -1:
+            op.expert = GROUPED
+
+
+_READS = {1: _from_version_1, VERSION: lambda fields: None}  # version -> what brings its fields to this one
 
 
 def rank_key() -> str:
@@ -131,9 +145,9 @@ def load(state_dict: Mapping[str, Any], pieces: Mapping[str, Any], sig: Mapping[
     if missing:
         raise ValueError(f"bagualu2: the provisioner state of {key} is partial: {missing} missing; it was not "
                          f"loaded (save a whole state_dict())")
-    if entry["version"] != VERSION:
+    if entry["version"] not in _READS:
         raise ValueError(f"bagualu2: the provisioner state of {key} has version {entry['version']!r}; this "
-                         f"bagualu2 reads version {VERSION}; it was not loaded")
+                         f"bagualu2 reads versions {sorted(_READS)}; it was not loaded")
     for field in ("gates", "modules"):
         if entry[field] != sig[field]:
             raise ValueError(f"bagualu2: the provisioner state of {key} is another model's: its {field} differ "
@@ -147,6 +161,7 @@ def load(state_dict: Mapping[str, Any], pieces: Mapping[str, Any], sig: Mapping[
     except Exception as e:  # noqa: BLE001 - any failure to read it whole is the one error named below
         raise ValueError(f"bagualu2: the provisioner state of {key} cannot be read whole ({type(e).__name__}: "
                          f"{e}); it is truncated or corrupt, and was not loaded") from e
+    _READS[entry["version"]](fields)
     saved_order = list(fields["cost"]["memory"].order) if "cost" in fields and "memory" in fields["cost"] else []
     if order and saved_order and list(order) != saved_order:
         raise ValueError(f"bagualu2: the provisioner state of {key} is another model's: its operators differ "
