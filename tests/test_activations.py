@@ -1228,6 +1228,30 @@ def test_a_traced_storage_is_held_weakly() -> None:
         assert watch.expired(), f"the trace kept {node} alive"
 
 
+
+def test_an_in_place_write_no_recipe_keeps_pins_nothing_it_reads() -> None:
+    """An in-place op on an older storage that reads a newer one is recorded without its
+    arguments, so the tensor from outside the forward it also reads is neither pinned nor
+    counted: a frame counts as pinned only what its recipes hold (here the written storage,
+    which ``tanh``'s recipe reads as it is)."""
+    torch.manual_seed(0)
+    rt = ActivationRuntime(None)
+    lin = torch.nn.Linear(16, 16)
+    rt.set_parameters(lin.parameters())
+    scale = torch.randn(16)
+    frame = Frame()
+    with rt.frame(frame):
+        acc = torch.zeros(8, 16)
+        h = lin(torch.randn(8, 16))
+        with torch.no_grad():  # nothing saves ``scale``
+            acc.addcmul_(h, scale)
+        loss = (acc.tanh() * h).sum()
+        assert rt.mode.nodes[acc.untyped_storage()._cdata].why_not.endswith("created after it")
+    assert frame.stats.leaf_bytes == acc.untyped_storage().nbytes() and frame.stats.outside_bytes == 0
+    loss.backward()
+    del loss
+    assert rt.ledger.resident == 0
+
 # -- whole-block rerun (Frame.rerun_blocks) ------------------------------------------------------
 def rerun_frame() -> Frame:
     frame = Frame(default=Choice.RECOMPUTE)

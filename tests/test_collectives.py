@@ -302,6 +302,53 @@ def test_fsdp2_sharded_parameters_count_as_parameters_not_activations() -> None:
     assert calm and all(mb[3]["offload"] == 0 and mb[3]["recompute"] == 0 for mb in calm), adaptive
 
 
+class FirstUnshard(torch.nn.Module):
+    """FSDP2's unshard as its first forward in a process runs it: the all-gather's output, made
+    in the forward and written by a collective, is copied into the unsharded parameters'
+    buffers, allocated in that forward (later ones reuse them), by one op that writes them all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.shard = torch.nn.Parameter(torch.randn(4096))
+        self.unsharded: List[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gathered = torch.empty(self.shard.numel())  # one rank's world
+        dist.all_gather_single(gathered, self.shard.detach())
+        if not self.unsharded:
+            self.unsharded = [torch.empty(1, 3072), torch.empty(1, 1024)]
+        with torch.no_grad():
+            torch.split_with_sizes_copy(gathered.view(1, -1), [3072, 1024], dim=1, out=self.unsharded)
+        return self.proj(x).tanh().sum()
+
+
+def test_a_write_into_buffers_the_forward_made_pins_nothing_no_recipe_keeps() -> None:
+    """One op writing several storages is recorded without its arguments (no replay could
+    write only one of them), so what it reads is neither held nor counted: FSDP2's first
+    forward in a process (a resumed run's first, for one) holds what any later one does.
+    Counted, the all-gather's output stayed in the most a forward held that no plan releases,
+    and every later decision left room for it."""
+    x = torch.randn(8, 16)
+
+    def pinned(warm: bool) -> List[int]:
+        torch.manual_seed(0)
+        model = FirstUnshard()
+        if warm:  # the buffers are there before bagualu2 sees a forward
+            model(x).backward()
+        prov = bagualu2.enable(model, budget=None, policy="keep_all", min_bytes=0)
+        seen = []
+        for _ in range(3):
+            model(x).backward()
+            prov.step()
+            seen.append(prov.footprint.pinned_bytes)
+        prov.disable()
+        return seen
+
+    # Held from outside the forward in every one: its input, which the projection saves.
+    assert pinned(False) == pinned(True) == [x.untyped_storage().nbytes()] * 3
+
+
 # -- FSDP2: two real ranks --------------------------------------------------------------------
 def _fsdp_rank(rank: int, world: int, out: str, order: str, seed: int) -> None:
     from torch.distributed.fsdp import fully_shard

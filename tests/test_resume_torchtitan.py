@@ -8,7 +8,8 @@ learning-rate schedulers, a train state with each rank's RNG, which draws its ba
 rank's provisioner state); a second launch, new processes, builds the run again, loads the
 checkpoint and trains the rest. Every later loss and gradient is bit-exact with the run that
 never stopped; the resumed run profiles and calibrates nothing, decides from the bytes the
-uninterrupted run decided from, and plans the first spike after the resume on the rank it lands
+uninterrupted run decided from (its first forward, FSDP2's first in the new processes,
+included: nothing runs before ``bagualu2.enable``), and plans the first spike after the resume on the rank it lands
 on (rank 1: rank 0's tokens spike onto rank 1's expert). A third launch leaves the provisioner
 out of the load (torchtitan's ``exclude_from_loading``): the control, which starts over and does
 not plan that spike. Rank code: tests/torchtitan_resume_ranks.py.

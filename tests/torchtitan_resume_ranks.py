@@ -70,10 +70,6 @@ def resume_case(rank: int, world: int, mode: str, out: str) -> None:
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 
     run = ranks.build(world, ep=2)
-    # FSDP2's first forward outside the provisioner, in every launch: after a checkpoint load,
-    # bagualu2 counts what that forward's lazy initialization lays out as held bytes
-    # (docs/engines.md, "Checkpoints", known limit).
-    ranks.step(run, 0)
     budget_file = Path(out, f"budget{rank}.json")
     if mode == "whole":
         budget_file.write_text(json.dumps(int(_calm_peak(run) * BUDGET_OF_CALM_PEAK)))

@@ -33,6 +33,8 @@ Invariants:
   (``replayable``). A later op reading such a storage, or one no replay can rebuild (made by
   an op that cannot be replayed), holds it as a ``Leaf`` instead.
 * Tracing never extends the life of an activation: nodes hold their storages weakly (recipes.py).
+  A tensor from outside the traced forward is pinned (held and counted) only by a step a
+  recipe keeps: a step left unrecorded pins nothing, even for a moment.
 * Replaying a recipe runs the same aten ops on bitwise-identical inputs with the same RNG state,
   so it reproduces the storage bit for bit. Ops that mutate storages outside the traced region
   (running statistics, collectives; also the batch-norm ops whose schemas do not declare their
@@ -154,7 +156,11 @@ class TracingMode(TorchDispatchMode):
         return all(path == o or path.startswith(o + ".") or not o for o in node.owners)
 
     # -- recording --------------------------------------------------------------------------
-    def _encode(self, x: Any, mutated: Optional[StorageNode]) -> Any:
+    def _encode(self, x: Any, mutated: Optional[StorageNode],
+                unpinned: Optional[List[Tuple[Leaf, torch.Tensor]]] = None) -> Any:
+        """``x`` with its tensors as a recipe holds them: ``Ref``s to traced storages, ``Leaf``s
+        for the rest, pinned (``pin_leaf``) unless ``unpinned`` is given: then they are listed
+        there, for the caller to pin once it keeps the step."""
         if isinstance(x, torch.Tensor):
             if not is_plain(x):
                 return Leaf(x, None)
@@ -163,14 +169,18 @@ class TracingMode(TorchDispatchMode):
             if node is None or (node is not mutated and not node.rebuildable(len(node.mutations))):
                 if node is None and cdata in self.written_outside:
                     self._owners.add(self.written_outside[cdata][1])
-                return Leaf(x, self._pin_leaf(x))
+                if unpinned is None:
+                    return Leaf(x, self._pin_leaf(x))
+                leaf = Leaf(x, None)
+                unpinned.append((leaf, x))
+                return leaf
             if node.owners and node is not mutated and node.anchor is None:  # a rebuild stops at a held anchor
                 self._owners.update(node.owners)
             return Ref(SELF if node is mutated else node, len(node.mutations), view_meta(x))
         if isinstance(x, (list, tuple)):
-            return type(x)([v if type(v) in _SCALARS else self._encode(v, mutated) for v in x])
+            return type(x)([v if type(v) in _SCALARS else self._encode(v, mutated, unpinned) for v in x])
         if isinstance(x, dict):  # keyword arguments (an attention mask is keyword-only)
-            return {k: self._encode(v, mutated) for k, v in x.items()} if x else _NO_KWARGS
+            return {k: self._encode(v, mutated, unpinned) for k, v in x.items()} if x else _NO_KWARGS
         return x
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
@@ -265,7 +275,12 @@ class TracingMode(TorchDispatchMode):
         for node, t in targets:
             if node.replayable == len(node.mutations):
                 self._owners = set(node.owners or ())
-                step = Step(func, self._encode(args, node), self._encode(kwargs, node), rng, 0, seconds)
+                # Pinned only if the step is kept: a pin counts as bytes the frame holds, even
+                # one the step left unrecorded below would drop at once (FSDP2's first
+                # all-gather copies into the parameter buffers it allocates in that forward).
+                unpinned: List[Tuple[Leaf, torch.Tensor]] = []
+                step = Step(func, self._encode(args, node, unpinned), self._encode(kwargs, node, unpinned), rng, 0,
+                            seconds)
                 node.owners = frozenset(self._owners) if self._owners else None
                 if foreign or len(targets) > 1 or not info.replayable:
                     node.why_not = info.why_not or f"{info.name} also writes storage outside this node"
@@ -273,6 +288,8 @@ class TracingMode(TorchDispatchMode):
                     node.why_not = f"{info.name} writes it from storages created after it"
                 else:
                     node.replayable += 1
+                    for leaf, x in unpinned:
+                        leaf.pin = self._pin_leaf(x)
             if len(node.mutations) >= node.replayable:
                 step = Step(func, (), {}, None, 0, seconds)  # not replayable: keep no references
             node.mutations += (step,)
