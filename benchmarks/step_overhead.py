@@ -42,6 +42,21 @@ second run profiting from the first); reported: the median over rounds of the ra
 round (paired), and the ratios of medians and of bests.
 
     python benchmarks/step_overhead.py --config bench --steps 7 --out step_overhead.json
+
+``--host-cost`` measures instead what each way of handling saved tensors adds to the host per
+aten op, where host time is all there is: a chain of ``--links`` tiny links (a matmul with a
+weight, a sigmoid gate, a residual add: four aten ops and five saved tensors each, on a
+4 x 8 tensor), forward and backward, under plain autograd, ``torch.autograd.graph.save_on_cpu``
+(``pin_memory=False``: the hook pair alone), torch's selective checkpointing over the whole
+chain (matmul outputs saved, the rest recomputed), bagualu2 ``keep_all``, bagualu2 traced (a
+fixed plan recomputing the last link's sigmoid: a plan that keeps everything is not traced) and
+bagualu2 adaptive with an ample budget (calm: untraced). Each round
+times ``--reps`` steps of every variant, in an order shuffled every round; reported per variant:
+the median over rounds of (its step time - plain's in the same round) / the forward's aten ops
+(counted by a dispatch mode, not estimated), the quartiles over rounds, and the median of the
+per-round ratios to ``save_on_cpu``'s.
+
+    python benchmarks/step_overhead.py --host-cost --rounds 30 --out host_cost.json
 """
 from __future__ import annotations
 
@@ -55,10 +70,13 @@ import random
 import re
 import statistics
 import time
+import warnings
+from functools import partial
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.utils.checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import bagualu2
 from bagualu2.runtime import Frame
@@ -107,6 +125,148 @@ class StepPeak:
         return self._status("VmHWM") - before
 
 
+class Link(torch.nn.Module):
+    """One link of the host-cost chain: ``h = x @ w; h * sigmoid(h) + x``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(width, width) / width ** 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.weight
+        return h * torch.sigmoid(h) + x
+
+
+class Chain(torch.nn.Module):
+    def __init__(self, links: int, width: int) -> None:
+        super().__init__()
+        self.links = torch.nn.ModuleList(Link(width) for _ in range(links))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for link in self.links:
+            x = link(x)
+        return x.sum()
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops that run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _quartiles(values: List[float]) -> Tuple[float, float, float]:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    return q[0], statistics.median(values), q[2]
+
+
+def host_cost(args: argparse.Namespace) -> None:
+    """The ``--host-cost`` mode (see the module's docstring)."""
+    torch.manual_seed(0)
+    model = Chain(args.links, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    counter = OpCounter()
+    with counter:
+        loss = model(x)
+    saves = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saves.append(1) or t, lambda t: t):
+        model(x)
+    ops = counter.ops
+    del loss
+
+    def plain() -> None:
+        model(x).backward()
+
+    def save_on_cpu() -> None:
+        with torch.autograd.graph.save_on_cpu(pin_memory=False):
+            loss = model(x)
+        loss.backward()
+
+    mm = {torch.ops.aten.mm.default}
+
+    def sac_policy(ctx, op, *a, **k):  # type: ignore[no-untyped-def]
+        return (torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE if op in mm
+                else torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE)
+
+    context = partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, sac_policy)
+
+    def selective() -> None:
+        torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False, context_fn=context).backward()
+
+    provisioners: Dict[str, bagualu2.Provisioner] = {}
+
+    def provisioned(name: str, policy: Union[str, dict], budget: Optional[int] = None) -> Callable[[], None]:
+        own = copy.deepcopy(model)
+        with warnings.catch_warnings():  # the chain has no MoE gate: the budget check alone decides
+            warnings.filterwarnings("ignore", message="bagualu2.enable: no MoE gate found")
+            provisioners[name] = bagualu2.enable(own, budget=budget, policy=policy)
+
+        def run() -> None:
+            own(x).backward()
+        return run
+
+    variants: Dict[str, Callable[[], None]] = {
+        "plain pytorch": plain,
+        "torch save_on_cpu": save_on_cpu,
+        "torch selective checkpoint": selective,
+        "bagualu2 keep_all": provisioned("bagualu2 keep_all", "keep_all"),
+        # A plan that keeps all but one op (the last sigmoid, recomputed) is traced: an all-keep
+        # plan is not (it releases nothing, so its recipes would never be used).
+        "bagualu2 traced": provisioned("bagualu2 traced",
+                                       {f"links.{args.links - 1}:aten.sigmoid.default:0": bagualu2.Choice.RECOMPUTE}),
+        "bagualu2 adaptive, calm": provisioned("bagualu2 adaptive, calm", "adaptive", budget=1 << 40),
+    }
+    names = list(variants)
+    times: Dict[str, List[float]] = {name: [] for name in names}
+    order = random.Random(0)
+    for i in range(args.warmup + args.rounds):
+        order.shuffle(names)
+        for name in names:
+            fn = variants[name]
+            start = time.perf_counter()
+            for _ in range(args.reps):
+                fn()
+            elapsed = (time.perf_counter() - start) / args.reps
+            if i >= args.warmup:
+                times[name].append(elapsed)
+        model.zero_grad(set_to_none=True)
+    traced = {name: prov.report()["traced_micro_batches"] for name, prov in provisioners.items()}
+    # Per round: microseconds per forward aten op above plain, and the ratio to save_on_cpu's.
+    above = {name: [(t - p) * 1e6 / ops for t, p in zip(times[name], times["plain pytorch"])]
+             for name in names if name != "plain pytorch"}
+    versus = {name: [a / b for a, b in zip(above[name], above["torch save_on_cpu"])] for name in above}
+    print(f"chain: {args.links} links, {ops} aten ops and {len(saves)} saved tensors per forward; "
+          f"{args.rounds} rounds of {args.reps} steps per variant")
+    print(f"{'variant':<30}{'step us':>10}{'us/op above plain':>20}{'quartiles':>18}{'x save_on_cpu':>16}")
+    order_out = ["plain pytorch", "torch save_on_cpu", "torch selective checkpoint", "bagualu2 keep_all",
+                 "bagualu2 traced", "bagualu2 adaptive, calm"]
+    for name in order_out:
+        step = statistics.median(times[name]) * 1e6
+        if name == "plain pytorch":
+            print(f"{name:<30}{step:>10.0f}")
+            continue
+        q1, med, q3 = _quartiles(above[name])
+        print(f"{name:<30}{step:>10.0f}{med:>20.2f}{f'{q1:.2f}..{q3:.2f}':>18}"
+              f"{statistics.median(versus[name]):>15.2f}x")
+    print(f"traced micro-batches: {traced}")
+    result = {
+        "mode": "host_cost", "links": args.links, "aten_ops_per_forward": ops, "saves_per_forward": len(saves),
+        "rounds": args.rounds, "reps": args.reps, "threads": torch.get_num_threads(),
+        "step_s": times, "us_per_op_above_plain": {n: _quartiles(v) for n, v in above.items()},
+        "ratio_to_save_on_cpu": {n: statistics.median(v) for n, v in versus.items()},
+        "traced_micro_batches": traced,
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="bench", choices=["tiny", "small", "bench"])
@@ -120,7 +280,15 @@ def main() -> None:
     parser.add_argument("--peak-repeats", type=int, default=3,
                         help="steps per variant whose memory high-water mark is read (the median is shown)")
     parser.add_argument("--out", default="step_overhead.json")
+    parser.add_argument("--host-cost", action="store_true",
+                        help="measure the host cost per aten op on a chain of tiny ops instead (see above)")
+    parser.add_argument("--links", type=int, default=50, help="--host-cost: links in the chain (4 aten ops each)")
+    parser.add_argument("--rounds", type=int, default=30, help="--host-cost: timed rounds")
+    parser.add_argument("--reps", type=int, default=20, help="--host-cost: steps per variant per round")
     args = parser.parse_args()
+    if args.host_cost:
+        host_cost(args)
+        return
 
     model = build(args.config, args.ep_size)
     batch = next(synthetic_batches(model.cfg.vocab_size, args.batch, args.seq, seed=0))
