@@ -50,11 +50,16 @@ weight, a sigmoid gate, a residual add: four aten ops and five saved tensors eac
 (``pin_memory=False``: the hook pair alone), torch's selective checkpointing over the whole
 chain (matmul outputs saved, the rest recomputed), bagualu2 ``keep_all``, bagualu2 traced (a
 fixed plan recomputing the last link's sigmoid: a plan that keeps everything is not traced) and
-bagualu2 adaptive with an ample budget (calm: untraced). Each round
-times ``--reps`` steps of every variant, in an order shuffled every round; reported per variant:
-the median over rounds of (its step time - plain's in the same round) / the forward's aten ops
-(counted by a dispatch mode, not estimated), the quartiles over rounds, and the median of the
-per-round ratios to ``save_on_cpu``'s.
+bagualu2 adaptive with an ample budget (calm: untraced). The same runs on a chain of
+``--short-links`` links, and each round times ``--reps`` steps of every variant on each chain,
+in an order shuffled every round. Times are the calling thread's CPU time (on cpu tensors this
+small, forward and backward run on it alone): on a shared machine the other processes' load
+stretches wall time many times over, and thread time far less. Reported per variant: the median over rounds of (its step
+time - plain's in the same round) / the long chain forward's aten ops (counted by a dispatch
+mode, not estimated), with the quartiles over rounds; the marginal cost per aten op (the slope
+between the two chains: what a save costs, without what a step costs once) and the fixed cost
+per step that is left; each per-op cost also as the median of its per-round ratios to
+``save_on_cpu``'s.
 
     python benchmarks/step_overhead.py --host-cost --rounds 30 --out host_cost.json
 """
@@ -165,20 +170,18 @@ def _quartiles(values: List[float]) -> Tuple[float, float, float]:
     return q[0], statistics.median(values), q[2]
 
 
-def host_cost(args: argparse.Namespace) -> None:
-    """The ``--host-cost`` mode (see the module's docstring)."""
+def host_variants(links: int, x: torch.Tensor, provisioners: Dict[str, bagualu2.Provisioner]
+                  ) -> Tuple[Dict[str, Callable[[], None]], int, int]:
+    """The ``--host-cost`` variants on a chain of ``links`` links, and the aten ops (counted by
+    a dispatch mode) and saved tensors of its forward."""
     torch.manual_seed(0)
-    model = Chain(args.links, 8)
-    x = torch.randn(4, 8, requires_grad=True)
-
+    model = Chain(links, 8)
     counter = OpCounter()
     with counter:
-        loss = model(x)
-    saves = []
+        model(x)
+    saves: List[int] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saves.append(1) or t, lambda t: t):
         model(x)
-    ops = counter.ops
-    del loss
 
     def plain() -> None:
         model(x).backward()
@@ -199,13 +202,11 @@ def host_cost(args: argparse.Namespace) -> None:
     def selective() -> None:
         torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False, context_fn=context).backward()
 
-    provisioners: Dict[str, bagualu2.Provisioner] = {}
-
     def provisioned(name: str, policy: Union[str, dict], budget: Optional[int] = None) -> Callable[[], None]:
         own = copy.deepcopy(model)
         with warnings.catch_warnings():  # the chain has no MoE gate: the budget check alone decides
             warnings.filterwarnings("ignore", message="bagualu2.enable: no MoE gate found")
-            provisioners[name] = bagualu2.enable(own, budget=budget, policy=policy)
+            provisioners[f"{name} ({links} links)"] = bagualu2.enable(own, budget=budget, policy=policy)
 
         def run() -> None:
             own(x).backward()
@@ -219,47 +220,71 @@ def host_cost(args: argparse.Namespace) -> None:
         # A plan that keeps all but one op (the last sigmoid, recomputed) is traced: an all-keep
         # plan is not (it releases nothing, so its recipes would never be used).
         "bagualu2 traced": provisioned("bagualu2 traced",
-                                       {f"links.{args.links - 1}:aten.sigmoid.default:0": bagualu2.Choice.RECOMPUTE}),
+                                       {f"links.{links - 1}:aten.sigmoid.default:0": bagualu2.Choice.RECOMPUTE}),
         "bagualu2 adaptive, calm": provisioned("bagualu2 adaptive, calm", "adaptive", budget=1 << 40),
     }
-    names = list(variants)
-    times: Dict[str, List[float]] = {name: [] for name in names}
+    return variants, counter.ops, len(saves)
+
+
+def host_cost(args: argparse.Namespace) -> None:
+    """The ``--host-cost`` mode (see the module's docstring)."""
+    x = torch.randn(4, 8, requires_grad=True)
+    provisioners: Dict[str, bagualu2.Provisioner] = {}
+    lengths = (args.short_links, args.links)
+    chains = {n: host_variants(n, x, provisioners) for n in lengths}
+    names = list(chains[args.links][0])
+    runs = [(name, n) for name in names for n in lengths]
+    times: Dict[Tuple[str, int], List[float]] = {run: [] for run in runs}
     order = random.Random(0)
     for i in range(args.warmup + args.rounds):
-        order.shuffle(names)
-        for name in names:
-            fn = variants[name]
-            start = time.perf_counter()
+        order.shuffle(runs)
+        for name, n in runs:
+            fn = chains[n][0][name]
+            start = time.thread_time()
             for _ in range(args.reps):
                 fn()
-            elapsed = (time.perf_counter() - start) / args.reps
+            elapsed = (time.thread_time() - start) / args.reps
             if i >= args.warmup:
-                times[name].append(elapsed)
-        model.zero_grad(set_to_none=True)
-    traced = {name: prov.report()["traced_micro_batches"] for name, prov in provisioners.items()}
-    # Per round: microseconds per forward aten op above plain, and the ratio to save_on_cpu's.
-    above = {name: [(t - p) * 1e6 / ops for t, p in zip(times[name], times["plain pytorch"])]
-             for name in names if name != "plain pytorch"}
-    versus = {name: [a / b for a, b in zip(above[name], above["torch save_on_cpu"])] for name in above}
-    print(f"chain: {args.links} links, {ops} aten ops and {len(saves)} saved tensors per forward; "
-          f"{args.rounds} rounds of {args.reps} steps per variant")
-    print(f"{'variant':<30}{'step us':>10}{'us/op above plain':>20}{'quartiles':>18}{'x save_on_cpu':>16}")
-    order_out = ["plain pytorch", "torch save_on_cpu", "torch selective checkpoint", "bagualu2 keep_all",
-                 "bagualu2 traced", "bagualu2 adaptive, calm"]
-    for name in order_out:
-        step = statistics.median(times[name]) * 1e6
+                times[(name, n)].append(elapsed)
+    (_, short_ops, _), (_, ops, saves) = chains[lengths[0]], chains[lengths[1]]
+    # Per round, above plain in the same round: microseconds per aten op of the long chain; the
+    # marginal cost per op (the slope between the two chains) and what is left per step.
+    above = {name: {n: [(t - p) * 1e6 for t, p in zip(times[(name, n)], times[("plain pytorch", n)])]
+                    for n in lengths} for name in names if name != "plain pytorch"}
+    per_op = {name: [a / ops for a in v[args.links]] for name, v in above.items()}
+    marginal = {name: [(a - b) / (ops - short_ops) for a, b in zip(v[args.links], v[args.short_links])]
+                for name, v in above.items()}
+    fixed = {name: [a - m * ops for a, m in zip(above[name][args.links], marginal[name])] for name in above}
+
+    def versus(values: Dict[str, List[float]]) -> Dict[str, float]:
+        return {name: statistics.median(a / b for a, b in zip(v, values["torch save_on_cpu"]))
+                for name, v in values.items()}
+
+    per_op_ratio, marginal_ratio = versus(per_op), versus(marginal)
+    print(f"chains: {lengths[0]} and {lengths[1]} links ({short_ops} and {ops} aten ops, the long one saving "
+          f"{saves} tensors per forward); {args.rounds} rounds of {args.reps} steps per variant and chain")
+    print(f"{'variant':<28}{'step us':>9}{'us/op above plain':>19}{'quartiles':>16}{'x soc':>8}"
+          f"{'marginal us/op':>16}{'x soc':>8}{'fixed us/step':>15}")
+    for name in names:
+        step = statistics.median(times[(name, args.links)]) * 1e6
         if name == "plain pytorch":
-            print(f"{name:<30}{step:>10.0f}")
+            print(f"{name:<28}{step:>9.0f}")
             continue
-        q1, med, q3 = _quartiles(above[name])
-        print(f"{name:<30}{step:>10.0f}{med:>20.2f}{f'{q1:.2f}..{q3:.2f}':>18}"
-              f"{statistics.median(versus[name]):>15.2f}x")
+        q1, med, q3 = _quartiles(per_op[name])
+        print(f"{name:<28}{step:>9.0f}{med:>19.2f}{f'{q1:.2f}..{q3:.2f}':>16}{per_op_ratio[name]:>7.2f}x"
+              f"{statistics.median(marginal[name]):>16.2f}{marginal_ratio[name]:>7.2f}x"
+              f"{statistics.median(fixed[name]):>15.0f}")
+    traced = {name: prov.report()["traced_micro_batches"] for name, prov in provisioners.items()}
     print(f"traced micro-batches: {traced}")
     result = {
-        "mode": "host_cost", "links": args.links, "aten_ops_per_forward": ops, "saves_per_forward": len(saves),
+        "mode": "host_cost", "links": lengths, "aten_ops_per_forward": [short_ops, ops], "saves_per_forward": saves,
         "rounds": args.rounds, "reps": args.reps, "threads": torch.get_num_threads(),
-        "step_s": times, "us_per_op_above_plain": {n: _quartiles(v) for n, v in above.items()},
-        "ratio_to_save_on_cpu": {n: statistics.median(v) for n, v in versus.items()},
+        "step_s": {f"{name} ({n} links)": v for (name, n), v in times.items()},
+        "us_per_op_above_plain": {n: _quartiles(v) for n, v in per_op.items()},
+        "ratio_to_save_on_cpu": per_op_ratio,
+        "marginal_us_per_op": {n: _quartiles(v) for n, v in marginal.items()},
+        "marginal_ratio_to_save_on_cpu": marginal_ratio,
+        "fixed_us_per_step": {n: _quartiles(v) for n, v in fixed.items()},
         "traced_micro_batches": traced,
     }
     with open(args.out, "w") as f:
@@ -283,6 +308,8 @@ def main() -> None:
     parser.add_argument("--host-cost", action="store_true",
                         help="measure the host cost per aten op on a chain of tiny ops instead (see above)")
     parser.add_argument("--links", type=int, default=50, help="--host-cost: links in the chain (4 aten ops each)")
+    parser.add_argument("--short-links", type=int, default=10,
+                        help="--host-cost: links in the short chain (the marginal cost per op is the slope)")
     parser.add_argument("--rounds", type=int, default=30, help="--host-cost: timed rounds")
     parser.add_argument("--reps", type=int, default=20, help="--host-cost: steps per variant per round")
     args = parser.parse_args()
