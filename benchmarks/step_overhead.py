@@ -42,6 +42,26 @@ second run profiting from the first); reported: the median over rounds of the ra
 round (paired), and the ratios of medians and of bests.
 
     python benchmarks/step_overhead.py --config bench --steps 7 --out step_overhead.json
+
+``--host-cost`` measures instead what each way of handling saved tensors adds to the host per
+aten op, where host time is all there is: a chain of ``--links`` tiny links (a matmul with a
+weight, a sigmoid gate, a residual add: four aten ops and five saved tensors each, on a
+4 x 8 tensor), forward and backward, under plain autograd, ``torch.autograd.graph.save_on_cpu``
+(``pin_memory=False``: the hook pair alone), torch's selective checkpointing over the whole
+chain (matmul outputs saved, the rest recomputed), bagualu2 ``keep_all``, bagualu2 traced (a
+fixed plan recomputing the last link's sigmoid: a plan that keeps everything is not traced) and
+bagualu2 adaptive with an ample budget (calm: untraced). The same runs on a chain of
+``--short-links`` links, and each round times ``--reps`` steps of every variant on each chain,
+in an order shuffled every round. Times are the calling thread's CPU time (on cpu tensors this
+small, forward and backward run on it alone): on a shared machine the other processes' load
+stretches wall time many times over, and thread time far less. Reported per variant: the median over rounds of (its step
+time - plain's in the same round) / the long chain forward's aten ops (counted by a dispatch
+mode, not estimated), with the quartiles over rounds; the marginal cost per aten op (the slope
+between the two chains: what a save costs, without what a step costs once) and the fixed cost
+per step that is left; each per-op cost also as the median of its per-round ratios to
+``save_on_cpu``'s.
+
+    python benchmarks/step_overhead.py --host-cost --rounds 30 --out host_cost.json
 """
 from __future__ import annotations
 
@@ -55,10 +75,13 @@ import random
 import re
 import statistics
 import time
+import warnings
+from functools import partial
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.utils.checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import bagualu2
 from bagualu2.runtime import Frame
@@ -107,6 +130,168 @@ class StepPeak:
         return self._status("VmHWM") - before
 
 
+class Link(torch.nn.Module):
+    """One link of the host-cost chain: ``h = x @ w; h * sigmoid(h) + x``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(width, width) / width ** 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.weight
+        return h * torch.sigmoid(h) + x
+
+
+class Chain(torch.nn.Module):
+    def __init__(self, links: int, width: int) -> None:
+        super().__init__()
+        self.links = torch.nn.ModuleList(Link(width) for _ in range(links))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for link in self.links:
+            x = link(x)
+        return x.sum()
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops that run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _quartiles(values: List[float]) -> Tuple[float, float, float]:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    return q[0], statistics.median(values), q[2]
+
+
+def host_variants(links: int, x: torch.Tensor, provisioners: Dict[str, bagualu2.Provisioner]
+                  ) -> Tuple[Dict[str, Callable[[], None]], int, int]:
+    """The ``--host-cost`` variants on a chain of ``links`` links, and the aten ops (counted by
+    a dispatch mode) and saved tensors of its forward."""
+    torch.manual_seed(0)
+    model = Chain(links, 8)
+    counter = OpCounter()
+    with counter:
+        model(x)
+    saves: List[int] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saves.append(1) or t, lambda t: t):
+        model(x)
+
+    def plain() -> None:
+        model(x).backward()
+
+    def save_on_cpu() -> None:
+        with torch.autograd.graph.save_on_cpu(pin_memory=False):
+            loss = model(x)
+        loss.backward()
+
+    mm = {torch.ops.aten.mm.default}
+
+    def sac_policy(ctx, op, *a, **k):  # type: ignore[no-untyped-def]
+        return (torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE if op in mm
+                else torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE)
+
+    context = partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, sac_policy)
+
+    def selective() -> None:
+        torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False, context_fn=context).backward()
+
+    def provisioned(name: str, policy: Union[str, dict], budget: Optional[int] = None) -> Callable[[], None]:
+        own = copy.deepcopy(model)
+        with warnings.catch_warnings():  # the chain has no MoE gate: the budget check alone decides
+            warnings.filterwarnings("ignore", message="bagualu2.enable: no MoE gate found")
+            provisioners[f"{name} ({links} links)"] = bagualu2.enable(own, budget=budget, policy=policy)
+
+        def run() -> None:
+            own(x).backward()
+        return run
+
+    variants: Dict[str, Callable[[], None]] = {
+        "plain pytorch": plain,
+        "torch save_on_cpu": save_on_cpu,
+        "torch selective checkpoint": selective,
+        "bagualu2 keep_all": provisioned("bagualu2 keep_all", "keep_all"),
+        # A plan that keeps all but one op (the last sigmoid, recomputed) is traced: an all-keep
+        # plan is not (it releases nothing, so its recipes would never be used).
+        "bagualu2 traced": provisioned("bagualu2 traced",
+                                       {f"links.{links - 1}:aten.sigmoid.default:0": bagualu2.Choice.RECOMPUTE}),
+        "bagualu2 adaptive, calm": provisioned("bagualu2 adaptive, calm", "adaptive", budget=1 << 40),
+    }
+    return variants, counter.ops, len(saves)
+
+
+def host_cost(args: argparse.Namespace) -> None:
+    """The ``--host-cost`` mode (see the module's docstring)."""
+    x = torch.randn(4, 8, requires_grad=True)
+    provisioners: Dict[str, bagualu2.Provisioner] = {}
+    lengths = (args.short_links, args.links)
+    chains = {n: host_variants(n, x, provisioners) for n in lengths}
+    names = list(chains[args.links][0])
+    runs = [(name, n) for name in names for n in lengths]
+    times: Dict[Tuple[str, int], List[float]] = {run: [] for run in runs}
+    order = random.Random(0)
+    for i in range(args.warmup + args.rounds):
+        order.shuffle(runs)
+        for name, n in runs:
+            fn = chains[n][0][name]
+            start = time.thread_time()
+            for _ in range(args.reps):
+                fn()
+            elapsed = (time.thread_time() - start) / args.reps
+            if i >= args.warmup:
+                times[(name, n)].append(elapsed)
+    (_, short_ops, _), (_, ops, saves) = chains[lengths[0]], chains[lengths[1]]
+    # Per round, above plain in the same round: microseconds per aten op of the long chain; the
+    # marginal cost per op (the slope between the two chains) and what is left per step.
+    above = {name: {n: [(t - p) * 1e6 for t, p in zip(times[(name, n)], times[("plain pytorch", n)])]
+                    for n in lengths} for name in names if name != "plain pytorch"}
+    per_op = {name: [a / ops for a in v[args.links]] for name, v in above.items()}
+    marginal = {name: [(a - b) / (ops - short_ops) for a, b in zip(v[args.links], v[args.short_links])]
+                for name, v in above.items()}
+    fixed = {name: [a - m * ops for a, m in zip(above[name][args.links], marginal[name])] for name in above}
+
+    def versus(values: Dict[str, List[float]]) -> Dict[str, float]:
+        return {name: statistics.median(a / b for a, b in zip(v, values["torch save_on_cpu"]))
+                for name, v in values.items()}
+
+    per_op_ratio, marginal_ratio = versus(per_op), versus(marginal)
+    print(f"chains: {lengths[0]} and {lengths[1]} links ({short_ops} and {ops} aten ops, the long one saving "
+          f"{saves} tensors per forward); {args.rounds} rounds of {args.reps} steps per variant and chain")
+    print(f"{'variant':<28}{'step us':>9}{'us/op above plain':>19}{'quartiles':>16}{'x soc':>8}"
+          f"{'marginal us/op':>16}{'x soc':>8}{'fixed us/step':>15}")
+    for name in names:
+        step = statistics.median(times[(name, args.links)]) * 1e6
+        if name == "plain pytorch":
+            print(f"{name:<28}{step:>9.0f}")
+            continue
+        q1, med, q3 = _quartiles(per_op[name])
+        print(f"{name:<28}{step:>9.0f}{med:>19.2f}{f'{q1:.2f}..{q3:.2f}':>16}{per_op_ratio[name]:>7.2f}x"
+              f"{statistics.median(marginal[name]):>16.2f}{marginal_ratio[name]:>7.2f}x"
+              f"{statistics.median(fixed[name]):>15.0f}")
+    traced = {name: prov.report()["traced_micro_batches"] for name, prov in provisioners.items()}
+    print(f"traced micro-batches: {traced}")
+    result = {
+        "mode": "host_cost", "links": lengths, "aten_ops_per_forward": [short_ops, ops], "saves_per_forward": saves,
+        "rounds": args.rounds, "reps": args.reps, "threads": torch.get_num_threads(),
+        "step_s": {f"{name} ({n} links)": v for (name, n), v in times.items()},
+        "us_per_op_above_plain": {n: _quartiles(v) for n, v in per_op.items()},
+        "ratio_to_save_on_cpu": per_op_ratio,
+        "marginal_us_per_op": {n: _quartiles(v) for n, v in marginal.items()},
+        "marginal_ratio_to_save_on_cpu": marginal_ratio,
+        "fixed_us_per_step": {n: _quartiles(v) for n, v in fixed.items()},
+        "traced_micro_batches": traced,
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="bench", choices=["tiny", "small", "bench"])
@@ -120,7 +305,17 @@ def main() -> None:
     parser.add_argument("--peak-repeats", type=int, default=3,
                         help="steps per variant whose memory high-water mark is read (the median is shown)")
     parser.add_argument("--out", default="step_overhead.json")
+    parser.add_argument("--host-cost", action="store_true",
+                        help="measure the host cost per aten op on a chain of tiny ops instead (see above)")
+    parser.add_argument("--links", type=int, default=50, help="--host-cost: links in the chain (4 aten ops each)")
+    parser.add_argument("--short-links", type=int, default=10,
+                        help="--host-cost: links in the short chain (the marginal cost per op is the slope)")
+    parser.add_argument("--rounds", type=int, default=30, help="--host-cost: timed rounds")
+    parser.add_argument("--reps", type=int, default=20, help="--host-cost: steps per variant per round")
     args = parser.parse_args()
+    if args.host_cost:
+        host_cost(args)
+        return
 
     model = build(args.config, args.ep_size)
     batch = next(synthetic_batches(model.cfg.vocab_size, args.batch, args.seq, seed=0))

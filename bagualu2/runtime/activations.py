@@ -65,9 +65,11 @@ from bagualu2.runtime.ledger import _drain_failed_backward, _drain_graph, Pin
 from bagualu2.runtime.rerun import BlockRerun, unrestorable
 from bagualu2.runtime.regions import compiled_regions, holds_collectives
 from bagualu2.runtime.stores import _Offloaded, _Recomputed, _uncounted, observed_hook, regeneration_source
-from bagualu2.runtime.recipes import StorageNode, ViewMeta, is_plain, recipe_refs, view_meta
+from bagualu2.runtime.recipes import _PLAIN_TYPES, StorageNode, ViewMeta, is_plain, recipe_refs, view_meta
 
 __all__ = ["ActivationRuntime", "AttachedHook"]
+
+_STRIDED = torch.strided
 
 # The module flags a TorchDispatchMode's entry saves in the mode (torch 2.13), in entry order.
 _MODE_FLAGS = (("_is_in_torch_dispatch_mode", "old_dispatch_mode_flags"),
@@ -455,10 +457,13 @@ class ActivationRuntime(CompiledRegions):
         about a hundred tensors each on the reference model, and this is most of what
         provisioning them costs), and so is a parameter (or a view of one: held, never counted);
         anything else takes the full way (``_pack``): a subclass, another dispatch mode on the
-        stack, offloads in flight or made by this frame, a save that would cross the budget."""
+        stack, offloads in flight or made by this frame, a save that would cross the budget.
+        Written for its cost: each lookup is made once (``is_plain``, ``_over_budget`` and
+        ``_keep`` inlined where they would repeat one)."""
         frame = self._frame
         if (frame is None or self._inflight or frame._untraced_offloads
-                or torch._C._len_torch_dispatch_stack() or not is_plain(t)):
+                or torch._C._len_torch_dispatch_stack() or type(t) not in _PLAIN_TYPES
+                or t.layout != _STRIDED or t.is_nested):
             return self._pack(t)
         storage = t.untyped_storage()
         base = t._base
@@ -467,10 +472,16 @@ class ActivationRuntime(CompiledRegions):
             if self._is_parameter(t):
                 return _uncounted(t)
             return self._pack(t)
-        if self._over_budget(storage):
-            return self._pack(t)
+        ledger = self.ledger
+        held = ledger.holds(storage)
+        nbytes = storage.nbytes()
+        if not held:
+            budget = frame.budget
+            target = self.budget_bytes if budget is None else budget.target()
+            if target is not None and ledger.resident + nbytes > target:
+                return self._pack(t)
         frame.stats.packed += 1
-        return self._keep(frame, t, storage)
+        return self._keep(frame, t, storage, held=held)
 
     def _pack_in(self, frame: Frame, t: torch.Tensor) -> Any:
         stats = frame.stats

@@ -50,6 +50,7 @@ class ResidencyLedger:
         self._held: Dict[int, List[Any]] = {}
         self._pins: Dict["weakref.ref[Pin]", int] = {}  # a live pin's weak reference -> its storage
         self._dead: List["weakref.ref[Pin]"] = []  # weak references of pins that died, not yet collected
+        self._on_death = self._dead.append  # the pins' weak reference callback, made once
         # Held here: releases run at interpreter exit too, when module globals may be gone.
         self._free_weak_ref = torch.UntypedStorage._free_weak_ref
         self._resident = 0
@@ -71,28 +72,30 @@ class ResidencyLedger:
     def acquire(self, storage: torch.UntypedStorage, pin: "Pin") -> None:
         """Count ``storage`` for ``pin``'s life (or until ``release(pin._ref)``)."""
         cdata = storage._cdata
-        ref = weakref.ref(pin, self._dead.append)
-        nbytes = storage.nbytes()
+        ref = weakref.ref(pin, self._on_death)
         held = self._held
         with self._lock:
             if self._dead:
                 self._collect_locked()
-            if cdata in held:
-                held[cdata][0] += 1
+            entry = held.get(cdata)
+            if entry is not None:
+                entry[0] += 1
             else:
-                weak = storage._weak_ref()
+                entry = [1, storage.nbytes(), storage._weak_ref()]
                 # From here on no calls: the count and the pin's registration change together.
-                held[cdata] = [1, nbytes, weak]
-                self._resident += nbytes
+                held[cdata] = entry
+                self._resident += entry[1]
                 if self._resident > self.peak:
                     self.peak = self._resident
             self._pins[ref] = cdata
             pin._ref = ref
 
     def release(self, ref: "weakref.ref[Pin]") -> None:
-        """Give back the count a pin holds (its ``_ref``); nothing when it was given back."""
+        """Give back the count a pin holds (its ``_ref``); nothing when it was given back.
+        Queued as a death is, and collected at once: one way of giving a count back."""
         with self._lock:
-            self._unpin_locked(ref)
+            self._dead.append(ref)
+            self._collect_locked()
 
     def collect(self) -> None:
         """Give back the counts of pins that died (their weak references' callbacks queued them)."""
@@ -100,25 +103,24 @@ class ResidencyLedger:
             self._collect_locked()
 
     def _collect_locked(self) -> None:
-        dead = self._dead
+        """Unregister each queued pin and give back its count, if it still holds one (a pin
+        dropped and then dead is queued twice). No call comes between the two: an interrupt
+        lands at a call's entry or once a call returns, so it sees both or neither; an entry
+        leaves the queue only after that. Inline, not one call per pin: a step gives back a
+        count per saved tensor."""
+        dead, pins, held = self._dead, self._pins, self._held
         while dead:
-            self._unpin_locked(dead[-1])
+            ref = dead[-1]
+            if ref in pins:
+                cdata = pins[ref]
+                del pins[ref]
+                entry = held[cdata]
+                entry[0] -= 1
+                if not entry[0]:
+                    del held[cdata]
+                    self._resident -= entry[1]
+                    self._free_weak_ref(entry[2])
             del dead[-1]
-
-    def _unpin_locked(self, ref: "weakref.ref[Pin]") -> None:
-        """Unregister ``ref``'s pin and give back its count, if it still holds one. No call
-        comes between the two: an interrupt lands at a call's entry (here, before either) or
-        once the last call returns, never between them."""
-        pins = self._pins
-        if ref in pins:
-            cdata = pins[ref]
-            del pins[ref]
-            entry = self._held[cdata]
-            entry[0] -= 1
-            if not entry[0]:
-                del self._held[cdata]
-                self._resident -= entry[1]
-                self._free_weak_ref(entry[2])
 
     def holds(self, storage: torch.UntypedStorage) -> bool:
         if self._dead:

@@ -190,12 +190,16 @@ class Residency:
 
     # -- kept storages, and making room -----------------------------------------------------
     def _keep(self, frame: Frame, t: torch.Tensor, storage: Optional[torch.UntypedStorage] = None,
-              node: Optional[StorageNode] = None) -> _Kept:
-        """Keep ``t`` on the device, counted. ``storage`` and ``node`` are ``t``'s where the
-        caller has them already (the pack path, per save), else looked up."""
+              node: Optional[StorageNode] = None, held: Optional[bool] = None) -> _Kept:
+        """Keep ``t`` on the device, counted. ``storage``, ``node`` and ``held`` (whether the
+        ledger holds the storage already) are what the caller knows already (the pack path,
+        per save), else looked up."""
         if storage is None:
             storage = t.untyped_storage()
-        if self.ledger.holds(storage):
+        ledger = self.ledger
+        if held is None:
+            held = ledger.holds(storage)
+        if held:
             frame.stats.shared_bytes += storage.nbytes()
         else:
             frame.stats.bytes_by_choice["keep"] += storage.nbytes()
@@ -203,17 +207,18 @@ class Residency:
             t = t.detach()  # an op's saved output: holding its grad_fn would be a reference cycle
         if node is None and frame.traced:
             node = self.mode.nodes.get(storage._cdata)
-        kept = _Kept(t, Pin(self.ledger, storage), node)
+        kept = _Kept(t, ledger, node, storage)
         if node is not None:
             node.kept[node.state] = (weakref.ref(t), t._version)
-        if self.target() is not None and self.enforce_budget and self.engine is not None:
+        # The registry of what _make_room may move: only where it can run (cheapest test first).
+        if self.engine is not None and self.enforce_budget and self.target() is not None:
             entry = self._kept.get(storage._cdata)
             if entry is None:
                 if len(self._kept) >= self._kept_limit:
                     self._live_kept()
                     self._kept_limit = max(1024, 2 * len(self._kept))
                 entry = self._kept[storage._cdata] = (frame.index, [])
-            entry[1].append(weakref.ref(kept))
+            entry[1].append(kept._ref)  # the weak reference its count is registered by
         return kept
 
     def _movable(self) -> List[Tuple[int, int, int, List[_Kept]]]:
@@ -272,7 +277,7 @@ class Residency:
                     k.node.kept.pop(k.state, None)
                     k.node.offloaded.setdefault(k.state, store)
                 k.tensor = None
-                k.pin.drop()
+                k.drop()
             del self._kept[cdata]
             frame.stats.room_made_bytes += store.nbytes
             frame.stats.fallbacks.append(f"kept {store.nbytes} bytes offloaded to make room")

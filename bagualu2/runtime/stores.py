@@ -268,18 +268,32 @@ def _modified_error(what: str, saved: int, now: int) -> RuntimeError:
     )
 
 
-class _Kept:
-    """A saved tensor held as it is; ``moved`` once offloaded later to make room (``_make_room``)."""
+class _Kept(Pin):
+    """A saved tensor held as it is; ``moved`` once offloaded later to make room (``_make_room``).
 
-    __slots__ = ("tensor", "pin", "version", "node", "state", "moved", "__weakref__")
+    It is its own pin: with a ``ledger`` it holds the count on the tensor's storage (``storage``
+    where the caller has it) for as long as it lives, or until ``drop``; without one it is
+    charged to nothing. One object per kept save, not two: a step keeps one per saved tensor.
+    """
 
-    def __init__(self, tensor: torch.Tensor, pin: Optional[Pin], node: Optional[StorageNode] = None) -> None:
+    __slots__ = ("tensor", "version", "node", "state", "moved")
+
+    def __init__(self, tensor: torch.Tensor, ledger: Optional[ResidencyLedger], node: Optional[StorageNode] = None,
+                 storage: Optional[torch.UntypedStorage] = None) -> None:
         self.tensor: Optional[torch.Tensor] = tensor
-        self.pin = pin
         self.version = tensor._version
         self.node = node  # the traced storage it holds, and that storage's state at the save
         self.state = node.state if node is not None else 0
         self.moved: Optional[_Offloaded] = None
+        self._ledger = ledger
+        self._ref = None
+        if ledger is not None:  # last: a record an interrupt stopped before it holds no count
+            ledger.acquire(storage if storage is not None else tensor.untyped_storage(), self)
+
+    @property
+    def pin(self) -> Optional["_Kept"]:
+        """Itself while it holds a count; None when uncounted or dropped."""
+        return self if self._ref is not None else None
 
 
 def _uncounted(t: torch.Tensor) -> _Kept:
