@@ -42,7 +42,6 @@ import gc
 import json
 import math
 import os
-import socket
 import tempfile
 import random
 import statistics
@@ -207,12 +206,13 @@ def _prediction_error(peaks: List[Any]) -> Dict[str, Any]:
     return {"mean": statistics.fmean(errors) if errors else None, "n": len(errors)}
 
 
-def _pressure_rank(rank: int, world: int, args: argparse.Namespace, port: int, out_dir: str) -> None:
+def _pressure_rank(rank: int, world: int, args: argparse.Namespace, out_dir: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A file store, not a TCP one: the reason is at tests/pipeline_harness.py's store_init_method.
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(out_dir, "store"), rank=rank,
+                            world_size=world)
     cfg = getattr(MoEConfig, args.config)(expert_hidden_size=args.expert_hidden)
 
     def build() -> MoETransformer:
@@ -294,11 +294,8 @@ def run_pressure(args: argparse.Namespace, world: int = 2) -> Dict[str, Any]:
     """The pressure soak on ``world`` gloo ranks; returns ``{"ranks": [per-rank result], ...}``."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_pressure_rank, args=(world, args, port, out_dir), nprocs=world, start_method="spawn")
+        mp.start_processes(_pressure_rank, args=(world, args, out_dir), nprocs=world, start_method="spawn")
         ranks = []
         for r in range(world):
             with open(os.path.join(out_dir, f"rank{r}.json")) as f:

@@ -1,7 +1,7 @@
 """Local multi-process harness for the gloo tests and benchmarks (not part of bagualu2).
 
 ``launch(fn, world_size, ...)`` starts ``world_size`` spawned processes joined in one process
-group on 127.0.0.1 with a free port, gloo by default; when a rank fails the others get a grace
+group through a file store (``store_init_method``), gloo by default; when a rank fails the others get a grace
 period to notice (gloo fails their next operation at once) and exit on their own; whatever is
 left at the timeout is killed. ``gather_step_result(pipeline, losses)`` collects a pipeline
 step's per-micro-batch losses and every parameter gradient (keyed ``"stage{i}.{name}"``) on
@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import socket
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bagualu2.integrations.pipeline import Pipeline
 
-__all__ = ["CollectiveCounter", "StepResult", "gather_step_result", "launch", "free_port"]
+__all__ = ["CollectiveCounter", "StepResult", "gather_step_result", "launch", "store_init_method"]
 
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 
@@ -91,19 +91,24 @@ def gather_step_result(
 # ---------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def store_init_method(directory: str) -> str:
+    """An ``init_method`` for ranks on this machine: a ``FileStore`` in ``directory`` (empty,
+    fresh for each group).
+
+    Not a ``TCPStore``: its libuv server on rank 0 can destroy its thread unjoined when the
+    group is torn down (``c10d::detail::BackgroundThread``'s destructor is defaulted and the
+    daemon's joins only while its loop still runs), which aborts rank 0 at exit with
+    "terminate called without an active exception", rarely and only under load. A file store
+    has no thread, and no port to race another process for.
+    """
+    return "file://" + os.path.join(directory, "store")
 
 
-def _launch_entry(rank, fn, world_size, port, backend, timeout_s, threads, args):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+def _launch_entry(rank, fn, world_size, store_dir, backend, timeout_s, threads, args):
     torch.set_num_threads(threads)
     dist.init_process_group(
         backend,
+        init_method=store_init_method(store_dir),
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
@@ -126,7 +131,8 @@ def launch(
 ) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes joined in one group.
 
-    Processes are spawned (not forked) and talk over 127.0.0.1 on a free port. When one rank
+    Processes are spawned (not forked) and meet through a file store in a fresh temporary
+    directory (``store_init_method``), removed when they are done. When one rank
     fails, the others get ``grace_s`` seconds to notice (gloo fails their next operation with
     the broken peer) and exit on their own; whatever is still alive then, or at ``timeout_s``,
     is killed, and the first failure is raised here. ``fn`` must be importable (module
@@ -134,13 +140,17 @@ def launch(
     """
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(
-        _launch_entry,
-        args=(fn, world_size, free_port(), backend, timeout_s, threads, args),
-        nprocs=world_size,
-        join=False,
-        start_method="spawn",
-    )
+    with tempfile.TemporaryDirectory(prefix="bagualu2-ranks-") as store_dir:
+        _run_ranks(mp.start_processes(
+            _launch_entry,
+            args=(fn, world_size, store_dir, backend, timeout_s, threads, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        ), timeout_s, grace_s)
+
+
+def _run_ranks(ctx: Any, timeout_s: float, grace_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     timed_out = False
     try:

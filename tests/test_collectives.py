@@ -33,7 +33,7 @@ from bagualu2.plan.planner import Choice
 
 sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the helpers below
 
-from pipeline_harness import CollectiveCounter, free_port, launch  # noqa: E402
+from pipeline_harness import CollectiveCounter, launch  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -42,8 +42,7 @@ def one_rank_group():
     if dist.is_initialized():
         yield
         return
-    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # in memory: no server thread
     try:
         yield
     finally:

@@ -43,7 +43,7 @@ with warnings.catch_warnings():
 sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the helpers below
 
 import megatron_ranks as ranks  # noqa: E402
-from pipeline_harness import free_port, launch  # noqa: E402
+from pipeline_harness import launch  # noqa: E402
 
 POLICIES = ("keep_all", "offload_all", "recompute_all", "random_plan", "adaptive")
 
@@ -180,7 +180,7 @@ def one_rank():
 
     disabled = torch._dynamo.config.disable
     torch._dynamo.config.disable = True
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # in memory: no server thread
     try:
         yield
     finally:

@@ -44,6 +44,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -150,12 +151,12 @@ def _half_then_stop(stops: _Stops) -> Callable[[Dict[str, Any], str], None]:
     return write
 
 
-def rank_main(rank_s: str, port_s: str, out_dir: str, scenario: str) -> None:
+def rank_main(rank_s: str, store_dir: str, out_dir: str, scenario: str) -> None:
     """One rank's training script: ``scenario`` is ``whole`` (no stop), ``resume`` (from the last
     complete checkpoint) or a key of ``STOPS``. An error ends it, as it ends any training script."""
     rank = int(rank_s)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port_s}", rank=rank, world_size=WORLD,
+    dist.init_process_group("gloo", init_method=harness.store_init_method(store_dir), rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     model = ep.make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -192,12 +193,12 @@ def rank_main(rank_s: str, port_s: str, out_dir: str, scenario: str) -> None:
 def _launch(out_dir: str, scenario: str, marker: str) -> List[subprocess.Popen]:
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_rank_kill; "
             f"test_rank_kill.rank_main(*sys.argv[1:])")
-    port = harness.free_port()
+    store_dir = tempfile.mkdtemp(prefix=f"store-{scenario}-", dir=out_dir)  # one fresh store per launch
     env = {**os.environ, MARKER: marker}
     procs = []
     for rank in range(WORLD):
         log = open(os.path.join(out_dir, f"{scenario}{rank}.log"), "w")
-        procs.append(subprocess.Popen([sys.executable, "-c", code, str(rank), str(port), out_dir, scenario],
+        procs.append(subprocess.Popen([sys.executable, "-c", code, str(rank), store_dir, out_dir, scenario],
                                       env=env, stdout=log, stderr=subprocess.STDOUT))
         log.close()
     return procs
