@@ -135,7 +135,9 @@ class Provisioner:
             self.engine, min_bytes=min_bytes, budget_bytes=self._budget, enforce_budget=self._policy.adaptive,
             on_exceed=self._exceeded if on_exceed == "raise" else None,
         )
-        self.runtime.backward_observer = self._learn
+        # Learning from what each backward measured; ``unsubscribe()`` it to read the runtime's
+        # measurements (``take_replay_times``, ``take_copy_times``) yourself.
+        self.learning = self.runtime.on_backward_end.subscribe(self._learn)
         self.gates: List[GateSpec] = list(gates) if gates is not None else find_gates(model)
         in_place = self.runtime.reload_in_place and self.device.type == "cpu"  # a reload reads the host copy
         self.cost = CostModel({g.layer: g.experts_path for g in self.gates},
@@ -376,7 +378,7 @@ class Provisioner:
         if not self.enabled:
             return
         self.enabled = False
-        self.runtime.backward_observer = None
+        self.learning.unsubscribe()
         try:
             self._teardown.run()
         finally:  # the pinned arena goes now, or when the last graph holding one of its offloads dies
@@ -457,7 +459,7 @@ class Provisioner:
 
     def _learn(self) -> None:
         """Learn what the runtime measured (``provision.calibration.learn``). Called as each
-        backward pass ends (``backward_observer``: where the step pays for it) and as each
+        backward pass ends (``learning``: where the step pays for it) and as each
         forward begins."""
         learn(self.cost, self.runtime, self.routing.counts or self.routing.mean())
 

@@ -239,15 +239,15 @@ def test_shared_storage_is_offloaded_once(engine: CopyEngine) -> None:
 
 
 @pytest.mark.parametrize("choice", [Choice.KEEP, Choice.OFFLOAD, Choice.RECOMPUTE])
-def test_the_hook_observer_sees_every_saved_tensor_hook_and_what_it_handled(engine: CopyEngine, choice: Choice) -> None:
-    """The benchmarks' timing switch: every pack and unpack of a frame started with
-    ``hook_observer`` set is reported once, with what it stored or restored; the frame stays
-    exact, and a frame started after it is cleared is not reported."""
+def test_an_on_hook_subscriber_sees_every_saved_tensor_hook_and_what_it_handled(engine: CopyEngine, choice: Choice) -> None:
+    """The benchmarks' timing switch: every pack and unpack of a frame started with an
+    ``on_hook`` subscriber is reported once, with what it stored or restored; the frame stays
+    exact, and a frame started after it unsubscribed is not reported."""
     model, tokens = make_model()
     h = Harness(model, engine)
     reference = loss_and_grads(model, h.forward(tokens, None))
     seen: List[Tuple[str, str, float]] = []
-    h.runtime.hook_observer = lambda hook, record, seconds: seen.append((hook, record, seconds))
+    timing = h.runtime.on_hook.subscribe(lambda hook, record, seconds: seen.append((hook, record, seconds)))
     frame = Frame(default=choice)
     assert_bitwise(reference, loss_and_grads(model, h.forward(tokens, frame)))
     packs = [r for hook, r, _ in seen if hook == "pack"]
@@ -257,7 +257,7 @@ def test_the_hook_observer_sees_every_saved_tensor_hook_and_what_it_handled(engi
     released = {Choice.KEEP: "kept", Choice.OFFLOAD: "offloaded", Choice.RECOMPUTE: "recomputed"}[choice]
     assert released in packs and released in unpacks
     assert set(packs) <= {"kept", "tensor", released}
-    h.runtime.hook_observer = None
+    timing.unsubscribe()
     seen.clear()
     loss_and_grads(model, h.forward(tokens, Frame(default=choice)))
     assert not seen
@@ -282,7 +282,7 @@ def test_each_offloaded_storage_is_reloaded_once_per_backward_pass(engine: CopyE
     def observe(key: str) -> None:
         held_peak[0] = max(held_peak[0], sum(s.nbytes for s in stores if s.held is not None))
 
-    h.runtime.unpack_observer = observe
+    watching = h.runtime.on_released_unpack.subscribe(observe)
     for n in range(passes):
         model.zero_grad(set_to_none=True)
         loss.backward(retain_graph=n + 1 < passes)
@@ -295,7 +295,7 @@ def test_each_offloaded_storage_is_reloaded_once_per_backward_pass(engine: CopyE
     assert sorted(reloads) == sorted(s.handle.host_ptr for s in stores)
     assert set(reloads.values()) == {passes}, f"reloads per storage: {sorted(reloads.values())}"
     assert held_peak[0] > 0
-    h.runtime.unpack_observer = None
+    watching.unsubscribe()
     del loss, frame, observe
     stores.clear()
     assert h.runtime.ledger.resident == 0
@@ -372,7 +372,7 @@ def test_profile_names_the_unsaved_inputs_a_rebuild_must_rebuild_first(engine: C
     torch.manual_seed(0)
     model = Transients()
     h = Harness(model, engine)
-    h.runtime.frame_observer = lambda f: None  # frames then list their recomputed nodes
+    h.runtime.on_frame_start.subscribe(lambda f: None)  # frames then list their recomputed nodes
     frame = Frame(default=Choice.RECOMPUTE)
     frame.profile = True
     loss = h.forward(torch.randn(64, 16), frame)
@@ -397,7 +397,7 @@ def test_op_replay_times_time_each_replayed_op_once_and_a_rebuild_s_first_apart(
     for the rebuild's first (its inputs made before the rebuild), apart."""
     torch.manual_seed(0)
     h = Harness(Transients(), engine)
-    h.runtime.frame_observer = lambda f: None  # frames then list their recomputed nodes
+    h.runtime.on_frame_start.subscribe(lambda f: None)  # frames then list their recomputed nodes
     frame = Frame(default=Choice.RECOMPUTE)
     loss = h.forward(torch.randn(64, 16), frame)
     by_key = {key: node for key, node, _ in frame.recompute_nodes()}
@@ -789,7 +789,7 @@ def test_backward_prefetch_stays_in_its_window_in_every_pass(engine: CopyEngine,
     h.runtime.prefetch_bytes = window_stores * largest
     pending: List[Tuple[int, int]] = []  # (pass, bytes prefetched and not used) at each unpack
     passes = [0]
-    h.runtime.unpack_observer = lambda key, f=frame: pending.append((passes[0], f.prefetch_pending_bytes))
+    h.runtime.on_released_unpack.subscribe(lambda key, f=frame: pending.append((passes[0], f.prefetch_pending_bytes)))
     for passes[0] in (1, 2):
         model.zero_grad(set_to_none=True)
         loss.backward(retain_graph=passes[0] == 1)

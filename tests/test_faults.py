@@ -134,10 +134,8 @@ def _inject(point: str, model: MoETransformer, prov: Any, at: int, after: bool) 
     if point in ("pack", "offload", "unpack"):
         return wrap_step(rt, {"pack": "pack", "offload": "offload", "unpack": "unpack_hook"}[point],
                          lambda original: Interrupt(original, at, after))
-    if point == "learning":
-        observer = rt.backward_observer
-        rt.backward_observer = Interrupt(observer, at, after)
-        return lambda: setattr(rt, "backward_observer", observer)
+    if point == "learning":  # a subscriber beside the provisioner's learning: before it, or after
+        return rt.on_backward_end.subscribe(Interrupt(lambda: None, at), prepend=not after).unsubscribe
     if point == "backward":
         layer = model.layers[0]
         handle = layer.register_full_backward_hook(Interrupt(lambda m, gi, go: None, at, after))

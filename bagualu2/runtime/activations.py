@@ -57,7 +57,7 @@ from torch.utils._pytree import tree_flatten
 import torch.utils._python_dispatch as _dispatch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
 
-from bagualu2.shared import Choice
+from bagualu2.shared import Choice, Event
 from bagualu2.runtime.attachment import AttachedHook, _Attachment
 from bagualu2.runtime.compiled import CompiledRegions
 from bagualu2.runtime.frame import Frame, check_keys, profile_saves
@@ -106,13 +106,14 @@ class ActivationRuntime(CompiledRegions):
         super().__init__(engine, budget_bytes=budget_bytes, enforce_budget=enforce_budget, on_exceed=on_exceed,
                          prefetch_bytes=prefetch_bytes, reload_in_place=reload_in_place)
         self.min_bytes = min_bytes
-        # Overlap scheduling: called with each frame as it starts
-        # (bagualu2.integrations.pipeline.overlap_driver.OverlapDriver).
-        self.frame_observer: Optional[Callable[[Frame], None]] = None
-        # Timing (benchmarks): called after each saved-tensor hook of the frames that start while
-        # it is set, as ``fn(hook, record, seconds)``: hook "pack" or "unpack", record what was
-        # packed or unpacked (``_record``). Off, the hooks run unwrapped: it costs nothing.
-        self.hook_observer: Optional[Callable[[str, str, float], None]] = None
+        # ``fn(frame)`` as each frame starts (the overlap driver: OverlapDriver). While any
+        # subscriber listens, frames also list the storages they release by recompute
+        # (``Frame.recompute_nodes``).
+        self.on_frame_start = Event("frame_start")
+        # Timing (benchmarks): ``fn(hook, record, seconds)`` after each saved-tensor hook of the
+        # frames that start while any subscriber listens: hook "pack" or "unpack", record what
+        # was packed or unpacked (``_record``). Without one the hooks run unwrapped: no cost.
+        self.on_hook = Event("hook")
         self._told_unrestorable = False  # a block call that could not be rerun was warned of
         self._traced_blocks: Set[str] = set()  # outermost blocks seen traced: whether they issue collectives is known
         self._attachments: List["_Attachment"] = []  # module trees attached (``attach``)
@@ -159,15 +160,15 @@ class ActivationRuntime(CompiledRegions):
         # The caller of ``with``: this generator's caller is contextlib's __enter__.
         self._frame_owner = (threading.get_ident(), sys._getframe(2), holder[0])
         self._frame = frame
-        if self.frame_observer is not None:
-            self.frame_observer(frame)
+        if self.on_frame_start.subscribers:
+            self.on_frame_start.emit(frame)
         frame.stats.start_resident = self.ledger.resident
         self.ledger.reset_peak()
         grad = torch.is_grad_enabled()
         try:
             pack, unpack = self._pack if frame.traced else self._pack_calm, self._unpack
-            if self.hook_observer is not None:
-                pack, unpack = observed_hook("pack", pack, self.hook_observer), observed_hook("unpack", unpack, self.hook_observer)
+            if self.on_hook.subscribers:
+                pack, unpack = observed_hook("pack", pack, self.on_hook.emit), observed_hook("unpack", unpack, self.on_hook.emit)
             # The tracing mode goes on and off by state (``_trace``), not as a ``with``: a rerun
             # block takes it off and puts it back inside the forward, and an interrupt between
             # the two must not turn the exit into a second, failing, pop.
@@ -445,8 +446,8 @@ class ActivationRuntime(CompiledRegions):
             with torch._C._DisableTorchDispatch() if is_plain(t) else contextlib.nullcontext():
                 seen = len(frame.keys_seen)
                 packed = self._pack_in(frame, t)
-                if frame.on_saved is not None and len(frame.keys_seen) > seen:
-                    frame.on_saved(next(reversed(frame.keys_seen)))  # _pack_in adds at most one key
+                if frame.on_saved.subscribers and len(frame.keys_seen) > seen:
+                    frame.on_saved.emit(next(reversed(frame.keys_seen)))  # _pack_in adds at most one key
             return packed
         finally:
             self.mode.suspended -= 1
@@ -583,7 +584,7 @@ class ActivationRuntime(CompiledRegions):
         else:
             frame._recomputed.add((id(node), state))
             frame.stats.bytes_by_choice["recompute"] += node.nbytes
-            if self.frame_observer is not None:
+            if self.on_frame_start.subscribers:
                 frame._recomputes.append((node.key, weakref.ref(node), state))
         self._add_reader(node, state)
         return _Recomputed(node, state, meta)

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from bagualu2.shared import Budget, Choice, SavedOp, region_key
+from bagualu2.shared import Budget, Choice, Event, SavedOp, region_key
 from bagualu2.runtime.rerun import BlockRerun
 from bagualu2.runtime.recipes import StorageNode, step_inputs
 
@@ -107,10 +107,11 @@ class Frame:
         self.saved_profile: Dict[str, SavedOp] = {}  # key -> what the profiled forward measured of it
         self.unsaved_seconds: Dict[str, float] = {}  # those unsaved inputs' own seconds
         # Overlap scheduling (bagualu2.integrations.pipeline.overlap_driver.OverlapDriver):
-        # ``on_saved(key)`` is called once per operator key, right after the first activation of
-        # that key is packed (the op has run); with ``scheduled`` set, backward issues no reloads
-        # of its own beyond the one it is waiting for: the schedule issues them.
-        self.on_saved: Optional[Callable[[str], None]] = None
+        # ``on_saved`` calls ``fn(key)`` once per operator key of a traced forward, right after
+        # the first activation of that key is packed (the op has run); with ``scheduled`` set,
+        # backward issues no reloads of its own beyond the one it is waiting for: the schedule
+        # issues them.
+        self.on_saved = Event("saved")
         self.scheduled = False
         self._offloads: List["weakref.ref[OffloadStore]"] = []
         self._prefetch_cursor = 1 << 62  # next store index backward may prefetch (lazy issue)

@@ -38,6 +38,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Set, Tu
 import torch
 
 from bagualu2 import _C
+from bagualu2.shared import Event
 from bagualu2.runtime.frame import Frame
 from bagualu2.runtime.ledger import ResidencyLedger, Pin
 from bagualu2.runtime.rerun import RerunSaved
@@ -81,12 +82,12 @@ class Residency:
         self._params: Set[int] = set()
         self._frame: Optional[Frame] = None  # the running frame, set by the subclass: its Budget applies
         self._inflight: Deque["weakref.ref[OffloadStore]"] = collections.deque()
-        # Overlap scheduling: called with the operator key of every released activation backward
-        # unpacks (bagualu2.integrations.pipeline.overlap_driver.OverlapDriver).
-        self.unpack_observer: Optional[Callable[[str], None]] = None
-        # Called as each backward pass that unpacks anything packed here ends (autograd's
-        # final callback of the pass, on the thread that ran it).
-        self.backward_observer: Optional[Callable[[], None]] = None
+        # ``fn(key)`` with the operator key of every released (offloaded or recomputed)
+        # activation backward unpacks, before it is served (the overlap driver: OverlapDriver).
+        self.on_released_unpack = Event("released_unpack")
+        # ``fn()`` as each backward pass that unpacks anything packed here ends (autograd's
+        # final callback of the pass, on the thread that ran it; the provisioner learns there).
+        self.on_backward_end = Event("backward_end")
         # key -> [seconds, micro-batches, id of the last one's recompute cache] of backward rebuilds
         self._replays: Dict[str, List[Any]] = {}
         self._op_replays: Dict[str, List[float]] = {}  # key -> its op's replay times (Replayer)
@@ -366,8 +367,8 @@ class Residency:
         if task != self._last_task:
             self._last_task = task
             self.backward_passes += 1
-            if self.backward_observer is not None and task >= 0:  # -1: not inside a backward pass
-                torch.autograd.Variable._execution_engine.queue_callback(self.backward_observer)
+            if self.on_backward_end.subscribers and task >= 0:  # -1: not inside a backward pass
+                torch.autograd.Variable._execution_engine.queue_callback(self.on_backward_end.emit)
         if type(packed) is _Kept:  # the common record first: a bare tensor is the rarest
             if packed.moved is not None:
                 return self._unpack(packed.moved)
@@ -387,8 +388,8 @@ class Residency:
             if watched is not None and watched._version != packed.state:
                 raise _modified_error(f"a tensor of shape {tuple(watched.shape)}", packed.state, watched._version)
             store = packed.store
-            if self.unpack_observer is not None:
-                self.unpack_observer(store.key)
+            if self.on_released_unpack.subscribers:
+                self.on_released_unpack.emit(store.key)
             start = time.perf_counter()
             if not store.frame.scheduled and not store.in_place:
                 self._prefetch_before(store.frame, store)
@@ -398,8 +399,8 @@ class Residency:
         node = packed.node
         if node.state != packed.state:
             raise _modified_error(f"activation {node.key}", packed.state, node.state)
-        if self.unpack_observer is not None:
-            self.unpack_observer(node.key)
+        if self.on_released_unpack.subscribers:
+            self.on_released_unpack.emit(node.key)
         start = time.perf_counter()
         node.cache.bind_to_backward()
         node.cache.evict_after(node.position)

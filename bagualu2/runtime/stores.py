@@ -17,7 +17,7 @@ Invariants:
 * A store whose copy fails keeps its device source rather than lose the bytes; a reload that
   fails raises, naming the activation.
 
-Also what a hook handled, by its record (``observed_hook``: the runtime's ``hook_observer``).
+Also what a hook handled, by its record (``observed_hook``: the runtime's ``on_hook`` event).
 """
 
 from __future__ import annotations
@@ -379,7 +379,7 @@ def _record(packed: Any) -> str:
 
 def observed_hook(hook: str, run: Callable[[Any], Any], observer: Callable[[str, str, float], None]) -> Callable[[Any], Any]:
     """``run`` (a pack or unpack hook) timed, each call reported to ``observer`` (the runtime's
-    ``hook_observer``) with what it packed or unpacked."""
+    ``on_hook`` event) with what it packed or unpacked."""
     def timed(x: Any) -> Any:
         start = time.perf_counter()
         out = run(x)
