@@ -490,7 +490,7 @@ class ActivationRuntime(CompiledRegions):
         if self._inflight:  # the offloads' share of the thread's time
             start = time.perf_counter()
             self.settle()
-            self._copies[0] += time.perf_counter() - start
+            self._copies.seconds += time.perf_counter() - start
         if not is_plain(t):
             stats.fallbacks.append(f"kept a {type(t).__name__} with layout {t.layout}: not a plain strided "
                                    f"tensor, so it is neither counted nor released")

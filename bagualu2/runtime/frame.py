@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, Iterable, List, Mapping, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Dict, Iterable, List, Mapping, NamedTuple, Optional, Set, Tuple
 
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from bagualu2.runtime.compiled import RegionState
     from bagualu2.runtime.stores import OffloadStore
 
-__all__ = ["Budget", "Frame", "FrameStats", "check_keys", "checked_choices", "profile_saves"]
+__all__ = ["Budget", "Frame", "FrameStats", "SavesProfile", "check_keys", "checked_choices", "profile_saves"]
 
 
 @dataclass
@@ -162,12 +162,19 @@ def check_keys(frame: Frame, nodes: Iterable[StorageNode]) -> None:
         )
 
 
-def profile_saves(frame: Frame, nodes: Iterable[StorageNode]
-                  ) -> Tuple[Dict[str, SavedOp], Dict[str, float]]:
-    """Per saved key a ``SavedOp``: bytes, seconds of its own ops, whether it can be rebuilt,
-    the storages nothing saved (freed after the forward) that rebuilding it must rebuild first,
-    up to saved storages and block inputs, and the saved storages that rebuild reads; and
-    the unsaved storages' own seconds."""
+class SavesProfile(NamedTuple):
+    """What a profiled forward's traced nodes say of its saves (``profile_saves``)."""
+
+    saved: Dict[str, SavedOp]
+    """Per saved key: bytes, seconds of its own ops, whether it can be rebuilt, the storages
+    nothing saved (freed after the forward) that rebuilding it must rebuild first, up to saved
+    storages and block inputs, and the saved storages that rebuild reads."""
+    unsaved_seconds: Dict[str, float]
+    """Those unsaved storages' own seconds, by key."""
+
+
+def profile_saves(frame: Frame, nodes: Iterable[StorageNode]) -> SavesProfile:
+    """What ``frame``'s forward saved, from its traced ``nodes`` (``SavesProfile``)."""
     by_key = {node.key: node for node in nodes}
     saved = frame.keys_seen
     unsaved: Dict[str, float] = {}
@@ -219,4 +226,4 @@ def profile_saves(frame: Frame, nodes: Iterable[StorageNode]
             # it can only move the peak into backward, so no plan is offered it (recompute_all
             # still reruns it, as asked).
             out[key] = SavedOp(nbytes, seconds, key != ROOT_REGION)
-    return out, unsaved
+    return SavesProfile(out, unsaved)
