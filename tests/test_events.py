@@ -7,6 +7,7 @@ from typing import List
 import pytest
 import torch
 
+from bagualu2.offload import CopyEngine, HostArena
 from bagualu2.runtime import ActivationRuntime, Frame
 from bagualu2.shared import Choice, Event
 
@@ -65,23 +66,31 @@ def test_an_emission_calls_the_subscribers_present_when_it_began_and_an_error_st
 
 def test_the_runtime_s_events_each_reach_every_subscriber() -> None:
     """Two parties on each of the runtime's events (where one callback slot kept only the
-    last writer's): both hear every frame start, first save, released unpack and backward end."""
-    rt = ActivationRuntime()
+    last writer's): both hear every frame start and end, first save, offload, hook, released
+    unpack and backward end."""
+    rt = ActivationRuntime(CopyEngine(HostArena(1 << 20)))
     heard: List[List[object]] = [[], []]
     for log in heard:
         rt.on_frame_start.subscribe(lambda f, log=log: (log.append("frame"),
                                                         f.on_saved.subscribe(lambda k, log=log: log.append("saved"))))
+        rt.on_frame_end.subscribe(lambda f, log=log: log.append("frame end"))
+        rt.on_offload.subscribe(lambda key, nbytes, log=log: log.append("offload"))
         rt.on_released_unpack.subscribe(lambda key, log=log: log.append("unpack"))
         rt.on_backward_end.subscribe(lambda log=log: log.append("end"))
         rt.on_hook.subscribe(lambda hook, record, s, log=log: log.append(hook))
     x = torch.randn(16, 16, requires_grad=True)
-    frame = Frame(default=Choice.RECOMPUTE)
-    with rt.frame(frame):
-        y = (x.exp() * x).sum()
-    y.backward()
-    for log in heard:
-        assert log[0] == "frame" and log[-1] == "end"
-        assert log.count("saved") == len(frame.keys_seen) > 0
-        assert log.count("unpack") >= 1 and log.count("pack") == frame.stats.packed
-    assert heard[0] == heard[1]
-    assert rt.ledger.resident == 0
+    for choice in (Choice.RECOMPUTE, Choice.OFFLOAD):
+        for log in heard:
+            log.clear()
+        frame = Frame(default=choice)
+        with rt.frame(frame):
+            y = (x.exp() * x).sum()
+        y.backward()
+        for log in heard:
+            assert log[0] == "frame" and log[-1] == "end" and log.count("frame end") == 1
+            assert log.count("saved") == len(frame.keys_seen) > 0
+            assert log.count("unpack") >= 1 and log.count("pack") == frame.stats.packed
+            assert log.count("offload") == frame.stats.offloaded_storages
+        assert heard[0] == heard[1]
+        assert rt.ledger.resident == 0
+    assert frame.stats.offloaded_storages > 0

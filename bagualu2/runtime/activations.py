@@ -110,6 +110,9 @@ class ActivationRuntime(CompiledRegions):
         # subscriber listens, frames also list the storages they release by recompute
         # (``Frame.recompute_nodes``).
         self.on_frame_start = Event("frame_start")
+        # ``fn(frame)`` as each frame's forward ends, before the runtime's cleanup of it (one
+        # that raises leaves that cleanup to the next frame or ``collect``, as an interrupt would).
+        self.on_frame_end = Event("frame_end")
         # Timing (benchmarks): ``fn(hook, record, seconds)`` after each saved-tensor hook of the
         # frames that start while any subscriber listens: hook "pack" or "unpack", record what
         # was packed or unpacked (``_record``). Without one the hooks run unwrapped: no cost.
@@ -188,6 +191,8 @@ class ActivationRuntime(CompiledRegions):
             # The caller's grad mode, whatever an interrupt stopped inside the forward (the
             # entry of a gate's ``torch.no_grad()``, after it switched grad off) left.
             torch.set_grad_enabled(grad)
+            if self.on_frame_end.subscribers:
+                self.on_frame_end.emit(frame)
             self._close_frame(frame)
 
     def _clear_left_scopes(self) -> None:

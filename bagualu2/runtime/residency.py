@@ -99,6 +99,8 @@ class Residency:
         # ``fn()`` as each backward pass that unpacks anything packed here ends (autograd's
         # final callback of the pass, on the thread that ran it; the provisioner learns there).
         self.on_backward_end = Event("backward_end")
+        # ``fn(key, nbytes)`` as each offload has started (its copy submitted, its host copy made).
+        self.on_offload = Event("offload")
         self._replays: Dict[str, _ReplayTally] = {}  # key -> its backward rebuilds' cost
         self._op_replays: Dict[str, List[float]] = {}  # key -> its op's replay times (Replayer)
         self._copies = CopyClock()  # what copies cost the caller's thread (take_copy_times)
@@ -339,6 +341,8 @@ class Residency:
             frame.stats.bytes_by_choice["offload"] += nbytes
             self._copies.offloads += 1
             self._copies.nbytes += nbytes
+            if self.on_offload.subscribers:
+                self.on_offload.emit(key, nbytes)
             return store
         finally:
             self._copies.seconds += time.perf_counter() - start
