@@ -54,8 +54,6 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
-import torch.utils._python_dispatch as _dispatch
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
 
 from bagualu2.shared import Choice, Event
 from bagualu2.runtime.attachment import AttachedHook, _Attachment
@@ -70,13 +68,6 @@ from bagualu2.runtime.recipes import _PLAIN_TYPES, StorageNode, ViewMeta, is_pla
 __all__ = ["ActivationRuntime", "AttachedHook"]
 
 _STRIDED = torch.strided
-
-# The module flags a TorchDispatchMode's entry saves in the mode (torch 2.13), in entry order.
-_MODE_FLAGS = (("_is_in_torch_dispatch_mode", "old_dispatch_mode_flags"),
-               ("_is_in_non_infra_torch_dispatch_mode", "old_non_infra_dispatch_mode_flags"),
-               ("_is_in_any_mode_without_ignore_compile_internals",
-                "old_without_ignore_compile_internals_dispatch_mode_flags"))
-
 
 class ActivationRuntime(CompiledRegions):
     """Applies per-operator KEEP / OFFLOAD / RECOMPUTE choices to saved activations: picks each
@@ -172,19 +163,19 @@ class ActivationRuntime(CompiledRegions):
             pack, unpack = self._pack if frame.traced else self._pack_calm, self._unpack
             if self.on_hook.subscribers:
                 pack, unpack = observed_hook("pack", pack, self.on_hook.emit), observed_hook("unpack", unpack, self.on_hook.emit)
-            # The tracing mode goes on and off by state (``_trace``), not as a ``with``: a rerun
+            # The tracing mode goes on and off by state (``TracingMode.place``), not as a ``with``: a rerun
             # block takes it off and puts it back inside the forward, and an interrupt between
             # the two must not turn the exit into a second, failing, pop.
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 try:
-                    self._trace(frame.traced)
+                    self.mode.place(frame.traced)
                     yield frame
                 finally:
                     if frame._region is not None:  # the region raised: its exit did not run
                         self.region_leave()
                     if frame._rerun is not None:  # the block raised: its forward hook did not run
                         self._close_rerun(frame)
-                    self._trace(False)
+                    self.mode.place(False)
             if frame.strict:
                 check_keys(frame, self.mode.nodes.values())
         finally:
@@ -203,37 +194,7 @@ class ActivationRuntime(CompiledRegions):
         while hooks is not None and getattr(hooks[0], "__self__", None) is self:
             torch._C._autograd._pop_saved_tensors_default_hooks()
             hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
-        self._trace(False)
-
-    def _trace(self, on: bool) -> None:
-        """Put the tracing mode on (``on``) or off this thread's dispatch stack, from any state
-        an interrupt left. A ``TorchDispatchMode``'s entry saves three module flags one by one
-        and then pushes itself; its exit restores them one by one and then pops itself: a plain
-        exit after an entry or exit stopped between those raises ``IndexError`` and hides the
-        interrupt. So off is done by state: the mode leaves the stack (with the modes an
-        interrupt left above it), each flag it saved is restored, and its saved flags cleared;
-        on, a half-done entry or exit is undone that way first. Every line leaves a state this
-        handles, so a call an interrupt stopped can be made again."""
-        mode = self.mode
-        saved = [getattr(mode, attr, None) for _, attr in _MODE_FLAGS]
-        modes = _get_current_dispatch_mode_stack()
-        stacked = bool(modes) and modes[-1] is mode
-        if on and stacked and all(saved):
-            return
-        if on and not stacked and not any(saved):
-            mode.__enter__()
-            return
-        while mode in modes:
-            _pop_mode()
-            modes.pop()
-        for (flag, _), old in zip(_MODE_FLAGS, saved):
-            if old:  # the value before the entry: the first saved (the mode is entered once at most)
-                setattr(_dispatch, flag, old[0])
-                old.clear()
-        _dispatch.set_is_in_mode_without_ignore_compile_internals(
-            _dispatch._is_in_any_mode_without_ignore_compile_internals)
-        if on:
-            mode.__enter__()
+        self.mode.place(False)
 
     def _close_frame(self, frame: Frame) -> None:
         """End ``frame``: the frame's own cleanup, and the repair of one an interrupt left open.
@@ -277,7 +238,7 @@ class ActivationRuntime(CompiledRegions):
         self._frame_owner = None
         # What the interrupted exit did not undo: the tracing mode and the saved-tensor hooks
         # (this thread's stacks) and the frame's module hooks.
-        self._trace(False)
+        self.mode.place(False)
         top_hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
         if top_hooks is not None and getattr(top_hooks[1], "__self__", None) is self:
             torch._C._autograd._pop_saved_tensors_default_hooks()
@@ -407,7 +368,7 @@ class ActivationRuntime(CompiledRegions):
             return False
         if name not in self._traced_blocks or name in self.mode.side_effect_modules:
             return False
-        self._trace(False)  # off torch's dispatch stack: the block's ops skip Python
+        self.mode.place(False)  # off torch's dispatch stack: the block's ops skip Python
         frame._rerun = BlockRerun(module, name, flat, spec, self._pin_leaf, lambda s: Pin(self.ledger, s))
         frame.stats.rerun_blocks += 1
         return True
@@ -416,7 +377,7 @@ class ActivationRuntime(CompiledRegions):
         record, frame._rerun = frame._rerun, None
         frame.stats.bytes_by_choice["recompute"] += sum(record.storages.values())
         record.storages.clear()  # counted: the graph need not hold the addresses
-        self._trace(True)
+        self.mode.place(True)
 
     def _anchor(self, t: torch.Tensor, outermost: bool) -> None:
         node = self.mode.nodes.get(t.untyped_storage()._cdata)
