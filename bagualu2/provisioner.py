@@ -38,9 +38,9 @@ small objects it holds, each owning its own state (``bagualu2/provision/``): wha
 and the planner it solves with (``GateDecisions``), the micro-batches in flight (``Stacking``), what
 one holds that no plan releases and the room that leaves (``Footprint``), the routing seen
 (``RoutingRecord``), the calibrating micro-batches (``Calibration``), the keys no plan can name
-(``UnplannedKeys``), the policy run and the frame each forward starts from (``Policy``), and
-the forward put on the model with the per-thread stack of running provisioners
-(``provision/forward.py``).
+(``UnplannedKeys``), the policy run and the frame each forward starts from (``Policy``), the
+hooks that hear each gate (``GateHooks``), and the forward put on the model with the per-thread
+stack of running provisioners (``provision/forward.py``).
 """
 
 from __future__ import annotations
@@ -54,14 +54,12 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 
 from bagualu2.runtime import ActivationRuntime, Budget, Frame, is_recomputing
-from bagualu2.runtime.activations import AttachedHook
 from bagualu2.runtime.recipes import reset_replay_depth
 from bagualu2.runtime.rerun import RerunCapture
 from bagualu2.plan.cost_model import CostModel
 from bagualu2.errors import BudgetExceededError, recorded_violation
 from bagualu2.inputs import (
     check_materialized, check_options, checked_counts, device_of, input_bytes, resolve_budget,
-    token_slots,
 )
 from bagualu2.provision.calibration import Calibration, learn
 from bagualu2.provision.copy_engine import arena_need, make_engine, measure_copy_costs, reserve_arena
@@ -75,6 +73,7 @@ from bagualu2.provision.stacking import Stacking
 from bagualu2.provision.teardown import Teardown
 from bagualu2.provision.unplanned import UnplannedKeys
 from bagualu2.runtime.gates import GateSpec, describe_unsupported, find_gates
+from bagualu2.provision.gate_hooks import GateHook, GateHooks
 from bagualu2.provision.region_gates import RegionGates
 from bagualu2.runtime.regions import (
     check_compile_config, check_compile_options, compiled_regions, hide_from_dynamo, holds_collectives,
@@ -110,8 +109,7 @@ class Provisioner:
         if regions or self._compiled_root is not None:
             check_compile_config()
             hide_from_dynamo(ActivationRuntime._pack, ActivationRuntime._pack_calm, ActivationRuntime._unpack,
-                             RegionGates._report, RerunCapture.__call__,
-                             self._gate_hook(None))  # type: ignore[arg-type]
+                             RegionGates._report, RerunCapture.__call__, GateHook.__call__)
         check_options(policy, POLICIES, on_exceed, margin, profile_frames, calibrate_frames, recalibrate_every,
                       min_bytes, reserve_bytes, arena_bytes, arena_max_bytes)
         check_materialized(model)
@@ -135,7 +133,9 @@ class Provisioner:
             self.engine, min_bytes=min_bytes, budget_bytes=self._budget, enforce_budget=self._policy.adaptive,
             on_exceed=self._exceeded if on_exceed == "raise" else None,
         )
-        self.runtime.backward_observer = self._learn
+        # Learning from what each backward measured; ``unsubscribe()`` it to read the runtime's
+        # measurements (``take_replay_times``, ``take_copy_times``) yourself.
+        self.learning = self.runtime.on_backward_end.subscribe(self._learn)
         self.gates: List[GateSpec] = list(gates) if gates is not None else find_gates(model)
         in_place = self.runtime.reload_in_place and self.device.type == "cpu"  # a reload reads the host copy
         self.cost = CostModel({g.layer: g.experts_path for g in self.gates},
@@ -149,11 +149,11 @@ class Provisioner:
         self._teardown = Teardown()  # what disable() undoes, last first (on_disable)
         for handle in self.runtime.attach(model, root_compiled=self._compiled_root is not None):
             self.on_disable(handle.remove)
-        self.region_gates = RegionGates(self._gate_hook)  # the gates inside compiled regions
-        self.on_disable(self.region_gates.close)
+        self.gate_hooks = GateHooks(self.runtime, self._on_gate)
+        self.on_disable(self.gate_hooks.regions.close)
         paths = [""] if self._compiled_root is not None else list(regions)
         for spec in self.gates:
-            self.on_disable(self._hook_gate(spec, paths).remove)
+            self.on_disable(self.gate_hooks.install(spec, paths).remove)
         host = self._compiled_root if self._compiled_root is not None else model
         self._forward = host.forward
         host.forward = ProvisionedForward(self._provisioned_forward, self._forward)  # type: ignore[method-assign]
@@ -199,7 +199,7 @@ class Provisioner:
         spec = GateSpec(module, name, layer, num_experts, counts_fn, None, name.rpartition(".")[0])
         self.gates.append(spec)
         self.cost.expert_prefixes[layer] = spec.experts_path
-        self.on_disable(module.register_forward_hook(AttachedHook(self._gate_hook(spec))).remove)
+        self.on_disable(self.gate_hooks.install(spec).remove)
         return spec
 
     def on_disable(self, fn: Callable[[], Any]) -> None:
@@ -376,7 +376,7 @@ class Provisioner:
         if not self.enabled:
             return
         self.enabled = False
-        self.runtime.backward_observer = None
+        self.learning.unsubscribe()
         try:
             self._teardown.run()
         finally:  # the pinned arena goes now, or when the last graph holding one of its offloads dies
@@ -457,7 +457,7 @@ class Provisioner:
 
     def _learn(self) -> None:
         """Learn what the runtime measured (``provision.calibration.learn``). Called as each
-        backward pass ends (``backward_observer``: where the step pays for it) and as each
+        backward pass ends (``learning``: where the step pays for it) and as each
         forward begins."""
         learn(self.cost, self.runtime, self.routing.counts or self.routing.mean())
 
@@ -498,7 +498,7 @@ class Provisioner:
                 running.pop()
         seconds = time.perf_counter() - start
         self._frames += 1
-        self.region_gates.check_heard()
+        self.gate_hooks.regions.check_heard()
         counts = self.routing.counts
         if frame.traced:
             stats = frame.stats
@@ -544,26 +544,7 @@ class Provisioner:
     def _exceeded(self, resident: int, budget: int, key: str) -> None:
         raise BudgetExceededError(resident, budget, key, self._policy.name)
 
-    # -- gating -----------------------------------------------------------------------------
-    def _hook_gate(self, spec: GateSpec, regions: Sequence[str]) -> Any:
-        """Put ``spec``'s hook on its gate: the shared region hook inside a compiled region."""
-        register = spec.module.register_forward_pre_hook if spec.pre_hook else spec.module.register_forward_hook
-        if any(not r or spec.name.startswith(r + ".") for r in regions) and self.region_gates.add(spec):
-            return register(self.region_gates.hook)
-        return register(AttachedHook(self._gate_hook(spec)))
-
-    def _gate_hook(self, spec: GateSpec) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: tuple, output: Any = None) -> None:
-            if self.runtime.active_frame is None or is_recomputing():
-                return
-            with self.runtime.untraced(), torch.no_grad():
-                counts = spec.counts_fn(module, args, output)
-                size = spec.size_fn(module, args, output) if spec.size_fn is not None else None
-            what = f"counts_fn of gate {spec.name!r} (layer {spec.layer})"
-            self._on_gate(spec.layer, checked_counts(counts, what, spec.num_experts, token_slots(spec, args)), size)
-
-        return hook
-
+    # -- gating (each gate's hook: provision/gate_hooks.py) ----------------------------------
     def _on_gate(self, layer: int, counts: Union[torch.Tensor, Sequence[int]], size: Optional[int] = None) -> None:
         frame = self.runtime.active_frame
         if frame is None:

@@ -214,7 +214,7 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     # What the runtime measured, as the provisioner takes it to learn from (as each backward
     # ends), and how long learning took.
     measured = [0.0, 0.0, 0.0]
-    take_replays, take_copies, learn = prov.runtime.take_replay_times, prov.runtime.take_copy_times, prov.runtime.backward_observer
+    take_replays, take_copies, learn = prov.runtime.take_replay_times, prov.runtime.take_copy_times, prov.learning.fn
 
     def replays_noted() -> Dict[str, tuple]:
         times = take_replays()
@@ -233,7 +233,8 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
 
     prov.runtime.take_replay_times = replays_noted
     prov.runtime.take_copy_times = copies_noted
-    prov.runtime.backward_observer = learning_noted
+    prov.learning.unsubscribe()
+    prov.runtime.on_backward_end.subscribe(learning_noted)
     # Seconds in the saved-tensor hooks (pack, unpack) this step: what of a plan's overhead
     # runs inside the hooks, and what outside every one of them.
     hooks = [0.0, 0.0]
@@ -241,7 +242,7 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     def hook_timed(hook: str, record: str, seconds: float) -> None:
         hooks[0 if hook == "pack" else 1] += seconds
 
-    prov.runtime.hook_observer = hook_timed
+    prov.runtime.on_hook.subscribe(hook_timed)
     # per plan, per round: (pack, unpack) hook seconds minus the all-keep step's before and after
     hook_deltas: List[List[List[tuple]]] = [[] for _ in plans]
     order = random.Random(0)

@@ -76,7 +76,7 @@ def measure(repeats: int, seed: int) -> Dict:
     # saved tensors packed as offloads.
     measured = [0.0, 0, 0]  # seconds, storages offloaded, their bytes
     saves = [0]
-    take_copies, learn = prov.runtime.take_copy_times, prov.runtime.backward_observer
+    take_copies, learn = prov.runtime.take_copy_times, prov.learning.fn
 
     def copies_noted() -> tuple:
         times = take_copies()
@@ -92,8 +92,9 @@ def measure(repeats: int, seed: int) -> Dict:
         saves[0] += hook == "pack" and record == "offloaded"
 
     prov.runtime.take_copy_times = copies_noted
-    prov.runtime.backward_observer = learning_noted
-    prov.runtime.hook_observer = pack_counted
+    prov.learning.unsubscribe()
+    prov.runtime.on_backward_end.subscribe(learning_noted)
+    prov.runtime.on_hook.subscribe(pack_counted)
 
     keep = bagualu2.Plan({})
     deltas: Dict[str, List[List[float]]] = {n: [] for n in names}

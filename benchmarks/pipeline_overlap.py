@@ -23,7 +23,7 @@ Per rank and mode it measures, over --steps timed steps after one warm-up step:
   recompute_s  time backward's unpack hooks spent rebuilding recomputed activations
   idle_s       time between this rank's compute actions (bubbles and p2p waits)
   peak_bytes   the rank's activation high-water mark (bagualu2's exact accounting)
-The three exposed times come from the runtime's hook observer (``runtime.hook_observer``).
+The three exposed times come from the runtime's hook timing (a ``runtime.on_hook`` subscriber).
 With the scheduler, the driver's counters say where reloads were issued, how many recomputes
 ran early, the DP's decision time and its predicted exposed time against lazy issue.
 
@@ -82,9 +82,9 @@ TIMERS: dict[str, float] = collections.defaultdict(float)
 
 
 def _timed(hook: str, record: str, seconds: float) -> None:
-    """The runtime's hook observer: pack hooks that offloaded (submitting the copy, and waiting
-    for copies where the budget leaves no room beside them) and unpack hooks that reloaded or
-    rebuilt."""
+    """The runtime's ``on_hook`` subscriber: pack hooks that offloaded (submitting the copy, and
+    waiting for copies where the budget leaves no room beside them) and unpack hooks that
+    reloaded or rebuilt."""
     name = {("pack", "offloaded"): "offload_s", ("unpack", "offloaded"): "reload_s",
             ("unpack", "recomputed"): "recompute_s"}.get((hook, record))
     if name is not None:
@@ -131,7 +131,7 @@ def _run_mode(rank, world_size, args, mode, budget) -> dict:
     prov = pp.enable_bagualu2(pipe, arena_bytes=64 << 20, **kwargs) if kwargs is not None else None
     if prov is not None:
         prov.runtime.reload_in_place = False  # copy back as on a device: the scheduler has reloads to place
-        prov.runtime.hook_observer = _timed
+        prov.runtime.on_hook.subscribe(_timed)
     # Idle time between this rank's compute actions (pipeline bubbles and p2p waits).
     idle = {"s": 0.0, "last": None}
 

@@ -358,9 +358,9 @@ def main() -> None:
 
         def observe(frame: Frame) -> None:
             frames.append(frame)
-            frame.on_saved = lambda key: after.append(key) if frame.past_blocks else None
+            frame.on_saved.subscribe(lambda key: after.append(key) if frame.past_blocks else None)
 
-        prov.runtime.frame_observer = observe
+        prov.runtime.on_frame_start.subscribe(observe)
         probe(batch).backward()
         prov.disable()
         (frame,) = frames

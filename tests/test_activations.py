@@ -10,7 +10,7 @@ import copy
 import gc
 import time
 import weakref
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -22,7 +22,6 @@ import bagualu2
 from bagualu2.runtime import ActivationRuntime, Frame
 from bagualu2.runtime import recipes
 from bagualu2.runtime.recipes import call_key, module_of
-from bagualu2.runtime.testing import wrap_step
 from bagualu2.models import MoEConfig, MoETransformer
 from bagualu2.offload import CopyEngine, HostArena, OffloadHandle
 from bagualu2.plan.planner import Choice
@@ -239,15 +238,15 @@ def test_shared_storage_is_offloaded_once(engine: CopyEngine) -> None:
 
 
 @pytest.mark.parametrize("choice", [Choice.KEEP, Choice.OFFLOAD, Choice.RECOMPUTE])
-def test_the_hook_observer_sees_every_saved_tensor_hook_and_what_it_handled(engine: CopyEngine, choice: Choice) -> None:
-    """The benchmarks' timing switch: every pack and unpack of a frame started with
-    ``hook_observer`` set is reported once, with what it stored or restored; the frame stays
-    exact, and a frame started after it is cleared is not reported."""
+def test_an_on_hook_subscriber_sees_every_saved_tensor_hook_and_what_it_handled(engine: CopyEngine, choice: Choice) -> None:
+    """The benchmarks' timing switch: every pack and unpack of a frame started with an
+    ``on_hook`` subscriber is reported once, with what it stored or restored; the frame stays
+    exact, and a frame started after it unsubscribed is not reported."""
     model, tokens = make_model()
     h = Harness(model, engine)
     reference = loss_and_grads(model, h.forward(tokens, None))
     seen: List[Tuple[str, str, float]] = []
-    h.runtime.hook_observer = lambda hook, record, seconds: seen.append((hook, record, seconds))
+    timing = h.runtime.on_hook.subscribe(lambda hook, record, seconds: seen.append((hook, record, seconds)))
     frame = Frame(default=choice)
     assert_bitwise(reference, loss_and_grads(model, h.forward(tokens, frame)))
     packs = [r for hook, r, _ in seen if hook == "pack"]
@@ -257,7 +256,7 @@ def test_the_hook_observer_sees_every_saved_tensor_hook_and_what_it_handled(engi
     released = {Choice.KEEP: "kept", Choice.OFFLOAD: "offloaded", Choice.RECOMPUTE: "recomputed"}[choice]
     assert released in packs and released in unpacks
     assert set(packs) <= {"kept", "tensor", released}
-    h.runtime.hook_observer = None
+    timing.unsubscribe()
     seen.clear()
     loss_and_grads(model, h.forward(tokens, Frame(default=choice)))
     assert not seen
@@ -282,7 +281,7 @@ def test_each_offloaded_storage_is_reloaded_once_per_backward_pass(engine: CopyE
     def observe(key: str) -> None:
         held_peak[0] = max(held_peak[0], sum(s.nbytes for s in stores if s.held is not None))
 
-    h.runtime.unpack_observer = observe
+    watching = h.runtime.on_released_unpack.subscribe(observe)
     for n in range(passes):
         model.zero_grad(set_to_none=True)
         loss.backward(retain_graph=n + 1 < passes)
@@ -295,7 +294,7 @@ def test_each_offloaded_storage_is_reloaded_once_per_backward_pass(engine: CopyE
     assert sorted(reloads) == sorted(s.handle.host_ptr for s in stores)
     assert set(reloads.values()) == {passes}, f"reloads per storage: {sorted(reloads.values())}"
     assert held_peak[0] > 0
-    h.runtime.unpack_observer = None
+    watching.unsubscribe()
     del loss, frame, observe
     stores.clear()
     assert h.runtime.ledger.resident == 0
@@ -372,7 +371,7 @@ def test_profile_names_the_unsaved_inputs_a_rebuild_must_rebuild_first(engine: C
     torch.manual_seed(0)
     model = Transients()
     h = Harness(model, engine)
-    h.runtime.frame_observer = lambda f: None  # frames then list their recomputed nodes
+    h.runtime.on_frame_start.subscribe(lambda f: None)  # frames then list their recomputed nodes
     frame = Frame(default=Choice.RECOMPUTE)
     frame.profile = True
     loss = h.forward(torch.randn(64, 16), frame)
@@ -397,7 +396,7 @@ def test_op_replay_times_time_each_replayed_op_once_and_a_rebuild_s_first_apart(
     for the rebuild's first (its inputs made before the rebuild), apart."""
     torch.manual_seed(0)
     h = Harness(Transients(), engine)
-    h.runtime.frame_observer = lambda f: None  # frames then list their recomputed nodes
+    h.runtime.on_frame_start.subscribe(lambda f: None)  # frames then list their recomputed nodes
     frame = Frame(default=Choice.RECOMPUTE)
     loss = h.forward(torch.randn(64, 16), frame)
     by_key = {key: node for key, node, _ in frame.recompute_nodes()}
@@ -789,7 +788,7 @@ def test_backward_prefetch_stays_in_its_window_in_every_pass(engine: CopyEngine,
     h.runtime.prefetch_bytes = window_stores * largest
     pending: List[Tuple[int, int]] = []  # (pass, bytes prefetched and not used) at each unpack
     passes = [0]
-    h.runtime.unpack_observer = lambda key, f=frame: pending.append((passes[0], f.prefetch_pending_bytes))
+    h.runtime.on_released_unpack.subscribe(lambda key, f=frame: pending.append((passes[0], f.prefetch_pending_bytes)))
     for passes[0] in (1, 2):
         model.zero_grad(set_to_none=True)
         loss.backward(retain_graph=passes[0] == 1)
@@ -892,10 +891,12 @@ def test_keep_all_high_water_equals_saved_bytes(engine: CopyEngine) -> None:
 @pytest.mark.parametrize("model_kind", ["moe", "views", "custom function"])
 @pytest.mark.parametrize("budget_fraction", [None, 0.5])
 def test_an_untraced_forward_counts_and_keeps_as_the_full_pack_does(
-        engine: CopyEngine, model_kind: str, budget_fraction: Optional[float]) -> None:
-    """An untraced frame's pack hook (``calm_pack_hook``) keeps what fits by a short way of its
-    own; what it counts, keeps and (over the budget) offloads is what the full pack hook does,
-    bit for bit, and with no budget it never needs the full one."""
+        engine: CopyEngine, model_kind: str, budget_fraction: Optional[float],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An untraced frame's pack hook (``_pack_calm``) keeps what fits by a short way of its
+    own; what it counts, keeps and (over the budget) offloads is what the full pack hook
+    (``_pack``) does, bit for bit, and with no budget it never needs the full one. The one test
+    that reaches the runtime's private steps: the short way is what it checks."""
     def build() -> Tuple[torch.nn.Module, torch.Tensor]:
         if model_kind == "moe":
             return make_model()
@@ -914,18 +915,16 @@ def test_an_untraced_forward_counts_and_keeps_as_the_full_pack_does(
             h.forward(x, probe)
             h.runtime.budget_bytes = int(probe.stats.peak_resident * budget_fraction)
         full_packs = [0]
-        counted_hooks: List[Callable[[torch.Tensor], object]] = []
+        pack = h.runtime._pack
 
-        def counting(pack: Callable[[torch.Tensor], object]) -> Callable[[torch.Tensor], object]:
-            def counted(t: torch.Tensor) -> object:
-                full_packs[0] += 1
-                return pack(t)
-            counted_hooks.append(counted)
-            return counted
+        def counted(t: torch.Tensor) -> object:
+            full_packs[0] += 1
+            return pack(t)
 
-        wrap_step(h.runtime, "pack_hook", counting)
+        # Looked up on the instance as a frame starts, and as the short way hands a save over.
+        monkeypatch.setattr(h.runtime, "_pack", counted)
         if full:  # every save takes the full hook
-            wrap_step(h.runtime, "calm_pack_hook", lambda calm: counted_hooks[0])
+            monkeypatch.setattr(h.runtime, "_pack_calm", counted)
         frame = Frame(default=Choice.KEEP)
         frame.traced = False
         loss = h.forward(x, frame)

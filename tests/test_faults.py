@@ -24,9 +24,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import bagualu2
 from bagualu2.runtime.ledger import ResidencyLedger, Pin
-from bagualu2.runtime import ActivationRuntime, Frame, recipes
+from bagualu2.runtime import recipes
 from bagualu2.runtime.recipes import StorageNode, is_recomputing
-from bagualu2.runtime.testing import wrap_step
 from bagualu2.models import MoEConfig, MoETransformer
 
 BATCH = (2, 32)
@@ -131,13 +130,18 @@ def _inject(point: str, model: MoETransformer, prov: Any, at: int, after: bool) 
                 handle.remove()
 
         return disarm
-    if point in ("pack", "offload", "unpack"):
-        return wrap_step(rt, {"pack": "pack", "offload": "offload", "unpack": "unpack_hook"}[point],
-                         lambda original: Interrupt(original, at, after))
-    if point == "learning":
-        observer = rt.backward_observer
-        rt.backward_observer = Interrupt(observer, at, after)
-        return lambda: setattr(rt, "backward_observer", observer)
+    if point in ("pack", "unpack") and after:  # a saved-tensor hook has run, its result not yet autograd's
+        interrupt = Interrupt(lambda: None, at)
+        return rt.on_hook.subscribe(lambda hook, record, seconds: interrupt() if hook == point else None).unsubscribe
+    if point == "pack":  # inside the pack hook's scopes, after a traced forward's first save of a key
+        saved = Interrupt(lambda key: None, at)
+        return rt.on_frame_start.subscribe(lambda frame: frame.on_saved.subscribe(saved)).unsubscribe
+    if point == "offload":  # an offload started, its host copy not yet handed to the pack hook
+        return rt.on_offload.subscribe(Interrupt(lambda key, nbytes: None, at)).unsubscribe
+    if point == "unpack":  # inside the unpack hook, before a released activation is reloaded or rebuilt
+        return rt.on_released_unpack.subscribe(Interrupt(lambda key: None, at)).unsubscribe
+    if point == "learning":  # a subscriber beside the provisioner's learning: before it, or after
+        return rt.on_backward_end.subscribe(Interrupt(lambda: None, at), prepend=not after).unsubscribe
     if point == "backward":
         layer = model.layers[0]
         handle = layer.register_full_backward_hook(Interrupt(lambda m, gi, go: None, at, after))
@@ -306,10 +310,8 @@ def test_a_frame_an_interrupt_left_open_is_closed_by_the_next_forward() -> None:
     model, plain, prov = enabled()
     step(model, 0)
     rt = prov.runtime
-    undo = wrap_step(rt, "close_frame", lambda close: Interrupt(close, 1))
-    with pytest.raises(KeyboardInterrupt):
+    with rt.on_frame_end.subscribe(Interrupt(lambda frame: None, 1)), pytest.raises(KeyboardInterrupt):
         step(model, 1, spike=2.6)
-    undo()
     assert rt.active_frame is not None  # left open
     assert_exact(model, plain, 2, spike=2.6)
     assert_nothing_held(prov)
@@ -399,37 +401,3 @@ def test_an_arena_that_runs_out_in_a_spike_falls_back_without_leaking_a_block() 
     assert report["violations"] == 0 and report["peak_bytes"] <= budget
     assert report["arena_capacity_bytes"] == 16 << 10
     assert report["saved_bytes_by_choice"]["recompute"] > 0
-
-
-def test_wrap_step_runs_the_wrapper_until_undone_and_refuses_an_unknown_step() -> None:
-    """The testing hook the interrupt tests stand on: each wrap sees every call of its step,
-    nested wraps undo in any order to what was there, and a step it cannot name is refused."""
-    rt = ActivationRuntime()
-    calls: List[str] = []
-
-    def counting(tag: str) -> Callable[[Callable[..., object]], Callable[..., object]]:
-        def wrapper(close: Callable[..., object]) -> Callable[..., object]:
-            def counted(*args: object) -> object:
-                calls.append(tag)
-                return close(*args)
-            return counted
-        return wrapper
-
-    def forward() -> None:
-        x = torch.randn(8, 8, requires_grad=True)
-        with rt.frame(Frame()):
-            y = (x.exp() * x).sum()
-        y.backward()
-
-    undo_outer = wrap_step(rt, "close_frame", counting("outer"))
-    undo_inner = wrap_step(rt, "close_frame", counting("inner"))
-    forward()
-    assert calls == ["inner", "outer"]
-    undo_inner()
-    forward()
-    assert calls == ["inner", "outer", "outer"]
-    undo_outer()
-    forward()
-    assert calls == ["inner", "outer", "outer"] and rt.ledger.resident == 0
-    with pytest.raises(ValueError, match="unknown runtime step 'close'.*'close_frame'"):
-        wrap_step(rt, "close", counting("never"))

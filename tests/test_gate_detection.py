@@ -340,7 +340,7 @@ def test_hf_models_rerun_their_decoder_layers_exactly_under_recompute_all(family
     plain = copy.deepcopy(model)
     prov = bagualu2.enable(model, budget=None, policy="recompute_all", min_bytes=0)
     frames: list = []
-    prov.runtime.frame_observer = frames.append
+    prov.runtime.on_frame_start.subscribe(frames.append)
     tokens = torch.randint(64, (2, 24))
     mask = torch.ones_like(tokens)
     mask[1, :5] = 0  # left padding

@@ -26,10 +26,11 @@ import bagualu2
 from bagualu2.runtime import ActivationRuntime, recipes
 from bagualu2.runtime.recipes import is_recomputing
 from bagualu2.runtime.rerun import BlockRerun
+from bagualu2.runtime.tracing import TracingMode
 from test_faults import assert_exact, assert_no_scope_left, assert_nothing_held, keep_all_peak, make_model, step
 
 # The entries and exits of a block rerun's untraced stretch in the forward, and of the mode.
-RERUN_SCOPE = [ActivationRuntime._open_rerun, ActivationRuntime._close_rerun, ActivationRuntime._trace,
+RERUN_SCOPE = [ActivationRuntime._open_rerun, ActivationRuntime._close_rerun, TracingMode.place,
                TorchDispatchMode.__enter__, TorchDispatchMode.__exit__]
 # ... and of the frame, and the rerun in backward.
 FRAME_SCOPE = RERUN_SCOPE + [
@@ -60,7 +61,7 @@ def _quiet_lines(code: CodeType) -> FrozenSet[int]:
 class LineInterrupt:
     """A tracer that raises KeyboardInterrupt the first time the line labelled ``at`` runs in
     ``functions`` (``at`` None: records the labels, and raises nowhere). A line's label names its
-    function, its number and its caller's function (``_trace`` runs from five places)."""
+    function, its number and its caller's function (``place`` runs from five places)."""
 
     def __init__(self, functions: Sequence[Callable[..., Any]], at: Optional[str] = None) -> None:
         self.codes = {f.__code__ for f in functions}

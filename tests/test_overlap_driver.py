@@ -300,3 +300,40 @@ def test_an_untraced_frame_pairs_with_nothing_to_schedule_and_stays_exact() -> N
     assert run.frames[0].stats.bytes_by_choice["keep"] == 0 < run.frames[0].stats.bytes_by_choice["offload"]
     assert run.driver.stats["pairs"] == 1 and run.driver.stats["reloads_forward"] == 0
     run.close()
+
+
+def test_the_schedule_is_followed_while_other_subscribers_listen_to_the_same_events(reference):
+    """The driver's events are subscriber lists: a second party listening to frame starts,
+    first saves and released unpacks (subscribed after the driver, which a single callback slot
+    would have handed to the last writer) hears every one of them, and the driver still issues
+    each reload at its scheduled forward point. Closing the driver removes only its own
+    subscriptions."""
+    model, a, b = make_model()
+    run = Run(model, Choice.OFFLOAD)
+    frames: List[Frame] = []
+    saved: Dict[int, List[str]] = {}
+    unpacked: List[str] = []
+
+    def on_frame(frame: Frame) -> None:
+        frames.append(frame)
+        saved[len(frames) - 1] = []
+        frame.on_saved.subscribe(saved[len(frames) - 1].append)
+
+    heard = run.runtime.on_frame_start.subscribe(on_frame)
+    run.runtime.on_released_unpack.subscribe(unpacked.append)
+    try:
+        out = run.run(a, b, lambda p: spread(p, PICKS["one_per_forward_op"]))
+        assert_bitwise(out, reference)
+        fa, fb = run.frames
+        assert frames == [fa, fb]
+        assert saved == {0: list(fa.keys_seen), 1: list(fb.keys_seen)} and saved[1]
+        assert {st.key for st in fa.offload_stores() + fb.offload_stores()} == set(unpacked)
+        _, _, blocks = trace_positions(run)
+        assert blocks == expected_reload_blocks(run)
+        assert run.driver.stats["reloads_forward"] > 0
+    finally:
+        run.close()
+    assert heard.active and len(run.runtime.on_frame_start.subscribers) == 1
+    assert len(run.runtime.on_released_unpack.subscribers) == 1  # the driver's went with its pair
+    run.forward(a, SEEDS[0])
+    assert len(frames) == 3

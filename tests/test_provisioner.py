@@ -132,7 +132,7 @@ def test_the_budget_has_one_owner_and_each_forward_carries_its_share() -> None:
     budget = int(keep_all_peak(model, spike=2.6) * 0.6)
     prov = bagualu2.enable(model, budget=budget, min_bytes=0)
     seen = []
-    prov.runtime.frame_observer = lambda frame: seen.append((frame.budget, prov.runtime.budget_bytes))
+    prov.runtime.on_frame_start.subscribe(lambda frame: seen.append((frame.budget, prov.runtime.budget_bytes)))
     for i, spikes in enumerate([[0.0, 2.6, 0.0], [2.6]]):
         accumulate(model, i, spikes)
         assert prov.runtime.budget_bytes == budget
@@ -291,8 +291,8 @@ def test_recompute_all_reruns_its_blocks_and_keeps_what_the_model_saves_after_th
     plain = copy.deepcopy(model)
     prov = bagualu2.enable(model, budget=None, policy="recompute_all", min_bytes=0)
     frames: List = []
-    prov.runtime.frame_observer = frames.append
-    prov.runtime.backward_observer = None  # what backward rebuilt is read here
+    prov.runtime.on_frame_start.subscribe(frames.append)
+    prov.learning.unsubscribe()  # what backward rebuilt is read here
     for i in range(2):  # the first traces the blocks: a block is rerun once known to issue no collective
         ref, got = step(plain, i), step(model, i)
         assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
@@ -667,7 +667,7 @@ def test_the_first_micro_batches_a_plan_may_release_from_measure_what_replays_co
     plain = copy.deepcopy(model)
     prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.7), min_bytes=0, recalibrate_every=2)
     frames: List[bagualu2.runtime.Frame] = []
-    prov.runtime.frame_observer = frames.append
+    prov.runtime.on_frame_start.subscribe(frames.append)
     taken: Dict[int, Dict[str, Tuple[float, int, int, float, int]]] = {}  # micro-batch -> its backward's op replays
     take = prov.runtime.take_op_replay_times
 
@@ -747,7 +747,7 @@ def recalibrating(calibrate_frames: int) -> Tuple[MoETransformer, MoETransformer
     prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.7), min_bytes=0,
                            calibrate_frames=calibrate_frames, recalibrate_every=1)
     frames: List[bagualu2.runtime.Frame] = []
-    prov.runtime.frame_observer = frames.append
+    prov.runtime.on_frame_start.subscribe(frames.append)
     return plain, model, prov, frames
 
 
@@ -765,7 +765,7 @@ def test_a_calibrating_forward_that_fails_does_not_keep_the_next_one_from_decidi
 
     handle = model.layers[1].register_forward_pre_hook(fail)
     frames: List[bagualu2.runtime.Frame] = []
-    prov.runtime.frame_observer = frames.append
+    prov.runtime.on_frame_start.subscribe(frames.append)
     with pytest.raises(RuntimeError, match="the loop's own error"):
         step(model, 2)
     handle.remove()
@@ -951,7 +951,7 @@ def test_keep_all_traces_only_its_profiling_forwards_and_counts_every_byte() -> 
     prov = bagualu2.enable(model, budget=None, policy="keep_all", min_bytes=0)
     ref = bagualu2.enable(traced, budget=None, policy={}, min_bytes=0, profile_frames=4)  # all-keep, traced
     frames: List[bagualu2.runtime.Frame] = []
-    prov.runtime.frame_observer = frames.append
+    prov.runtime.on_frame_start.subscribe(frames.append)
     for i, spike in enumerate([0.0, 0.0, 2.6, 0.0]):
         a, b, c = step(plain, i, spike), step(model, i, spike), step(traced, i, spike)
         assert torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
@@ -995,7 +995,7 @@ def test_calm_forwards_go_untraced_and_an_unannounced_spike_is_offloaded_under_t
         frames.append(frame)
         pre_hooks.append(sum(len(m._forward_pre_hooks) for m in model.modules()))
 
-    prov.runtime.frame_observer = observe
+    prov.runtime.on_frame_start.subscribe(observe)
     trace = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.6, 0.0, 0.0]
     for i, spike in enumerate(trace):
         ref, got = step(plain, i, spike), step(model, i, spike)
@@ -1034,7 +1034,7 @@ def test_a_run_of_spikes_is_planned_from_its_second_micro_batch_on() -> None:
     budget = (calm + spiked) // 2
     prov = bagualu2.enable(model, budget=budget, min_bytes=0, margin=0.0)
     frames: List[bagualu2.runtime.Frame] = []
-    prov.runtime.frame_observer = frames.append
+    prov.runtime.on_frame_start.subscribe(frames.append)
     trace = [0.0] * 6 + [2.6, 2.6, 0.0, 0.0]
     for i, spike in enumerate(trace):
         ref, got = step(plain, i, spike), step(model, i, spike)
@@ -1073,7 +1073,7 @@ def test_without_a_copy_engine_only_the_worst_routing_makes_a_forward_calm() -> 
     prov.engine = None  # nothing could hold an untraced spike under the budget
     prov.runtime.engine = None
     frames: List[bagualu2.runtime.Frame] = []
-    prov.runtime.frame_observer = frames.append
+    prov.runtime.on_frame_start.subscribe(frames.append)
     for i in range(7):
         step(model, i)
     assert all(f.traced for f in frames)
@@ -1178,7 +1178,7 @@ def test_keys_no_profiled_micro_batch_used_are_reported_and_told_once() -> None:
 def test_runtime_measures_rebuilds_and_copies_and_the_provisioner_feeds_the_cost_model() -> None:
     model = make_model()
     prov = bagualu2.enable(model, budget=None, policy="recompute_all", min_bytes=0)
-    prov.runtime.backward_observer = None  # the measurements are read here, not learned from
+    prov.learning.unsubscribe()  # the measurements are read here, not learned from
     step(model, 0)
     replays = prov.runtime.take_replay_times()
     assert replays and all(s > 0 and n >= 1 for s, n in replays.values())
@@ -1195,11 +1195,11 @@ def test_runtime_measures_rebuilds_and_copies_and_the_provisioner_feeds_the_cost
     assert adaptive.report()["saved_bytes_by_choice"]["recompute"] > 0
     assert adaptive.cost.rebuild.replayed_calls and adaptive.cost.rebuild.fit.observed
     offloading = bagualu2.enable(make_model(), budget=None, policy="offload_all", min_bytes=0)
-    learn, offloading.runtime.backward_observer = offloading.runtime.backward_observer, None
+    offloading.learning.unsubscribe()
     step(offloading.model, 0)
     seconds, copies, nbytes = offloading.runtime.take_copy_times()
     assert seconds > 0 and copies > 0 and nbytes >= copies
-    offloading.runtime.backward_observer = learn
+    offloading.runtime.on_backward_end.subscribe(offloading.learning.fn)
     step(offloading.model, 1)
     assert offloading.runtime.take_copy_times()[1] == 0 and offloading.cost.copies.fit.observed
 

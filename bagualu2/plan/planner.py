@@ -197,7 +197,7 @@ class Planner:
                 raise ValueError(f"duplicate candidate key {dup!r}")
             return Plan(choices=choices)
         keys = [c.key for c in candidates]
-        (choices, feasible, freed, shortfall, exposed, bound, qb, qf, qr) = (
+        solved = (
             self._impl.solve_columns(
                 keys,
                 [c.nbytes for c in candidates],
@@ -212,15 +212,15 @@ class Planner:
             )
         )
         return Plan(
-            choices={k: _CHOICES[c] for k, c in zip(keys, choices)},
-            feasible=feasible,
-            freed_bytes=freed,
-            shortfall_bytes=shortfall,
-            exposed_s=exposed,
-            bound_s=bound,
-            quantum_bytes=qb,
-            offload_quantum_s=qf,
-            reload_quantum_s=qr,
+            choices={k: _CHOICES[c] for k, c in zip(keys, solved.choices)},
+            feasible=solved.feasible,
+            freed_bytes=solved.freed_bytes,
+            shortfall_bytes=solved.shortfall_bytes,
+            exposed_s=solved.exposed_s,
+            bound_s=solved.bound_s,
+            quantum_bytes=solved.quantum_bytes,
+            offload_quantum_s=solved.offload_quantum_s,
+            reload_quantum_s=solved.reload_quantum_s,
         )
 
     @staticmethod

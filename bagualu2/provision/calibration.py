@@ -88,12 +88,10 @@ def learn(cost: CostModel, runtime: ActivationRuntime, routed: Dict[int, List[in
     rebuilds and copies cost, each at ``routed``, the loads of the forward whose backward ran
     (the last one outside a pipeline; rounded means would move a size-driven op's token count
     and bend its time's fit)."""
-    op_replays = runtime.take_op_replay_times()
-    if op_replays:
-        cost.observe_op_replays(op_replays, routed)
-    replays = runtime.take_replay_times()
-    if replays:
-        cost.observe_replays(replays, routed)
-    seconds, copies, nbytes = runtime.take_copy_times()
-    if copies:
-        cost.observe_copies(seconds, copies, nbytes)
+    measured = runtime.take_measurements()
+    if measured.op_replays:
+        cost.observe_op_replays(measured.op_replays, routed)
+    if measured.replays:
+        cost.observe_replays(measured.replays, routed)
+    if measured.copies.offloads:
+        cost.observe_copies(*measured.copies)

@@ -54,10 +54,8 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
-import torch.utils._python_dispatch as _dispatch
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
 
-from bagualu2.shared import Choice
+from bagualu2.shared import Choice, Event
 from bagualu2.runtime.attachment import AttachedHook, _Attachment
 from bagualu2.runtime.compiled import CompiledRegions
 from bagualu2.runtime.frame import Frame, check_keys, profile_saves
@@ -70,13 +68,6 @@ from bagualu2.runtime.recipes import _PLAIN_TYPES, StorageNode, ViewMeta, is_pla
 __all__ = ["ActivationRuntime", "AttachedHook"]
 
 _STRIDED = torch.strided
-
-# The module flags a TorchDispatchMode's entry saves in the mode (torch 2.13), in entry order.
-_MODE_FLAGS = (("_is_in_torch_dispatch_mode", "old_dispatch_mode_flags"),
-               ("_is_in_non_infra_torch_dispatch_mode", "old_non_infra_dispatch_mode_flags"),
-               ("_is_in_any_mode_without_ignore_compile_internals",
-                "old_without_ignore_compile_internals_dispatch_mode_flags"))
-
 
 class ActivationRuntime(CompiledRegions):
     """Applies per-operator KEEP / OFFLOAD / RECOMPUTE choices to saved activations: picks each
@@ -106,13 +97,17 @@ class ActivationRuntime(CompiledRegions):
         super().__init__(engine, budget_bytes=budget_bytes, enforce_budget=enforce_budget, on_exceed=on_exceed,
                          prefetch_bytes=prefetch_bytes, reload_in_place=reload_in_place)
         self.min_bytes = min_bytes
-        # Overlap scheduling: called with each frame as it starts
-        # (bagualu2.integrations.pipeline.overlap_driver.OverlapDriver).
-        self.frame_observer: Optional[Callable[[Frame], None]] = None
-        # Timing (benchmarks): called after each saved-tensor hook of the frames that start while
-        # it is set, as ``fn(hook, record, seconds)``: hook "pack" or "unpack", record what was
-        # packed or unpacked (``_record``). Off, the hooks run unwrapped: it costs nothing.
-        self.hook_observer: Optional[Callable[[str, str, float], None]] = None
+        # ``fn(frame)`` as each frame starts (the overlap driver: OverlapDriver). While any
+        # subscriber listens, frames also list the storages they release by recompute
+        # (``Frame.recompute_nodes``).
+        self.on_frame_start = Event("frame_start")
+        # ``fn(frame)`` as each frame's forward ends, before the runtime's cleanup of it (one
+        # that raises leaves that cleanup to the next frame or ``collect``, as an interrupt would).
+        self.on_frame_end = Event("frame_end")
+        # Timing (benchmarks): ``fn(hook, record, seconds)`` after each saved-tensor hook of the
+        # frames that start while any subscriber listens: hook "pack" or "unpack", record what
+        # was packed or unpacked (``_record``). Without one the hooks run unwrapped: no cost.
+        self.on_hook = Event("hook")
         self._told_unrestorable = False  # a block call that could not be rerun was warned of
         self._traced_blocks: Set[str] = set()  # outermost blocks seen traced: whether they issue collectives is known
         self._attachments: List["_Attachment"] = []  # module trees attached (``attach``)
@@ -159,34 +154,36 @@ class ActivationRuntime(CompiledRegions):
         # The caller of ``with``: this generator's caller is contextlib's __enter__.
         self._frame_owner = (threading.get_ident(), sys._getframe(2), holder[0])
         self._frame = frame
-        if self.frame_observer is not None:
-            self.frame_observer(frame)
+        if self.on_frame_start.subscribers:
+            self.on_frame_start.emit(frame)
         frame.stats.start_resident = self.ledger.resident
         self.ledger.reset_peak()
         grad = torch.is_grad_enabled()
         try:
             pack, unpack = self._pack if frame.traced else self._pack_calm, self._unpack
-            if self.hook_observer is not None:
-                pack, unpack = observed_hook("pack", pack, self.hook_observer), observed_hook("unpack", unpack, self.hook_observer)
-            # The tracing mode goes on and off by state (``_trace``), not as a ``with``: a rerun
+            if self.on_hook.subscribers:
+                pack, unpack = observed_hook("pack", pack, self.on_hook.emit), observed_hook("unpack", unpack, self.on_hook.emit)
+            # The tracing mode goes on and off by state (``TracingMode.place``), not as a ``with``: a rerun
             # block takes it off and puts it back inside the forward, and an interrupt between
             # the two must not turn the exit into a second, failing, pop.
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 try:
-                    self._trace(frame.traced)
+                    self.mode.place(frame.traced)
                     yield frame
                 finally:
                     if frame._region is not None:  # the region raised: its exit did not run
                         self.region_leave()
                     if frame._rerun is not None:  # the block raised: its forward hook did not run
                         self._close_rerun(frame)
-                    self._trace(False)
+                    self.mode.place(False)
             if frame.strict:
                 check_keys(frame, self.mode.nodes.values())
         finally:
             # The caller's grad mode, whatever an interrupt stopped inside the forward (the
             # entry of a gate's ``torch.no_grad()``, after it switched grad off) left.
             torch.set_grad_enabled(grad)
+            if self.on_frame_end.subscribers:
+                self.on_frame_end.emit(frame)
             self._close_frame(frame)
 
     def _clear_left_scopes(self) -> None:
@@ -197,37 +194,7 @@ class ActivationRuntime(CompiledRegions):
         while hooks is not None and getattr(hooks[0], "__self__", None) is self:
             torch._C._autograd._pop_saved_tensors_default_hooks()
             hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
-        self._trace(False)
-
-    def _trace(self, on: bool) -> None:
-        """Put the tracing mode on (``on``) or off this thread's dispatch stack, from any state
-        an interrupt left. A ``TorchDispatchMode``'s entry saves three module flags one by one
-        and then pushes itself; its exit restores them one by one and then pops itself: a plain
-        exit after an entry or exit stopped between those raises ``IndexError`` and hides the
-        interrupt. So off is done by state: the mode leaves the stack (with the modes an
-        interrupt left above it), each flag it saved is restored, and its saved flags cleared;
-        on, a half-done entry or exit is undone that way first. Every line leaves a state this
-        handles, so a call an interrupt stopped can be made again."""
-        mode = self.mode
-        saved = [getattr(mode, attr, None) for _, attr in _MODE_FLAGS]
-        modes = _get_current_dispatch_mode_stack()
-        stacked = bool(modes) and modes[-1] is mode
-        if on and stacked and all(saved):
-            return
-        if on and not stacked and not any(saved):
-            mode.__enter__()
-            return
-        while mode in modes:
-            _pop_mode()
-            modes.pop()
-        for (flag, _), old in zip(_MODE_FLAGS, saved):
-            if old:  # the value before the entry: the first saved (the mode is entered once at most)
-                setattr(_dispatch, flag, old[0])
-                old.clear()
-        _dispatch.set_is_in_mode_without_ignore_compile_internals(
-            _dispatch._is_in_any_mode_without_ignore_compile_internals)
-        if on:
-            mode.__enter__()
+        self.mode.place(False)
 
     def _close_frame(self, frame: Frame) -> None:
         """End ``frame``: the frame's own cleanup, and the repair of one an interrupt left open.
@@ -271,7 +238,7 @@ class ActivationRuntime(CompiledRegions):
         self._frame_owner = None
         # What the interrupted exit did not undo: the tracing mode and the saved-tensor hooks
         # (this thread's stacks) and the frame's module hooks.
-        self._trace(False)
+        self.mode.place(False)
         top_hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
         if top_hooks is not None and getattr(top_hooks[1], "__self__", None) is self:
             torch._C._autograd._pop_saved_tensors_default_hooks()
@@ -401,7 +368,7 @@ class ActivationRuntime(CompiledRegions):
             return False
         if name not in self._traced_blocks or name in self.mode.side_effect_modules:
             return False
-        self._trace(False)  # off torch's dispatch stack: the block's ops skip Python
+        self.mode.place(False)  # off torch's dispatch stack: the block's ops skip Python
         frame._rerun = BlockRerun(module, name, flat, spec, self._pin_leaf, lambda s: Pin(self.ledger, s))
         frame.stats.rerun_blocks += 1
         return True
@@ -410,7 +377,7 @@ class ActivationRuntime(CompiledRegions):
         record, frame._rerun = frame._rerun, None
         frame.stats.bytes_by_choice["recompute"] += sum(record.storages.values())
         record.storages.clear()  # counted: the graph need not hold the addresses
-        self._trace(True)
+        self.mode.place(True)
 
     def _anchor(self, t: torch.Tensor, outermost: bool) -> None:
         node = self.mode.nodes.get(t.untyped_storage()._cdata)
@@ -445,8 +412,8 @@ class ActivationRuntime(CompiledRegions):
             with torch._C._DisableTorchDispatch() if is_plain(t) else contextlib.nullcontext():
                 seen = len(frame.keys_seen)
                 packed = self._pack_in(frame, t)
-                if frame.on_saved is not None and len(frame.keys_seen) > seen:
-                    frame.on_saved(next(reversed(frame.keys_seen)))  # _pack_in adds at most one key
+                if frame.on_saved.subscribers and len(frame.keys_seen) > seen:
+                    frame.on_saved.emit(next(reversed(frame.keys_seen)))  # _pack_in adds at most one key
             return packed
         finally:
             self.mode.suspended -= 1
@@ -489,7 +456,7 @@ class ActivationRuntime(CompiledRegions):
         if self._inflight:  # the offloads' share of the thread's time
             start = time.perf_counter()
             self.settle()
-            self._copies[0] += time.perf_counter() - start
+            self._copies.seconds += time.perf_counter() - start
         if not is_plain(t):
             stats.fallbacks.append(f"kept a {type(t).__name__} with layout {t.layout}: not a plain strided "
                                    f"tensor, so it is neither counted nor released")
@@ -583,7 +550,7 @@ class ActivationRuntime(CompiledRegions):
         else:
             frame._recomputed.add((id(node), state))
             frame.stats.bytes_by_choice["recompute"] += node.nbytes
-            if self.frame_observer is not None:
+            if self.on_frame_start.subscribers:
                 frame._recomputes.append((node.key, weakref.ref(node), state))
         self._add_reader(node, state)
         return _Recomputed(node, state, meta)

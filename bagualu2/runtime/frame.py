@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Dict, Iterable, List, Mapping, NamedTuple, Optional, Set, Tuple
 
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from bagualu2.shared import Budget, Choice, SavedOp, region_key
+from bagualu2.shared import Budget, Choice, Event, SavedOp, region_key
 from bagualu2.runtime.rerun import BlockRerun
 from bagualu2.runtime.recipes import StorageNode, step_inputs
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from bagualu2.runtime.compiled import RegionState
     from bagualu2.runtime.stores import OffloadStore
 
-__all__ = ["Budget", "Frame", "FrameStats", "check_keys", "checked_choices", "profile_saves"]
+__all__ = ["Budget", "Frame", "FrameStats", "SavesProfile", "check_keys", "checked_choices", "profile_saves"]
 
 
 @dataclass
@@ -107,10 +107,11 @@ class Frame:
         self.saved_profile: Dict[str, SavedOp] = {}  # key -> what the profiled forward measured of it
         self.unsaved_seconds: Dict[str, float] = {}  # those unsaved inputs' own seconds
         # Overlap scheduling (bagualu2.integrations.pipeline.overlap_driver.OverlapDriver):
-        # ``on_saved(key)`` is called once per operator key, right after the first activation of
-        # that key is packed (the op has run); with ``scheduled`` set, backward issues no reloads
-        # of its own beyond the one it is waiting for: the schedule issues them.
-        self.on_saved: Optional[Callable[[str], None]] = None
+        # ``on_saved`` calls ``fn(key)`` once per operator key of a traced forward, right after
+        # the first activation of that key is packed (the op has run); with ``scheduled`` set,
+        # backward issues no reloads of its own beyond the one it is waiting for: the schedule
+        # issues them.
+        self.on_saved = Event("saved")
         self.scheduled = False
         self._offloads: List["weakref.ref[OffloadStore]"] = []
         self._prefetch_cursor = 1 << 62  # next store index backward may prefetch (lazy issue)
@@ -161,12 +162,19 @@ def check_keys(frame: Frame, nodes: Iterable[StorageNode]) -> None:
         )
 
 
-def profile_saves(frame: Frame, nodes: Iterable[StorageNode]
-                  ) -> Tuple[Dict[str, SavedOp], Dict[str, float]]:
-    """Per saved key a ``SavedOp``: bytes, seconds of its own ops, whether it can be rebuilt,
-    the storages nothing saved (freed after the forward) that rebuilding it must rebuild first,
-    up to saved storages and block inputs, and the saved storages that rebuild reads; and
-    the unsaved storages' own seconds."""
+class SavesProfile(NamedTuple):
+    """What a profiled forward's traced nodes say of its saves (``profile_saves``)."""
+
+    saved: Dict[str, SavedOp]
+    """Per saved key: bytes, seconds of its own ops, whether it can be rebuilt, the storages
+    nothing saved (freed after the forward) that rebuilding it must rebuild first, up to saved
+    storages and block inputs, and the saved storages that rebuild reads."""
+    unsaved_seconds: Dict[str, float]
+    """Those unsaved storages' own seconds, by key."""
+
+
+def profile_saves(frame: Frame, nodes: Iterable[StorageNode]) -> SavesProfile:
+    """What ``frame``'s forward saved, from its traced ``nodes`` (``SavesProfile``)."""
     by_key = {node.key: node for node in nodes}
     saved = frame.keys_seen
     unsaved: Dict[str, float] = {}
@@ -218,4 +226,4 @@ def profile_saves(frame: Frame, nodes: Iterable[StorageNode]
             # it can only move the peak into backward, so no plan is offered it (recompute_all
             # still reruns it, as asked).
             out[key] = SavedOp(nbytes, seconds, key != ROOT_REGION)
-    return out, unsaved
+    return SavesProfile(out, unsaved)

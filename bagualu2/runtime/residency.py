@@ -38,10 +38,11 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Set, Tu
 import torch
 
 from bagualu2 import _C
+from bagualu2.shared import CopyTimes, Event, Measurements, OpReplayTimes, ReplayTimes
 from bagualu2.runtime.frame import Frame
 from bagualu2.runtime.ledger import ResidencyLedger, Pin
 from bagualu2.runtime.rerun import RerunSaved
-from bagualu2.runtime.stores import _Kept, _modified_error, _Offloaded, OffloadStore, kept_tensor
+from bagualu2.runtime.stores import _Kept, _modified_error, _Offloaded, CopyClock, OffloadStore, kept_tensor
 from bagualu2.runtime.recipes import Replayer, StorageNode, ViewMeta, is_plain, view_meta, view_of
 from bagualu2.runtime.tracing import TracingMode
 
@@ -58,6 +59,17 @@ def _storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
         inner = getattr(t, name)
         if isinstance(inner, torch.Tensor):
             yield from _storages(inner)
+
+
+class _ReplayTally:
+    """Backward's rebuilds of one operator key since the last ``take_replay_times``."""
+
+    __slots__ = ("seconds", "micro_batches", "cache")
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.micro_batches = 0
+        self.cache: Optional[int] = None  # id of the last micro-batch's recompute cache
 
 
 class Residency:
@@ -81,16 +93,17 @@ class Residency:
         self._params: Set[int] = set()
         self._frame: Optional[Frame] = None  # the running frame, set by the subclass: its Budget applies
         self._inflight: Deque["weakref.ref[OffloadStore]"] = collections.deque()
-        # Overlap scheduling: called with the operator key of every released activation backward
-        # unpacks (bagualu2.integrations.pipeline.overlap_driver.OverlapDriver).
-        self.unpack_observer: Optional[Callable[[str], None]] = None
-        # Called as each backward pass that unpacks anything packed here ends (autograd's
-        # final callback of the pass, on the thread that ran it).
-        self.backward_observer: Optional[Callable[[], None]] = None
-        # key -> [seconds, micro-batches, id of the last one's recompute cache] of backward rebuilds
-        self._replays: Dict[str, List[Any]] = {}
+        # ``fn(key)`` with the operator key of every released (offloaded or recomputed)
+        # activation backward unpacks, before it is served (the overlap driver: OverlapDriver).
+        self.on_released_unpack = Event("released_unpack")
+        # ``fn()`` as each backward pass that unpacks anything packed here ends (autograd's
+        # final callback of the pass, on the thread that ran it; the provisioner learns there).
+        self.on_backward_end = Event("backward_end")
+        # ``fn(key, nbytes)`` as each offload has started (its copy submitted, its host copy made).
+        self.on_offload = Event("offload")
+        self._replays: Dict[str, _ReplayTally] = {}  # key -> its backward rebuilds' cost
         self._op_replays: Dict[str, List[float]] = {}  # key -> its op's replay times (Replayer)
-        self._copies: List[Any] = [0.0, 0, 0]  # caller seconds, offloads, bytes (take_copy_times)
+        self._copies = CopyClock()  # what copies cost the caller's thread (take_copy_times)
         self.backward_passes = 0  # backward passes that unpacked anything packed here
         self._last_task = -1
         # Storages kept under a budget, by storage (cdata -> (frame index, its _Kept saves)):
@@ -326,11 +339,13 @@ class Residency:
                 self._inflight.append(weakref.ref(store))
             frame.stats.offloaded_storages += 1
             frame.stats.bytes_by_choice["offload"] += nbytes
-            self._copies[1] += 1
-            self._copies[2] += nbytes
+            self._copies.offloads += 1
+            self._copies.nbytes += nbytes
+            if self.on_offload.subscribers:
+                self.on_offload.emit(key, nbytes)
             return store
         finally:
-            self._copies[0] += time.perf_counter() - start
+            self._copies.seconds += time.perf_counter() - start
 
     def _arena_in_use(self) -> int:
         return self.engine.arena.stats()["in_use"] if self.engine is not None else 0
@@ -366,8 +381,8 @@ class Residency:
         if task != self._last_task:
             self._last_task = task
             self.backward_passes += 1
-            if self.backward_observer is not None and task >= 0:  # -1: not inside a backward pass
-                torch.autograd.Variable._execution_engine.queue_callback(self.backward_observer)
+            if self.on_backward_end.subscribers and task >= 0:  # -1: not inside a backward pass
+                torch.autograd.Variable._execution_engine.queue_callback(self.on_backward_end.emit)
         if type(packed) is _Kept:  # the common record first: a bare tensor is the rarest
             if packed.moved is not None:
                 return self._unpack(packed.moved)
@@ -387,19 +402,19 @@ class Residency:
             if watched is not None and watched._version != packed.state:
                 raise _modified_error(f"a tensor of shape {tuple(watched.shape)}", packed.state, watched._version)
             store = packed.store
-            if self.unpack_observer is not None:
-                self.unpack_observer(store.key)
+            if self.on_released_unpack.subscribers:
+                self.on_released_unpack.emit(store.key)
             start = time.perf_counter()
             if not store.frame.scheduled and not store.in_place:
                 self._prefetch_before(store.frame, store)
             out = store.unpack(packed.meta, self.ledger, self._room)
-            self._copies[0] += time.perf_counter() - start
+            self._copies.seconds += time.perf_counter() - start
             return out
         node = packed.node
         if node.state != packed.state:
             raise _modified_error(f"activation {node.key}", packed.state, node.state)
-        if self.unpack_observer is not None:
-            self.unpack_observer(node.key)
+        if self.on_released_unpack.subscribers:
+            self.on_released_unpack.emit(node.key)
         start = time.perf_counter()
         node.cache.bind_to_backward()
         node.cache.evict_after(node.position)
@@ -421,13 +436,13 @@ class Residency:
         node.cache.served(node.position, packed.state)
         entry = self._replays.get(node.key)
         if entry is None:
-            entry = self._replays[node.key] = [0.0, 0, None]
+            entry = self._replays[node.key] = _ReplayTally()
         # Reloads of offloaded inputs count as the copies' time, not the rebuild's.
-        entry[0] += time.perf_counter() - start - replayer.reload_seconds
-        self._copies[0] += replayer.reload_seconds
-        if entry[2] != id(node.cache):  # a micro-batch's first rebuild of this key
-            entry[1] += 1
-            entry[2] = id(node.cache)
+        entry.seconds += time.perf_counter() - start - replayer.reload_seconds
+        self._copies.seconds += replayer.reload_seconds
+        if entry.cache != id(node.cache):  # a micro-batch's first rebuild of this key
+            entry.micro_batches += 1
+            entry.cache = id(node.cache)
         return out
 
     def _available(self, node: StorageNode, state: int) -> Optional[torch.UntypedStorage]:
@@ -473,25 +488,29 @@ class Residency:
         return Pin(self.ledger, Replayer(self._available).storage(node, state))
 
     # -- measured costs ---------------------------------------------------------------------
-    def take_copy_times(self) -> Tuple[float, int, int]:
+    def take_measurements(self) -> Measurements:
+        """Everything measured since the last call, as one record (``take_op_replay_times``,
+        ``take_replay_times`` and ``take_copy_times`` together): what the provisioner learns
+        from as each backward pass ends."""
+        return Measurements(self.take_op_replay_times(), self.take_replay_times(), self.take_copy_times())
+
+    def take_copy_times(self) -> CopyTimes:
         """Seconds the calling thread spent offloading (submitting, waiting for room),
         reloading (submitting, waiting, prefetching; for a rebuild's offloaded inputs too) and
         releasing the host copies (their arena blocks, as backward drops them), with
         the number and bytes of offloads, since the last call."""
-        out = (self._copies[0], self._copies[1], self._copies[2])
-        self._copies[:] = [0.0, 0, 0]  # in place: the live stores add their release to it
-        return out
+        return self._copies.take()
 
-    def take_replay_times(self) -> Dict[str, Tuple[float, int]]:
+    def take_replay_times(self) -> Dict[str, ReplayTimes]:
         """Per operator key, since the last call: seconds its backward unpacks spent rebuilding
         (what recomputing really cost: the op, inputs rebuilt first, the replay's own work;
         several saved views of one storage are rebuilt once; reloads of offloaded inputs count
         in ``take_copy_times``) and the number of micro-batches that rebuilt it."""
-        out = {k: (v[0], v[1]) for k, v in self._replays.items()}
+        out = {k: ReplayTimes(v.seconds, v.micro_batches) for k, v in self._replays.items()}
         self._replays.clear()
         return out
 
-    def take_op_replay_times(self) -> Dict[str, Tuple[float, int, int, float, int]]:
+    def take_op_replay_times(self) -> Dict[str, OpReplayTimes]:
         """Per operator key (unsaved storages' included), since the last call: seconds backward
         spent replaying the op call that makes its storage (and the in-place ops on it) inside
         a chain, its inputs already at hand, with the walk since the previous call, and how
@@ -499,6 +518,6 @@ class Residency:
         number of its replays as a rebuild's first call, timed apart (its inputs made before
         the rebuild: ``Replayer``). What one replay of that op costs, whatever rebuild it was
         part of, and whether backward rebuilt a storage more often than once per micro-batch."""
-        out = {k: (v[0], int(v[1]), int(v[2]), v[3], int(v[4])) for k, v in self._op_replays.items()}
+        out = {k: OpReplayTimes(v[0], int(v[1]), int(v[2]), v[3], int(v[4])) for k, v in self._op_replays.items()}
         self._op_replays.clear()
         return out

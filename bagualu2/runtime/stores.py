@@ -1,9 +1,10 @@
 """What a saved activation becomes once packed: kept, offloaded, or released for recompute.
 
 Owns the packed records autograd holds in a saved tensor's place (``_Kept``, ``_Offloaded``,
-``_Recomputed``) and ``OffloadStore``, a storage's one copy in the host arena that every
-saved view of it reads, and the two lookups of where a traced storage's bytes are already held
-(``kept_tensor``, ``regeneration_source``). The runtime (``bagualu2.runtime.activations``)
+``_Recomputed``), ``OffloadStore``, a storage's one copy in the host arena that every saved view
+of it reads, ``CopyClock``, what copies cost (the stores' releases included), and the two
+lookups of where a traced storage's bytes are already held (``kept_tensor``,
+``regeneration_source``). The runtime (``bagualu2.runtime.activations``)
 decides which record a save gets and turns records back into tensors; the records only hold
 what that takes.
 
@@ -17,22 +18,43 @@ Invariants:
 * A store whose copy fails keeps its device source rather than lose the bytes; a reload that
   fails raises, naming the activation.
 
-Also what a hook handled, by its record (``observed_hook``: the runtime's ``hook_observer``).
+Also what a hook handled, by its record (``observed_hook``: the runtime's ``on_hook`` event).
 """
 
 from __future__ import annotations
 
 import time
 import weakref
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
 from bagualu2 import _C
+from bagualu2.shared import CopyTimes
 from bagualu2.runtime.frame import Frame
 from bagualu2.runtime.ledger import ResidencyLedger, Pin
 from bagualu2.runtime.recipes import StorageNode, ViewMeta, view_of
 from bagualu2.runtime.rerun import RerunSaved
+
+
+class CopyClock:
+    """What copies cost a runtime's threads since it was last taken: the runtime adds each
+    offload (its seconds, count and bytes) and reload, and each ``OffloadStore`` the seconds
+    releasing its block took; ``take`` hands the sum back as a frozen ``CopyTimes`` and starts
+    again."""
+
+    __slots__ = ("seconds", "offloads", "nbytes")
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.offloads = 0
+        self.nbytes = 0
+
+    def take(self) -> CopyTimes:
+        """What was added since the last call."""
+        out = CopyTimes(self.seconds, self.offloads, self.nbytes)
+        self.seconds, self.offloads, self.nbytes = 0.0, 0, 0
+        return out
 
 
 class OffloadStore:
@@ -69,7 +91,7 @@ class OffloadStore:
 
     def __init__(self, engine: Any, handle: Any, device: torch.device, nbytes: int,
                  pin: Optional[Pin], frame: Frame, key: str, in_place: bool = False,
-                 copies: Optional[List[Any]] = None, source: Optional[torch.Tensor] = None,
+                 copies: Optional["CopyClock"] = None, source: Optional[torch.Tensor] = None,
                  node: Optional[StorageNode] = None) -> None:
         self.engine = engine
         self.handle = handle
@@ -95,7 +117,7 @@ class OffloadStore:
         self.held_version = 0  # its version when it was made: any change means an in-place write
         self.held_pin: Optional[Pin] = None
         self.frame = frame  # kept alive by its stores: backward prefetches from its list
-        self.copies = copies  # the runtime's copy seconds, which releasing the block adds to
+        self.copies = copies  # the runtime's copy clock, which releasing the block adds to
         self.index = len(frame._offloads)
         frame._offloads.append(weakref.ref(self))
 
@@ -255,7 +277,7 @@ class OffloadStore:
             if not self.handle.released:  # a cycle's collector may have finalized the handle first
                 self.handle.release()
             if self.copies is not None:  # part of what the offload cost the thread
-                self.copies[0] += time.perf_counter() - start
+                self.copies.seconds += time.perf_counter() - start
         except Exception:  # a finalizer must not raise (interpreter teardown, a failed copy)
             pass
 
@@ -379,7 +401,7 @@ def _record(packed: Any) -> str:
 
 def observed_hook(hook: str, run: Callable[[Any], Any], observer: Callable[[str, str, float], None]) -> Callable[[Any], Any]:
     """``run`` (a pack or unpack hook) timed, each call reported to ``observer`` (the runtime's
-    ``hook_observer``) with what it packed or unpacked."""
+    ``on_hook`` event) with what it packed or unpacked."""
     def timed(x: Any) -> Any:
         start = time.perf_counter()
         out = run(x)

@@ -50,7 +50,8 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+import torch.utils._python_dispatch as _dispatch
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode
 
 from bagualu2.runtime.op_effects import OpInfo, written_tensors
 from bagualu2.runtime.recipes import (
@@ -59,6 +60,12 @@ from bagualu2.runtime.recipes import (
 )
 
 __all__ = ["TracingMode"]
+
+# The module flags a TorchDispatchMode's entry saves in the mode (torch 2.13), in entry order.
+_MODE_FLAGS = (("_is_in_torch_dispatch_mode", "old_dispatch_mode_flags"),
+               ("_is_in_non_infra_torch_dispatch_mode", "old_non_infra_dispatch_mode_flags"),
+               ("_is_in_any_mode_without_ignore_compile_internals",
+                "old_without_ignore_compile_internals_dispatch_mode_flags"))
 
 
 def _rng_state(func: Any, args: tuple, kwargs: dict) -> Tuple[torch.device, torch.Tensor]:
@@ -134,6 +141,36 @@ class TracingMode(TorchDispatchMode):
     def pop_module(self) -> None:
         if len(self._calls) > 1:
             self._calls.pop()
+
+    def place(self, on: bool) -> None:
+        """Put this mode on (``on``) or off this thread's dispatch stack, from any state
+        an interrupt left. A ``TorchDispatchMode``'s entry saves three module flags one by one
+        and then pushes itself; its exit restores them one by one and then pops itself: a plain
+        exit after an entry or exit stopped between those raises ``IndexError`` and hides the
+        interrupt. So off is done by state: the mode leaves the stack (with the modes an
+        interrupt left above it), each flag it saved is restored, and its saved flags cleared;
+        on, a half-done entry or exit is undone that way first. Every line leaves a state this
+        handles, so a call an interrupt stopped can be made again."""
+        mode = self
+        saved = [getattr(mode, attr, None) for _, attr in _MODE_FLAGS]
+        modes = _get_current_dispatch_mode_stack()
+        stacked = bool(modes) and modes[-1] is mode
+        if on and stacked and all(saved):
+            return
+        if on and not stacked and not any(saved):
+            mode.__enter__()
+            return
+        while mode in modes:
+            _pop_mode()
+            modes.pop()
+        for (flag, _), old in zip(_MODE_FLAGS, saved):
+            if old:  # the value before the entry: the first saved (the mode is entered once at most)
+                setattr(_dispatch, flag, old[0])
+                old.clear()
+        _dispatch.set_is_in_mode_without_ignore_compile_internals(
+            _dispatch._is_in_any_mode_without_ignore_compile_internals)
+        if on:
+            mode.__enter__()
 
     def _side_effect(self) -> None:
         """The running op has an effect a rerun would repeat: mark every module call it is in."""

@@ -39,13 +39,6 @@ std::vector<Candidate> make_candidates(const std::vector<std::string>& keys,
     return out;
 }
 
-py::tuple plan_to_tuple(const Plan& p) {
-    std::vector<int> choices(p.choices.size());
-    for (std::size_t i = 0; i < p.choices.size(); ++i) choices[i] = static_cast<int>(p.choices[i]);
-    return py::make_tuple(choices, p.feasible, p.freed_bytes, p.shortfall_bytes, p.exposed_s,
-                          p.bound_s, p.quantum_bytes, p.offload_quantum_s, p.reload_quantum_s);
-}
-
 py::dict cache_stats_dict(const CacheStats& s) {
     py::dict d;
     d["hits"] = s.hits;
@@ -61,6 +54,27 @@ py::dict cache_stats_dict(const CacheStats& s) {
 }  // namespace
 
 void register_sched(py::module_& m) {
+    // What a solve returns, by field name: read-only (the facade builds its Plan from it).
+    py::class_<Plan>(m, "SolvedPlan", "A Planner.solve_columns result (csrc/sched/planner.h, Plan).")
+        .def_property_readonly(
+            "choices",
+            [](const Plan& p) {
+                std::vector<int> choices(p.choices.size());
+                for (std::size_t i = 0; i < p.choices.size(); ++i) {
+                    choices[i] = static_cast<int>(p.choices[i]);
+                }
+                return choices;
+            },
+            "Per candidate, in input order: 0 KEEP, 1 OFFLOAD, 2 RECOMPUTE.")
+        .def_readonly("feasible", &Plan::feasible)
+        .def_readonly("freed_bytes", &Plan::freed_bytes)
+        .def_readonly("shortfall_bytes", &Plan::shortfall_bytes)
+        .def_readonly("exposed_s", &Plan::exposed_s)
+        .def_readonly("bound_s", &Plan::bound_s)
+        .def_readonly("quantum_bytes", &Plan::quantum_bytes)
+        .def_readonly("offload_quantum_s", &Plan::offload_quantum_s)
+        .def_readonly("reload_quantum_s", &Plan::reload_quantum_s);
+
     py::class_<Planner>(m, "Planner", "Multiple-choice knapsack DP (see csrc/sched/planner.h).")
         .def(py::init<std::int64_t, double, std::int64_t>(), py::arg("quantum_bytes") = 0,
              py::arg("time_quantum_s") = 0.0, py::arg("max_cells") = 0)
@@ -73,11 +87,9 @@ void register_sched(py::module_& m) {
                std::int64_t must_free_bytes, double offload_window_s, double reload_window_s) {
                 const auto cands = make_candidates(keys, nbytes, recompute_s, offload_s,
                                                    reload_s, can_offload, can_recompute);
-                return plan_to_tuple(
-                    self.solve(cands, must_free_bytes, offload_window_s, reload_window_s));
+                return self.solve(cands, must_free_bytes, offload_window_s, reload_window_s);
             },
-            "Solve; returns (choices, feasible, freed_bytes, shortfall_bytes, exposed_s, "
-            "bound_s, quantum_bytes, offload_quantum_s, reload_quantum_s).")
+            "Solve; returns a SolvedPlan.")
         .def_property_readonly("quantum_bytes", &Planner::quantum_bytes)
         .def_property_readonly("time_quantum_s", &Planner::time_quantum_s)
         .def_property_readonly("max_cells", &Planner::max_cells);

@@ -7,8 +7,8 @@ activation runtime issue reloads and early recomputes where the schedule says.
 (:meth:`OverlapDriver.on_event`); a pair can also be driven by hand. It sits with the pipeline
 integration, not with the planners, because the pairs it schedules exist only on a pipeline
 rank and it follows the tracker's actions; it reaches the runtime only through the runtime's
-overlap hooks (docs/CONTRACTS.md), so this module imports neither the runtime nor the
-provisioner.
+events and overlap methods (docs/CONTRACTS.md), so this module imports neither the runtime nor
+the provisioner.
 
 For a forward ``F`` that runs right before the backward ``B`` of an earlier micro-batch, the
 op sequence is ``F``'s operators (the keys ``B``'s forward saved, in forward order, grouped
@@ -25,7 +25,7 @@ after the last      ``F``'s end (the tracker's ``action_end``): due reloads are 
 forward op          early recomputes start on a worker thread, which runs while the rank waits
                     for ``B``'s gradient
 after the bubble    ``B``'s start (``action_begin``): the worker is joined, due reloads issued
-before backward     ``B`` unpacks a key of op c (``ActivationRuntime.unpack_observer``): reloads
+before backward     ``B`` unpacks a key of op c (``ActivationRuntime.on_released_unpack``): reloads
 op c                due before c are issued
 ==================  ==========================================================================
 
@@ -72,6 +72,8 @@ class _Pair:
     next_reload: int = 0
     forward_ops: int = 0  # operator keys the paired forward has saved so far
     forward: Any = None
+    saves_heard: Any = None  # the subscription to the forward's first saves (Frame.on_saved)
+    unpacks_heard: Any = None  # ... to the backward's released unpacks
     worker: Optional[threading.Thread] = None
     pins: List[Any] = field(default_factory=list)
     errors: List[str] = field(default_factory=list)
@@ -122,13 +124,12 @@ class OverlapDriver:
             "worker_errors": 0, "predicted_exposed_s": 0.0, "predicted_lazy_exposed_s": 0.0,
             "infeasible": 0,
         }
-        runtime.frame_observer = self._on_frame
+        self._frames_heard = runtime.on_frame_start.subscribe(self._on_frame)
 
     def close(self) -> None:
-        """Finish any pair in progress and detach from the runtime."""
+        """Finish any pair in progress and detach from the runtime (its other subscribers stay)."""
         self._finish()
-        if self.runtime.frame_observer == self._on_frame:
-            self.runtime.frame_observer = None
+        self._frames_heard.unsubscribe()
 
     def report(self) -> Dict[str, float]:
         """Counters: pairs scheduled, reloads issued per kind of point, early recomputes,
@@ -294,7 +295,7 @@ class OverlapDriver:
         pair = self._pair
         if pair is not None and pair.forward is None and frame is not pair.backward:
             pair.forward = frame
-            frame.on_saved = lambda key: self._forward_op_done(pair)
+            pair.saves_heard = frame.on_saved.subscribe(lambda key: self._forward_op_done(pair))
             self._issue_until(-1, "reloads_forward")
 
     def _forward_op_done(self, pair: _Pair) -> None:
@@ -324,8 +325,7 @@ class OverlapDriver:
         pair = self._pair
         if pair is None:
             return
-        if pair.forward is not None:
-            pair.forward.on_saved = None
+        self._unsubscribe(pair)
         self._issue_until(len(pair.problem.segment_end) - 1, "reloads_forward")
         if pair.early:
             pair.worker = threading.Thread(target=self._run_early, args=(pair, torch.get_num_threads()),
@@ -358,7 +358,9 @@ class OverlapDriver:
         if pair.problem.bubble is not None:
             self._issue_until(pair.problem.bubble, "reloads_bubble")
         backward_op = pair.problem.backward_op
-        self.runtime.unpack_observer = (
+        if pair.unpacks_heard is not None:  # begun again: one subscription per pair
+            pair.unpacks_heard.unsubscribe()
+        pair.unpacks_heard = self.runtime.on_released_unpack.subscribe(
             lambda key: self._issue_until(backward_op[key] - 1, "reloads_backward") if key in backward_op else None)
 
     def _join(self, pair: _Pair) -> None:
@@ -378,13 +380,20 @@ class OverlapDriver:
         if pair is None:
             return
         self._join(pair)
-        if self.runtime.unpack_observer is not None:
-            self.runtime.unpack_observer = None
-        if pair.forward is not None:
-            pair.forward.on_saved = None
+        self._unsubscribe(pair, unpacks=True)
         pair.backward.scheduled = False
         for pin in pair.pins:
             pin.drop()
+
+    @staticmethod
+    def _unsubscribe(pair: _Pair, unpacks: bool = False) -> None:
+        """End the pair's subscription to its forward's first saves (and with ``unpacks``, to
+        the backward's unpacks), and drop it: the first one's function refers to the pair."""
+        for name in ("saves_heard", "unpacks_heard") if unpacks else ("saves_heard",):
+            heard = getattr(pair, name)
+            if heard is not None:
+                heard.unsubscribe()
+                setattr(pair, name, None)
 
     # -- pipeline tracker adapter ----------------------------------------------------------
     def on_event(self, event: str, state: Any) -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import statistics
 from typing import Dict, FrozenSet, Iterable, List, Mapping, Sequence, Tuple
 
+from bagualu2.shared import OpReplayTimes, ReplayTimes
 from bagualu2.plan.cost_model.fit import CostFit, LineFit
 from bagualu2.plan.cost_model.memory import MemoryModel, OpCost, driving_tokens
 
@@ -90,12 +91,12 @@ class RebuildModel:
         self._cold_calls: set = set()  # calls first replayed in the last observe_op_replays
         self._call_replays: Dict[str, int] = {}  # ... and each call's replays there
 
-    def observe_op_replays(self, times: Mapping[str, Tuple[float, int, int, float, int]],
+    def observe_op_replays(self, times: Mapping[str, OpReplayTimes],
                            counts: Mapping[int, Sequence[int]]) -> None:
         """Learn what replaying each op costs in backward: ``times`` maps a key (of a saved or
-        unsaved storage) to (seconds, n, replays, lead seconds, leads): what its op call's
-        ``n`` replays inside a chain took, of ``replays`` in all, and what its ``leads``
-        replays as a rebuild's first call took (``ActivationRuntime.take_op_replay_times``).
+        unsaved storage) to an ``OpReplayTimes`` (seconds, n, replays, lead seconds, leads):
+        what its op call's ``n`` replays inside a chain took, of ``replays`` in all, and what
+        its ``leads`` replays as a rebuild's first call took (``ActivationRuntime.take_op_replay_times``).
         A call's first replays in either role run cold (the first allocations of their
         outputs in backward: on the cpu, up to 1.8x the next ones): the next observation
         replaces them, and the rebuilds a call's very first replays were part of are not
@@ -124,10 +125,10 @@ class RebuildModel:
                     self._first_only.discard((role, call))
                 fit.add(driving_tokens(op, counts), spent / timed)
 
-    def observe_replays(self, replays: Mapping[str, Tuple[float, int]],
+    def observe_replays(self, replays: Mapping[str, ReplayTimes],
                         counts: Mapping[int, Sequence[int]]) -> None:
-        """Learn what recomputing costs in backward: ``replays`` maps a key to (seconds, n):
-        what its rebuilds in ``n`` micro-batches took (``ActivationRuntime.take_replay_times``).
+        """Learn what recomputing costs in backward: ``replays`` maps a key to (seconds, n), a
+        ``ReplayTimes``: what its rebuilds in ``n`` micro-batches took (``ActivationRuntime.take_replay_times``).
 
         Each rebuild the plan enters (``rebuilds``) is one observation: what its members
         measured per micro-batch, against what it replays, among the rebuilds of its size
