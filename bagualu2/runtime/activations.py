@@ -473,7 +473,7 @@ class ActivationRuntime(CompiledRegions):
                 return _uncounted(t)
             return self._pack(t)
         budget = frame.budget
-        kept = self._keep(frame, t, storage, None, self.budget_bytes if budget is None else budget.target())
+        kept = self._keep(frame, t, storage, None, self.budget_bytes if budget is None else budget.save_target)
         if kept is None:  # it would cross the budget
             return self._pack(t)
         frame.stats.packed += 1
