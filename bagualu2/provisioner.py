@@ -45,7 +45,6 @@ stack of running provisioners (``provision/forward.py``).
 
 from __future__ import annotations
 
-import itertools
 import time
 import warnings
 from pathlib import Path
@@ -464,7 +463,7 @@ class Provisioner:
     def _run_frame(self, args: tuple, kwargs: dict, conservative: bool) -> Any:
         # The model's parameters now, not at enable: a wrapper applied since (FSDP2's
         # fully_shard) replaced them, and their old addresses may hold activations by now.
-        self.runtime.set_parameters(itertools.chain(self.model.parameters(), self.model.buffers()))
+        self.runtime.set_parameters_of(self.model)
         self._note_peak()
         self._learn()  # what no backward's end learned (a forward's offloads, in a pipeline)
         frame = self._new_frame(conservative)

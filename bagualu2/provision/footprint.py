@@ -61,10 +61,10 @@ class Footprint:
         cost = self.cost
         kept = 0
         if cost.ready:
-            kept, self.hard_floor = cost.floors(cost.order, counts, min_bytes, can_offload)
+            kept, self.hard_floor, total = cost.floors_and_total(cost.order, counts, min_bytes, can_offload)
+            if counts:
+                self.last_bytes = total
         self.floor = max(self.floor, anchored + kept)
-        if cost.ready and counts:
-            self.last_bytes = cost.predict_total(cost.order, counts)
 
     def observe_worst(self, worst: Optional[Dict[int, List[int]]], counts: Dict[int, List[int]]) -> None:
         """Profiling ended: the experts' saved bytes at the ``worst`` routing (``RoutingRecord.worst``;

@@ -425,8 +425,8 @@ class ActivationRuntime(CompiledRegions):
         provisioning them costs), and so is a parameter (or a view of one: held, never counted);
         anything else takes the full way (``_pack``): a subclass, another dispatch mode on the
         stack, offloads in flight or made by this frame, a save that would cross the budget.
-        Written for its cost: each lookup is made once (``is_plain``, ``_over_budget`` and
-        ``_keep`` inlined where they would repeat one)."""
+        Written for its cost: each lookup is made once (``is_plain`` inlined where it would
+        repeat one; the budget check and the count are one step of the ledger's)."""
         frame = self._frame
         if (frame is None or self._inflight or frame._untraced_offloads
                 or torch._C._len_torch_dispatch_stack() or type(t) not in _PLAIN_TYPES
@@ -439,16 +439,12 @@ class ActivationRuntime(CompiledRegions):
             if self._is_parameter(t):
                 return _uncounted(t)
             return self._pack(t)
-        ledger = self.ledger
-        held = ledger.holds(storage)
-        nbytes = storage.nbytes()
-        if not held:
-            budget = frame.budget
-            target = self.budget_bytes if budget is None else budget.target()
-            if target is not None and ledger.resident + nbytes > target:
-                return self._pack(t)
+        budget = frame.budget
+        kept = self._keep(frame, t, storage, None, self.budget_bytes if budget is None else budget.save_target)
+        if kept is None:  # it would cross the budget
+            return self._pack(t)
         frame.stats.packed += 1
-        return self._keep(frame, t, storage, held=held)
+        return kept
 
     def _pack_in(self, frame: Frame, t: torch.Tensor) -> Any:
         stats = frame.stats

@@ -69,8 +69,11 @@ class ResidencyLedger:
             self.collect()
         return len(self._pins)
 
-    def acquire(self, storage: torch.UntypedStorage, pin: "Pin") -> None:
-        """Count ``storage`` for ``pin``'s life (or until ``release(pin._ref)``)."""
+    def acquire(self, storage: torch.UntypedStorage, pin: "Pin", target: Optional[int] = None) -> Optional[bool]:
+        """Count ``storage`` for ``pin``'s life (or until ``release(pin._ref)``); whether it was
+        held already. With ``target``, a storage not held yet whose bytes would take
+        ``resident`` over it is refused instead: None, and nothing is counted (the check and
+        the count in one step, as each kept save takes them)."""
         cdata = storage._cdata
         ref = weakref.ref(pin, self._on_death)
         held = self._held
@@ -81,14 +84,18 @@ class ResidencyLedger:
             if entry is not None:
                 entry[0] += 1
             else:
-                entry = [1, storage.nbytes(), storage._weak_ref()]
+                nbytes = storage.nbytes()
+                if target is not None and self._resident + nbytes > target:
+                    return None
+                entry = [1, nbytes, storage._weak_ref()]
                 # From here on no calls: the count and the pin's registration change together.
                 held[cdata] = entry
-                self._resident += entry[1]
+                self._resident += nbytes
                 if self._resident > self.peak:
                     self.peak = self._resident
             self._pins[ref] = cdata
             pin._ref = ref
+            return entry[0] > 1
 
     def release(self, ref: "weakref.ref[Pin]") -> None:
         """Give back the count a pin holds (its ``_ref``); nothing when it was given back.
@@ -136,6 +143,16 @@ class ResidencyLedger:
 
     def reset_peak(self) -> None:
         self.peak = self.resident
+
+    def live(self, kind: type) -> List[Tuple["Pin", int]]:
+        """The live pins of type ``kind`` that hold counts, with the storage (cdata) each
+        holds, in the order they were acquired: what holds each storage, found through the
+        ledger instead of a registry of its own kept up per pin."""
+        with self._lock:
+            if self._dead:
+                self._collect_locked()
+            pins = [(ref(), cdata) for ref, cdata in self._pins.items()]
+        return [(pin, cdata) for pin, cdata in pins if type(pin) is kind]
 
 
 class Pin:

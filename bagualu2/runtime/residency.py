@@ -43,7 +43,7 @@ from bagualu2.runtime.frame import Frame
 from bagualu2.runtime.ledger import ResidencyLedger, Pin
 from bagualu2.runtime.rerun import RerunSaved
 from bagualu2.runtime.stores import _Kept, _modified_error, _Offloaded, CopyClock, OffloadStore, kept_tensor
-from bagualu2.runtime.recipes import Replayer, StorageNode, ViewMeta, is_plain, view_meta, view_of
+from bagualu2.runtime.recipes import _PLAIN_TYPES, Replayer, StorageNode, ViewMeta, is_plain, view_meta, view_of
 from bagualu2.runtime.tracing import TracingMode
 
 __all__ = ["Residency"]
@@ -106,10 +106,6 @@ class Residency:
         self._copies = CopyClock()  # what copies cost the caller's thread (take_copy_times)
         self.backward_passes = 0  # backward passes that unpacked anything packed here
         self._last_task = -1
-        # Storages kept under a budget, by storage (cdata -> (frame index, its _Kept saves)):
-        # what _make_room may offload when something nothing else can release needs room.
-        self._kept: Dict[int, Tuple[int, List["weakref.ref[_Kept]"]]] = {}
-        self._kept_limit = 1024  # registry size at which entries of dead saves are dropped
 
     # -- parameters and leaves --------------------------------------------------------------
     def set_parameters(self, tensors: Iterator[torch.Tensor]) -> None:
@@ -118,6 +114,31 @@ class Residency:
         by the storages of the tensors it holds: the ops that read it (FSDP2's all-gather of
         the shards) see those."""
         self._params = {s._cdata for t in tensors for s in _storages(t)}
+
+    def set_parameters_of(self, model: torch.nn.Module) -> None:
+        """``set_parameters`` with every parameter and buffer of ``model`` and its submodules
+        (those ``model.parameters()`` and ``model.buffers()`` yield), read from the modules'
+        own tables: a provisioner reads them at every micro-batch (a wrapper applied since
+        ``enable`` may have replaced them), and torch's nested generators cost several times
+        more per tensor than this walk."""
+        params: Set[int] = set()
+        seen: Set[int] = set()
+        stack = [model]
+        while stack:
+            module = stack.pop()
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            for table in (module._parameters, module._buffers):
+                for t in table.values():
+                    if t is None:
+                        continue
+                    if type(t) in _PLAIN_TYPES:
+                        params.add(t.untyped_storage()._cdata)
+                    else:
+                        params.update(s._cdata for s in _storages(t))
+            stack.extend(m for m in module._modules.values() if m is not None)
+        self._params = params
 
     def _is_parameter(self, t: torch.Tensor) -> bool:
         # A plain Tensor is never a Parameter: it skips the Parameter metaclass's isinstance (in
@@ -203,44 +224,45 @@ class Residency:
 
     # -- kept storages, and making room -----------------------------------------------------
     def _keep(self, frame: Frame, t: torch.Tensor, storage: Optional[torch.UntypedStorage] = None,
-              node: Optional[StorageNode] = None, held: Optional[bool] = None) -> _Kept:
-        """Keep ``t`` on the device, counted. ``storage``, ``node`` and ``held`` (whether the
-        ledger holds the storage already) are what the caller knows already (the pack path,
-        per save), else looked up."""
+              node: Optional[StorageNode] = None, target: Optional[int] = None) -> Optional[_Kept]:
+        """Keep ``t`` on the device, counted (``storage`` and ``node``: what the caller knows
+        already, else looked up). With ``target``, only where that fits it: None, nothing kept
+        and nothing counted, where a storage the ledger does not hold yet would cross it."""
         if storage is None:
             storage = t.untyped_storage()
-        ledger = self.ledger
-        if held is None:
-            held = ledger.holds(storage)
-        if held:
-            frame.stats.shared_bytes += storage.nbytes()
-        else:
-            frame.stats.bytes_by_choice["keep"] += storage.nbytes()
         if t.grad_fn is not None:
             t = t.detach()  # an op's saved output: holding its grad_fn would be a reference cycle
         if node is None and frame.traced:
             node = self.mode.nodes.get(storage._cdata)
-        kept = _Kept(t, ledger, node, storage)
+        kept = _Kept(t, self.ledger, node, frame.index)
+        held = self.ledger.acquire(storage, kept, target)
+        if held is None:
+            return None
+        if held:
+            frame.stats.shared_bytes += storage.nbytes()
+        else:
+            frame.stats.bytes_by_choice["keep"] += storage.nbytes()
         if node is not None:
             node.kept[node.state] = (weakref.ref(t), t._version)
-        # The registry of what _make_room may move: only where it can run (cheapest test first).
-        if self.engine is not None and self.enforce_budget and self.target() is not None:
-            entry = self._kept.get(storage._cdata)
-            if entry is None:
-                if len(self._kept) >= self._kept_limit:
-                    self._live_kept()
-                    self._kept_limit = max(1024, 2 * len(self._kept))
-                entry = self._kept[storage._cdata] = (frame.index, [])
-            entry[1].append(kept._ref)  # the weak reference its count is registered by
         return kept
 
     def _movable(self) -> List[Tuple[int, int, int, List[_Kept]]]:
         """Kept storages ``_make_room`` may offload, in the order it would: (frame index,
-        -bytes, cdata, the kept saves), those of earlier frames first, larger first."""
+        -bytes, cdata, the kept saves), those of earlier frames first, larger first. A storage
+        is movable when kept saves, unchanged since and not moved, are all that hold it; they
+        are found through the ledger's pins (no registry is kept per save)."""
         if self.target() is None or not self.enforce_budget or self.engine is None:
             return []
+        by_storage: Dict[int, Tuple[int, List[_Kept]]] = {}
+        for kept, cdata in self.ledger.live(_Kept):
+            if kept.moved is None:
+                entry = by_storage.get(cdata)
+                if entry is None:
+                    by_storage[cdata] = (kept.frame, [kept])
+                else:
+                    entry[1].append(kept)
         out = []
-        for cdata, (index, saves) in self._live_kept().items():
+        for cdata, (index, saves) in by_storage.items():
             held = self.ledger.count(cdata)
             if held is not None and held[0] == len(saves) and all(k.tensor._version == k.version for k in saves):
                 out.append((index, -held[1], cdata, saves))
@@ -250,17 +272,6 @@ class Residency:
     def movable_bytes(self) -> int:
         """Resident bytes that kept storages offloaded to make room would free."""
         return -sum(c[1] for c in self._movable())
-
-    def _live_kept(self) -> Dict[int, Tuple[int, List[_Kept]]]:
-        """The registry's storages with kept saves still alive and not moved (dropping the rest)."""
-        out = {}
-        for cdata, (index, refs) in list(self._kept.items()):
-            saves = [k for k in (ref() for ref in refs) if k is not None and k.moved is None and k.pin is not None]
-            if saves and self.ledger.count(cdata) is not None:
-                out[cdata] = (index, saves)
-            else:
-                del self._kept[cdata]
-        return out
 
     def _make_room(self, frame: Frame, need: int) -> bool:
         """Offload kept storages until ``need`` more bytes fit the budget: the last resort when
@@ -291,7 +302,6 @@ class Residency:
                     k.node.offloaded.setdefault(k.state, store)
                 k.tensor = None
                 k.drop()
-            del self._kept[cdata]
             frame.stats.room_made_bytes += store.nbytes
             frame.stats.fallbacks.append(f"kept {store.nbytes} bytes offloaded to make room")
         return self.ledger.resident + need <= budget

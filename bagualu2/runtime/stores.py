@@ -293,24 +293,25 @@ def _modified_error(what: str, saved: int, now: int) -> RuntimeError:
 class _Kept(Pin):
     """A saved tensor held as it is; ``moved`` once offloaded later to make room (``_make_room``).
 
-    It is its own pin: with a ``ledger`` it holds the count on the tensor's storage (``storage``
-    where the caller has it) for as long as it lives, or until ``drop``; without one it is
-    charged to nothing. One object per kept save, not two: a step keeps one per saved tensor.
+    It is its own pin: its owner counts the tensor's storage for it (``ResidencyLedger.acquire``
+    with ``ledger``, once it is built), for as long as it lives or until ``drop``; without a
+    ledger it is charged to nothing. One object per kept save, not two: a step keeps one per
+    saved tensor. ``frame`` is the index of the frame that saved it (``_make_room`` moves
+    earlier micro-batches' first).
     """
 
-    __slots__ = ("tensor", "version", "node", "state", "moved")
+    __slots__ = ("tensor", "version", "node", "state", "moved", "frame")
 
     def __init__(self, tensor: torch.Tensor, ledger: Optional[ResidencyLedger], node: Optional[StorageNode] = None,
-                 storage: Optional[torch.UntypedStorage] = None) -> None:
+                 frame: int = -1) -> None:
         self.tensor: Optional[torch.Tensor] = tensor
         self.version = tensor._version
         self.node = node  # the traced storage it holds, and that storage's state at the save
         self.state = node.state if node is not None else 0
         self.moved: Optional[_Offloaded] = None
+        self.frame = frame
         self._ledger = ledger
         self._ref = None
-        if ledger is not None:  # last: a record an interrupt stopped before it holds no count
-            ledger.acquire(storage if storage is not None else tensor.untyped_storage(), self)
 
     @property
     def pin(self) -> Optional["_Kept"]:

@@ -2,6 +2,7 @@
 enforced by the runtime)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 __all__ = ["Budget"]
@@ -26,3 +27,9 @@ class Budget:
         """Where releases aim: the limit less the reserve, less the pin headroom unless the
         bytes are ``pins`` it is left for."""
         return max(0, self.limit - self.reserve - (0 if pins else self.pin_headroom))
+
+    @functools.cached_property
+    def save_target(self) -> int:
+        """``target()``, where every save aims: computed once (the budget is frozen), read at
+        each save of a calm forward."""
+        return self.target()

@@ -1,7 +1,8 @@
 """What a micro-batch saves: each operator key's saved bytes as a function of routed tokens.
 
 Predicts: the bytes each key saves for a micro-batch with given routing (``predict_bytes``,
-``predict_total``), and of those the bytes no plan releases (``floors``).
+``predict_total``), and of those the bytes no plan releases (``floors``; both in one pass:
+``floors_and_total``).
 
 From: profiled micro-batches (``observe``): per key, the bytes of the storage it saved, the
 measured seconds of its own ops (kept here for the rebuild model and the overlap scheduler),
@@ -202,10 +203,30 @@ class MemoryModel:
         pricing the candidates), and of those the bytes nothing can release at all (neither
         offloadable nor recomputable: the runtime releases small ones too when the budget
         demands it)."""
-        soft = hard = 0
-        for _, op, nbytes, releasable in self.sized(keys, counts, min_bytes, can_offload, ()):
-            if not releasable:
+        soft, hard, _ = self.floors_and_total(keys, counts, min_bytes, can_offload)
+        return soft, hard
+
+    def floors_and_total(self, keys: Iterable[str], counts: Mapping[int, Sequence[int]], min_bytes: int,
+                         can_offload: bool) -> Tuple[int, int, int]:
+        """``floors`` and ``predict_total`` of ``keys`` in one pass over them (what the end of
+        every micro-batch asks), the tokens that drive the non-expert ops found once."""
+        soft = hard = total = 0
+        dense: Optional[float] = None  # what drives every op outside the experts: one number
+        ops = self.ops
+        for key in keys:
+            op = ops.get(key)
+            if op is None:
+                continue
+            if op.layer is None:
+                if dense is None:
+                    dense = driving_tokens(op, counts)
+                tokens = dense
+            else:
+                tokens = driving_tokens(op, counts)
+            nbytes = int(math.ceil(op.bytes(tokens)))
+            total += nbytes
+            if nbytes and not (nbytes >= min_bytes and (can_offload or op.recomputable)):
                 soft += nbytes
                 if not (can_offload or op.recomputable):
                     hard += nbytes
-        return soft, hard
+        return soft, hard, total

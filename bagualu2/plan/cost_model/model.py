@@ -111,6 +111,7 @@ class CostModel:
     predict_bytes = _forward(MemoryModel.predict_bytes, "memory")
     predict_total = _forward(MemoryModel.predict_total, "memory")
     floors = _forward(MemoryModel.floors, "memory")
+    floors_and_total = _forward(MemoryModel.floors_and_total, "memory")
     driving_tokens = staticmethod(driving_tokens)
 
     # What backward's rebuilds taught (RebuildModel)

@@ -1,0 +1,194 @@
+"""The calm save path's bookkeeping: the ledger's checked count, the kept storages found through
+the ledger's pins (what ``movable_bytes`` and making room read), the parameter walk and the
+footprint's one pass, each against a reference computed the plain way."""
+from __future__ import annotations
+
+import itertools
+from typing import Dict, List, Set
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bagualu2.offload import CopyEngine, HostArena
+from bagualu2.plan.cost_model import CostModel
+from bagualu2.runtime import ActivationRuntime, Frame
+from bagualu2.runtime.ledger import Pin, ResidencyLedger
+from bagualu2.shared import Budget
+
+
+def test_a_checked_count_refuses_what_crosses_the_target_and_counts_nothing() -> None:
+    ledger = ResidencyLedger()
+    a = torch.empty(1000, dtype=torch.uint8).untyped_storage()
+    b = torch.empty(500, dtype=torch.uint8).untyped_storage()
+    first = Pin(ledger, a)
+    refused = Pin.__new__(Pin)
+    refused._ledger, refused._ref = ledger, None
+    assert ledger.acquire(b, refused, target=1400) is None  # 1000 + 500 > 1400
+    assert refused._ref is None and ledger.resident == 1000 and ledger.pins == 1
+    assert ledger.count(b._cdata) is None
+    # A storage held already adds no bytes: never refused, and reported as held.
+    again = Pin.__new__(Pin)
+    again._ledger, again._ref = ledger, None
+    assert ledger.acquire(a, again, target=0) is True
+    assert ledger.count(a._cdata) == (2, 1000) and ledger.resident == 1000
+    fits = Pin.__new__(Pin)
+    fits._ledger, fits._ref = ledger, None
+    assert ledger.acquire(b, fits, target=1500) is False  # 1500 exactly fits
+    assert ledger.resident == 1500 and ledger.peak == 1500
+    del first, again, fits
+    assert ledger.resident == 0 and ledger.pins == 0
+
+
+def test_live_pins_are_those_holding_counts_in_acquisition_order() -> None:
+    class Other(Pin):
+        __slots__ = ()
+
+    ledger = ResidencyLedger()
+    storages = [torch.empty(10 * (i + 1), dtype=torch.uint8).untyped_storage() for i in range(4)]
+    pins = [Pin(ledger, s) for s in storages[:3]] + [Other(ledger, storages[3])]
+    assert ledger.live(Pin) == [(p, s._cdata) for p, s in zip(pins[:3], storages)]
+    assert ledger.live(Other) == [(pins[3], storages[3]._cdata)]
+    pins[0].drop()
+    del pins[1]
+    assert [p for p, _ in ledger.live(Pin)] == [pins[1]]  # the third, now second in the list
+
+
+class _Save(torch.autograd.Function):
+    """Saves exactly the tensors it is given: each one packed by the runtime's hook."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, *saved: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(*saved)
+        return anchor * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        ctx.saved_tensors
+        return (grad * 2,) + (None,) * len(ctx.saved_tensors)
+
+
+_ACTION = st.one_of(
+    st.tuples(st.just("save"), st.lists(st.integers(0, 5), min_size=1, max_size=4)),
+    st.tuples(st.just("drop"), st.integers(0, 7)),
+    st.tuples(st.just("pin"), st.integers(0, 5)),
+    st.tuples(st.just("unpin"), st.integers(0, 7)),
+    st.tuples(st.just("bump"), st.integers(0, 5)),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sizes=st.lists(st.integers(1, 64), min_size=6, max_size=6), actions=st.lists(_ACTION, max_size=25))
+def test_movable_bytes_are_the_storages_only_unchanged_kept_saves_hold(sizes: List[int], actions: list) -> None:
+    """Untraced frames keep what they save; the kept storages ``_make_room`` may move are found
+    through the ledger's pins. Against a reference kept here: a storage is movable while live
+    kept saves hold it, nothing else pins it, and none of them changed since; the ledger holds
+    exactly the storages live graphs or pins hold, one count per holder, each given back once
+    (so the resident bytes and the pins count return to zero at the end)."""
+    tensors = [torch.zeros(n) for n in sizes]
+    tensors.append(tensors[0][1:])  # a view: its saves hold tensor 0's storage
+    runtime = ActivationRuntime(CopyEngine(HostArena(1 << 20)), budget_bytes=1 << 30)
+    anchor = torch.ones(1, requires_grad=True)
+    graphs: List[tuple] = []  # (output, [(storage cdata, tensor, its version) of each save])
+    pins: List[tuple] = []  # (pin, cdata)
+    frames = 0
+    for action, arg in actions:
+        if action == "save":
+            frame = Frame(index=frames)
+            frame.traced = False
+            frame.budget = Budget(1 << 30)
+            frames += 1
+            chosen = [tensors[i] if i < 5 else tensors[6] for i in arg]
+            with runtime.frame(frame):
+                graphs.append((_Save.apply(anchor, *chosen), [(t.untyped_storage()._cdata, t, t._version)
+                                                               for t in chosen]))
+        elif action == "drop" and graphs:
+            del graphs[arg % len(graphs)]
+        elif action == "pin":
+            storage = tensors[arg].untyped_storage()
+            pins.append((Pin(runtime.ledger, storage), storage._cdata))
+        elif action == "unpin" and pins:
+            pin, _ = pins.pop(arg % len(pins))
+            if arg % 2:
+                pin.drop()
+            del pin
+        elif action == "bump":
+            tensors[arg].add_(1)
+        saves: Dict[int, int] = {}
+        changed: Set[int] = set()
+        for entries in [entries for _, entries in graphs]:  # no output held past the loop
+            for cdata, t, version in entries:
+                saves[cdata] = saves.get(cdata, 0) + 1
+                if t._version != version:
+                    changed.add(cdata)
+        pinned = {cdata for _, cdata in pins}
+        nbytes = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+        movable = sum(nbytes[c] for c in saves if c not in pinned and c not in changed)
+        assert runtime.movable_bytes() == movable
+        assert runtime.ledger.resident == sum(nbytes[c] for c in set(saves) | pinned)
+        assert runtime.ledger.pins == sum(saves.values()) + len(pins)
+        for cdata, count in saves.items():
+            assert runtime.ledger.count(cdata)[0] == count + sum(1 for _, c in pins if c == cdata)
+    graphs.clear()
+    pins.clear()
+    assert runtime.ledger.resident == 0 and runtime.ledger.pins == 0 and runtime.movable_bytes() == 0
+
+
+def test_the_parameter_walk_finds_what_parameters_and_buffers_yield() -> None:
+    """``set_parameters_of(model)`` knows the storages ``model.parameters()`` and
+    ``model.buffers()`` hold (shared modules and parameters, ``None`` entries, buffers, a
+    parameter whose data was replaced since, a wrapper subclass known by the tensors it holds)
+    as ``set_parameters`` does: a tensor over any of them that is saved is held uncounted, an
+    activation is counted."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    shared = torch.nn.Linear(3, 3)
+    model = torch.nn.Sequential(shared, torch.nn.BatchNorm1d(3), torch.nn.Sequential(shared, torch.nn.Linear(3, 2)))
+    model[2][1].bias = None
+    model.register_buffer("nothing", None)
+    model[1].weight.data = torch.ones(3)  # a new storage under the same parameter
+    model.register_parameter("pair", torch.nn.Parameter(TwoTensor(torch.zeros(2), torch.ones(2))))
+    held = [t for p in itertools.chain(model.parameters(), model.buffers())
+            for t in ((p.a, p.b) if isinstance(p, TwoTensor) else (p,))]
+    assert len({t.untyped_storage()._cdata for t in held}) == 10
+    # Plain tensors over those storages: neither parameters nor views of one.
+    over = [torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()) for t in held]
+    activation = torch.zeros(5)
+    anchor = torch.ones(1, requires_grad=True)
+    for set_parameters in ("walked", "listed"):
+        runtime = ActivationRuntime()
+        if set_parameters == "walked":
+            runtime.set_parameters_of(model)
+        else:
+            runtime.set_parameters(itertools.chain(model.parameters(), model.buffers()))
+        frame = Frame()
+        frame.traced = False
+        with runtime.frame(frame):
+            out = _Save.apply(anchor, *over, activation)
+        assert runtime.ledger.resident == activation.untyped_storage().nbytes(), set_parameters
+        del out
+        assert runtime.ledger.resident == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["a", "b", "experts.0", "experts.1", "experts"]),
+                              st.integers(0, 5000), st.booleans()), min_size=1, max_size=8, unique_by=lambda o: o[0]),
+       routed=st.lists(st.integers(0, 40), min_size=2, max_size=2), profiled=st.lists(st.integers(1, 40), min_size=2,
+                                                                                          max_size=2),
+       min_bytes=st.integers(0, 3000), can_offload=st.booleans(), no_counts=st.booleans())
+def test_floors_and_total_in_one_pass_are_floors_and_predict_total(ops: list, routed: List[int], profiled: List[int],
+                                                                     min_bytes: int, can_offload: bool,
+                                                                     no_counts: bool) -> None:
+    cost = CostModel({0: "experts"})
+    saved = {f"{path}:op:0": (nbytes, 1e-3, recomputable, ()) for path, nbytes, recomputable in ops}
+    cost.observe(saved, {0: profiled}, forward_seconds=0.01)
+    keys = list(saved) + ["unknown:op:0"]
+    counts = {} if no_counts else {0: routed}
+    soft, hard, total = cost.floors_and_total(keys, counts, min_bytes, can_offload)
+    assert (soft, hard) == cost.floors(keys, counts, min_bytes, can_offload)
+    assert total == cost.predict_total(keys, counts) == sum(cost.predict_bytes(k, counts) for k in keys)
+    # The reference: each key sized on its own (what the planner's candidates read).
+    kept = [(op, n) for _, op, n, releasable in cost.memory.sized(keys, counts, min_bytes, can_offload, ())
+            if not releasable]
+    assert soft == sum(n for _, n in kept) == cost.candidates(keys, counts, min_bytes, can_offload)[1]
+    assert hard == sum(n for op, n in kept if not (can_offload or op.recomputable))
