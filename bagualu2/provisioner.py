@@ -58,7 +58,7 @@ from bagualu2.runtime.activations import AttachedHook
 from bagualu2.runtime.recipes import reset_replay_depth
 from bagualu2.runtime.rerun import RerunCapture
 from bagualu2.plan.cost_model import CostModel
-from bagualu2.errors import BudgetExceededError, recorded_violation
+from bagualu2.errors import BudgetExceededError, recorded_memory_violation, recorded_violation
 from bagualu2.inputs import (
     check_materialized, check_options, checked_counts, device_of, input_bytes, resolve_budget,
     token_slots,
@@ -66,6 +66,7 @@ from bagualu2.inputs import (
 from bagualu2.provision.calibration import Calibration, learn
 from bagualu2.provision.copy_engine import arena_need, make_engine, measure_copy_costs, reserve_arena
 from bagualu2.provision.decisions import GateDecisions
+from bagualu2.provision.excess import Excess, checked_allocator, largest_expert_bytes, read_allocator
 from bagualu2.provision.footprint import Footprint
 from bagualu2.provision.forward import ProvisionedForward, active, plain_forward, unwrap_compiled
 from bagualu2.provision.policy import POLICIES, Policy
@@ -99,7 +100,7 @@ class Provisioner:
                  profile_frames: int = 2, calibrate_frames: int = 3, recalibrate_every: int = 0,
                  margin: float = 0.02,
                  telemetry_path: Union[str, Path, None] = None, gates: Optional[Sequence[GateSpec]] = None,
-                 engine: Any = None) -> None:
+                 engine: Any = None, allocator: Union[None, str, Callable[[], Any]] = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"enable() needs a torch.nn.Module, got {type(model).__name__}")
         self._compiled_root, model = unwrap_compiled(model)  # torch.compile(model): the wrapper, what it wraps
@@ -121,6 +122,9 @@ class Provisioner:
         self.model = model
         self.device = device_of(model)
         self._budget = resolve_budget(budget, self.device, reserve_bytes)
+        # A view of the allocator: the budget is then on the whole memory it counts, and the
+        # activations get what the excess it shows leaves (provision/excess.py).
+        self._allocator = checked_allocator(allocator, self.device)
         self._policy = Policy(policy, model, compiled=self._compiled_root is not None)
         self.on_exceed = on_exceed
         self.min_bytes = min_bytes
@@ -166,6 +170,10 @@ class Provisioner:
         self.routing = RoutingRecord()  # tokens per expert, this micro-batch's and summed
         self.calibration = Calibration()  # the micro-batches that release all they can
         self.unplanned = UnplannedKeys()  # saved keys no plan can name
+        self.excess = Excess()  # what the allocator shows beyond the activations at a peak, by load
+        self._excess_now = 0  # what this micro-batch leaves for it (0 without an allocator view)
+        self._outside_now = 0  # allocated beyond the activations as the last forward began
+        self._worst_load: Optional[int] = None  # the load feature at the worst routing (Footprint.worst_bytes)
         # what each gate decides, and the planner it solves with
         self.decisions = GateDecisions(self.cost, self.runtime, self.routing, self.stacking, self.gates, min_bytes)
         self._frames = 0
@@ -242,7 +250,7 @@ class Provisioner:
         candidates, floor = self.cost.candidates(self.cost.order, counts, self.min_bytes, self.engine is not None)
         total = self.cost.predict_total(self.cost.order, counts)
         offload_window, reload_window = self.cost.windows(1.0, self.stacking.declared)
-        return self.decisions.planner.solve(candidates, total - int(self.budget * (1.0 - self.margin)),
+        return self.decisions.planner.solve(candidates, total - int(self._limit() * (1.0 - self.margin)),
                                   offload_window, reload_window, self.cost.copy_frame_s)
 
     @property
@@ -315,6 +323,9 @@ class Provisioner:
             "peak_bytes_with_backward": self._note_peak(),
             "resident_bytes": self.runtime.ledger.resident,
             "violations": totals.violations,
+            "memory_peak_bytes": self.excess.peak if self._allocator is not None else None,
+            "memory_violations": self.excess.over if self._allocator is not None else None,
+            "excess_bytes": self._excess_now if self._allocator is not None else None,
             "fallbacks": totals.fallbacks,
             "room_made_bytes": totals.room_made_bytes,
             "oom_recoveries": self._oom_recoveries,
@@ -331,7 +342,8 @@ class Provisioner:
     # -- checkpoint state (torch's Stateful convention; bagualu2/provision/state.py) ----------
     def _learned(self) -> Dict[str, Any]:
         return {"cost": self.cost, "footprint": self.footprint, "routing": self.routing,
-                "stacking": self.stacking, "calibration": self.calibration, "unplanned": self.unplanned}
+                "stacking": self.stacking, "calibration": self.calibration, "unplanned": self.unplanned,
+                "excess": self.excess}
 
     def state_dict(self) -> Dict[str, Any]:
         """What this provisioner learned, this rank's under its own key, for a checkpoint beside
@@ -407,18 +419,65 @@ class Provisioner:
         only where a plan may have to release, an adaptive policy under a budget that the worst
         routing of the profiled micro-batches would not fit."""
         worst = self.footprint.worst_bytes
-        return self._policy.adaptive and self.budget is not None and worst is not None and worst > self.budget
+        return self._policy.adaptive and self.budget is not None and worst is not None and worst > self._limit()
 
     def _calm(self) -> bool:
-        """Whether this micro-batch is not expected to need a release (``Footprint.calm``)."""
+        """Whether this micro-batch is not expected to need a release (``Footprint.calm``): its
+        worst routing fits beside the excess that routing would bring, or, with a copy engine,
+        the last routing fits beside the excess now."""
         if self.budget is None:
             return True
-        return self.footprint.calm(self._target() - self.runtime.ledger.resident, self.engine is not None)
+        resident = self.runtime.ledger.resident
+        worst = self._excess_at(self._worst_load) if self._worst_load is not None else self._excess_now
+        if self.footprint.calm(self._target(worst) - resident, False):
+            return True
+        return self.engine is not None and self.footprint.calm(self._target() - resident, True)
 
-    def _target(self) -> int:
-        """What this micro-batch's saves are planned to: the budget less its margin and the
-        reserve for the micro-batches stacking on it."""
-        return int(self.budget * (1.0 - self.margin)) - self._reserve()
+    def _limit(self, excess: Optional[int] = None) -> int:
+        """What this micro-batch's activations are held to: the budget less the excess the
+        allocator view predicts (``excess``, else this micro-batch's; none without a view)."""
+        return max(0, self.budget - (self._excess_now if excess is None else excess))
+
+    def _target(self, excess: Optional[int] = None) -> int:
+        """What this micro-batch's saves are planned to: the activations' limit (``_limit``)
+        less its margin and the reserve for the micro-batches stacking on it."""
+        return int(self._limit(excess) * (1.0 - self.margin)) - self._reserve()
+
+    def _excess_at(self, load: int) -> int:
+        """The excess to leave at ``load`` (``Excess.predict``), and at least what was allocated
+        beyond the activations as this forward began; before any window was learned from, that
+        and the gradients backward will allocate (trainable parameters without one yet)."""
+        if not self.excess.windows:
+            return self._outside_now + sum(p.numel() * p.element_size() for p in self.model.parameters()
+                                           if p.requires_grad and p.grad is None)
+        return max(self.excess.predict(load), self._outside_now)
+
+    def _read_allocator(self) -> None:
+        """As a forward begins, with an allocator view: learn from the window that ends (the
+        last micro-batch's whole-memory peak beside the activations' peak, at its routing), and
+        set this micro-batch's excess from the last routing until its gates say more."""
+        if self._allocator is None or self.budget is None:
+            return
+        now, peak = read_allocator(self._allocator)
+        counts = self.routing.counts
+        if self._frames and self.cost.ready and counts:  # the first reading covers what ran before enable
+            over = self.excess.over
+            self.excess.observe(largest_expert_bytes(self.cost, counts), peak, self.runtime.ledger.peak, self.budget)
+            if self.excess.over > over and not self._told_violation:
+                self._told_violation = True
+                warnings.warn(recorded_memory_violation(self._frames - 1, self.budget, peak), UserWarning,
+                              stacklevel=4)
+        self._outside_now = max(0, now - self.runtime.ledger.resident)
+        self._set_excess(self._excess_at(largest_expert_bytes(self.cost, counts) if counts else 0))
+
+    def _set_excess(self, excess: int) -> None:
+        """Hold this micro-batch's activations to the budget less ``excess``: its frame (once
+        it has one) and backward (the runtime's ``budget_bytes``)."""
+        self._excess_now = excess
+        self.runtime.budget_bytes = self._limit()
+        frame = self.runtime.active_frame
+        if frame is not None and frame.budget is not None:
+            frame.budget = Budget(self._limit(), frame.budget.reserve, frame.budget.pin_headroom)
 
     def _reserve(self) -> int:
         """Room for the micro-batches that will stack on this one before its backward
@@ -441,6 +500,7 @@ class Provisioner:
         if is_recomputing() or not self.enabled or not torch.is_grad_enabled():
             return self._forward(*args, **kwargs)
         self.stacking.count_forward(self.runtime.backward_passes)
+        self._read_allocator()
         self._check_feasible()
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
@@ -478,8 +538,8 @@ class Provisioner:
             # next backward (pipeline warm-up), so the last of them still fits, and for what
             # recipes will pin that nothing can release (labels the loss reads at the very end):
             # it is charged when pinned.
-            headroom = self.footprint.pin_headroom(inputs, self.budget, self.margin)
-            frame.budget = Budget(self.budget, self._reserve(), headroom)
+            headroom = self.footprint.pin_headroom(inputs, self._limit(), self.margin)
+            frame.budget = Budget(self._limit(), self._reserve(), headroom)
         running = active()
         try:
             running.append(self)
@@ -510,7 +570,9 @@ class Provisioner:
             self.unplanned.note(frame, self.cost, self.model.training)
         self.footprint.observe_routed(anchored, counts, self.min_bytes, self.engine is not None)
         if frame.profile and self.cost.frames >= self.profile_frames:
-            self.footprint.observe_worst(self.routing.worst(self.gates), counts)
+            worst = self.routing.worst(self.gates)
+            self.footprint.observe_worst(worst, counts)
+            self._worst_load = largest_expert_bytes(self.cost, worst) if worst is not None else None
             self._reserve_arena()
         imbalance = max((max(c) * len(c) / max(1, sum(c)) for c in counts.values()), default=1.0)
         self.telemetry.add(MicroBatch(
@@ -538,7 +600,7 @@ class Provisioner:
         """Refuse a micro-batch no plan can fit, before it allocates anything."""
         if self.budget is None or not self._policy.adaptive or not self.cost.ready:
             return
-        self.footprint.check_feasible(self.budget, self.runtime.ledger.resident, self.runtime.movable_bytes,
+        self.footprint.check_feasible(self._limit(), self.runtime.ledger.resident, self.runtime.movable_bytes,
                                       f"micro-batch {self._frames}")
 
     def _exceeded(self, resident: int, budget: int, key: str) -> None:
@@ -570,15 +632,25 @@ class Provisioner:
             return
         values = counts.tolist() if isinstance(counts, torch.Tensor) else [int(c) for c in counts]
         self.routing.record(layer, values, size)
+        if self._allocator is not None and self.budget is not None and self.cost.ready:
+            # The excess this routing brings (a spike's temporaries), known before the experts run.
+            self._set_excess(self._excess_at(largest_expert_bytes(self.cost, self.decisions.counts_at(layer, values))))
         if not self._policy.adaptive or self.budget is None or not self.cost.ready:
             return
         if frame.calibrating:
             return  # it releases all it can already
         if not frame.traced:  # no recipes to plan from: only its high-water mark is predicted
+            first = not self.decisions.predicted
             self.decisions.predict(frame, values, self.footprint.outside_held)
+            if first and self._allocator is not None and frame.budget is not None and \
+                    self.decisions.predicted > frame.budget.target(pins=True):
+                # An unannounced spike under a whole-memory budget: the saves that would cross
+                # are the forward's last, which it still reads, so offloading them as they come
+                # frees nothing at the peak; what it saved before the gate is no longer read.
+                self.runtime.make_room(self.decisions.predicted - self.runtime.ledger.resident)
             return
         start = time.perf_counter()
-        decision = self.decisions.decide(frame, layer, values, self._target(), self.budget, self._step,
+        decision = self.decisions.decide(frame, layer, values, self._target(), self._limit(), self._step,
                                          self.engine is not None)
         decision.latency_us = (time.perf_counter() - start) * 1e6
         self.telemetry.add(decision)
