@@ -66,7 +66,7 @@ from bagualu2.inputs import (
 from bagualu2.provision.calibration import Calibration, learn
 from bagualu2.provision.copy_engine import arena_need, make_engine, measure_copy_costs, reserve_arena
 from bagualu2.provision.decisions import GateDecisions
-from bagualu2.provision.excess import Excess, checked_allocator, largest_expert_bytes, read_allocator
+from bagualu2.provision.excess import WholeMemory, checked_allocator, largest_expert_bytes, read_allocator
 from bagualu2.provision.footprint import Footprint
 from bagualu2.provision.forward import ProvisionedForward, active, plain_forward, unwrap_compiled
 from bagualu2.provision.policy import POLICIES, Policy
@@ -170,10 +170,12 @@ class Provisioner:
         self.routing = RoutingRecord()  # tokens per expert, this micro-batch's and summed
         self.calibration = Calibration()  # the micro-batches that release all they can
         self.unplanned = UnplannedKeys()  # saved keys no plan can name
-        self.excess = Excess()  # what the allocator shows beyond the activations at a peak, by load
+        self.excess = WholeMemory()  # what the allocator shows beyond the activations at a peak, by load
+        self._window_traced = False  # whether the forward of the window the allocator's next reading ends was traced
         self._excess_now = 0  # what this micro-batch leaves for it (0 without an allocator view)
         self._outside_now = 0  # allocated beyond the activations as the last forward began
         self._worst_load: Optional[int] = None  # the load feature at the worst routing (Footprint.worst_bytes)
+        self._last_load = 0  # the load feature at the last micro-batch's routing
         # what each gate decides, and the planner it solves with
         self.decisions = GateDecisions(self.cost, self.runtime, self.routing, self.stacking, self.gates, min_bytes)
         self._frames = 0
@@ -428,7 +430,7 @@ class Provisioner:
         if self.budget is None:
             return True
         resident = self.runtime.ledger.resident
-        worst = self._excess_at(self._worst_load) if self._worst_load is not None else self._excess_now
+        worst = self._excess_at(self._worst_load, False) if self._worst_load is not None else self._excess_now
         if self.footprint.calm(self._target(worst) - resident, False):
             return True
         return self.engine is not None and self.footprint.calm(self._target() - resident, True)
@@ -443,14 +445,15 @@ class Provisioner:
         less its margin and the reserve for the micro-batches stacking on it."""
         return int(self._limit(excess) * (1.0 - self.margin)) - self._reserve()
 
-    def _excess_at(self, load: int) -> int:
-        """The excess to leave at ``load`` (``Excess.predict``), and at least what was allocated
-        beyond the activations as this forward began; before any window was learned from, that
-        and the gradients backward will allocate (trainable parameters without one yet)."""
+    def _excess_at(self, load: int, traced: bool) -> int:
+        """The excess to leave at ``load`` in a forward ``traced`` or not (``WholeMemory.predict``),
+        and at least what was allocated beyond the activations as this forward began; before any
+        window was learned from, that and the gradients backward will allocate (trainable
+        parameters without one yet)."""
         if not self.excess.windows:
             return self._outside_now + sum(p.numel() * p.element_size() for p in self.model.parameters()
                                            if p.requires_grad and p.grad is None)
-        return max(self.excess.predict(load), self._outside_now)
+        return max(self.excess.predict(traced, load), self._outside_now)
 
     def _read_allocator(self) -> None:
         """As a forward begins, with an allocator view: learn from the window that ends (the
@@ -462,13 +465,15 @@ class Provisioner:
         counts = self.routing.counts
         if self._frames and self.cost.ready and counts:  # the first reading covers what ran before enable
             over = self.excess.over
-            self.excess.observe(largest_expert_bytes(self.cost, counts), peak, self.runtime.ledger.peak, self.budget)
+            self.excess.observe(self._window_traced, largest_expert_bytes(self.cost, counts), peak,
+                                self.runtime.ledger.peak, self.budget)
             if self.excess.over > over and not self._told_violation:
                 self._told_violation = True
                 warnings.warn(recorded_memory_violation(self._frames - 1, self.budget, peak), UserWarning,
                               stacklevel=4)
         self._outside_now = max(0, now - self.runtime.ledger.resident)
-        self._set_excess(self._excess_at(largest_expert_bytes(self.cost, counts) if counts else 0))
+        self._last_load = largest_expert_bytes(self.cost, counts) if counts else 0
+        self._set_excess(self._excess_at(self._last_load, False))  # calm (untraced) until _run_frame says
 
     def _set_excess(self, excess: int) -> None:
         """Hold this micro-batch's activations to the budget less ``excess``: its frame (once
@@ -528,6 +533,9 @@ class Provisioner:
         self._note_peak()
         self._learn()  # what no backward's end learned (a forward's offloads, in a pipeline)
         frame = self._new_frame(conservative)
+        self._window_traced = frame.traced
+        if frame.traced and self._allocator is not None and self.budget is not None:
+            self._set_excess(self._excess_at(self._last_load, True))
         self.routing.begin()
         self.decisions.begin()
         start = time.perf_counter()
@@ -634,7 +642,8 @@ class Provisioner:
         self.routing.record(layer, values, size)
         if self._allocator is not None and self.budget is not None and self.cost.ready:
             # The excess this routing brings (a spike's temporaries), known before the experts run.
-            self._set_excess(self._excess_at(largest_expert_bytes(self.cost, self.decisions.counts_at(layer, values))))
+            load = largest_expert_bytes(self.cost, self.decisions.counts_at(layer, values))
+            self._set_excess(self._excess_at(load, frame.traced))
         if not self._policy.adaptive or self.budget is None or not self.cost.ready:
             return
         if frame.calibrating:

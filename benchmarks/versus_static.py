@@ -397,6 +397,8 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, engine_name: str
     seconds: Dict[str, List[float]] = {n: [] for n in contenders}
     losses: Dict[str, List[float]] = {n: [] for n in contenders}
     peaks: Dict[str, List[int]] = {n: [] for n in contenders}
+    excess: List[int] = []
+    traced: List[bool] = []
     names = list(contenders)
     for i in range(trace.micro_batches):
         for k in range(len(names)):
@@ -405,7 +407,13 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, engine_name: str
             seconds[name].append(s)
             losses[name].append(loss)
             peaks[name].append(meters[name].peak)
+            if name == "adaptive":  # what it left outside its activations, and whether it traced
+                prov = contenders[name].prov
+                excess.append(prov.report()["excess_bytes"])
+                traced.append(prov.telemetry.micro_batches[-1].traced)
     row["seconds"] = seconds
+    row["trace_peaks"] = peaks
+    row["adaptive_excess"], row["adaptive_traced"] = excess, traced
     row["losses_equal"] = {n: losses[n] == losses["keep_all"] for n in names}
 
     # Violations of the two that claim to hold the budget, in the run that was timed.

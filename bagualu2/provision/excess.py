@@ -2,7 +2,8 @@
 peak (the forward's and backward's working sets, gradients, anything else), learned per
 micro-batch, so that a budget on the whole memory holds without a hand-tuned reserve.
 
-Owns ``Excess`` (the predictor, part of the provisioner's learned state), ``checked_allocator``
+Owns ``Excess`` (the predictor), ``WholeMemory`` (one for traced forwards and one for untraced
+ones, part of the provisioner's learned state), ``checked_allocator``
 (what ``enable(allocator=...)`` accepts), ``read_allocator`` (one reading, checked) and
 ``largest_expert_bytes`` (the load feature the excess scales with).
 
@@ -29,6 +30,11 @@ less the slope's share of the difference) and the least that recent held windows
 byte of the most loaded expert's saves, starts at ``PRIOR_SLOPE`` (a spike's temporaries are
 about as large as what its expert saves) and rises when a miss at a heavier load shows it must.
 
+Traced and untraced forwards are learned apart (``WholeMemory``): a traced forward holds more
+beyond the ledger (its records of how to rebuild what it saved), so a calm forward's excess, learned
+from untraced ones, is too little for one traced after a spike. A traced forward is left at least
+what an untraced one at its load would be.
+
 Invariants: after a window that crossed the budget at load ``m`` with excess ``x``, every
 prediction at a load ``>= m`` is ``>= x`` (a known-too-low estimate is never used twice); a held
 window at a lighter load never makes a heavier one's prediction fall below a miss; predictions are
@@ -47,7 +53,7 @@ import torch
 
 from bagualu2.plan.cost_model import CostModel
 
-__all__ = ["Excess", "PRIOR_SLOPE", "checked_allocator", "cuda_allocator", "largest_expert_bytes",
+__all__ = ["Excess", "PRIOR_SLOPE", "WholeMemory", "checked_allocator", "cuda_allocator", "largest_expert_bytes",
            "read_allocator"]
 
 Allocator = Callable[[], Tuple[int, int]]
@@ -142,7 +148,8 @@ class Excess:
     def observe(self, load: int, peak: int, activations_peak: int, budget: int) -> None:
         """A window whose micro-batch was routed at ``load`` peaked at ``peak`` bytes of whole
         memory, its activations at ``activations_peak``: it held ``budget`` or crossed it."""
-        load, excess, held = max(0, int(load)), int(peak) - int(activations_peak), peak <= budget
+        # Never below 0: a view that counts less than the ledger does leaves nothing for more.
+        load, excess, held = max(0, int(load)), max(0, int(peak) - int(activations_peak)), peak <= budget
         self.windows += 1
         self.peak = max(self.peak, int(peak))
         if held:
@@ -182,3 +189,35 @@ class Excess:
         enough = min((x + self.slope * max(0, load - m) for m, x in self.held), default=needed)
         return max(0, int(max(needed, enough)))
 
+
+
+class WholeMemory:
+    """The excess of traced forwards and of untraced ones, each its own ``Excess``."""
+
+    def __init__(self) -> None:
+        self.traced = Excess()
+        self.untraced = Excess()
+
+    def observe(self, traced: bool, load: int, peak: int, activations_peak: int, budget: int) -> None:
+        """A window whose forward was ``traced`` or not (``Excess.observe``)."""
+        (self.traced if traced else self.untraced).observe(load, peak, activations_peak, budget)
+
+    def predict(self, traced: bool, load: int) -> int:
+        """The excess to leave at ``load`` in a forward ``traced`` or not: its own kind's, or the
+        other's before its own has a window; a traced one at least an untraced one's."""
+        own, other = (self.traced, self.untraced) if traced else (self.untraced, self.traced)
+        if not own.windows:
+            return other.predict(load)
+        return max(own.predict(load), self.untraced.predict(load)) if traced else own.predict(load)
+
+    @property
+    def windows(self) -> int:
+        return self.traced.windows + self.untraced.windows
+
+    @property
+    def over(self) -> int:
+        return self.traced.over + self.untraced.over
+
+    @property
+    def peak(self) -> int:
+        return max(self.traced.peak, self.untraced.peak)

@@ -37,7 +37,7 @@ from typing import Any, Dict, Mapping, Sequence
 import torch
 
 from bagualu2.plan.cost_model import GROUPED
-from bagualu2.provision.excess import Excess
+from bagualu2.provision.excess import WholeMemory
 
 __all__ = ["VERSION", "load", "rank_key", "save", "signature"]
 
@@ -51,7 +51,7 @@ _FIELDS = ("version", "gates", "modules", "learned")
 
 def _from_version_2(fields: Dict[str, Any]) -> None:
     """A version-2 state has no excess piece: it is read as one that learned nothing."""
-    fields.setdefault("excess", dict(vars(Excess())))
+    fields.setdefault("excess", dict(vars(WholeMemory())))
 
 
 def _from_version_1(fields: Dict[str, Any]) -> None:
