@@ -121,10 +121,10 @@ class Provisioner:
                                f"call disable() on the existing Provisioner first")
         self.model = model
         self.device = device_of(model)
-        self._budget = resolve_budget(budget, self.device, reserve_bytes)
         # A view of the allocator: the budget is then on the whole memory it counts, and the
         # activations get what the excess it shows leaves (provision/excess.py).
         self._allocator = checked_allocator(allocator, self.device)
+        self._budget = resolve_budget(budget, self.device, reserve_bytes, whole=self._allocator is not None)
         self._policy = Policy(policy, model, compiled=self._compiled_root is not None)
         self.on_exceed = on_exceed
         self.min_bytes = min_bytes
@@ -306,7 +306,7 @@ class Provisioner:
 
     @budget.setter
     def budget(self, value: Union[str, int, float, None]) -> None:
-        value = resolve_budget(value, self.device, 0)
+        value = resolve_budget(value, self.device, 0, whole=self._allocator is not None)
         self._budget = self.runtime.budget_bytes = value
 
     def report(self) -> Dict[str, Any]:
@@ -695,6 +695,11 @@ def enable(model: torch.nn.Module, budget: Union[str, int, float, None] = "auto"
             them offloading all it can instead when there is a copy engine, to measure what
             copies cost, and every other one that recomputes recomputing half of it, to
             measure rebuilds at two sizes; default 0, never),
+            ``allocator`` (a view of the allocator: ``"cuda"`` for ``torch.cuda``'s counters of the
+            model's device, or a callable returning ``(bytes allocated now, peak bytes since its
+            last call)``; the budget is then on the whole memory it counts, and each micro-batch's
+            activations get the budget less what it learned lies outside them at the peak, at
+            that micro-batch's routing; default None: the budget is on the activations alone),
             ``margin``, ``telemetry_path`` (JSON lines), ``gates`` (a list of
             ``bagualu2.runtime.gates.GateSpec`` instead of discovery; ``[]`` when the model reports its
             routing through ``bagualu2.on_gating``).

@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import io
 import pickle
-from typing import Any, Callable, List, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from test_versus_static import _bench
 
 _CFG = MoEConfig.tiny(ep_size=2)  # a spike on a local expert grows this rank's activations
 _BATCH, _SEQ, _IMBALANCE = 2, 32, 4.0
-_SPIKES = (8, 12)
+_SPIKES = (5, 7)  # after the profiled (2) and calibrating (3) micro-batches
 
 
 def _model() -> MoETransformer:
@@ -40,56 +41,67 @@ def _step(model: MoETransformer, i: int) -> None:
         model(tokens).backward()
 
 
-def _peaks(model: MoETransformer, meter: Any, steps: int) -> List[int]:
-    """The meter's peak of each micro-batch, forward and backward."""
-    out = []
-    for i in range(steps):
-        meter.peak = meter.bytes
-        with meter:
-            _step(model, i)
-        out.append(meter.peak)
-    return out
+def _peak(model: MoETransformer, meter: Any, i: int) -> int:
+    """The meter's peak of micro-batch ``i``, forward and backward."""
+    meter.peak = meter.bytes
+    with meter:
+        _step(model, i)
+    return meter.peak
+
+
+@dataclass
+class _Run:
+    peaks: List[int]        # the meter's peak of each micro-batch
+    excess: List[int]       # what the provisioner left outside the activations, each micro-batch
+    limits: List[int]       # what backward was held to (the runtime's budget_bytes)
+    prov: Any
 
 
 @pytest.fixture(scope="module")
-def budget() -> int:
-    """5% above the largest calm micro-batch's whole-memory peak keeping everything (the spikes
-    cross it: checked below)."""
-    peaks = _peaks(_model(), _bench().AllocationMeter(), 4)
-    return int(max(peaks) * 1.05)
-
-
-def test_the_learned_excess_holds_a_whole_memory_budget_through_spikes_the_ledger_budget_crosses(budget: int) -> None:
-    keep = _peaks(_model(), _bench().AllocationMeter(), max(_SPIKES) + 2)
-    assert all(keep[i] > budget for i in _SPIKES), (keep, budget)  # keeping everything crosses at the spikes
-    runs = {}
+def runs() -> Tuple[int, List[int], Dict[bool, _Run]]:
+    """The budget (5% above the largest calm micro-batch's whole-memory peak keeping everything),
+    keeping everything's peaks, and a run under the ledger-only budget and one with the meter as
+    the allocator view (``True``)."""
+    steps = max(_SPIKES) + 1
+    model, meter = _model(), _bench().AllocationMeter()
+    keep = [_peak(model, meter, i) for i in range(steps)]
+    budget = int(max(p for i, p in enumerate(keep) if i not in _SPIKES) * 1.05)
+    out = {}
     for view in (False, True):
         model, meter = _model(), _bench().AllocationMeter()
         prov = bagualu2.enable(model, budget=budget, min_bytes=0, allocator=meter.read if view else None)
-        runs[view] = (_peaks(model, meter, max(_SPIKES) + 2), prov.report())
-    (ledger_only, ledger_report), (whole, report) = runs[False], runs[True]
+        run = out[view] = _Run([], [], [], prov)
+        for i in range(steps):
+            run.peaks.append(_peak(model, meter, i))
+            run.excess.append(prov.report()["excess_bytes"])
+            run.limits.append(prov.runtime.budget_bytes)
+    return budget, keep, out
+
+
+def test_the_learned_excess_holds_a_whole_memory_budget_through_spikes_the_ledger_budget_crosses(runs: Any) -> None:
+    budget, keep, by_view = runs
+    assert all(keep[i] > budget for i in _SPIKES), (keep, budget)  # keeping everything crosses at the spikes
+    ledger_only, whole = by_view[False], by_view[True]
     # The ledger-only budget holds the activations it counts, and the whole memory crosses.
+    ledger_report = ledger_only.prov.report()
     assert ledger_report["violations"] == 0 and ledger_report["memory_violations"] is None
-    assert any(p > budget for p in ledger_only), (ledger_only, budget)
+    assert any(p > budget for p in ledger_only.peaks), (ledger_only.peaks, budget)
     # With the allocator view every micro-batch's whole-memory peak held, and the provisioner saw so.
-    assert max(whole) <= budget, (whole, budget)
+    report = whole.prov.report()
+    assert max(whole.peaks) <= budget, (whole.peaks, budget)
     assert report["memory_violations"] == 0 and report["violations"] == 0
-    assert report["memory_peak_bytes"] == max(whole[:-1])  # the last window is read by no next forward
-    assert 0 < report["excess_bytes"] < budget
+    assert report["memory_peak_bytes"] == max(whole.peaks[:-1])  # the last window is read by no next forward
 
 
-def test_the_excess_follows_the_routing_at_the_gate(budget: int) -> None:
-    """A spike's excess is predicted from its routing before its experts run: higher than a calm
-    micro-batch's, and the activations are held to the budget less it."""
-    model, meter = _model(), _bench().AllocationMeter()
-    prov = bagualu2.enable(model, budget=budget, min_bytes=0, allocator=meter.read)
-    excess = {}
-    for i in range(max(_SPIKES) + 1):
-        with meter:
-            _step(model, i)
-        excess[i] = prov.report()["excess_bytes"]
-        assert prov.runtime.budget_bytes == budget - excess[i]  # what backward is held to
-    assert excess[_SPIKES[0]] > excess[_SPIKES[0] - 1]
+def test_the_excess_follows_the_routing_at_the_gate(runs: Any) -> None:
+    """A spike's excess is predicted from its routing before its experts run: more than the calm
+    micro-batch's before it, and the activations (backward too) are held to the budget less it."""
+    budget, _, by_view = runs
+    whole = by_view[True]
+    calm = whole.excess[_SPIKES[0] - 1]
+    assert all(whole.excess[i] > calm for i in _SPIKES), whole.excess
+    assert whole.limits == [budget - e for e in whole.excess]
+    assert by_view[False].limits == [budget] * len(whole.limits) and set(by_view[False].excess) == {None}
 
 
 def _reads(value: Any) -> Callable[[], Any]:
@@ -145,25 +157,25 @@ class _Renamed(pickle.Pickler):
         return str(obj) if isinstance(obj, _Name) else None
 
 
-def test_the_learned_excess_is_saved_and_resumed_and_a_version_2_state_reads_as_nothing_learned(budget: int) -> None:
-    model, meter = _model(), _bench().AllocationMeter()
-    prov = bagualu2.enable(model, budget=budget, min_bytes=0, allocator=meter.read)
-    for i in range(max(_SPIKES) + 2):
-        with meter:
-            _step(model, i)
+def test_the_learned_excess_is_saved_and_resumed_and_a_version_2_state_reads_as_nothing_learned(runs: Any) -> None:
+    budget, _, by_view = runs
+    prov = by_view[True].prov
     assert prov.excess.windows > 0
     entry = prov.state_dict()
-    fresh = bagualu2.enable(_model(), budget=budget, min_bytes=0, allocator=meter.read)
+    fresh = bagualu2.enable(_model(), budget=budget, min_bytes=0, allocator=_reads((0, 0)))
     fresh.load_state_dict(entry)
-    assert vars(fresh.excess) == vars(prov.excess)
-    assert [fresh.excess.predict(m) for m in (0, 1 << 12, 1 << 20)] == [prov.excess.predict(m) for m in (0, 1 << 12, 1 << 20)]
+    loads = (0, 1 << 12, 1 << 20)
+    assert [fresh.excess.predict(t, m) for t in (False, True) for m in loads] == \
+        [prov.excess.predict(t, m) for t in (False, True) for m in loads]
+    assert (fresh.excess.windows, fresh.excess.over, fresh.excess.peak) == \
+        (prov.excess.windows, prov.excess.over, prov.excess.peak)
     # Version 2 had no excess piece: its state loads, with the excess learned afresh.
     (key, saved), = entry.items()
     learned = _Names(io.BytesIO(saved["learned"])).load()
     del learned["pieces"]["excess"]
     out = io.BytesIO()
     _Renamed(out).dump(learned)
-    old = bagualu2.enable(_model(), budget=budget, min_bytes=0, allocator=meter.read)
+    old = bagualu2.enable(_model(), budget=budget, min_bytes=0, allocator=_reads((0, 0)))
     old.load_state_dict({key: {**saved, "version": 2, "learned": out.getvalue()}})
     assert old.excess.windows == 0 and old.cost.order == prov.cost.order
 
