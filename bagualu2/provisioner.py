@@ -66,7 +66,7 @@ from bagualu2.inputs import (
 from bagualu2.provision.calibration import Calibration, learn
 from bagualu2.provision.copy_engine import arena_need, make_engine, measure_copy_costs, reserve_arena
 from bagualu2.provision.decisions import GateDecisions
-from bagualu2.provision.excess import WholeMemory, checked_allocator, largest_expert_bytes, read_allocator
+from bagualu2.provision.excess import AllocatorView, WholeMemory, checked_allocator
 from bagualu2.provision.footprint import Footprint
 from bagualu2.provision.forward import ProvisionedForward, active, plain_forward, unwrap_compiled
 from bagualu2.provision.policy import POLICIES, Policy
@@ -123,8 +123,8 @@ class Provisioner:
         self.device = device_of(model)
         # A view of the allocator: the budget is then on the whole memory it counts, and the
         # activations get what the excess it shows leaves (provision/excess.py).
-        self._allocator = checked_allocator(allocator, self.device)
-        self._budget = resolve_budget(budget, self.device, reserve_bytes, whole=self._allocator is not None)
+        read = checked_allocator(allocator, self.device)
+        self._budget = resolve_budget(budget, self.device, reserve_bytes, whole=read is not None)
         self._policy = Policy(policy, model, compiled=self._compiled_root is not None)
         self.on_exceed = on_exceed
         self.min_bytes = min_bytes
@@ -171,11 +171,7 @@ class Provisioner:
         self.calibration = Calibration()  # the micro-batches that release all they can
         self.unplanned = UnplannedKeys()  # saved keys no plan can name
         self.excess = WholeMemory()  # what the allocator shows beyond the activations at a peak, by load
-        self._window_traced = False  # whether the forward of the window the allocator's next reading ends was traced
-        self._excess_now = 0  # what this micro-batch leaves for it (0 without an allocator view)
-        self._outside_now = 0  # allocated beyond the activations as the last forward began
-        self._worst_load: Optional[int] = None  # the load feature at the worst routing (Footprint.worst_bytes)
-        self._last_load = 0  # the load feature at the last micro-batch's routing
+        self.memory = AllocatorView(read, self.excess, self.cost, model) if read is not None else None
         # what each gate decides, and the planner it solves with
         self.decisions = GateDecisions(self.cost, self.runtime, self.routing, self.stacking, self.gates, min_bytes)
         self._frames = 0
@@ -306,7 +302,7 @@ class Provisioner:
 
     @budget.setter
     def budget(self, value: Union[str, int, float, None]) -> None:
-        value = resolve_budget(value, self.device, 0, whole=self._allocator is not None)
+        value = resolve_budget(value, self.device, 0, whole=self.memory is not None)
         self._budget = self.runtime.budget_bytes = value
 
     def report(self) -> Dict[str, Any]:
@@ -325,9 +321,9 @@ class Provisioner:
             "peak_bytes_with_backward": self._note_peak(),
             "resident_bytes": self.runtime.ledger.resident,
             "violations": totals.violations,
-            "memory_peak_bytes": self.excess.peak if self._allocator is not None else None,
-            "memory_violations": self.excess.over if self._allocator is not None else None,
-            "excess_bytes": self._excess_now if self._allocator is not None else None,
+            "memory_peak_bytes": self.excess.peak if self.memory is not None else None,
+            "memory_violations": self.excess.over if self.memory is not None else None,
+            "excess_bytes": self.memory.now if self.memory is not None else None,
             "fallbacks": totals.fallbacks,
             "room_made_bytes": totals.room_made_bytes,
             "oom_recoveries": self._oom_recoveries,
@@ -430,7 +426,7 @@ class Provisioner:
         if self.budget is None:
             return True
         resident = self.runtime.ledger.resident
-        worst = self._excess_at(self._worst_load, False) if self._worst_load is not None else self._excess_now
+        worst = self.memory.worst() if self.memory is not None else 0
         if self.footprint.calm(self._target(worst) - resident, False):
             return True
         return self.engine is not None and self.footprint.calm(self._target() - resident, True)
@@ -438,47 +434,31 @@ class Provisioner:
     def _limit(self, excess: Optional[int] = None) -> int:
         """What this micro-batch's activations are held to: the budget less the excess the
         allocator view predicts (``excess``, else this micro-batch's; none without a view)."""
-        return max(0, self.budget - (self._excess_now if excess is None else excess))
+        if excess is None:
+            excess = self.memory.now if self.memory is not None else 0
+        return max(0, self.budget - excess)
 
     def _target(self, excess: Optional[int] = None) -> int:
         """What this micro-batch's saves are planned to: the activations' limit (``_limit``)
         less its margin and the reserve for the micro-batches stacking on it."""
         return int(self._limit(excess) * (1.0 - self.margin)) - self._reserve()
 
-    def _excess_at(self, load: int, traced: bool) -> int:
-        """The excess to leave at ``load`` in a forward ``traced`` or not (``WholeMemory.predict``),
-        and at least what was allocated beyond the activations as this forward began; before any
-        window was learned from, that and the gradients backward will allocate (trainable
-        parameters without one yet)."""
-        if not self.excess.windows:
-            return self._outside_now + sum(p.numel() * p.element_size() for p in self.model.parameters()
-                                           if p.requires_grad and p.grad is None)
-        return max(self.excess.predict(traced, load), self._outside_now)
-
     def _read_allocator(self) -> None:
-        """As a forward begins, with an allocator view: learn from the window that ends (the
-        last micro-batch's whole-memory peak beside the activations' peak, at its routing), and
-        set this micro-batch's excess from the last routing until its gates say more."""
-        if self._allocator is None or self.budget is None:
+        """As a forward begins, with an allocator view: learn from the window that ends
+        (``AllocatorView.begin``; its first crossing warns once) and hold this micro-batch to
+        the excess at the last routing until its gates say more."""
+        if self.memory is None or self.budget is None:
             return
-        now, peak = read_allocator(self._allocator)
-        counts = self.routing.counts
-        if self._frames and self.cost.ready and counts:  # the first reading covers what ran before enable
-            over = self.excess.over
-            self.excess.observe(self._window_traced, largest_expert_bytes(self.cost, counts), peak,
-                                self.runtime.ledger.peak, self.budget)
-            if self.excess.over > over and not self._told_violation:
-                self._told_violation = True
-                warnings.warn(recorded_memory_violation(self._frames - 1, self.budget, peak), UserWarning,
-                              stacklevel=4)
-        self._outside_now = max(0, now - self.runtime.ledger.resident)
-        self._last_load = largest_expert_bytes(self.cost, counts) if counts else 0
-        self._set_excess(self._excess_at(self._last_load, False))  # calm (untraced) until _run_frame says
+        crossed = self.memory.begin(not self._frames, self.routing.counts, self.runtime.ledger, self.budget)
+        if crossed is not None and not self._told_violation:
+            self._told_violation = True
+            warnings.warn(recorded_memory_violation(self._frames - 1, self.budget, crossed), UserWarning, stacklevel=4)
+        self._set_excess(self.memory.now)
 
     def _set_excess(self, excess: int) -> None:
         """Hold this micro-batch's activations to the budget less ``excess``: its frame (once
         it has one) and backward (the runtime's ``budget_bytes``)."""
-        self._excess_now = excess
+        self.memory.now = excess
         self.runtime.budget_bytes = self._limit()
         frame = self.runtime.active_frame
         if frame is not None and frame.budget is not None:
@@ -533,9 +513,10 @@ class Provisioner:
         self._note_peak()
         self._learn()  # what no backward's end learned (a forward's offloads, in a pipeline)
         frame = self._new_frame(conservative)
-        self._window_traced = frame.traced
-        if frame.traced and self._allocator is not None and self.budget is not None:
-            self._set_excess(self._excess_at(self._last_load, True))
+        if self.memory is not None and self.budget is not None:
+            self.memory.window_traced = frame.traced
+            if frame.traced:
+                self._set_excess(self.memory.at(self.memory.last_load, True))
         self.routing.begin()
         self.decisions.begin()
         start = time.perf_counter()
@@ -580,7 +561,8 @@ class Provisioner:
         if frame.profile and self.cost.frames >= self.profile_frames:
             worst = self.routing.worst(self.gates)
             self.footprint.observe_worst(worst, counts)
-            self._worst_load = largest_expert_bytes(self.cost, worst) if worst is not None else None
+            if self.memory is not None:
+                self.memory.profiled(worst)
             self._reserve_arena()
         imbalance = max((max(c) * len(c) / max(1, sum(c)) for c in counts.values()), default=1.0)
         self.telemetry.add(MicroBatch(
@@ -640,10 +622,9 @@ class Provisioner:
             return
         values = counts.tolist() if isinstance(counts, torch.Tensor) else [int(c) for c in counts]
         self.routing.record(layer, values, size)
-        if self._allocator is not None and self.budget is not None and self.cost.ready:
+        if self.memory is not None and self.budget is not None and self.cost.ready:
             # The excess this routing brings (a spike's temporaries), known before the experts run.
-            load = largest_expert_bytes(self.cost, self.decisions.counts_at(layer, values))
-            self._set_excess(self._excess_at(load, frame.traced))
+            self._set_excess(self.memory.at_routing(self.decisions.counts_at(layer, values), frame.traced))
         if not self._policy.adaptive or self.budget is None or not self.cost.ready:
             return
         if frame.calibrating:
@@ -651,7 +632,7 @@ class Provisioner:
         if not frame.traced:  # no recipes to plan from: only its high-water mark is predicted
             first = not self.decisions.predicted
             self.decisions.predict(frame, values, self.footprint.outside_held)
-            if first and self._allocator is not None and frame.budget is not None and \
+            if first and self.memory is not None and frame.budget is not None and \
                     self.decisions.predicted > frame.budget.target(pins=True):
                 # An unannounced spike under a whole-memory budget: the saves that would cross
                 # are the forward's last, which it still reads, so offloading them as they come

@@ -3,7 +3,8 @@ peak (the forward's and backward's working sets, gradients, anything else), lear
 micro-batch, so that a budget on the whole memory holds without a hand-tuned reserve.
 
 Owns ``Excess`` (the predictor), ``WholeMemory`` (one for traced forwards and one for untraced
-ones, part of the provisioner's learned state), ``checked_allocator``
+ones, part of the provisioner's learned state), ``AllocatorView`` (the provisioner's reading of
+the view and the excess it leaves each micro-batch), ``checked_allocator``
 (what ``enable(allocator=...)`` accepts), ``read_allocator`` (one reading, checked) and
 ``largest_expert_bytes`` (the load feature the excess scales with).
 
@@ -52,8 +53,9 @@ from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tup
 import torch
 
 from bagualu2.plan.cost_model import CostModel
+from bagualu2.runtime.ledger import ResidencyLedger
 
-__all__ = ["Excess", "PRIOR_SLOPE", "WholeMemory", "checked_allocator", "cuda_allocator", "largest_expert_bytes",
+__all__ = ["AllocatorView", "Excess", "PRIOR_SLOPE", "WholeMemory", "checked_allocator", "cuda_allocator", "largest_expert_bytes",
            "read_allocator"]
 
 Allocator = Callable[[], Tuple[int, int]]
@@ -221,3 +223,57 @@ class WholeMemory:
     @property
     def peak(self) -> int:
         return max(self.traced.peak, self.untraced.peak)
+
+
+class AllocatorView:
+    """A provisioner's allocator view: read as each forward begins, it teaches ``excess`` the
+    window that ends and says what each micro-batch leaves outside its activations (``now``)."""
+
+    def __init__(self, read: Allocator, excess: WholeMemory, cost: CostModel, model: torch.nn.Module) -> None:
+        self.read = read
+        self.excess = excess  # the provisioner's piece (its learned state)
+        self.cost = cost
+        self.model = model
+        self.now = 0  # what this micro-batch leaves outside its activations
+        self.outside = 0  # allocated beyond the activations as the last forward began
+        self.last_load = 0  # the load at the last micro-batch's routing
+        self.worst_load: Optional[int] = None  # the load at the worst routing, once profiling ended
+        self.window_traced = False  # whether the forward of the window the next reading ends was traced
+
+    def begin(self, first: bool, counts: Mapping[int, Sequence[int]], ledger: ResidencyLedger,
+              budget: int) -> Optional[int]:
+        """A forward begins (``first``: the first, whose reading covers what ran before): learn
+        from the window that ends, whose micro-batch routed ``counts``, beside ``ledger``'s
+        peak over it; set ``now`` for the last routing in an untraced forward. The window's peak
+        when it crossed ``budget``, else None."""
+        now, peak = read_allocator(self.read)
+        crossed = None
+        if not first and self.cost.ready and counts:
+            self.excess.observe(self.window_traced, largest_expert_bytes(self.cost, counts), peak, ledger.peak, budget)
+            crossed = peak if peak > budget else None
+        self.outside = max(0, now - ledger.resident)
+        self.last_load = largest_expert_bytes(self.cost, counts) if counts else 0
+        self.now = self.at(self.last_load, False)
+        return crossed
+
+    def at(self, load: int, traced: bool) -> int:
+        """The excess to leave at ``load`` in a forward ``traced`` or not (``WholeMemory.predict``),
+        and at least what was allocated beyond the activations as this forward began; before any
+        window was learned from, that and the gradients backward will allocate (trainable
+        parameters without one yet)."""
+        if not self.excess.windows:
+            return self.outside + sum(p.numel() * p.element_size() for p in self.model.parameters()
+                                      if p.requires_grad and p.grad is None)
+        return max(self.excess.predict(traced, load), self.outside)
+
+    def at_routing(self, counts: Mapping[int, Sequence[int]], traced: bool) -> int:
+        """``at`` the load of ``counts``."""
+        return self.at(largest_expert_bytes(self.cost, counts), traced)
+
+    def profiled(self, worst: Optional[Mapping[int, Sequence[int]]]) -> None:
+        """Profiling ended: the worst routing (``RoutingRecord.worst``; None: no bound)."""
+        self.worst_load = None if worst is None else largest_expert_bytes(self.cost, worst)
+
+    def worst(self) -> int:
+        """The excess at the worst routing (``now`` before profiling ended)."""
+        return self.now if self.worst_load is None else self.at(self.worst_load, False)
