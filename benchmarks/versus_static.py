@@ -137,14 +137,12 @@ class AllocationMeter(TorchDispatchMode):
     dies (checked at each op), at its full size.
     """
 
-    def __init__(self, ledger: Any = None) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.live: Dict[int, Tuple[StorageWeakRef, int]] = {}
         self.bytes = 0
         self.peak = 0
         self.window_peak = 0  # the peak since the last ``read``
-        self._ledger = ledger
-        self.beyond_ledger = 0  # the most held at once beyond what ``ledger`` counted then
 
     def _sweep(self) -> None:
         for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
@@ -171,8 +169,6 @@ class AllocationMeter(TorchDispatchMode):
                     self.bytes += storage.nbytes()
         self.peak = max(self.peak, self.bytes)
         self.window_peak = max(self.window_peak, self.bytes)
-        if self._ledger is not None:
-            self.beyond_ledger = max(self.beyond_ledger, self.bytes - self._ledger.resident)
         return out
 
 

@@ -49,6 +49,20 @@ def test_the_meter_counts_new_storages_while_they_live_and_never_views_of_older_
     assert meter.peak == 8192 and t.shape == (256, 256)
 
 
+def test_the_meters_read_is_an_allocator_view_the_bytes_now_and_the_peak_since_the_last_read() -> None:
+    meter = _bench().AllocationMeter()
+    with meter:
+        a = torch.randn(1024)               # 4 KiB
+        b = a * 2                           # 8 KiB
+    assert meter.read() == (8192, 8192)
+    del b
+    assert meter.read() == (4096, 8192)     # b died (swept at the read); held at the last read
+    assert meter.read() == (4096, 4096)     # the peak restarts from what is held
+    with meter:
+        c = a + 1
+    assert meter.read() == (8192, 8192) and c.numel() == 1024
+
+
 def test_the_meter_sees_what_checkpoint_recomputes_in_backward() -> None:
     meter_cls = _bench().AllocationMeter
     w = torch.randn(512, 512, requires_grad=True)
