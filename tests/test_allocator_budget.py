@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import bagualu2
 from bagualu2.models import MoEConfig, MoETransformer
-from bagualu2.provision.excess import PRIOR_SLOPE, Excess
+from bagualu2.provision.excess import PRIOR_SLOPE, Excess, WholeMemory
 from test_versus_static import _bench
 
 _CFG = MoEConfig.tiny(ep_size=2)  # a spike on a local expert grows this rank's activations
@@ -237,3 +237,22 @@ def test_a_cold_start_leaves_room_for_the_gradients_backward_will_allocate() -> 
     prov = bagualu2.enable(model, budget=1 << 30, allocator=lambda: next(readings))
     _step(model, 0)
     assert prov.report()["excess_bytes"] == grads + 7
+
+
+def test_an_untraced_spike_heavier_than_any_untraced_forward_is_left_what_traced_ones_say() -> None:
+    """Traced forwards hold more beyond the ledger than untraced ones; a spike's load arriving
+    after calm, untraced forwards, heavier than any of them, is left at least what traced forwards
+    say there, not the untraced calm excess extrapolated. Calm loads keep their own."""
+    memory = WholeMemory()
+    budget = 10_000
+    for _ in range(3):
+        memory.observe(False, 100, 9_000, 8_950, budget)   # calm, untraced: 50 outside
+    memory.observe(True, 100, 9_100, 8_950, budget)        # calm, traced: 150 outside
+    memory.observe(True, 300, 9_900, 8_900, budget)        # a spike, traced, held: 1000 outside
+    assert memory.predict(False, 100) == 50                # calm untraced: its own
+    assert memory.predict(True, 100) == 150
+    # The spike's load in an untraced forward: what traced ones say there (their calm window's
+    # 150 plus the slope's 200 is the least they found enough), not the untraced calm 50 + 200.
+    assert memory.predict(True, 300) == 350
+    assert memory.predict(False, 300) == 350
+    assert memory.predict(False, 100) == 50                # and calm untraced forwards keep theirs

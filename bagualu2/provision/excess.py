@@ -34,7 +34,8 @@ about as large as what its expert saves) and rises when a miss at a heavier load
 Traced and untraced forwards are learned apart (``WholeMemory``): a traced forward holds more
 beyond the ledger (its records of how to rebuild what it saved), so a calm forward's excess, learned
 from untraced ones, is too little for one traced after a spike. A traced forward is left at least
-what an untraced one at its load would be.
+what an untraced one at its load would be, and an untraced one heavier than any untraced forward
+seen (a spike that arrives after calm ones) at least what a traced one would be.
 
 Invariants: after a window that crossed the budget at load ``m`` with excess ``x``, every
 prediction at a load ``>= m`` is ``>= x`` (a known-too-low estimate is never used twice); a held
@@ -144,6 +145,7 @@ class Excess:
         self.held: Deque[Tuple[int, int]] = deque(maxlen=_RECENT)  # (load, excess) of recent windows that held
         self.missed: List[Tuple[int, int]] = []  # (load, excess) of windows that crossed, none dominated
         self.windows = 0  # windows learned from
+        self.heaviest = 0  # the heaviest load of a window learned from
         self.over = 0  # of them, those whose whole-memory peak crossed the budget
         self.peak = 0  # the highest whole-memory peak read
 
@@ -153,6 +155,7 @@ class Excess:
         # Never below 0: a view that counts less than the ledger does leaves nothing for more.
         load, excess, held = max(0, int(load)), max(0, int(peak) - int(activations_peak)), peak <= budget
         self.windows += 1
+        self.heaviest = max(self.heaviest, load)
         self.peak = max(self.peak, int(peak))
         if held:
             self.held.append((load, excess))
@@ -206,11 +209,15 @@ class WholeMemory:
 
     def predict(self, traced: bool, load: int) -> int:
         """The excess to leave at ``load`` in a forward ``traced`` or not: its own kind's, or the
-        other's before its own has a window; a traced one at least an untraced one's."""
+        other's before its own has a window; a traced one at least an untraced one's, and an
+        untraced one heavier than any untraced window at least a traced one's (a spike after
+        calm forwards, whose excess only traced ones have shown)."""
         own, other = (self.traced, self.untraced) if traced else (self.untraced, self.traced)
         if not own.windows:
             return other.predict(load)
-        return max(own.predict(load), self.untraced.predict(load)) if traced else own.predict(load)
+        if traced or (load > own.heaviest and other.windows):
+            return max(own.predict(load), other.predict(load))
+        return own.predict(load)
 
     @property
     def windows(self) -> int:
