@@ -109,9 +109,18 @@ def test_the_short_head_to_head_runs_every_configuration_exactly_and_counts_viol
     for r in ranks:
         for name in r["survivors"]:
             assert max(r["static_peaks"][name].values()) <= r["budget_bytes"], (name, r["static_peaks"][name])
-        # bagualu2 held its own (activation) budget on every rank.
-        assert r["adaptive_report"]["violations"] == 0
+        _check_adaptive_read_its_meter(r)
     assert result["lines"] and result["lines"][0].startswith("pytorch: ")
+
+
+def _check_adaptive_read_its_meter(rank: dict) -> None:
+    """Adaptive's allocator view was its meter: the highest peak it read covers every micro-batch
+    of the trace but the last (whose window no next forward read), it counted a crossing wherever
+    the meter did, and it left something outside its activations."""
+    report, peaks, budget = rank["adaptive_report"], rank["trace_peaks"]["adaptive"], rank["budget_bytes"]
+    assert report["memory_peak_bytes"] >= max(peaks[:-1]), (report, peaks)
+    assert report["memory_violations"] >= sum(p > budget for p in peaks[:-1]), (report, peaks, budget)
+    assert report["excess_bytes"] > 0
 
 
 def test_spike_logits_sends_the_asked_share_of_tokens_to_the_expert_and_nothing_without_one() -> None:
@@ -158,7 +167,7 @@ def test_the_short_head_to_head_searches_each_engines_own_options(engine: str, m
         assert all(len(peaks) == len(r["probes"]) for peaks in r["static_peaks"].values())
         for name in r["survivors"]:  # survivors held the budget under the meter, on every rank
             assert max(r["static_peaks"][name].values()) <= r["budget_bytes"], (name, r["static_peaks"][name])
-        assert r["adaptive_report"]["violations"] == 0  # bagualu2 held its own (activation) budget
+        _check_adaptive_read_its_meter(r)
     # The engine's recompute options are exact: every static configuration's losses equal
     # keep-all's at the probes, and every run's over the whole trace.
     assert all(summary["probe_losses_equal"].values()), summary["probe_losses_equal"]
