@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["BudgetExceededError", "InfeasibleBudgetError", "exceed_hint", "recorded_violation"]
+__all__ = ["BudgetExceededError", "InfeasibleBudgetError", "exceed_hint", "recorded_memory_violation",
+           "recorded_violation"]
 
 
 def exceed_hint(policy: str) -> str:
@@ -25,6 +26,15 @@ def recorded_violation(micro_batch: int, budget: int, peak: int, violations: int
     return (f"bagualu2: micro-batch {micro_batch} went over the activation budget ({budget:,} bytes): "
             f"peak {peak:,} bytes, {violations} save(s) over it. {exceed_hint(policy)}. Recorded, not raised "
             f"(on_exceed='record'): report()['violations'] counts them; this warning is shown once per provisioner")
+
+
+def recorded_memory_violation(micro_batch: int, budget: int, peak: int) -> str:
+    """The warning at a provisioner's first whole-memory crossing, which its allocator view shows
+    as the next forward begins (an activation limit crossed warns through ``recorded_violation``)."""
+    return (f"bagualu2: the allocator's peak {peak:,} bytes from micro-batch {micro_batch} to the next crossed the "
+            f"budget ({budget:,} bytes): what lies outside the activations grew beyond what was left for it; it is "
+            f"now left for at that load. report()['memory_violations'] counts such micro-batches; this warning "
+            f"is shown once per provisioner")
 
 
 class BudgetExceededError(RuntimeError):

@@ -164,7 +164,8 @@ def device_of(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def resolve_budget(budget: Union[str, int, float, None], device: torch.device, reserve: int) -> Optional[int]:
+def resolve_budget(budget: Union[str, int, float, None], device: torch.device, reserve: int,
+                   whole: bool = False) -> Optional[int]:
     if isinstance(budget, bool):
         raise TypeError(f"budget must be 'auto', an int of bytes or a float fraction, got {budget!r}")
     if budget is None:
@@ -175,7 +176,8 @@ def resolve_budget(budget: Union[str, int, float, None], device: torch.device, r
         if device.type != "cuda":
             return None  # no device limit on CPU: nothing to hold to
         free, total = torch.cuda.mem_get_info(device)
-        return max(0, total - torch.cuda.memory_allocated(device) - reserve)
+        # A whole-memory budget (an allocator view) counts what is allocated already itself.
+        return max(0, total - (0 if whole else torch.cuda.memory_allocated(device)) - reserve)
     if isinstance(budget, float):
         if not 0.0 < budget <= 1.0:
             raise ValueError(f"budget={budget} as a fraction must be in (0, 1]; pass bytes as an int")

@@ -56,13 +56,14 @@ from bagualu2.runtime import ActivationRuntime, Budget, Frame, is_recomputing
 from bagualu2.runtime.recipes import reset_replay_depth
 from bagualu2.runtime.rerun import RerunCapture
 from bagualu2.plan.cost_model import CostModel
-from bagualu2.errors import BudgetExceededError, recorded_violation
+from bagualu2.errors import BudgetExceededError, recorded_memory_violation, recorded_violation
 from bagualu2.inputs import (
     check_materialized, check_options, checked_counts, device_of, input_bytes, resolve_budget,
 )
 from bagualu2.provision.calibration import Calibration, learn
 from bagualu2.provision.copy_engine import arena_need, make_engine, measure_copy_costs, reserve_arena
 from bagualu2.provision.decisions import GateDecisions
+from bagualu2.provision.excess import AllocatorView, WholeMemory, checked_allocator
 from bagualu2.provision.footprint import Footprint
 from bagualu2.provision.forward import ProvisionedForward, active, plain_forward, unwrap_compiled
 from bagualu2.provision.policy import POLICIES, Policy
@@ -97,7 +98,7 @@ class Provisioner:
                  profile_frames: int = 2, calibrate_frames: int = 3, recalibrate_every: int = 0,
                  margin: float = 0.02,
                  telemetry_path: Union[str, Path, None] = None, gates: Optional[Sequence[GateSpec]] = None,
-                 engine: Any = None) -> None:
+                 engine: Any = None, allocator: Union[None, str, Callable[[], Any]] = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"enable() needs a torch.nn.Module, got {type(model).__name__}")
         self._compiled_root, model = unwrap_compiled(model)  # torch.compile(model): the wrapper, what it wraps
@@ -117,7 +118,10 @@ class Provisioner:
                                f"call disable() on the existing Provisioner first")
         self.model = model
         self.device = device_of(model)
-        self._budget = resolve_budget(budget, self.device, reserve_bytes)
+        # A view of the allocator: the budget is then on the whole memory it counts, and the
+        # activations get what the excess it shows leaves (provision/excess.py).
+        read = checked_allocator(allocator, self.device)
+        self._budget = resolve_budget(budget, self.device, reserve_bytes, whole=read is not None)
         self._policy = Policy(policy, model, compiled=self._compiled_root is not None)
         self.on_exceed = on_exceed
         self.min_bytes = min_bytes
@@ -165,6 +169,8 @@ class Provisioner:
         self.routing = RoutingRecord()  # tokens per expert, this micro-batch's and summed
         self.calibration = Calibration()  # the micro-batches that release all they can
         self.unplanned = UnplannedKeys()  # saved keys no plan can name
+        self.excess = WholeMemory()  # what the allocator shows beyond the activations at a peak, by load
+        self.memory = AllocatorView(read, self.excess, self.cost, model) if read is not None else None
         # what each gate decides, and the planner it solves with
         self.decisions = GateDecisions(self.cost, self.runtime, self.routing, self.stacking, self.gates, min_bytes)
         self._frames = 0
@@ -241,7 +247,7 @@ class Provisioner:
         candidates, floor = self.cost.candidates(self.cost.order, counts, self.min_bytes, self.engine is not None)
         total = self.cost.predict_total(self.cost.order, counts)
         offload_window, reload_window = self.cost.windows(1.0, self.stacking.declared)
-        return self.decisions.planner.solve(candidates, total - int(self.budget * (1.0 - self.margin)),
+        return self.decisions.planner.solve(candidates, total - int(self._limit() * (1.0 - self.margin)),
                                   offload_window, reload_window, self.cost.copy_frame_s)
 
     @property
@@ -295,7 +301,7 @@ class Provisioner:
 
     @budget.setter
     def budget(self, value: Union[str, int, float, None]) -> None:
-        value = resolve_budget(value, self.device, 0)
+        value = resolve_budget(value, self.device, 0, whole=self.memory is not None)
         self._budget = self.runtime.budget_bytes = value
 
     def report(self) -> Dict[str, Any]:
@@ -314,6 +320,9 @@ class Provisioner:
             "peak_bytes_with_backward": self._note_peak(),
             "resident_bytes": self.runtime.ledger.resident,
             "violations": totals.violations,
+            "memory_peak_bytes": self.excess.peak if self.memory is not None else None,
+            "memory_violations": self.excess.over if self.memory is not None else None,
+            "excess_bytes": self.memory.now if self.memory is not None else None,
             "fallbacks": totals.fallbacks,
             "room_made_bytes": totals.room_made_bytes,
             "oom_recoveries": self._oom_recoveries,
@@ -330,7 +339,8 @@ class Provisioner:
     # -- checkpoint state (torch's Stateful convention; bagualu2/provision/state.py) ----------
     def _learned(self) -> Dict[str, Any]:
         return {"cost": self.cost, "footprint": self.footprint, "routing": self.routing,
-                "stacking": self.stacking, "calibration": self.calibration, "unplanned": self.unplanned}
+                "stacking": self.stacking, "calibration": self.calibration, "unplanned": self.unplanned,
+                "excess": self.excess}
 
     def state_dict(self) -> Dict[str, Any]:
         """What this provisioner learned, this rank's under its own key, for a checkpoint beside
@@ -406,18 +416,52 @@ class Provisioner:
         only where a plan may have to release, an adaptive policy under a budget that the worst
         routing of the profiled micro-batches would not fit."""
         worst = self.footprint.worst_bytes
-        return self._policy.adaptive and self.budget is not None and worst is not None and worst > self.budget
+        return self._policy.adaptive and self.budget is not None and worst is not None and worst > self._limit()
 
     def _calm(self) -> bool:
-        """Whether this micro-batch is not expected to need a release (``Footprint.calm``)."""
+        """Whether this micro-batch is not expected to need a release (``Footprint.calm``): its
+        worst routing fits beside the excess that routing would bring, or, with a copy engine,
+        the last routing fits beside the excess now."""
         if self.budget is None:
             return True
-        return self.footprint.calm(self._target() - self.runtime.ledger.resident, self.engine is not None)
+        resident = self.runtime.ledger.resident
+        worst = self.memory.worst() if self.memory is not None else 0
+        if self.footprint.calm(self._target(worst) - resident, False):
+            return True
+        return self.engine is not None and self.footprint.calm(self._target() - resident, True)
 
-    def _target(self) -> int:
-        """What this micro-batch's saves are planned to: the budget less its margin and the
-        reserve for the micro-batches stacking on it."""
-        return int(self.budget * (1.0 - self.margin)) - self._reserve()
+    def _limit(self, excess: Optional[int] = None) -> int:
+        """What this micro-batch's activations are held to: the budget less the excess the
+        allocator view predicts (``excess``, else this micro-batch's; none without a view)."""
+        if excess is None:
+            excess = self.memory.now if self.memory is not None else 0
+        return max(0, self.budget - excess)
+
+    def _target(self, excess: Optional[int] = None) -> int:
+        """What this micro-batch's saves are planned to: the activations' limit (``_limit``)
+        less its margin and the reserve for the micro-batches stacking on it."""
+        return int(self._limit(excess) * (1.0 - self.margin)) - self._reserve()
+
+    def _read_allocator(self) -> None:
+        """As a forward begins, with an allocator view: learn from the window that ends
+        (``AllocatorView.begin``; its first crossing warns once) and hold this micro-batch to
+        the excess at the last routing until its gates say more."""
+        if self.memory is None or self.budget is None:
+            return
+        crossed = self.memory.begin(not self._frames, self.routing.counts, self.runtime.ledger, self.budget)
+        if crossed is not None and not self._told_violation:
+            self._told_violation = True
+            warnings.warn(recorded_memory_violation(self._frames - 1, self.budget, crossed), UserWarning, stacklevel=4)
+        self._set_excess(self.memory.now)
+
+    def _set_excess(self, excess: int) -> None:
+        """Hold this micro-batch's activations to the budget less ``excess``: its frame (once
+        it has one) and backward (the runtime's ``budget_bytes``)."""
+        self.memory.now = excess
+        self.runtime.budget_bytes = self._limit()
+        frame = self.runtime.active_frame
+        if frame is not None and frame.budget is not None:
+            frame.budget = Budget(self._limit(), frame.budget.reserve, frame.budget.pin_headroom)
 
     def _reserve(self) -> int:
         """Room for the micro-batches that will stack on this one before its backward
@@ -440,6 +484,7 @@ class Provisioner:
         if is_recomputing() or not self.enabled or not torch.is_grad_enabled():
             return self._forward(*args, **kwargs)
         self.stacking.count_forward(self.runtime.backward_passes)
+        self._read_allocator()
         self._check_feasible()
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
@@ -467,6 +512,10 @@ class Provisioner:
         self._note_peak()
         self._learn()  # what no backward's end learned (a forward's offloads, in a pipeline)
         frame = self._new_frame(conservative)
+        if self.memory is not None and self.budget is not None:
+            self.memory.window_traced = frame.traced
+            if frame.traced:
+                self._set_excess(self.memory.at(self.memory.last_load, True))
         self.routing.begin()
         self.decisions.begin()
         start = time.perf_counter()
@@ -477,8 +526,8 @@ class Provisioner:
             # next backward (pipeline warm-up), so the last of them still fits, and for what
             # recipes will pin that nothing can release (labels the loss reads at the very end):
             # it is charged when pinned.
-            headroom = self.footprint.pin_headroom(inputs, self.budget, self.margin)
-            frame.budget = Budget(self.budget, self._reserve(), headroom)
+            headroom = self.footprint.pin_headroom(inputs, self._limit(), self.margin)
+            frame.budget = Budget(self._limit(), self._reserve(), headroom)
         running = active()
         try:
             running.append(self)
@@ -509,7 +558,10 @@ class Provisioner:
             self.unplanned.note(frame, self.cost, self.model.training)
         self.footprint.observe_routed(anchored, counts, self.min_bytes, self.engine is not None)
         if frame.profile and self.cost.frames >= self.profile_frames:
-            self.footprint.observe_worst(self.routing.worst(self.gates), counts)
+            worst = self.routing.worst(self.gates)
+            self.footprint.observe_worst(worst, counts)
+            if self.memory is not None:
+                self.memory.profiled(worst)
             self._reserve_arena()
         imbalance = max((max(c) * len(c) / max(1, sum(c)) for c in counts.values()), default=1.0)
         self.telemetry.add(MicroBatch(
@@ -537,7 +589,7 @@ class Provisioner:
         """Refuse a micro-batch no plan can fit, before it allocates anything."""
         if self.budget is None or not self._policy.adaptive or not self.cost.ready:
             return
-        self.footprint.check_feasible(self.budget, self.runtime.ledger.resident, self.runtime.movable_bytes,
+        self.footprint.check_feasible(self._limit(), self.runtime.ledger.resident, self.runtime.movable_bytes,
                                       f"micro-batch {self._frames}")
 
     def _exceeded(self, resident: int, budget: int, key: str) -> None:
@@ -550,15 +602,25 @@ class Provisioner:
             return
         values = counts.tolist() if isinstance(counts, torch.Tensor) else [int(c) for c in counts]
         self.routing.record(layer, values, size)
+        if self.memory is not None and self.budget is not None and self.cost.ready:
+            # The excess this routing brings (a spike's temporaries), known before the experts run.
+            self._set_excess(self.memory.at_routing(self.decisions.counts_at(layer, values), frame.traced))
         if not self._policy.adaptive or self.budget is None or not self.cost.ready:
             return
         if frame.calibrating:
             return  # it releases all it can already
         if not frame.traced:  # no recipes to plan from: only its high-water mark is predicted
+            first = not self.decisions.predicted
             self.decisions.predict(frame, values, self.footprint.outside_held)
+            if first and self.memory is not None and frame.budget is not None and \
+                    self.decisions.predicted > frame.budget.target(pins=True):
+                # An unannounced spike under a whole-memory budget: the saves that would cross
+                # are the forward's last, which it still reads, so offloading them as they come
+                # frees nothing at the peak; what it saved before the gate is no longer read.
+                self.runtime.make_room(self.decisions.predicted - self.runtime.ledger.resident)
             return
         start = time.perf_counter()
-        decision = self.decisions.decide(frame, layer, values, self._target(), self.budget, self._step,
+        decision = self.decisions.decide(frame, layer, values, self._target(), self._limit(), self._step,
                                          self.engine is not None)
         decision.latency_us = (time.perf_counter() - start) * 1e6
         self.telemetry.add(decision)
@@ -594,6 +656,11 @@ def enable(model: torch.nn.Module, budget: Union[str, int, float, None] = "auto"
             them offloading all it can instead when there is a copy engine, to measure what
             copies cost, and every other one that recomputes recomputing half of it, to
             measure rebuilds at two sizes; default 0, never),
+            ``allocator`` (a view of the allocator: ``"cuda"`` for ``torch.cuda``'s counters of the
+            model's device, or a callable returning ``(bytes allocated now, peak bytes since its
+            last call)``; the budget is then on the whole memory it counts, and each micro-batch's
+            activations get the budget less what it learned lies outside them at the peak, at
+            that micro-batch's routing; default None: the budget is on the activations alone),
             ``margin``, ``telemetry_path`` (JSON lines), ``gates`` (a list of
             ``bagualu2.runtime.gates.GateSpec`` instead of discovery; ``[]`` when the model reports its
             routing through ``bagualu2.on_gating``).

@@ -25,23 +25,25 @@ Memory is measured the same way for every configuration, bagualu2 included, by
 to the end of its backward, while it lives (the stand-in on this machine for
 ``torch.cuda.max_memory_allocated``: activations, temporaries and gradients).
 The per-rank budget is ``--headroom`` above the largest calm micro-batch's peak without any
-activation option (keep everything). bagualu2's own budget is on the activation bytes it holds
-for backward; the forward's working set (temporaries, and tensors it released that the forward
-still reads) and the gradients come on top. So ``adaptive`` gets the budget less a reserve, as
-``budget="auto"`` leaves ``reserve_bytes``, tuned on the same probes the static configurations
-are tuned on (what keeping everything holds beyond the activations, raised by what adaptive still
-went over, until it does not); it is judged by the meter like everything else.
+activation option (keep everything). ``adaptive`` gets that budget whole, and the meter as its
+allocator view (``enable(allocator=meter.read)``: the bytes the meter counts now and its peak since
+the last reading), as a GPU run gets ``allocator="cuda"``: it learns, micro-batch by micro-batch,
+what lies outside its activations at the peak (the forward's working set, the gradients) and how
+that grows with the routed load, and holds its activations to what that leaves. Nothing is tuned
+for it; it is judged by the meter like everything else.
 
 For each engine the script:
 
 1. measures every static configuration of its grid on the calm micro-batch and on one spike aimed
-   at each rank, and keeps those whose peak stays within the budget on every rank;
+   at each rank, and keeps those whose peak stays within the budget on every rank (``adaptive``
+   runs the same micro-batches once before the trace, and learns from them what it learns from
+   any);
 2. times the survivors on a few calm micro-batches, interleaved, and picks the fastest;
 3. runs the whole trace once per configuration (the fastest survivor, ``adaptive``, keep-all and
    full recompute), one micro-batch of each per round in a rotating order, timing each
-   micro-batch (the slowest rank's time, the ranks aligned by a barrier);
-4. replays the trace under the allocator meter for the fastest survivor and ``adaptive`` and
-   counts the micro-batches over the budget on any rank (violations).
+   micro-batch (the slowest rank's time, the ranks aligned by a barrier), each configuration
+   under its own meter (so every one pays the meter's cost per op, and ``adaptive`` reads it),
+   and counts the micro-batches over the budget on any rank (violations) in that same run.
 
 Speedups are paired: the trace is cut into ``--segments`` consecutive parts and each part's time
 of the static winner is divided by ``adaptive``'s over the same micro-batches; the table gives the
@@ -135,18 +137,28 @@ class AllocationMeter(TorchDispatchMode):
     dies (checked at each op), at its full size.
     """
 
-    def __init__(self, ledger: Any = None) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.live: Dict[int, Tuple[StorageWeakRef, int]] = {}
         self.bytes = 0
         self.peak = 0
-        self._ledger = ledger
-        self.beyond_ledger = 0  # the most held at once beyond what ``ledger`` counted then
+        self.window_peak = 0  # the peak since the last ``read``
+
+    def _sweep(self) -> None:
+        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            self.bytes -= self.live.pop(key)[1]
+
+    def read(self) -> Tuple[int, int]:
+        """An allocator view for ``bagualu2.enable(allocator=...)``: the bytes held now and the
+        peak since the last call (then reset to what is held)."""
+        self._sweep()
+        now, peak = self.bytes, max(self.window_peak, self.bytes)
+        self.window_peak = self.bytes
+        return now, peak
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
-            self.bytes -= self.live.pop(key)[1]
+        self._sweep()
         # A view of an older storage (a weight's transpose) is not a new storage.
         inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
@@ -156,8 +168,7 @@ class AllocationMeter(TorchDispatchMode):
                     self.live[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
                     self.bytes += storage.nbytes()
         self.peak = max(self.peak, self.bytes)
-        if self._ledger is not None:
-            self.beyond_ledger = max(self.beyond_ledger, self.bytes - self._ledger.resident)
+        self.window_peak = max(self.window_peak, self.bytes)
         return out
 
 
@@ -227,7 +238,9 @@ class Engine:
     def static(self, option: Any) -> Run:
         raise NotImplementedError
 
-    def provisioned(self, policy: str, budget: Optional[int]) -> Run:
+    def provisioned(self, policy: str, budget: Optional[int], allocator: Any = None) -> Run:
+        """A model under bagualu2 with ``policy`` and ``budget`` (``allocator``: its view, as
+        ``enable`` takes it)."""
         raise NotImplementedError
 
 
@@ -280,11 +293,18 @@ def _all_min(flag: bool) -> bool:
     return bool(t.item())
 
 
-def _timed_step(cfg: Config, rank: int, trace: Trace, i: int) -> Tuple[float, float]:
-    """(slowest rank's seconds, loss) of micro-batch ``i``."""
+def _timed_step(cfg: Config, rank: int, trace: Trace, i: int,
+                meter: Optional[AllocationMeter] = None) -> Tuple[float, float]:
+    """(slowest rank's seconds, loss) of micro-batch ``i``, under ``meter`` when given (its
+    ``peak`` then that micro-batch's)."""
     dist.barrier()
     t0 = time.perf_counter()
-    loss = cfg.step(rank, trace, i)
+    if meter is None:
+        loss = cfg.step(rank, trace, i)
+    else:
+        meter.peak = meter.bytes
+        with meter:
+            loss = cfg.step(rank, trace, i)
     elapsed = torch.tensor([time.perf_counter() - t0])
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed), loss
@@ -307,8 +327,8 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, engine_name: str
     def static(name: Optional[str]) -> Config:
         return Config(name or "keep_all", functools.partial(eng.static, grid[name] if name else None))
 
-    def provisioned(policy: str, budget: Optional[int]) -> Config:
-        return Config(policy, functools.partial(eng.provisioned, policy, budget))
+    def provisioned(policy: str, budget: Optional[int], allocator: Any = None) -> Config:
+        return Config(policy, functools.partial(eng.provisioned, policy, budget, allocator))
 
     row: Dict[str, Any] = {"engine": eng.name, "rank": rank, "grid": list(grid), "left_out": eng.left_out()}
 
@@ -322,12 +342,6 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, engine_name: str
     keep_losses = {i: keep.step(rank, trace, i) for i in probes}
     row.update(calm_peak_bytes=calm_peak, budget_bytes=budget, probes=probes)
     keep.close()
-
-    # bagualu2's budget is on the activation bytes it holds for backward; the forward's working
-    # set (temporaries, and tensors it released that the forward still reads) and the gradients
-    # come on top. Like the static configurations, it is tuned on the probes (_reserve).
-    reserve = _reserve(provisioned, rank, trace, calm, probes, budget)
-    row["adaptive_reserve_bytes"] = reserve
 
     # 1. Every static configuration on the probes; survivors hold the budget on every rank.
     static_peaks: Dict[str, Dict[int, int]] = {}
@@ -359,9 +373,12 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, engine_name: str
     row["pick_seconds"] = {n: statistics.median(v) for n, v in calm_s.items()}
     row["fastest_static"] = fastest
 
-    # 3. The whole trace, interleaved: fastest survivor, adaptive, keep-all, full recompute.
+    # 3. The whole trace, interleaved: fastest survivor, adaptive, keep-all, full recompute, each
+    # under its own meter (adaptive reads its own as its allocator view).
+    meters: Dict[str, AllocationMeter] = {n: AllocationMeter() for n in ("adaptive", "keep_all", "recompute_all",
+                                                                          "static")}
     contenders: Dict[str, Config] = {
-        "adaptive": provisioned("adaptive", max(1, budget - reserve)),
+        "adaptive": provisioned("adaptive", budget, meters["adaptive"].read),
         "keep_all": static(None),
         "recompute_all": static(eng.full),
     }
@@ -369,29 +386,40 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, engine_name: str
         contenders["static"] = static(fastest)
     for c in contenders.values():
         c.ready()
+    # Adaptive meets the probes the static configurations were chosen on, once, before the trace
+    # (a calm micro-batch first): it learns from them as from any micro-batch; nothing is tuned.
+    for i in [calm[0], *probes]:
+        _timed_step(contenders["adaptive"], rank, trace, i, meters["adaptive"])
     seconds: Dict[str, List[float]] = {n: [] for n in contenders}
     losses: Dict[str, List[float]] = {n: [] for n in contenders}
+    peaks: Dict[str, List[int]] = {n: [] for n in contenders}
+    excess: List[int] = []
+    traced: List[bool] = []
     names = list(contenders)
     for i in range(trace.micro_batches):
         for k in range(len(names)):
             name = names[(i + k) % len(names)]
-            s, loss = _timed_step(contenders[name], rank, trace, i)
+            s, loss = _timed_step(contenders[name], rank, trace, i, meters[name])
             seconds[name].append(s)
             losses[name].append(loss)
+            peaks[name].append(meters[name].peak)
+            if name == "adaptive":  # what it left outside its activations, and whether it traced
+                prov = contenders[name].prov
+                excess.append(prov.report()["excess_bytes"])
+                traced.append(prov.telemetry.micro_batches[-1].traced)
     row["seconds"] = seconds
+    row["trace_peaks"] = peaks
+    row["adaptive_excess"], row["adaptive_traced"] = excess, traced
     row["losses_equal"] = {n: losses[n] == losses["keep_all"] for n in names}
 
-    # 4. The trace again under the meter, for the two that claim to hold the budget.
+    # Violations of the two that claim to hold the budget, in the run that was timed.
     metered = ["adaptive"] + (["static"] if fastest is not None else [])
-    over: Dict[str, List[int]] = {}
-    for name in metered:
-        peaks = _peaks(contenders[name], rank, trace, range(trace.micro_batches))
-        over[name] = [i for i, p in peaks.items() if p > budget]
-        row.setdefault("trace_peak_bytes", {})[name] = max(peaks.values())
-    row["over_budget"] = over
+    row["over_budget"] = {n: [i for i, p in enumerate(peaks[n]) if p > budget] for n in metered}
+    row["trace_peak_bytes"] = {n: max(peaks[n]) for n in names}
     report = contenders["adaptive"].prov.report()
     row["adaptive_report"] = {k: report[k] for k in ("decisions", "traced_micro_batches", "violations",
-                                                       "decision_latency_us")}
+                                                       "decision_latency_us", "memory_violations",
+                                                       "memory_peak_bytes", "excess_bytes")}
     for c in contenders.values():
         c.close()
 
@@ -400,35 +428,6 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, engine_name: str
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(gathered, f)
-
-
-def _reserve(provisioned: Callable[[str, Optional[int]], Config], rank: int, trace: Trace, calm: Sequence[int],
-             probes: Sequence[int], budget: int, rounds: int = 3) -> int:
-    """What adaptive's activation budget leaves below the meter's budget, tuned on the probes:
-    first what keeping everything holds beyond bagualu2's ledger at its peak, then raised by
-    what adaptive still went over at the probes, for at most ``rounds`` rounds (each a fresh
-    run: warm-up, then the probes)."""
-    reserve = 0
-    for attempt in range(rounds + 1):
-        tuned = provisioned("adaptive", max(1, budget - reserve)) if attempt else provisioned("keep_all", None)
-        tuned.ready()
-        for i in calm:
-            tuned.step(rank, trace, i)
-        over = 0
-        for i in probes:
-            with AllocationMeter(tuned.prov.runtime.ledger) as meter:
-                tuned.step(rank, trace, i)
-            if attempt:
-                over = max(over, meter.peak - budget)
-            else:  # keeping everything: the meter's peak beyond the ledger's own
-                over = max(over, meter.peak - tuned.prov.telemetry.micro_batches[-1].peak_bytes)
-        tuned.close()
-        over_t = torch.tensor([max(0, over)])
-        dist.all_reduce(over_t, op=dist.ReduceOp.MAX)  # every rank runs the same number of rounds
-        if attempt and over_t.item() == 0:
-            break
-        reserve += max(0, over)
-    return reserve
 
 
 # ---------------------------------------------------------------------------------------------
@@ -497,8 +496,9 @@ def closing_line(summary: Dict[str, Any]) -> str:
 def print_engine(summary: Dict[str, Any], ranks: List[Dict[str, Any]]) -> None:
     print(f"\n{summary['engine']}: per-rank budget " + ", ".join(
         f"rank {r['rank']} {r['budget_bytes'] / 2**20:.2f} MiB (calm keep-all peak "
-        f"{r['calm_peak_bytes'] / 2**20:.2f} MiB; adaptive's activation budget "
-        f"{(r['budget_bytes'] - r['adaptive_reserve_bytes']) / 2**20:.2f} MiB)" for r in ranks))
+        f"{r['calm_peak_bytes'] / 2**20:.2f} MiB; adaptive left "
+        f"{r['adaptive_report']['excess_bytes'] / 2**20:.2f} MiB for what lies outside its activations at the "
+        f"end, learned)" for r in ranks))
     print(f"grid ({len(summary['grid'])} static configurations): {'; '.join(summary['grid'])}")
     for option, why in summary["left_out"].items():
         print(f"left out: {option}: {why}")

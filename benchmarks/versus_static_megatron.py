@@ -135,12 +135,12 @@ class MegatronEngine(Engine):
         run = self._build(option)
         return _MegatronRun(self, run, run.forward_backward)
 
-    def provisioned(self, policy: str, budget: Optional[int]) -> Run:
+    def provisioned(self, policy: str, budget: Optional[int], allocator: Any = None) -> Run:
         from bagualu2.integrations import megatron as adapter
 
         run = self._build(None)
         prov, forward_backward = adapter.enable_pipeline(run.chunks, run.forward_backward, budget=budget,
-                                                         policy=policy, min_bytes=0)
+                                                         policy=policy, min_bytes=0, allocator=allocator)
         prov.runtime.reload_in_place = False  # backward copies offloads back, as on a device
         return _MegatronRun(self, run, forward_backward, prov)
 

@@ -78,8 +78,8 @@ class PyTorchEngine(Engine):
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False, **extra)
         return _PyTorchRun(model, self.args)
 
-    def provisioned(self, policy: str, budget: Optional[int]) -> Run:
+    def provisioned(self, policy: str, budget: Optional[int], allocator: Any = None) -> Run:
         model = self._model()
-        prov = bagualu2.enable(model, budget=budget, policy=policy, min_bytes=0)
+        prov = bagualu2.enable(model, budget=budget, policy=policy, min_bytes=0, allocator=allocator)
         prov.runtime.reload_in_place = False  # backward copies offloads back, as on a device
         return _PyTorchRun(model, self.args, prov)

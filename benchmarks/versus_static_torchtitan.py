@@ -120,9 +120,9 @@ class TorchtitanEngine(Engine):
                                                               base_fqn=f"layers.{b}"))
         return _TorchtitanRun(self, model)
 
-    def provisioned(self, policy: str, budget: Optional[int]) -> Run:
+    def provisioned(self, policy: str, budget: Optional[int], allocator: Any = None) -> Run:
         model = self._build()
-        prov = bagualu2.enable(model, budget=budget, policy=policy, min_bytes=0)
+        prov = bagualu2.enable(model, budget=budget, policy=policy, min_bytes=0, allocator=allocator)
         prov.runtime.reload_in_place = False  # backward copies offloads back, as on a device
         return _TorchtitanRun(self, model, prov)
 

@@ -68,17 +68,23 @@ class GateDecisions:
         exact.update({SIZE: routed[SIZE]} if SIZE in routed else {})
         self.predicted = frame.stats.start_resident + outside_held + self.cost.predict_total(self.cost.order, exact)
 
+    def counts_at(self, layer: int, values: List[int]) -> Dict[int, List[int]]:
+        """The micro-batch's routing as gate ``layer`` sees it with ``values``: earlier layers as
+        recorded, later layers like this one."""
+        routed = self.routing.counts
+        counts: Dict[int, List[int]] = {g.layer: (routed.get(g.layer) if g.layer < layer else values)
+                                        for g in self.gates}
+        counts[layer] = values
+        counts[SIZE] = routed.get(SIZE) or next(iter(routed.values()), values)
+        return counts
+
     def decide(self, frame: Frame, layer: int, values: List[int], target: int, budget: Optional[int], step: int,
                can_offload: bool) -> Decision:
         """Plan ``frame``'s remaining operators at gate ``layer``'s routing ``values`` so that
         its saves fit ``target``; the record of it, for telemetry (its latency left to the
         caller)."""
         cost = self.cost
-        routed = self.routing.counts
-        counts: Dict[int, List[int]] = {g.layer: (routed.get(g.layer) if g.layer < layer else values)
-                                        for g in self.gates}
-        counts[layer] = values
-        counts[SIZE] = routed.get(SIZE) or next(iter(routed.values()), values)
+        counts = self.counts_at(layer, values)
         remaining = [k for k in cost.order if k not in frame.keys_seen]
         predicted = cost.predict_total(remaining, counts)
         resident = self.runtime.ledger.resident - self.runtime.inflight_bytes

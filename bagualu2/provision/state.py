@@ -37,13 +37,21 @@ from typing import Any, Dict, Mapping, Sequence
 import torch
 
 from bagualu2.plan.cost_model import GROUPED
+from bagualu2.provision.excess import WholeMemory
 
 __all__ = ["VERSION", "load", "rank_key", "save", "signature"]
 
-VERSION = 2
-"""2: the cost model's grouped-expert index became ``GROUPED = -2`` (it was -1, the value of
-``SIZE``); a version-1 state is still read, its grouped operators' -1 as ``GROUPED``."""
+VERSION = 3
+"""3: the excess an allocator view taught (``provision/excess.py``) is a piece; a version-2 or -1
+state is read with nothing learned of it. 2: the cost model's grouped-expert index became
+``GROUPED = -2`` (it was -1, the value of ``SIZE``); a version-1 state is still read, its grouped
+operators' -1 as ``GROUPED``."""
 _FIELDS = ("version", "gates", "modules", "learned")
+
+
+def _from_version_2(fields: Dict[str, Any]) -> None:
+    """A version-2 state has no excess piece: it is read as one that learned nothing."""
+    fields.setdefault("excess", dict(vars(WholeMemory())))
 
 
 def _from_version_1(fields: Dict[str, Any]) -> None:
@@ -53,9 +61,11 @@ def _from_version_1(fields: Dict[str, Any]) -> None:
     for op in getattr(memory, "ops", {}).values():
         if op.expert == -1:
             op.expert = GROUPED
+    _from_version_2(fields)
 
 
-_READS = {1: _from_version_1, VERSION: lambda fields: None}  # version -> what brings its fields to this one
+# version -> what brings its fields to this one
+_READS = {1: _from_version_1, 2: _from_version_2, VERSION: lambda fields: None}
 
 
 def rank_key() -> str:
@@ -155,13 +165,14 @@ def load(state_dict: Mapping[str, Any], pieces: Mapping[str, Any], sig: Mapping[
     try:
         learned = _Reader(bytes(entry["learned"]), pieces).load()
         fields, counters = learned["pieces"], learned["counters"]
+        if isinstance(fields, dict):
+            _READS[entry["version"]](fields)
         bad = sorted(set(pieces) ^ set(fields))
         if bad or not all(isinstance(f, dict) for f in fields.values()) or not isinstance(counters, dict):
             raise ValueError(f"pieces {bad} missing or unexpected" if bad else "fields of the wrong type")
     except Exception as e:  # noqa: BLE001 - any failure to read it whole is the one error named below
         raise ValueError(f"bagualu2: the provisioner state of {key} cannot be read whole ({type(e).__name__}: "
                          f"{e}); it is truncated or corrupt, and was not loaded") from e
-    _READS[entry["version"]](fields)
     saved_order = list(fields["cost"]["memory"].order) if "cost" in fields and "memory" in fields["cost"] else []
     if order and saved_order and list(order) != saved_order:
         raise ValueError(f"bagualu2: the provisioner state of {key} is another model's: its operators differ "

@@ -273,6 +273,15 @@ class Residency:
         """Resident bytes that kept storages offloaded to make room would free."""
         return -sum(c[1] for c in self._movable())
 
+    def make_room(self, need: int) -> bool:
+        """Offload kept storages until ``need`` more bytes fit the running frame's budget, as
+        ``_make_room`` does for what nothing releases: for a caller that knows the saves still to
+        come before they are made (the provisioner at a spike's gate in an untraced forward, where
+        offloading the saves as they cross would free nothing the forward still reads). True when
+        they fit; False without a running frame."""
+        frame = self._frame
+        return frame is not None and self._make_room(frame, need)
+
     def _make_room(self, frame: Frame, need: int) -> bool:
         """Offload kept storages until ``need`` more bytes fit the budget: the last resort when
         something no plan releases (an input from outside the forward, what a recipe pins)
