@@ -78,6 +78,7 @@ def runs() -> Tuple[int, List[int], Dict[bool, _Run]]:
     return budget, keep, out
 
 
+@pytest.mark.slow  # the shared run takes tens of seconds on a shared CPU
 def test_the_learned_excess_holds_a_whole_memory_budget_through_spikes_the_ledger_budget_crosses(runs: Any) -> None:
     budget, keep, by_view = runs
     assert all(keep[i] > budget for i in _SPIKES), (keep, budget)  # keeping everything crosses at the spikes
@@ -93,6 +94,7 @@ def test_the_learned_excess_holds_a_whole_memory_budget_through_spikes_the_ledge
     assert report["memory_peak_bytes"] == max(whole.peaks[:-1])  # the last window is read by no next forward
 
 
+@pytest.mark.slow  # the shared run takes tens of seconds on a shared CPU
 def test_the_excess_follows_the_routing_at_the_gate(runs: Any) -> None:
     """A spike's excess is predicted from its routing before its experts run: more than the calm
     micro-batch's before it, and the activations (backward too) are held to the budget less it."""
@@ -157,6 +159,7 @@ class _Renamed(pickle.Pickler):
         return str(obj) if isinstance(obj, _Name) else None
 
 
+@pytest.mark.slow  # the shared run takes tens of seconds on a shared CPU
 def test_the_learned_excess_is_saved_and_resumed_and_a_version_2_state_reads_as_nothing_learned(runs: Any) -> None:
     budget, _, by_view = runs
     prov = by_view[True].prov
