@@ -37,7 +37,8 @@ The ``Provisioner`` says when these decisions are made; what is decided, and wha
 small objects it holds, each owning its own state (``bagualu2/provision/``): what a gate decides
 and the planner it solves with (``GateDecisions``), the micro-batches in flight (``Stacking``), what
 one holds that no plan releases and the room that leaves (``Footprint``), the routing seen
-(``RoutingRecord``), the calibrating micro-batches (``Calibration``), the keys no plan can name
+(``RoutingRecord``), what the budget leaves each micro-batch's activations (``Limits``), the
+calibrating micro-batches (``Calibration``), the keys no plan can name
 (``UnplannedKeys``), the policy run and the frame each forward starts from (``Policy``), the
 hooks that hear each gate (``GateHooks``), and the forward put on the model with the per-thread
 stack of running provisioners (``provision/forward.py``).
@@ -65,6 +66,7 @@ from bagualu2.provision.copy_engine import arena_need, make_engine, measure_copy
 from bagualu2.provision.decisions import GateDecisions
 from bagualu2.provision.excess import AllocatorView, WholeMemory, checked_allocator
 from bagualu2.provision.footprint import Footprint
+from bagualu2.provision.limits import Limits
 from bagualu2.provision.forward import ProvisionedForward, active, plain_forward, unwrap_compiled
 from bagualu2.provision.policy import POLICIES, Policy
 from bagualu2.provision.routing import RoutingRecord
@@ -121,11 +123,10 @@ class Provisioner:
         # A view of the allocator: the budget is then on the whole memory it counts, and the
         # activations get what the excess it shows leaves (provision/excess.py).
         read = checked_allocator(allocator, self.device)
-        self._budget = resolve_budget(budget, self.device, reserve_bytes, whole=read is not None)
+        budget = resolve_budget(budget, self.device, reserve_bytes, whole=read is not None)
         self._policy = Policy(policy, model, compiled=self._compiled_root is not None)
         self.on_exceed = on_exceed
         self.min_bytes = min_bytes
-        self.margin = margin
         self.profile_frames = profile_frames
         self.calibrate_frames = calibrate_frames
         self.recalibrate_every = recalibrate_every
@@ -133,7 +134,7 @@ class Provisioner:
         self.engine = engine if engine is not None else make_engine(self.device, arena_bytes, arena_max_bytes)
         self._arena_chosen = engine is not None or arena_bytes is not None  # _reserve_arena leaves it
         self.runtime = ActivationRuntime(
-            self.engine, min_bytes=min_bytes, budget_bytes=self._budget, enforce_budget=self._policy.adaptive,
+            self.engine, min_bytes=min_bytes, budget_bytes=budget, enforce_budget=self._policy.adaptive,
             on_exceed=self._exceeded if on_exceed == "raise" else None,
         )
         # Learning from what each backward measured; ``unsubscribe()`` it to read the runtime's
@@ -171,6 +172,8 @@ class Provisioner:
         self.unplanned = UnplannedKeys()  # saved keys no plan can name
         self.excess = WholeMemory()  # what the allocator shows beyond the activations at a peak, by load
         self.memory = AllocatorView(read, self.excess, self.cost, model) if read is not None else None
+        # what the budget leaves each micro-batch's activations, and its saves are planned to
+        self.limits = Limits(budget, margin, self.runtime, self.footprint, self.stacking, self.memory)
         # what each gate decides, and the planner it solves with
         self.decisions = GateDecisions(self.cost, self.runtime, self.routing, self.stacking, self.gates, min_bytes)
         self._frames = 0
@@ -247,7 +250,7 @@ class Provisioner:
         candidates, floor = self.cost.candidates(self.cost.order, counts, self.min_bytes, self.engine is not None)
         total = self.cost.predict_total(self.cost.order, counts)
         offload_window, reload_window = self.cost.windows(1.0, self.stacking.declared)
-        return self.decisions.planner.solve(candidates, total - int(self._limit() * (1.0 - self.margin)),
+        return self.decisions.planner.solve(candidates, total - int(self.limits.limit() * (1.0 - self.limits.margin)),
                                   offload_window, reload_window, self.cost.copy_frame_s)
 
     @property
@@ -297,12 +300,16 @@ class Provisioner:
         stacking behind it; backward and other policies hold to it whole. Set it (bytes, a
         fraction of the device's memory, "auto" or None, as ``enable`` takes it) to change it
         for the micro-batches to come."""
-        return self._budget
+        return self.limits.budget
 
     @budget.setter
     def budget(self, value: Union[str, int, float, None]) -> None:
-        value = resolve_budget(value, self.device, 0, whole=self.memory is not None)
-        self._budget = self.runtime.budget_bytes = value
+        self.limits.set_budget(resolve_budget(value, self.device, 0, whole=self.memory is not None))
+
+    @property
+    def margin(self) -> float:
+        """The fraction of the activations' limit plans leave free (``enable``'s ``margin``)."""
+        return self.limits.margin
 
     def report(self) -> Dict[str, Any]:
         """A summary: micro-batches, peak vs budget, violations, plan mix, decision latency.
@@ -407,8 +414,8 @@ class Provisioner:
             return frame
         # Stable phases cost nothing: a forward whose plan is not expected to release anything
         # is not traced (its recipes would never be used): keep_all's, a fixed plan's that
-        # keeps everything, and adaptive's when calm (``_calm``).
-        frame.traced = frame.profile or not (self._policy.keeps_all or (self._policy.adaptive and self._calm()))
+        # keeps everything, and adaptive's when calm (``Limits.calm``).
+        frame.traced = frame.profile or not (self._policy.keeps_all or (self._policy.adaptive and self.limits.calm(self.engine is not None)))
         return frame
 
     def _calibrates(self) -> bool:
@@ -416,57 +423,7 @@ class Provisioner:
         only where a plan may have to release, an adaptive policy under a budget that the worst
         routing of the profiled micro-batches would not fit."""
         worst = self.footprint.worst_bytes
-        return self._policy.adaptive and self.budget is not None and worst is not None and worst > self._limit()
-
-    def _calm(self) -> bool:
-        """Whether this micro-batch is not expected to need a release (``Footprint.calm``): its
-        worst routing fits beside the excess that routing would bring, or, with a copy engine,
-        the last routing fits beside the excess now."""
-        if self.budget is None:
-            return True
-        resident = self.runtime.ledger.resident
-        worst = self.memory.worst() if self.memory is not None else 0
-        if self.footprint.calm(self._target(worst) - resident, False):
-            return True
-        return self.engine is not None and self.footprint.calm(self._target() - resident, True)
-
-    def _limit(self, excess: Optional[int] = None) -> int:
-        """What this micro-batch's activations are held to: the budget less the excess the
-        allocator view predicts (``excess``, else this micro-batch's; none without a view)."""
-        if excess is None:
-            excess = self.memory.now if self.memory is not None else 0
-        return max(0, self.budget - excess)
-
-    def _target(self, excess: Optional[int] = None) -> int:
-        """What this micro-batch's saves are planned to: the activations' limit (``_limit``)
-        less its margin and the reserve for the micro-batches stacking on it."""
-        return int(self._limit(excess) * (1.0 - self.margin)) - self._reserve()
-
-    def _read_allocator(self) -> None:
-        """As a forward begins, with an allocator view: learn from the window that ends
-        (``AllocatorView.begin``; its first crossing warns once) and hold this micro-batch to
-        the excess at the last routing until its gates say more."""
-        if self.memory is None or self.budget is None:
-            return
-        crossed = self.memory.begin(not self._frames, self.routing.counts, self.runtime.ledger, self.budget)
-        if crossed is not None and not self._told_violation:
-            self._told_violation = True
-            warnings.warn(recorded_memory_violation(self._frames - 1, self.budget, crossed), UserWarning, stacklevel=4)
-        self._set_excess(self.memory.now)
-
-    def _set_excess(self, excess: int) -> None:
-        """Hold this micro-batch's activations to the budget less ``excess``: its frame (once
-        it has one) and backward (the runtime's ``budget_bytes``)."""
-        self.memory.now = excess
-        self.runtime.budget_bytes = self._limit()
-        frame = self.runtime.active_frame
-        if frame is not None and frame.budget is not None:
-            frame.budget = Budget(self._limit(), frame.budget.reserve, frame.budget.pin_headroom)
-
-    def _reserve(self) -> int:
-        """Room for the micro-batches that will stack on this one before its backward
-        (``Stacking.behind``): what each of them holds that no plan releases."""
-        return self.footprint.reserve(self.stacking.behind())
+        return self._policy.adaptive and self.budget is not None and worst is not None and worst > self.limits.limit()
 
     def _reserve_arena(self) -> None:
         """Reserve the host arena's room for offloads (``arena_need``) now, between micro-batches:
@@ -484,7 +441,10 @@ class Provisioner:
         if is_recomputing() or not self.enabled or not torch.is_grad_enabled():
             return self._forward(*args, **kwargs)
         self.stacking.count_forward(self.runtime.backward_passes)
-        self._read_allocator()
+        crossed = self.limits.begin(not self._frames, self.routing.counts)
+        if crossed is not None and not self._told_violation:  # the first crossing, told once
+            self._told_violation = True
+            warnings.warn(recorded_memory_violation(self._frames - 1, self.budget, crossed), UserWarning, stacklevel=3)
         self._check_feasible()
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
@@ -512,10 +472,7 @@ class Provisioner:
         self._note_peak()
         self._learn()  # what no backward's end learned (a forward's offloads, in a pipeline)
         frame = self._new_frame(conservative)
-        if self.memory is not None and self.budget is not None:
-            self.memory.window_traced = frame.traced
-            if frame.traced:
-                self._set_excess(self.memory.at(self.memory.last_load, True))
+        self.limits.framed(frame.traced)
         self.routing.begin()
         self.decisions.begin()
         start = time.perf_counter()
@@ -526,8 +483,9 @@ class Provisioner:
             # next backward (pipeline warm-up), so the last of them still fits, and for what
             # recipes will pin that nothing can release (labels the loss reads at the very end):
             # it is charged when pinned.
-            headroom = self.footprint.pin_headroom(inputs, self._limit(), self.margin)
-            frame.budget = Budget(self._limit(), self._reserve(), headroom)
+            limit = self.limits.limit()
+            headroom = self.footprint.pin_headroom(inputs, limit, self.limits.margin)
+            frame.budget = Budget(limit, self.limits.reserve(), headroom)
         running = active()
         try:
             running.append(self)
@@ -589,7 +547,7 @@ class Provisioner:
         """Refuse a micro-batch no plan can fit, before it allocates anything."""
         if self.budget is None or not self._policy.adaptive or not self.cost.ready:
             return
-        self.footprint.check_feasible(self._limit(), self.runtime.ledger.resident, self.runtime.movable_bytes,
+        self.footprint.check_feasible(self.limits.limit(), self.runtime.ledger.resident, self.runtime.movable_bytes,
                                       f"micro-batch {self._frames}")
 
     def _exceeded(self, resident: int, budget: int, key: str) -> None:
@@ -602,9 +560,8 @@ class Provisioner:
             return
         values = counts.tolist() if isinstance(counts, torch.Tensor) else [int(c) for c in counts]
         self.routing.record(layer, values, size)
-        if self.memory is not None and self.budget is not None and self.cost.ready:
-            # The excess this routing brings (a spike's temporaries), known before the experts run.
-            self._set_excess(self.memory.at_routing(self.decisions.counts_at(layer, values), frame.traced))
+        if self.memory is not None and self.cost.ready:
+            self.limits.routed(self.decisions.counts_at(layer, values), frame.traced)
         if not self._policy.adaptive or self.budget is None or not self.cost.ready:
             return
         if frame.calibrating:
@@ -620,7 +577,7 @@ class Provisioner:
                 self.runtime.make_room(self.decisions.predicted - self.runtime.ledger.resident)
             return
         start = time.perf_counter()
-        decision = self.decisions.decide(frame, layer, values, self._target(), self._limit(), self._step,
+        decision = self.decisions.decide(frame, layer, values, self.limits.target(), self.limits.limit(), self._step,
                                          self.engine is not None)
         decision.latency_us = (time.perf_counter() - start) * 1e6
         self.telemetry.add(decision)
