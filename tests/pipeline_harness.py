@@ -5,7 +5,8 @@ group through a file store (``store_init_method``), gloo by default; when a rank
 period to notice (gloo fails their next operation at once) and exit on their own; whatever is
 left at the timeout is killed. ``gather_step_result(pipeline, losses)`` collects a pipeline
 step's per-micro-batch losses and every parameter gradient (keyed ``"stage{i}.{name}"``) on
-rank 0 as a ``StepResult``, so two runs can be compared bit for bit. ``CollectiveCounter`` counts the collectives dispatched
+rank 0 as a ``StepResult``, so two runs can be compared bit for bit; ``check_engine_rank`` is
+what every engine layout (torchtitan, Megatron-Core) asserts of one rank's result. ``CollectiveCounter`` counts the collectives dispatched
 inside it (what bagualu2 must never issue from backward).
 
 Tests import it as a sibling module (``import pipeline_harness``; the spawned ranks find it on
@@ -20,7 +21,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bagualu2.integrations.pipeline import Pipeline
 
-__all__ = ["CollectiveCounter", "StepResult", "gather_step_result", "launch", "store_init_method"]
+__all__ = ["CollectiveCounter", "StepResult", "check_engine_rank", "gather_step_result", "launch", "store_init_method"]
 
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 
@@ -84,6 +85,23 @@ def gather_step_result(
         result.grads.update(p["grads"])
         result.extra[r] = p["extra"]
     return result
+
+
+def check_engine_rank(rank: int, result: Dict[str, Any], policies: Sequence[str], engine: str) -> None:
+    """What every engine layout asserts of one rank's result (``run_case`` of
+    ``torchtitan_ranks`` / ``megatron_ranks``): gates found; each policy bit for bit against the
+    run without bagualu2 and nothing left resident or in the arena after each step; adaptive
+    within its budget."""
+    assert result["gates"], f"rank {rank}: no {engine} MoE gate found"
+    for policy in policies:
+        got = result["policies"][policy]
+        bad = [(i, m[:3]) for i, m in enumerate(got["mismatches"]) if m]
+        assert not bad, f"rank {rank} {policy}: differs from the run without bagualu2 at micro-batch(es) {bad}"
+        assert set(got["resident_after_steps"]) == {0}, f"rank {rank} {policy}: {got['resident_after_steps']}"
+        assert set(got["arena_after_steps"]) == {0}, f"rank {rank} {policy}: {got['arena_after_steps']}"
+    adaptive = result["policies"]["adaptive"]
+    assert adaptive["violations"] == 0, f"rank {rank}: adaptive crossed its budget: {adaptive}"
+    assert adaptive["peak"] <= adaptive["budget"], f"rank {rank}: {adaptive['peak']=} {adaptive['budget']=}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ with warnings.catch_warnings():
 sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the helpers below
 
 import megatron_ranks as ranks  # noqa: E402
-from pipeline_harness import launch  # noqa: E402
+from pipeline_harness import check_engine_rank, launch  # noqa: E402
 
 POLICIES = ("keep_all", "offload_all", "recompute_all", "random_plan", "adaptive")
 
@@ -59,16 +59,7 @@ def _run(case: dict, world: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 def _check(found: list) -> None:
     for rank, result in enumerate(found):
-        assert result["gates"], f"rank {rank}: no Megatron MoE gate found"
-        for policy in POLICIES:
-            got = result["policies"][policy]
-            bad = [(i, m[:3]) for i, m in enumerate(got["mismatches"]) if m]
-            assert not bad, f"rank {rank} {policy}: not bit-exact at step(s) {bad}"
-            assert set(got["resident_after_steps"]) == {0}, f"rank {rank} {policy}: {got['resident_after_steps']}"
-            assert set(got["arena_after_steps"]) == {0}, f"rank {rank} {policy}: {got['arena_after_steps']}"
-        adaptive = result["policies"]["adaptive"]
-        assert adaptive["violations"] == 0, f"rank {rank}: adaptive crossed its budget: {adaptive}"
-        assert adaptive["peak"] <= adaptive["budget"], f"rank {rank}: {adaptive['peak']=} {adaptive['budget']=}"
+        check_engine_rank(rank, result, POLICIES, "Megatron")
         assert result["policies"]["random_plan"]["by_choice"]["recompute"] > 0, "the random plan recomputed nothing"
 
 

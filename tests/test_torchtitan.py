@@ -35,7 +35,7 @@ with warnings.catch_warnings():
 
 
 import torchtitan_ranks as ranks  # noqa: E402
-from pipeline_harness import launch  # noqa: E402
+from pipeline_harness import check_engine_rank, launch  # noqa: E402
 
 POLICIES = ranks.POLICIES
 
@@ -47,7 +47,7 @@ def _run(case: dict, world: int, tmp_path: Path) -> list:
 
 def _check(found: list) -> None:
     for rank, result in enumerate(found):
-        ranks.check_rank(rank, result, POLICIES)
+        check_engine_rank(rank, result, POLICIES, "torchtitan")
         assert result["policies"]["random_plan"]["by_choice"]["recompute"] > 0, "the random plan recomputed nothing"
 
 

@@ -45,7 +45,7 @@ with warnings.catch_warnings():
 
 
 import torchtitan_ranks as ranks  # noqa: E402
-from pipeline_harness import launch  # noqa: E402
+from pipeline_harness import check_engine_rank, launch  # noqa: E402
 
 REDUCED = ("recompute_all", "random_plan", "adaptive")
 EP_SPIKE = {"spike_rank": "all", "spike_experts": [2, 3], "keep_all_over": True}  # rank 1's experts take every token
@@ -69,7 +69,7 @@ def test_torchtitan_compiled_blocks_exact_budget_no_recompile(layout: str, tmp_p
     case, world = CASES[layout]
     found = _run(case, world, tmp_path)
     for rank, result in enumerate(found):
-        ranks.check_rank(rank, result, case["policies"])
+        check_engine_rank(rank, result, case["policies"], "torchtitan")
         assert result["compiled_plain"]["graphs"] >= 1, f"rank {rank}: nothing was compiled: {result['compiled_plain']}"
         assert result["compiled"] == result["compiled_plain"], (
             f"rank {rank}: Dynamo compiled {result['compiled']} by the end, {result['compiled_plain']} after the "
