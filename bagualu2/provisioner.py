@@ -397,6 +397,7 @@ class Provisioner:
             self._teardown.run()
         finally:  # the pinned arena goes now, or when the last graph holding one of its offloads dies
             self.engine = self.runtime.engine = None
+            self.runtime.set_parameters(())
 
     # -- forward ----------------------------------------------------------------------------
     def _new_frame(self, conservative: bool) -> Frame:

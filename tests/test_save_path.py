@@ -14,6 +14,7 @@ from bagualu2.offload import CopyEngine, HostArena
 from bagualu2.plan.cost_model import CostModel
 from bagualu2.runtime import ActivationRuntime, Frame
 from bagualu2.runtime.ledger import Pin, ResidencyLedger
+from bagualu2.runtime.parameters import ParameterStorages, storages_of
 from bagualu2.shared import Budget
 
 
@@ -168,6 +169,77 @@ def test_the_parameter_walk_finds_what_parameters_and_buffers_yield() -> None:
         assert runtime.ledger.resident == activation.untyped_storage().nbytes(), set_parameters
         del out
         assert runtime.ledger.resident == 0
+
+
+def _fresh_walk(model: torch.nn.Module) -> Set[int]:
+    return {s._cdata for t in itertools.chain(model.parameters(), model.buffers()) for s in storages_of(t)}
+
+
+_CHANGES = ("nothing", "setattr", "data", "table", "buffer", "append", "replace", "apply")
+
+
+def _change(model: torch.nn.Sequential, change: str, at: int) -> None:
+    """One way a model's parameter storages change after ``enable``, none holding the old ones."""
+    layer = model[at % len(model)]
+    if change == "setattr":
+        layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight))
+    elif change == "data":
+        layer.weight.data = torch.randn_like(layer.weight)
+    elif change == "table":  # written directly, as FSDP2 swaps its parameters: no registration hook runs
+        layer._parameters["bias"] = torch.nn.Parameter(torch.randn_like(layer.bias))
+    elif change == "buffer":
+        layer.register_buffer("scale", torch.ones(2))
+    elif change == "append":
+        model.append(torch.nn.Linear(3, 3))
+    elif change == "replace":
+        model[at % len(model)] = torch.nn.Linear(3, 3)
+    elif change == "apply":
+        model.double() if model[0].weight.dtype == torch.float32 else model.float()
+
+
+@settings(max_examples=60, deadline=None)
+@given(changes=st.lists(st.tuples(st.sampled_from(_CHANGES), st.integers(0, 7)), min_size=1, max_size=12))
+def test_parameter_storages_are_walked_again_whenever_the_model_may_have_changed(changes: List) -> None:
+    """``ParameterStorages``: what the last walk found is vouched for (``current``) only while it
+    is still every parameter and buffer storage of the model, whichever way they changed since
+    (a registration, a storage replaced under a parameter, a table written directly, a module
+    added or replaced, a conversion); with nothing changed the walk is reused."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    storages = ParameterStorages()
+    found = storages.walk(model)
+    assert found == _fresh_walk(model) and storages.current(model)
+    for change, at in changes:
+        _change(model, change, at)
+        assert storages.current(model) == (change == "nothing"), change  # reused only where nothing changed
+        if change != "nothing":
+            found = storages.walk(model)
+        assert found == _fresh_walk(model), change
+    assert not storages.current(torch.nn.Linear(3, 3))  # another model is walked anew
+    storages.forget()
+    assert not storages.current(model)
+
+
+def test_a_storage_kept_alive_elsewhere_and_replaced_without_registration_is_missed_on_the_budgets_side() -> None:
+    """The one change a reused walk misses: a parameter's storage replaced without a registration
+    while something else still holds the old one. The old address stays that storage's (it cannot
+    go to an activation), and a save of the new one is counted: the set errs on the budget's side."""
+    model = torch.nn.Linear(3, 3)
+    runtime = ActivationRuntime()
+    runtime.set_parameters_of(model)
+    old = model.weight.data  # held here: its storage lives on
+    model.weight.data = torch.randn(3, 3)
+    runtime.set_parameters_of(model)
+    anchor = torch.ones(1, requires_grad=True)
+    frame = Frame()
+    frame.traced = False
+    with runtime.frame(frame):
+        out = _Save.apply(anchor, torch.empty(0).set_(model.weight.untyped_storage()))
+    assert runtime.ledger.resident == model.weight.untyped_storage().nbytes()
+    del out, old
+    runtime.set_parameters_of(model)  # the old storage died: walked again, the new one known
+    with runtime.frame(Frame()):
+        out = _Save.apply(anchor, torch.empty(0).set_(model.weight.untyped_storage()))
+    assert runtime.ledger.resident == 0
 
 
 @settings(max_examples=60, deadline=None)

@@ -41,24 +41,13 @@ from bagualu2 import _C
 from bagualu2.shared import CopyTimes, Event, Measurements, OpReplayTimes, ReplayTimes
 from bagualu2.runtime.frame import Frame
 from bagualu2.runtime.ledger import ResidencyLedger, Pin
+from bagualu2.runtime.parameters import ParameterStorages, storages_of
 from bagualu2.runtime.rerun import RerunSaved
 from bagualu2.runtime.stores import _Kept, _modified_error, _Offloaded, CopyClock, OffloadStore, kept_tensor
 from bagualu2.runtime.recipes import _PLAIN_TYPES, Replayer, StorageNode, ViewMeta, is_plain, view_meta, view_of
 from bagualu2.runtime.tracing import TracingMode
 
 __all__ = ["Residency"]
-
-
-def _storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
-    """The storages of ``t``, or of the tensors a wrapper subclass holds (``__tensor_flatten__``)."""
-    if is_plain(t) or not hasattr(t, "__tensor_flatten__"):
-        yield t.untyped_storage()
-        return
-    names, _ = t.__tensor_flatten__()
-    for name in names:
-        inner = getattr(t, name)
-        if isinstance(inner, torch.Tensor):
-            yield from _storages(inner)
 
 
 class _ReplayTally:
@@ -91,6 +80,7 @@ class Residency:
         # The leaves its recipes pin and the storages its recompute cache holds are charged here.
         self.mode = TracingMode(self._pin_leaf, self._charge)
         self._params: Set[int] = set()
+        self._params_of = ParameterStorages()  # the model whose storages ``_params`` holds
         self._frame: Optional[Frame] = None  # the running frame, set by the subclass: its Budget applies
         self._inflight: Deque["weakref.ref[OffloadStore]"] = collections.deque()
         # ``fn(key)`` with the operator key of every released (offloaded or recomputed)
@@ -113,32 +103,18 @@ class Residency:
         A tensor subclass that wraps others (FSDP2's sharded ``DTensor`` parameters) is known
         by the storages of the tensors it holds: the ops that read it (FSDP2's all-gather of
         the shards) see those."""
-        self._params = {s._cdata for t in tensors for s in _storages(t)}
+        self._params = {s._cdata for t in tensors for s in storages_of(t)}
+        self._params_of.forget()
 
     def set_parameters_of(self, model: torch.nn.Module) -> None:
         """``set_parameters`` with every parameter and buffer of ``model`` and its submodules
-        (those ``model.parameters()`` and ``model.buffers()`` yield), read from the modules'
-        own tables: a provisioner reads them at every micro-batch (a wrapper applied since
-        ``enable`` may have replaced them), and torch's nested generators cost several times
-        more per tensor than this walk."""
-        params: Set[int] = set()
-        seen: Set[int] = set()
-        stack = [model]
-        while stack:
-            module = stack.pop()
-            if id(module) in seen:
-                continue
-            seen.add(id(module))
-            for table in (module._parameters, module._buffers):
-                for t in table.values():
-                    if t is None:
-                        continue
-                    if type(t) in _PLAIN_TYPES:
-                        params.add(t.untyped_storage()._cdata)
-                    else:
-                        params.update(s._cdata for s in _storages(t))
-            stack.extend(m for m in module._modules.values() if m is not None)
-        self._params = params
+        (those ``model.parameters()`` and ``model.buffers()`` yield). A provisioner calls it at
+        every micro-batch (a wrapper applied since ``enable`` may have replaced them); the
+        module tree is walked again only when ``ParameterStorages.current`` says it may have
+        changed."""
+        if self._params_of.current(model):
+            return
+        self._params = self._params_of.walk(model)
 
     def _is_parameter(self, t: torch.Tensor) -> bool:
         # A plain Tensor is never a Parameter: it skips the Parameter metaclass's isinstance (in
