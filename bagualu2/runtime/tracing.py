@@ -153,6 +153,11 @@ class TracingMode(TorchDispatchMode):
         handles, so a call an interrupt stopped can be made again."""
         mode = self
         saved = [getattr(mode, attr, None) for _, attr in _MODE_FLAGS]
+        if not on and not any(saved) and not torch._C._len_torch_dispatch_stack():
+            # Off, and no entry or exit of it stopped halfway (each saves a flag before it
+            # pushes and pops it after restoring them): every untraced frame's case, several
+            # times per micro-batch, so it skips reading the stack.
+            return
         modes = _get_current_dispatch_mode_stack()
         stacked = bool(modes) and modes[-1] is mode
         if on and stacked and all(saved):
