@@ -244,6 +244,36 @@ def test_fullgraph_dense_moe_is_bit_exact(how: str, policy: str) -> None:
 
 
 @pytest.mark.slow
+def test_a_gate_after_a_graph_break_plans_from_what_its_region_saved_already() -> None:
+    """The reference model's router breaks its compiled block's graph before the gate reports,
+    so the block has saved its first part (and read its choice) by then. The gate plans from
+    that, not from the block's whole prediction on top of it: a calm micro-batch's first decision
+    predicts about its keep-all peak and releases no block."""
+    options = dict(backend="aot_eager")
+    spikes = [False] * 4 + [True] + [False] * 3 + [True] + [False] * 3
+    probe = compile_model(reference(), "blocks", **options)
+    keep_all = bagualu2.enable(probe, budget=None, policy="keep_all", min_bytes=0)
+    run_steps(probe, spikes)
+    keep = [mb.peak_bytes for mb in keep_all.telemetry.micro_batches]
+    budget = int(max(k for k, spike in zip(keep, spikes) if not spike) * 1.05)
+    torch._dynamo.reset()
+    model = compile_model(reference(), "blocks", **options)
+    prov = bagualu2.enable(model, budget=budget, policy="adaptive", min_bytes=0)
+    run_steps(model, spikes)
+    first: Dict[int, Any] = {}
+    for decision in prov.telemetry.decisions:
+        first.setdefault(decision.micro_batch, decision)
+    planned = [mb for mb in prov.telemetry.micro_batches
+               if mb.micro_batch in first and not spikes[mb.micro_batch] and not mb.calibrating]
+    assert planned, "no calm micro-batch was planned at its gates"
+    for mb in planned:
+        i = mb.micro_batch
+        assert first[i].predicted_bytes <= keep[i] * 1.05, (i, first[i].predicted_bytes, keep[i])
+        released = mb.bytes_by_choice["offload"] + mb.bytes_by_choice["recompute"]
+        assert released <= keep[i] * 0.1, (i, dict(mb.bytes_by_choice), keep[i])
+
+
+@pytest.mark.slow
 def test_adaptive_holds_a_budget_keep_all_crosses_in_a_spike() -> None:
     """5% above the calm keep-all peak: keep_all crosses it in the spike, adaptive does not."""
     options = dict(backend="aot_eager")

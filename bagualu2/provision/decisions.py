@@ -31,7 +31,7 @@ from bagualu2.provision.routing import RoutingRecord
 from bagualu2.provision.stacking import Stacking
 from bagualu2.runtime import ActivationRuntime, Frame
 from bagualu2.runtime.gates import GateSpec
-from bagualu2.shared import SIZE
+from bagualu2.shared import SIZE, Choice
 from bagualu2.telemetry import Decision
 
 __all__ = ["GateDecisions"]
@@ -85,8 +85,16 @@ class GateDecisions:
         caller)."""
         cost = self.cost
         counts = self.counts_at(layer, values)
-        remaining = [k for k in cost.order if k not in frame.keys_seen]
+        running = self.runtime.region_running()
+        remaining = [k for k in cost.order if k not in frame.keys_seen and (running is None or k != running[0])]
         predicted = cost.predict_total(remaining, counts)
+        if running is not None:
+            # The region this gate runs in chose at its first save: it is planned no more, what
+            # it saved is resident already, and what it will still save is kept where it keeps.
+            key, choice, saved = running
+            if choice == Choice.KEEP:
+                predicted += max(0, cost.predict_total([key], counts) - saved)
+            frame.choices.pop(key, None)  # the next micro-batch, which starts from this plan, plans it afresh
         resident = self.runtime.ledger.resident - self.runtime.inflight_bytes
         must_free = resident + predicted - target
         if not self.predicted:

@@ -109,6 +109,18 @@ class CompiledRegions(Residency):
                                    lambda s: Pin(self.ledger, s))
         frame._region = RegionState(key, rerun, tracing)
 
+    def region_running(self) -> Optional[Tuple[str, Choice, int]]:
+        """The compiled region call running in the frame now, once its first save has read its
+        choice (what the rest of its saves follow): ``(key, choice, bytes it saved so far)``;
+        None when no region runs or it has saved nothing yet. A gate inside a region that a
+        graph break splits fires after the part before the break saved: the region is no
+        longer the gate's to plan, and what it saved is already resident."""
+        frame = self._frame
+        state = frame._region if frame is not None else None
+        if state is None or state.choice is None:
+            return None
+        return state.key, state.choice, sum(state.storages.values())
+
     def region_leave(self) -> None:
         """The region call running in the frame ended (returned or raised)."""
         frame = self._frame
