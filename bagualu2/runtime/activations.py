@@ -433,10 +433,11 @@ class ActivationRuntime(CompiledRegions):
                 or t.layout != _STRIDED or t.is_nested):
             return self._pack(t)
         storage = t.untyped_storage()
+        if storage._cdata in self._params and type(t) is torch.Tensor:
+            return _uncounted(t)  # a plain tensor over a parameter's storage (what ``_is_parameter`` finds first)
         base = t._base
-        if (storage._cdata in self._params or type(t) is not torch.Tensor
-                or (base is not None and type(base) is not torch.Tensor)):  # a parameter, or a view of one
-            if self._is_parameter(t):
+        if type(t) is not torch.Tensor or (base is not None and type(base) is not torch.Tensor):
+            if self._is_parameter(t):  # a parameter, or a view of one
                 return _uncounted(t)
             return self._pack(t)
         budget = frame.budget
