@@ -195,7 +195,10 @@ def resolve_budget(budget: Union[str, int, float, None], device: torch.device, r
 
 def input_bytes(args: tuple, kwargs: dict) -> int:
     """Bytes of the distinct storages of a forward's tensor arguments."""
+    # Most forwards take tensors only, positionally: no tree to flatten (a provisioned forward
+    # under a budget asks at every micro-batch).
+    plain = not kwargs and all(type(a) is torch.Tensor for a in args)
+    leaves = args if plain else torch.utils._pytree.tree_leaves((args, kwargs))
     storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-                for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                if isinstance(t, torch.Tensor) and is_plain(t)}
+                for t in leaves if isinstance(t, torch.Tensor) and is_plain(t)}
     return sum(storages.values())

@@ -181,8 +181,9 @@ class MemoryModel:
         return 0 if op is None else _bytes(op, counts)
 
     def predict_total(self, keys: Iterable[str], counts: Mapping[int, Sequence[int]]) -> int:
-        """Predicted saved bytes of ``keys`` (all keep) for a micro-batch with ``counts``."""
-        return sum(self.predict_bytes(k, counts) for k in keys)
+        """Predicted saved bytes of ``keys`` (all keep) for a micro-batch with ``counts``
+        (``floors_and_total``'s one pass: what drives the non-expert operators found once)."""
+        return self.floors_and_total(keys, counts, 0, True)[2]
 
     def sized(self, keys: Iterable[str], counts: Mapping[int, Sequence[int]], min_bytes: int,
               can_offload: bool, fixed: Iterable[str]) -> Iterable[Tuple[str, OpCost, int, bool]]:
