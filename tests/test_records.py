@@ -56,3 +56,15 @@ def test_the_planner_binding_returns_a_solve_by_field_name_read_only() -> None:
     with pytest.raises(AttributeError):
         solved.feasible = False
     assert not dataclasses.is_dataclass(solved)  # a bound C++ struct, not a Python copy
+
+
+def test_a_plan_is_installed_through_one_method_that_checks_it() -> None:
+    """``Frame.replan``: the keys replanned drop what they had (back to the frame's default unless
+    the new plan names them) and the new choices are set; a value that is not a ``Choice`` is
+    refused, named, and nothing changes."""
+    frame = Frame({"a": Choice.OFFLOAD, "b": Choice.RECOMPUTE, "c": Choice.OFFLOAD})
+    frame.replan({"b": Choice.KEEP}, keys=["a", "b"])
+    assert frame.choices == {"b": Choice.KEEP, "c": Choice.OFFLOAD} and frame.choice("a") == Choice.KEEP
+    with pytest.raises(TypeError, match="'recompute' is not a bagualu2.Choice"):
+        frame.replan({"c": "recompute"}, keys=["c"])  # type: ignore[dict-item]
+    assert frame.choices == {"b": Choice.KEEP, "c": Choice.OFFLOAD}

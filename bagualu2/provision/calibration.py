@@ -73,10 +73,10 @@ class Calibration:
             # Measuring a rebuild no plan will use costs a backward pass and may cross the budget
             # (the whole compiled model's rerun brings back every save at once).
             instead = Choice.OFFLOAD if can_offload else Choice.KEEP
-            frame.choices.update({k: instead for k, op in cost.ops.items() if not op.recomputable})
+            frame.replan({k: instead for k, op in cost.ops.items() if not op.recomputable})
         if kind.startswith("recompute half"):
             half = int(kind[-1])
-            frame.choices.update({k: Choice.KEEP for i, k in enumerate(order) if i % 2 == half})
+            frame.replan({k: Choice.KEEP for i, k in enumerate(order) if i % 2 == half})
         frame.calibrating = True
         self._done += 1
         self._since = 0

@@ -94,7 +94,9 @@ class GateDecisions:
             key, choice, saved = running
             if choice == Choice.KEEP:
                 predicted += max(0, cost.predict_total([key], counts) - saved)
-            frame.choices.pop(key, None)  # the next micro-batch, which starts from this plan, plans it afresh
+        # What this gate plans afresh: the operators still to run, and the running region, whose
+        # choice the next micro-batch (which starts from this plan) makes anew.
+        replanned = remaining + [running[0]] if running is not None else remaining
         resident = self.runtime.ledger.resident - self.runtime.inflight_bytes
         must_free = resident + predicted - target
         if not self.predicted:
@@ -102,9 +104,8 @@ class GateDecisions:
         imbalance = max(values) * len(values) / max(1, sum(values))
         record = Decision(step, frame.index, layer, imbalance, resident, resident + predicted,
                           resident + predicted, budget, {"keep": len(remaining)}, 0.0)
-        for key in remaining:
-            frame.choices.pop(key, None)
         if must_free <= 0:
+            frame.replan({}, replanned)
             return record
         # A micro-batch's first offload costs more than its own copy (copy_frame_s).
         setup = 0.0 if frame.stats.offloaded_storages else cost.copy_frame_s
@@ -112,7 +113,7 @@ class GateDecisions:
         candidates, _ = cost.candidates(remaining, counts, self.min_bytes, can_offload, anchors)
         offload_window, reload_window = cost.windows(len(remaining) / max(1, len(cost.order)), self.stacking.declared)
         plan = self.planner.solve(candidates, must_free, offload_window, reload_window, setup)
-        frame.choices.update(plan.choices)
+        frame.replan(plan.choices, replanned)
         record.feasible = plan.feasible
         record.planned_bytes = resident + predicted - plan.freed_bytes
         record.mix = {c.name.lower(): n for c, n in plan.mix().items()}

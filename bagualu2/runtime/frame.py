@@ -130,6 +130,16 @@ class Frame:
     def choice(self, key: str) -> Choice:
         return self.choices.get(key, self.default)
 
+    def replan(self, choices: Mapping[str, Choice], keys: Iterable[str] = ()) -> None:
+        """Install a plan made for this micro-batch: ``keys`` drop the choices they had (they
+        take ``default`` unless ``choices`` names them), then ``choices`` are set (checked as at
+        construction). A gate replans the operators still to run while the forward runs; a
+        storage's choice is taken when it is first saved, so only later saves follow."""
+        checked = checked_choices(choices)
+        for key in keys:
+            self.choices.pop(key, None)
+        self.choices.update(checked)
+
     @property
     def prefetch_pending_bytes(self) -> int:
         """Bytes backward has prefetched for this frame's host copies and not used yet
