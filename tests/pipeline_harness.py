@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import faulthandler
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -123,6 +125,9 @@ def store_init_method(directory: str) -> str:
 
 
 def _launch_entry(rank, fn, world_size, store_dir, backend, timeout_s, threads, args):
+    # A rank that dies of a signal (a native abort) prints every thread's Python stack on its
+    # way out: the parent sees only the signal.
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(threads)
     dist.init_process_group(
         backend,
@@ -136,6 +141,14 @@ def _launch_entry(rank, fn, world_size, store_dir, backend, timeout_s, threads, 
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # The rank's work is done, its results written and its group torn down: it leaves without
+    # the interpreter's teardown. The landing CI twice lost a finished rank 0 there (after the
+    # final barrier: its peer had exited cleanly) to SIGABRT, "terminate called without an
+    # active exception", which no local run reproduced; a rank that fails still raises above,
+    # and its traceback reaches the parent.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch(
