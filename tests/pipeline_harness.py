@@ -141,11 +141,14 @@ def _launch_entry(rank, fn, world_size, store_dir, backend, timeout_s, threads, 
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    # The rank's work is done, its results written and its group torn down: it leaves without
-    # the interpreter's teardown. The landing CI twice lost a finished rank 0 there (after the
-    # final barrier: its peer had exited cleanly) to SIGABRT, "terminate called without an
-    # active exception", which no local run reproduced; a rank that fails still raises above,
-    # and its traceback reaches the parent.
+    # The rank's work is done, its results written and its group destroyed: it leaves without
+    # the interpreter's teardown. Gloo's worker thread (``ProcessGroupGloo::runLoop``) may still
+    # drop the last reference to a collective's tensor then, whose Python object it must free:
+    # it takes the GIL while the interpreter finalizes, Python ends the thread with
+    # ``pthread_exit``, and that unwinding through torch's ``noexcept`` frames aborts the rank
+    # ("terminate called without an active exception"; caught with a terminate handler printing
+    # the aborting thread's stack, about one launch in five of the short head-to-head). A rank
+    # that fails still raises above, and its traceback reaches the parent.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
