@@ -74,7 +74,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from bagualu2.models import MoEConfig
@@ -134,7 +134,8 @@ class AllocationMeter(TorchDispatchMode):
     checkpointing's modes and backward's recomputations included, so every configuration is
     measured alike. What no op creates (bagualu2's pinned host arena, filled by its copy engine)
     is host memory and is not counted. A storage is counted from the op that creates it until it
-    dies (checked at each op), at its full size.
+    dies (checked at each op), at its full size. A wrapper subclass (a functional collective's
+    result, a ``DTensor``) owns no memory of its own: the tensors it wraps are counted instead.
     """
 
     def __init__(self) -> None:
@@ -160,16 +161,31 @@ class AllocationMeter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self._sweep()
         # A view of an older storage (a weight's transpose) is not a new storage.
-        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                if storage._cdata not in self.live and storage._cdata not in inputs:
-                    self.live[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
-                    self.bytes += storage.nbytes()
+        inputs = {t.untyped_storage()._cdata for t in _plain_tensors((args, kwargs))}
+        for t in _plain_tensors(out):
+            storage = t.untyped_storage()
+            if storage._cdata not in self.live and storage._cdata not in inputs:
+                self.live[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+                self.bytes += storage.nbytes()
         self.peak = max(self.peak, self.bytes)
         self.window_peak = max(self.window_peak, self.bytes)
         return out
+
+
+def _plain_tensors(tree: Any) -> List[torch.Tensor]:
+    """The tensors in ``tree`` that own memory: a wrapper subclass (a functional collective's
+    ``AsyncCollectiveTensor``, a ``DTensor``) has a storage with a size but no data, so it
+    stands for the tensors it wraps."""
+    out: List[torch.Tensor] = []
+    stack = [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+    while stack:
+        t = stack.pop()
+        if is_traceable_wrapper_subclass(t):
+            inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
+            stack.extend(x for x in inner if isinstance(x, torch.Tensor))
+        else:
+            out.append(t)
+    return out
 
 
 def allocation_peak(fn: Callable[[], Any]) -> Tuple[Any, int]:

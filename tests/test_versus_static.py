@@ -49,6 +49,22 @@ def test_the_meter_counts_new_storages_while_they_live_and_never_views_of_older_
     assert meter.peak == 8192 and t.shape == (256, 256)
 
 
+def test_the_meter_counts_what_a_wrapper_subclass_wraps_not_its_dataless_storage() -> None:
+    # A functional collective's result (AsyncCollectiveTensor) and a DTensor are wrapper
+    # subclasses: their own storage has a size but no data. Counting it would charge memory that
+    # does not exist, to whichever configuration happens to make more of them (a detach of one).
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a, b = torch.randn(1024), torch.randn(1024)
+    x = TwoTensor(a, b)
+    with _bench().AllocationMeter() as meter:
+        y = x * 2                           # two new 4 KiB storages inside one wrapper
+        assert meter.bytes == 8192
+        z = y.detach()                      # views of the same two: nothing new
+        assert meter.bytes == 8192
+    assert meter.peak == 8192 and z.shape == (1024,)
+
+
 def test_the_meters_read_is_an_allocator_view_the_bytes_now_and_the_peak_since_the_last_read() -> None:
     meter = _bench().AllocationMeter()
     with meter:
