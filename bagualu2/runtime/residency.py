@@ -20,7 +20,8 @@ Invariants:
   storages, earlier micro-batches' first (``_make_room``; with an engine and an enforced
   budget only). In backward, a copy or rebuilt storage that more readers need is held for them
   only within the budget (else each reader reloads or rebuilds its own), and prefetches stop
-  at it: what backward holds stays within the budget beside what the forward left.
+  at it and at the ledger's high-water mark since the last forward began: what backward holds
+  stays within the budget beside what the forward left, and a prefetch makes no new peak.
 * Fallbacks never lose data: an offload without an engine, one the arena cannot take and one
   whose copy fails before its store exists return None, for the caller to fall back; a copy
   that fails later keeps its device source (``OffloadStore.settle``). A reload that fails
@@ -142,6 +143,8 @@ class Residency:
         frame.stats.leaf_bytes += storage.nbytes()
         if storage._cdata not in self.mode.nodes:
             frame.stats.outside_bytes += storage.nbytes()
+        else:
+            frame.stats.traced_pin_bytes += storage.nbytes()
         if self._crosses(storage.nbytes(), pins=True) and not self._make_room(frame, storage.nbytes()):
             self._count_violation(frame, storage.nbytes(), f"a tensor of shape {tuple(t.shape)} a recipe holds")
         return Pin(self.ledger, storage)
@@ -455,17 +458,28 @@ class Residency:
         # Backward meets a frame's stores in about reverse pack order: keep up to
         # ``prefetch_bytes`` of reloads pending below the one being unpacked. A cursor makes
         # this O(1) amortized per unpack; a new backward pass (retain_graph) starts it again.
+        # A prefetch only fills room that backward freed: it never lifts the ledger above its
+        # high-water mark since the last forward began. Backward's own working set (activation
+        # gradients) sits beside the ledger; at the budget's limit, prefetched copies would meet
+        # it at a whole-memory peak the forward never showed, which no excess learned from
+        # earlier windows accounts for.
         task = torch._C._current_graph_task_id()
         cursor = frame._prefetch_cursor
         if cursor > store.index - 1 or task != frame._prefetch_task:
             cursor = store.index - 1
             frame._prefetch_task = task
+        # Room below the high-water mark, less what the unpack itself reloads if not prefetched.
+        room = self.ledger.peak - self.ledger.resident
+        if store.prefetched is None and store.held is None:
+            room -= store.nbytes
         while cursor >= 0:
             other = frame._offloads[cursor]()
             if other is not None:
-                if frame._prefetch_pending + other.nbytes > self.prefetch_bytes or self._crosses(other.nbytes, pins=True):
+                if (frame._prefetch_pending + other.nbytes > self.prefetch_bytes or self._crosses(other.nbytes, pins=True)
+                        or other.nbytes > room):
                     break
-                other.prefetch(self.ledger)
+                if other.prefetch(self.ledger):
+                    room -= other.nbytes
             cursor -= 1
         frame._prefetch_cursor = cursor
 
