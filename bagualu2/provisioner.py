@@ -16,7 +16,8 @@ after the router has produced its tokens per expert and before any expert runs, 
 When calm, step 3 is skipped: the plan stays all-keep and the forward is not even traced (nor
 is any keep_all forward): it costs the saved-tensor hooks' bookkeeping only. Calm means that
 the worst routing the micro-batch could see fits the budget, or, with a copy engine, that the
-last micro-batch's routing does: a spike that then arrives unannounced is held under the
+last micro-batch's routing does, or overflows by no more than tracing itself would pin
+(``Footprint.calm``): a spike that then arrives unannounced is held under the
 budget by offloading (an untraced forward has no recipes to recompute from), and the
 micro-batches after it are traced, ready to plan, until one routes within the budget again.
 The runtime independently holds the ledger under the budget at every save (offloading or
@@ -481,11 +482,12 @@ class Provisioner:
         inputs = input_bytes(args, kwargs) if adaptive or frame.traced else 0
         if adaptive:
             # Leave room for the floor of each micro-batch that stacks on this rank before its
-            # next backward (pipeline warm-up), so the last of them still fits, and for what
-            # recipes will pin that nothing can release (labels the loss reads at the very end):
-            # it is charged when pinned.
+            # next backward (pipeline warm-up), so the last of them still fits, and, in a traced
+            # forward, for what recipes will pin that nothing can release (labels the loss reads
+            # at the very end): it is charged when pinned. An untraced forward has no recipes and
+            # pins nothing: held to the headroom, it would offload for pins that never come.
             limit = self.limits.limit()
-            headroom = self.footprint.pin_headroom(inputs, limit, self.limits.margin)
+            headroom = self.footprint.pin_headroom(inputs, limit, self.limits.margin) if frame.traced else 0
             frame.budget = Budget(limit, self.limits.reserve(), headroom)
         running = active()
         try:
@@ -509,7 +511,8 @@ class Provisioner:
         counts = self.routing.counts
         if frame.traced:
             stats = frame.stats
-            self.footprint.observe_held(stats.leaf_bytes + stats.outside_bytes, stats.outside_bytes, inputs)
+            self.footprint.observe_held(stats.leaf_bytes + stats.outside_bytes, stats.outside_bytes, inputs,
+                                        stats.traced_pin_bytes)
         if frame.profile:
             self.cost.observe(frame.saved_profile, counts, seconds, frame.unsaved_seconds)
             self.unplanned.profiled(self.model.training)

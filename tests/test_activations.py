@@ -10,7 +10,7 @@ import copy
 import gc
 import time
 import weakref
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -22,6 +22,7 @@ import bagualu2
 from bagualu2.runtime import ActivationRuntime, Frame
 from bagualu2.runtime import recipes
 from bagualu2.runtime.recipes import call_key, module_of
+from bagualu2.runtime.stores import OffloadStore
 from bagualu2.models import MoEConfig, MoETransformer
 from bagualu2.offload import CopyEngine, HostArena, OffloadHandle
 from bagualu2.plan.planner import Choice
@@ -802,6 +803,38 @@ def test_backward_prefetch_stays_in_its_window_in_every_pass(engine: CopyEngine,
     assert h.runtime.ledger.resident == 0
 
 
+def test_a_backward_prefetch_never_lifts_the_ledger_peak(engine: CopyEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefetch fills only room below the ledger's high-water mark since the forward began,
+    less what the unpack itself reloads: backward's activation gradients sit beside the ledger,
+    so a prefetch up to the budget would make a whole-memory peak the forward never showed. A
+    wide window is still used (reloads run ahead), and the results stay exact."""
+    model, tokens = make_model()
+    h = Harness(model, engine)
+    reference = loss_and_grads(model, h.forward(tokens, None))
+    h.runtime.prefetch_bytes = 1 << 40
+    frame = Frame(default=Choice.OFFLOAD)
+    loss = h.forward(tokens, frame)
+    ledger, lifted, started = h.runtime.ledger, [], []
+    prefetch = OffloadStore.prefetch
+
+    def watched(store: OffloadStore, to: Any) -> bool:
+        before = ledger.peak
+        ok = prefetch(store, to)
+        if ok:
+            started.append(store.nbytes)
+            if ledger.peak > before:
+                lifted.append((store.key, before, ledger.peak))
+        return ok
+
+    monkeypatch.setattr(OffloadStore, "prefetch", watched)
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    assert_bitwise(reference, (loss.detach(), [p.grad for p in model.parameters()]))
+    assert started and not lifted, lifted[:5]
+    del loss, frame
+    assert ledger.resident == 0
+
+
 @pytest.mark.parametrize("choice", list(Choice))
 def test_graph_dropped_without_backward_frees_everything(engine: CopyEngine, choice: Choice) -> None:
     model, tokens = make_model()
@@ -1247,6 +1280,8 @@ def test_an_in_place_write_no_recipe_keeps_pins_nothing_it_reads() -> None:
         loss = (acc.tanh() * h).sum()
         assert rt.mode.nodes[acc.untyped_storage()._cdata].why_not.endswith("created after it")
     assert frame.stats.leaf_bytes == acc.untyped_storage().nbytes() and frame.stats.outside_bytes == 0
+    # ``acc`` was made inside the forward: an untraced forward would not hold it for a recipe.
+    assert frame.stats.traced_pin_bytes == acc.untyped_storage().nbytes()
     loss.backward()
     del loss
     assert rt.ledger.resident == 0

@@ -1066,6 +1066,29 @@ def test_untraced_and_traced_forwards_hold_a_budget_between_calm_and_spike(trace
     assert prov.report()["resident_bytes"] == 0 and prov.report()["arena_in_use_bytes"] == 0
 
 
+def test_an_overflow_no_larger_than_what_tracing_pins_is_left_to_untraced_offloading() -> None:
+    """With a copy engine, a micro-batch whose last routing overflows the room by no more than
+    a traced forward's recipes pin of its own storages is not traced: tracing would hold those
+    bytes besides, so it would have to release at least twice the overflow, where the untraced
+    forward offloads the overflow alone. Without an engine nothing could hold it untraced."""
+    model = make_model(ep_size=4)
+    prov = bagualu2.enable(model, budget=1 << 40, min_bytes=0)
+    for i in range(3):
+        step(model, i)
+    fp = prov.footprint
+    room = fp.last_bytes + fp.outside_held - 1000  # the last routing overflows by 1000 bytes
+    fp.worst_bytes = 1 << 62  # the worst routing never fits: only the last one decides
+    fp.traced_bytes = 0
+    assert not fp.calm(room, can_offload=True)
+    fp.observe_held(pinned=5000, outside=0, inputs=1, traced=999)
+    assert not fp.calm(room, can_offload=True), "999 pinned bytes do not cover a 1000-byte overflow"
+    fp.observe_held(pinned=5000, outside=0, inputs=1, traced=1000)
+    assert fp.traced_bytes == 1000 and fp.calm(room, can_offload=True)
+    assert not fp.calm(room, can_offload=False)
+    fp.observe_held(pinned=5000, outside=0, inputs=1, traced=10)
+    assert fp.traced_bytes == 1000, "the most any traced forward pinned, never less"
+
+
 def test_without_a_copy_engine_only_the_worst_routing_makes_a_forward_calm() -> None:
     model = make_model(ep_size=4)
     budget = int(keep_all_peak(model) * 1.05)

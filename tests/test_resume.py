@@ -153,12 +153,28 @@ def test_a_version_1_state_loads_with_its_grouped_operators_read_as_grouped(prof
         entry = profiled.state_dict()["rank_0"]
     finally:
         op.expert = was
-    assert VERSION == 3
+    assert VERSION == 4
     fresh = bagualu2.enable(make_model(), budget=profiled.budget, min_bytes=0)
     fresh.load_state_dict({"rank_0": {**entry, "version": 1}})
     assert fresh.cost.ops[key].expert == GROUPED
     assert [o.expert for k, o in fresh.cost.ops.items() if k != key] == \
         [o.expert for k, o in profiled.cost.ops.items() if k != key]
+
+def test_a_version_3_state_loads_as_one_that_saw_no_tracing_pins(profiled: Any) -> None:
+    """Version 3's footprint did not learn what tracing pins (``traced_bytes``): such a state
+    loads as one that has seen none yet, and the rest of what it learned is kept."""
+    fp = profiled.footprint
+    had = fp.traced_bytes
+    del fp.traced_bytes  # what version 3 wrote
+    try:
+        entry = profiled.state_dict()["rank_0"]
+    finally:
+        fp.traced_bytes = had
+    fresh = bagualu2.enable(make_model(), budget=profiled.budget, min_bytes=0)
+    fresh.load_state_dict({"rank_0": {**entry, "version": 3}})
+    assert fresh.footprint.traced_bytes == 0
+    assert fresh.footprint.worst_bytes == fp.worst_bytes and fresh.footprint.pinned_bytes == fp.pinned_bytes
+
 
 # torch warns that a save without a process group is a single process's: that is the intent here.
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

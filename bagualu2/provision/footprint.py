@@ -4,10 +4,12 @@ saves, and the room that leaves under the budget.
 Owns ``Footprint``: the floor (anchors and the small and fixed storages no plan releases), the
 hard floor (what not even the runtime could release at the last routing), what recipes pin and
 inputs saved from outside the forward hold (in all and per byte of the forward's tensor
-arguments), and the saved bytes of the last and of the worst routing. From them it answers the
+arguments; and of the pins, those of storages made inside the forward, which only tracing holds),
+and the saved bytes of the last and of the worst routing. From them it answers the
 provisioner's questions about room: the reserve for the micro-batches stacking on this one
 (``reserve``), the headroom a forward keeps for what it will pin (``pin_headroom``), whether a
-micro-batch is calm (``calm``: no release expected, so its forward need not be traced), and
+micro-batch is calm (``calm``: no release expected, or none that an untraced forward's
+offloads would not make more cheaply, so its forward need not be traced), and
 whether it is feasible at all (``check_feasible``: refused before it allocates anything).
 
 Invariants: the floor, the pins and the outside bytes are the most any micro-batch seen so far
@@ -45,14 +47,17 @@ class Footprint:
         # outside), in all and per byte of the forward's tensor arguments.
         self.pinned_bytes: Optional[int] = None
         self.pinned_per_input = 0.0
+        self.traced_bytes = 0  # most bytes a traced forward's recipes pinned of storages made in it
         self.worst_bytes: Optional[int] = None  # saved bytes of the worst possible routing
         self.last_bytes: Optional[int] = None  # saved bytes of the last micro-batch's routing
 
     # -- learning ---------------------------------------------------------------------------
-    def observe_held(self, pinned: int, outside: int, inputs: int) -> None:
+    def observe_held(self, pinned: int, outside: int, inputs: int, traced: int = 0) -> None:
         """A traced forward with ``inputs`` bytes of tensor arguments held ``pinned`` bytes that
-        no plan releases, ``outside`` of them from outside the forward."""
+        no plan releases, ``outside`` of them from outside the forward, ``traced`` of them made
+        inside it and held only because recipes read them (an untraced forward would not)."""
         self.pinned_bytes = max(self.pinned_bytes or 0, pinned)
+        self.traced_bytes = max(self.traced_bytes, traced)
         self.pinned_per_input = max(self.pinned_per_input, pinned / max(1, inputs))
         self.outside_held = max(self.outside_held, outside)
 
@@ -94,17 +99,20 @@ class Footprint:
         return max(inputs, int((budget or 0) * margin))
 
     def calm(self, room: int, can_offload: bool) -> bool:
-        """Whether a micro-batch is not expected to need a release, with ``room`` bytes left
-        under the budget's target: even the worst routing it could see fits, or, when a copy
-        engine can offload what an unexpected spike brings (the runtime does so in untraced
-        forwards), the last micro-batch's routing does. The micro-batches after a heavy
+        """Whether a micro-batch need not be traced, with ``room`` bytes left under the
+        budget's target: even the worst routing it could see fits, or, when a copy engine can
+        offload what an unexpected spike brings (the runtime does so in untraced forwards), the
+        last micro-batch's routing fits, or overflows by no more than tracing would itself pin
+        (``traced_bytes``): a traced forward holds those bytes besides, so to release the
+        overflow it would release at least twice as much, where the untraced one offloads the
+        overflow alone as its last saves cross the budget. The micro-batches after a heavy
         routing are so traced, ready to plan, until one routes within the room again: a run of
         spikes is planned from its second on, and the micro-batch after an isolated one is the
         only calm one traced."""
         room -= self.outside_held  # what the forward saves from outside it (its inputs)
         if self.worst_bytes is not None and self.worst_bytes <= room:
             return True
-        return can_offload and self.last_bytes is not None and self.last_bytes <= room
+        return can_offload and self.last_bytes is not None and self.last_bytes <= room + self.traced_bytes
 
     def check_feasible(self, budget: int, resident: int, movable: Callable[[], int], what: str) -> None:
         """Refuse micro-batch ``what`` when no plan can fit it, before it allocates anything.

@@ -41,17 +41,24 @@ from bagualu2.provision.excess import WholeMemory
 
 __all__ = ["VERSION", "load", "rank_key", "save", "signature"]
 
-VERSION = 3
-"""3: the excess an allocator view taught (``provision/excess.py``) is a piece; a version-2 or -1
-state is read with nothing learned of it. 2: the cost model's grouped-expert index became
+VERSION = 4
+"""4: the footprint learns what tracing itself pins (``Footprint.traced_bytes``); a version-3 (or
+older) state is read with none seen yet. 3: the excess an allocator view taught
+(``provision/excess.py``) is a piece; a version-2 or -1 state is read with nothing learned of it. 2: the cost model's grouped-expert index became
 ``GROUPED = -2`` (it was -1, the value of ``SIZE``); a version-1 state is still read, its grouped
 operators' -1 as ``GROUPED``."""
 _FIELDS = ("version", "gates", "modules", "learned")
 
 
+def _from_version_3(fields: Dict[str, Any]) -> None:
+    """A version-3 footprint never measured what tracing pins: read as none seen yet."""
+    fields.get("footprint", {}).setdefault("traced_bytes", 0)
+
+
 def _from_version_2(fields: Dict[str, Any]) -> None:
     """A version-2 state has no excess piece: it is read as one that learned nothing."""
     fields.setdefault("excess", dict(vars(WholeMemory())))
+    _from_version_3(fields)
 
 
 def _from_version_1(fields: Dict[str, Any]) -> None:
@@ -65,7 +72,7 @@ def _from_version_1(fields: Dict[str, Any]) -> None:
 
 
 # version -> what brings its fields to this one
-_READS = {1: _from_version_1, 2: _from_version_2, VERSION: lambda fields: None}
+_READS = {1: _from_version_1, 2: _from_version_2, 3: _from_version_3, VERSION: lambda fields: None}
 
 
 def rank_key() -> str:

@@ -44,6 +44,7 @@ class FrameStats:
     violations: int = 0
     leaf_bytes: int = 0         # storages recipes pin as they are (inputs, storages written in place)
     outside_bytes: int = 0      # storages from outside the forward it holds, saved or pinned
+    traced_pin_bytes: int = 0   # storages made inside the forward that recipes pin (tracing's own)
     room_made_bytes: int = 0    # kept storages (of it or earlier frames) offloaded to make room
     peak_resident: int = 0      # ledger high-water mark while this frame's forward ran
     rerun_blocks: int = 0       # block calls run untraced, to be rerun whole in backward
