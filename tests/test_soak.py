@@ -53,8 +53,10 @@ def test_a_500_micro_batch_pressure_soak_on_two_ep_ranks_holds_each_budget_and_l
         assert end["arena_capacity_bytes"] == middle["arena_capacity_bytes"], r
         assert r["rss_growth_middle_to_end"] < 0.02, r["snapshots"]
         assert r["peak_bytes"] <= r["budget_bytes"]
-    # The spikes were aimed at both ranks, gates decided (after a spike, micro-batches are traced),
-    # and spikes that lasted were planned for: a gate's plan released something.
+    # The spikes were aimed at both ranks, gates decided (the profiled and calibrating micro-batches
+    # are traced), and each rank released something for its spikes: at its gates (a plan), or,
+    # where a spike overflows by no more than tracing itself would pin, as its untraced forward
+    # saved (the runtime's offloads, counted as fallbacks).
     assert all(r["spikes_aimed_here"] > 0 for r in result["ranks"])
     assert all(r["decisions"] > 0 for r in result["ranks"])
-    assert sum(r["planned_micro_batches"] for r in result["ranks"]) > 0, result["ranks"]
+    assert all(r["planned_micro_batches"] + r["fallbacks"] > 0 for r in result["ranks"]), result["ranks"]
