@@ -52,7 +52,7 @@ class Footprint:
         self.last_bytes: Optional[int] = None  # saved bytes of the last micro-batch's routing
 
     # -- learning ---------------------------------------------------------------------------
-    def observe_held(self, pinned: int, outside: int, inputs: int, traced: int = 0) -> None:
+    def observe_held(self, pinned: int, outside: int, inputs: int, traced: int) -> None:
         """A traced forward with ``inputs`` bytes of tensor arguments held ``pinned`` bytes that
         no plan releases, ``outside`` of them from outside the forward, ``traced`` of them made
         inside it and held only because recipes read them (an untraced forward would not)."""

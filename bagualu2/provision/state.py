@@ -44,9 +44,9 @@ __all__ = ["VERSION", "load", "rank_key", "save", "signature"]
 VERSION = 4
 """4: the footprint learns what tracing itself pins (``Footprint.traced_bytes``); a version-3 (or
 older) state is read with none seen yet. 3: the excess an allocator view taught
-(``provision/excess.py``) is a piece; a version-2 or -1 state is read with nothing learned of it. 2: the cost model's grouped-expert index became
-``GROUPED = -2`` (it was -1, the value of ``SIZE``); a version-1 state is still read, its grouped
-operators' -1 as ``GROUPED``."""
+(``provision/excess.py``) is a piece; a version-2 or -1 state is read with nothing learned of it.
+2: the cost model's grouped-expert index became ``GROUPED = -2`` (it was -1, the value of
+``SIZE``); a version-1 state is still read, its grouped operators' -1 as ``GROUPED``."""
 _FIELDS = ("version", "gates", "modules", "learned")
 
 
