@@ -12,6 +12,7 @@ from bagualu2.plan.planner import Choice, Plan
 from bagualu2.runtime.frame import checked_choices
 from bagualu2.runtime.gates import GateSpec
 from bagualu2.runtime.recipes import is_plain
+from bagualu2.shared import is_region_key
 
 
 def host_memory_bytes() -> int:
@@ -79,7 +80,7 @@ def checked_plan(plan: Mapping[str, Choice], model: torch.nn.Module, compiled: b
     one, key ``':compiled'``)."""
     import difflib
 
-    from bagualu2.runtime.regions import is_compiled, is_region_key
+    from bagualu2.runtime.regions import is_compiled
 
     choices = checked_choices(plan)
     modules = [name for name, _ in model.named_modules()]

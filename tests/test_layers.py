@@ -153,3 +153,29 @@ def test_only_the_command_line_imports_the_package_root() -> None:
     found = [line for module, path in _modules() for line in _root_imports(module, path)]
     assert not found, ("imports of the package root below the command line (import the module that "
                        "defines the name instead):\n" + "\n".join(found))
+
+
+# --- the frame's runtime-owned part ---------------------------------------------------------------
+
+
+def _runtime_state_readers(module: str, path: Path, source: str) -> List[str]:
+    """Where a module outside ``bagualu2.runtime`` reads or writes a frame's ``runtime_state``
+    (the runtime's own ``FrameRun``: its owner alone changes how it is laid out)."""
+    if _component(module) == "bagualu2.runtime":
+        return []
+    return [f"{path.relative_to(ROOT)}:{node.lineno}: .runtime_state"
+            for node in ast.walk(ast.parse(source, str(path)))
+            if isinstance(node, ast.Attribute) and node.attr == "runtime_state"]
+
+
+def test_only_the_runtime_touches_a_frames_runtime_state() -> None:
+    found = [line for module, path in _modules() for line in _runtime_state_readers(module, path, path.read_text())]
+    found += [line for path in sorted((ROOT / "benchmarks").glob("*.py"))
+              for line in _runtime_state_readers("benchmarks", path, path.read_text())]
+    assert not found, "a frame's runtime state reached from outside the runtime (ask through Frame):\n" + \
+        "\n".join(found)
+    # and the check sees what it flags
+    assert _runtime_state_readers("bagualu2.provision.example", PACKAGE / "provision" / "example.py",
+                                  "frame.runtime_state.offloads\n")
+    assert not _runtime_state_readers("bagualu2.runtime.example", PACKAGE / "runtime" / "example.py",
+                                      "frame.runtime_state.offloads\n")

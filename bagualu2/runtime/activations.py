@@ -52,7 +52,6 @@ import weakref
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
 from bagualu2.shared import Choice, Event
@@ -171,9 +170,9 @@ class ActivationRuntime(CompiledRegions):
                     self.mode.place(frame.traced)
                     yield frame
                 finally:
-                    if frame._region is not None:  # the region raised: its exit did not run
+                    if frame.runtime_state.region is not None:  # the region raised: its exit did not run
                         self.region_leave()
-                    if frame._rerun is not None:  # the block raised: its forward hook did not run
+                    if frame.runtime_state.rerun is not None:  # the block raised: its forward hook did not run
                         self._close_rerun(frame)
                     self.mode.place(False)
             if frame.strict:
@@ -208,10 +207,10 @@ class ActivationRuntime(CompiledRegions):
             if node.offloaded:
                 node.anchor = None
         frame.anchors = []
-        frame._untraced_offloads = {}
-        frame._recomputed = set()
-        frame._rerun = None
-        frame._region = None
+        frame.runtime_state.untraced_offloads = {}
+        frame.runtime_state.recomputed = set()
+        frame.runtime_state.rerun = None
+        frame.runtime_state.region = None
         self.mode.reset()  # the frame's nodes, and the anchors they pin
         self._clear_left_scopes()
         self._frame_owner = None
@@ -311,10 +310,10 @@ class ActivationRuntime(CompiledRegions):
             def enter(mod: torch.nn.Module, args: tuple, kwargs: Dict[str, Any], _name: str = name,
                       _block: int = block, _rerunnable: bool = rerunnable) -> None:
                 frame = self._frame
-                if frame is None or not frame.traced or self.mode.suspended or frame._rerun is not None:
+                if frame is None or not frame.traced or self.mode.suspended or frame.runtime_state.rerun is not None:
                     return
                 if _block == 2:
-                    frame.past_blocks = False
+                    frame.runtime_state.past_blocks = False
                     if _rerunnable and frame.rerun_blocks and self._open_rerun(frame, mod, _name, args, kwargs):
                         return
                     self._traced_blocks.add(_name)
@@ -326,14 +325,14 @@ class ActivationRuntime(CompiledRegions):
                 frame = self._frame
                 if frame is None or not frame.traced or self.mode.suspended:
                     return
-                if frame._rerun is not None:
-                    if frame._rerun.module is mod:
+                if frame.runtime_state.rerun is not None:
+                    if frame.runtime_state.rerun.module is mod:
                         self._close_rerun(frame)
-                        frame.past_blocks = True
+                        frame.runtime_state.past_blocks = True
                     return
                 self.mode.pop_module()
                 if _block == 2:
-                    frame.past_blocks = True
+                    frame.runtime_state.past_blocks = True
 
             hooks.append((module, AttachedHook(enter), AttachedHook(leave)))
         attachment = _Attachment(self, hooks, calls)
@@ -369,12 +368,12 @@ class ActivationRuntime(CompiledRegions):
         if name not in self._traced_blocks or name in self.mode.side_effect_modules:
             return False
         self.mode.place(False)  # off torch's dispatch stack: the block's ops skip Python
-        frame._rerun = BlockRerun(module, name, flat, spec, self._pin_leaf, lambda s: Pin(self.ledger, s))
+        frame.runtime_state.rerun = BlockRerun(module, name, flat, spec, self._pin_leaf, lambda s: Pin(self.ledger, s))
         frame.stats.rerun_blocks += 1
         return True
 
     def _close_rerun(self, frame: Frame) -> None:
-        record, frame._rerun = frame._rerun, None
+        record, frame.runtime_state.rerun = frame.runtime_state.rerun, None
         frame.stats.bytes_by_choice["recompute"] += sum(record.storages.values())
         record.storages.clear()  # counted: the graph need not hold the addresses
         self.mode.place(True)
@@ -397,11 +396,11 @@ class ActivationRuntime(CompiledRegions):
         frame = self._frame
         if frame is None:
             return t
-        if frame._region is not None:
-            return self._pack_region(frame, frame._region, t)
-        if frame._rerun is not None:
+        if frame.runtime_state.region is not None:
+            return self._pack_region(frame, frame.runtime_state.region, t)
+        if frame.runtime_state.rerun is not None:
             frame.stats.packed += 1
-            return frame._rerun.save(t, counted=is_plain(t) and not self._is_parameter(t))
+            return frame.runtime_state.rerun.save(t, counted=is_plain(t) and not self._is_parameter(t))
         if self._is_parameter(t):
             return _uncounted(t)
         self.mode.suspended += 1  # the runtime's own ops are not part of the model
@@ -428,7 +427,7 @@ class ActivationRuntime(CompiledRegions):
         Written for its cost: each lookup is made once (``is_plain`` inlined where it would
         repeat one; the budget check and the count are one step of the ledger's)."""
         frame = self._frame
-        if (frame is None or self._inflight or frame._untraced_offloads
+        if (frame is None or self._inflight or frame.runtime_state.untraced_offloads
                 or torch._C._len_torch_dispatch_stack() or type(t) not in _PLAIN_TYPES
                 or t.layout != _STRIDED or t.is_nested):
             return self._pack(t)
@@ -487,7 +486,7 @@ class ActivationRuntime(CompiledRegions):
             stats.regenerated_bytes += nbytes
             self._add_reader(node, state)
             return _Recomputed(node, state, meta, source)
-        if frame.past_blocks and frame.after_blocks is not None:
+        if frame.runtime_state.past_blocks and frame.after_blocks is not None:
             frame.choices.setdefault(node.key, frame.after_blocks)
         choice = frame.choice(node.key)
         if choice == Choice.KEEP and self._over_budget(storage):
@@ -524,8 +523,7 @@ class ActivationRuntime(CompiledRegions):
     def _pack_untraced(self, frame: Frame, t: torch.Tensor, storage: torch.UntypedStorage) -> Any:
         """Keep, unless that would cross an enforced budget: then offload (no recipe exists to
         recompute from). A storage offloaded earlier in the frame, unchanged, is shared."""
-        found = frame._untraced_offloads.get(storage._cdata) if frame._untraced_offloads else None
-        store = found[2]() if found is not None and not found[0].expired() and found[1] == t._version else None
+        store = frame.runtime_state.offloaded(storage, t._version)
         if store is not None:
             frame.stats.shared_bytes += storage.nbytes()
             return _Offloaded(store, view_meta(t), None, t._version, t)
@@ -538,17 +536,17 @@ class ActivationRuntime(CompiledRegions):
         if store is None:
             return self._violate(frame, t, f"a saved tensor of shape {tuple(t.shape)} (untraced forward)")
         frame.stats.fallbacks.append(f"untraced forward over budget: offloaded {storage.nbytes()} bytes")
-        frame._untraced_offloads[storage._cdata] = (StorageWeakRef(storage), t._version, weakref.ref(store))
+        frame.runtime_state.note_offload(storage, t._version, store)
         return _Offloaded(store, view_meta(t), None, t._version, t)
 
     def _recompute(self, frame: Frame, node: StorageNode, state: int, meta: ViewMeta) -> "_Recomputed":
-        if (id(node), state) in frame._recomputed:  # another saved view of a released storage
+        if (id(node), state) in frame.runtime_state.recomputed:  # another saved view of a released storage
             frame.stats.shared_bytes += node.nbytes
         else:
-            frame._recomputed.add((id(node), state))
+            frame.runtime_state.recomputed.add((id(node), state))
             frame.stats.bytes_by_choice["recompute"] += node.nbytes
             if self.on_frame_start.subscribers:
-                frame._recomputes.append((node.key, weakref.ref(node), state))
+                frame.runtime_state.recomputes.append((node.key, weakref.ref(node), state))
         self._add_reader(node, state)
         return _Recomputed(node, state, meta)
 

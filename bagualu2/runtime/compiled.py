@@ -28,11 +28,9 @@ of bagualu2 runs inside the compiled code but ``report_gate``.
 from __future__ import annotations
 
 import time
-import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
@@ -73,19 +71,19 @@ class CompiledRegions(Residency):
 
         def enter(mod: torch.nn.Module, args: tuple, kwargs: Dict[str, Any]) -> None:
             frame = self._frame
-            if frame is None or not frame.traced or self.mode.suspended or frame._rerun is not None:
+            if frame is None or not frame.traced or self.mode.suspended or frame.runtime_state.rerun is not None:
                 return
             if block:
-                frame.past_blocks = False
+                frame.runtime_state.past_blocks = False
             self.region_enter(mod, name, args, kwargs, rerunnable)
 
         def leave(mod: torch.nn.Module, args: tuple, out: Any, failed: bool = False) -> None:
             frame = self._frame
-            if frame is None or frame._region is None:
+            if frame is None or frame.runtime_state.region is None:
                 return
             self.region_leave()
             if block:
-                frame.past_blocks = True
+                frame.runtime_state.past_blocks = True
 
         return enter, leave
 
@@ -94,7 +92,8 @@ class CompiledRegions(Residency):
         """A region call begins (``module``: what a rerun calls again with ``args``; not
         ``rerunnable``: never recomputed)."""
         frame = self._frame
-        if frame is None or frame._region is not None or frame._rerun is not None or is_recomputing():
+        run = frame.runtime_state if frame is not None else None
+        if run is None or run.region is not None or run.rerun is not None or is_recomputing():
             return
         modes = _get_current_dispatch_mode_stack()
         tracing = bool(modes) and modes[-1] is self.mode
@@ -107,7 +106,7 @@ class CompiledRegions(Residency):
             if unrestorable(flat) is None:
                 rerun = BlockRerun(module, path or "the compiled model", flat, spec, self._pin_leaf,
                                    lambda s: Pin(self.ledger, s))
-        frame._region = RegionState(key, rerun, tracing)
+        frame.runtime_state.region = RegionState(key, rerun, tracing)
 
     def region_running(self) -> Optional[Tuple[str, Choice, int]]:
         """The compiled region call running in the frame now, once its first save has read its
@@ -116,7 +115,7 @@ class CompiledRegions(Residency):
         graph break splits fires after the part before the break saved: the region is no
         longer the gate's to plan, and what it saved is already resident."""
         frame = self._frame
-        state = frame._region if frame is not None else None
+        state = frame.runtime_state.region if frame is not None else None
         if state is None or state.choice is None:
             return None
         return state.key, state.choice, sum(state.storages.values())
@@ -124,10 +123,10 @@ class CompiledRegions(Residency):
     def region_leave(self) -> None:
         """The region call running in the frame ended (returned or raised)."""
         frame = self._frame
-        state = frame._region if frame is not None else None
+        state = frame.runtime_state.region if frame is not None else None
         if state is None:
             return
-        frame._region = None
+        frame.runtime_state.region = None
         if state.tracing:
             self.mode.__enter__()
         nbytes = sum(state.storages.values())
@@ -163,8 +162,7 @@ class CompiledRegions(Residency):
             return _uncounted(t)
         storage = t.untyped_storage()
         state.storages.setdefault(storage._cdata, storage.nbytes())
-        found = frame._untraced_offloads.get(storage._cdata) if frame._untraced_offloads else None
-        store = found[2]() if found is not None and not found[0].expired() and found[1] == t._version else None
+        store = frame.runtime_state.offloaded(storage, t._version)
         if store is not None:  # another saved view of a storage offloaded in this frame
             frame.stats.shared_bytes += storage.nbytes()
             return _Offloaded(store, view_meta(t), None, t._version, t)
@@ -183,6 +181,6 @@ class CompiledRegions(Residency):
             if self._over_budget(storage):
                 return self._violate(frame, t, state.key)
             return self._keep(frame, t, storage)
-        frame._untraced_offloads[storage._cdata] = (StorageWeakRef(storage), t._version, weakref.ref(store))
+        frame.runtime_state.note_offload(storage, t._version, store)
         return _Offloaded(store, view_meta(t), None, t._version, t)
 

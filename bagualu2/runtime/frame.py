@@ -1,7 +1,8 @@
 """A frame: one micro-batch's forward through a provisioned module, and what it is held to.
 
-Owns ``Frame`` (the plan a forward runs under and the per-frame state the runtime keeps while
-its activations live), ``FrameStats`` (what the forward did with them), ``Budget`` (the bytes
+Owns ``Frame`` (the plan a forward runs under and what it reports), ``FrameRun`` (the state the
+runtime keeps of it while its activations live, its own), ``FrameStats`` (what the forward did
+with its saves), ``Budget`` (the bytes
 it is held to), ``checked_choices`` (the one check a plan's entries get wherever a plan
 enters), and what a forward's traced nodes say about its plan and saves once it ends
 (``check_keys``, ``profile_saves``). The runtime (``bagualu2.runtime.activations``) drives a
@@ -25,10 +26,13 @@ from bagualu2.runtime.rerun import BlockRerun
 from bagualu2.runtime.recipes import StorageNode, step_inputs
 
 if TYPE_CHECKING:
+    import torch
+
     from bagualu2.runtime.compiled import RegionState
     from bagualu2.runtime.stores import OffloadStore
 
-__all__ = ["Budget", "Frame", "FrameStats", "SavesProfile", "check_keys", "checked_choices", "profile_saves"]
+__all__ = ["Budget", "Frame", "FrameRun", "FrameStats", "SavesProfile", "check_keys", "checked_choices",
+           "profile_saves"]
 
 
 @dataclass
@@ -64,8 +68,49 @@ def checked_choices(choices: Mapping[str, Choice]) -> Dict[str, Choice]:
     return out
 
 
+class FrameRun:
+    """The runtime's own state of one frame: where its forward is (the block or compiled region
+    running untraced now, whether it is past its last block), and what backward needs of it
+    for as long as its host copies live (their list and the prefetch cursor over it, the
+    storages released by recompute). Written and read by ``bagualu2.runtime`` only; the
+    provisioner asks through ``Frame``'s fields and reads what the forward reports."""
+
+    __slots__ = ("past_blocks", "rerun", "region", "offloads", "prefetch_cursor", "prefetch_task",
+                 "prefetch_pending", "recomputes", "untraced_offloads", "recomputed")
+
+    def __init__(self) -> None:
+        self.past_blocks = False  # an outermost block ended, and none has begun since
+        self.rerun: Optional[BlockRerun] = None  # the block running untraced now
+        self.region: Optional["RegionState"] = None  # the compiled region call running now
+        self.offloads: List["weakref.ref[OffloadStore]"] = []  # in pack (forward) order
+        self.prefetch_cursor = 1 << 62  # next store index backward may prefetch (lazy issue)
+        self.prefetch_task = -1  # the backward pass the cursor belongs to
+        self.prefetch_pending = 0  # bytes prefetched and not used yet
+        # released by recompute; recorded only while an overlap driver observes frames
+        self.recomputes: List[Tuple[str, "weakref.ref[StorageNode]", int]] = []
+        # Untraced frames, while the forward runs: storages offloaded without a node
+        # (address -> the storage's weak ref, its version, the store's weak ref)
+        self.untraced_offloads: Dict[int, Tuple[StorageWeakRef, int, "weakref.ref[OffloadStore]"]] = {}
+        self.recomputed: Set[Tuple[int, int]] = set()  # (id(node), state) of storages released by recompute
+
+    def offloaded(self, storage: "torch.UntypedStorage", version: int) -> Optional["OffloadStore"]:
+        """The host copy this untraced forward made of ``storage`` while it is unchanged (at
+        ``version``), for another saved view of it; else None."""
+        found = self.untraced_offloads.get(storage._cdata) if self.untraced_offloads else None
+        return found[2]() if found is not None and not found[0].expired() and found[1] == version else None
+
+    def note_offload(self, storage: "torch.UntypedStorage", version: int, store: "OffloadStore") -> None:
+        """``storage`` (at ``version``) was offloaded to ``store`` without a node: ``offloaded``
+        finds it."""
+        self.untraced_offloads[storage._cdata] = (StorageWeakRef(storage), version, weakref.ref(store))
+
+
 class Frame:
-    """One micro-batch's forward through a provisioned module.
+    """One micro-batch's forward through a provisioned module, in three parts by owner: what
+    its caller asks of it (the plan, the budget, the flags below ``__init__``'s arguments; a
+    gate installs a plan through ``replan``), what the forward reports (``stats``,
+    ``keys_seen``, the profile, ``anchors``: written by the runtime, read by everyone else),
+    and the runtime's own state (``runtime_state``, a ``FrameRun``).
 
     ``choices`` maps operator keys to a ``Choice``; keys not in it get ``default``. The
     provisioner may update ``choices`` while the forward runs (at MoE gating): a storage's
@@ -80,7 +125,6 @@ class Frame:
         # block (a transformer's final norm, output layer and loss); None: ``default`` there too.
         # The runtime enters it in ``choices`` as each such key is saved.
         self.after_blocks: Optional[Choice] = None
-        self.past_blocks = False  # set by the runtime: an outermost block ended, none has begun
         # True: every outermost block recomputes all it saves, by rerunning the block in
         # backward (``BlockRerun``, as torch.utils.checkpoint does); the blocks run untraced, so
         # ``choices`` and ``keys_seen`` hold only the operators outside them. Blocks holding
@@ -88,10 +132,6 @@ class Frame:
         # recomputed op by op (``default``) instead, and so are block calls with an argument
         # that is neither a tensor nor a plain value (a KV cache the forward appends to).
         self.rerun_blocks = False
-        self._rerun: Optional[BlockRerun] = None  # the block running untraced now
-        self._region: Optional["RegionState"] = None  # the compiled region call running now
-        # Profiled frames: compiled region key -> (saved bytes, forward seconds) of its call
-        self.region_profile: Dict[str, Tuple[int, float]] = {}
         self.strict = strict  # a key in ``choices`` that names no op of the forward is an error
         # What the forward is held to; None: the runtime's ``budget_bytes``, all of it.
         self.budget: Optional[Budget] = None
@@ -99,14 +139,10 @@ class Frame:
         # need a release (an ample budget): they then cost about what the saved-tensor hooks cost.
         self.traced = True
         self.index = index
-        self.stats = FrameStats()
-        self.keys_seen: Dict[str, int] = {}  # operator key -> storage bytes, first save
         self.profile = False  # time every op, and fill ``saved_profile`` when the forward ends
         # set by the provisioner: this micro-batch releases all it can, to measure what releases
         # cost, and decides nothing at its gates (``provision/calibration.py``)
         self.calibrating = False
-        self.saved_profile: Dict[str, SavedOp] = {}  # key -> what the profiled forward measured of it
-        self.unsaved_seconds: Dict[str, float] = {}  # those unsaved inputs' own seconds
         # Overlap scheduling (bagualu2.integrations.pipeline.overlap_driver.OverlapDriver):
         # ``on_saved`` calls ``fn(key)`` once per operator key of a traced forward, right after
         # the first activation of that key is packed (the op has run); with ``scheduled`` set,
@@ -114,19 +150,20 @@ class Frame:
         # issues them.
         self.on_saved = Event("saved")
         self.scheduled = False
-        self._offloads: List["weakref.ref[OffloadStore]"] = []
-        self._prefetch_cursor = 1 << 62  # next store index backward may prefetch (lazy issue)
-        self._prefetch_task = -1  # the backward pass the cursor belongs to
-        self._prefetch_pending = 0  # bytes prefetched and not used yet
-        # released by recompute; recorded only while an overlap driver observes frames
-        self._recomputes: List[Tuple[str, "weakref.ref[StorageNode]", int]] = []
+
+        # -- what the forward reports: written by the runtime, read by everyone else ----------
+        self.stats = FrameStats()
+        self.keys_seen: Dict[str, int] = {}  # operator key -> storage bytes, first save
+        self.saved_profile: Dict[str, SavedOp] = {}  # key -> what the profiled forward measured of it
+        self.unsaved_seconds: Dict[str, float] = {}  # those unsaved inputs' own seconds
+        # Profiled frames: compiled region key -> (saved bytes, forward seconds) of its call
+        self.region_profile: Dict[str, Tuple[int, float]] = {}
         # The storages this forward holds as anchors: inputs that rebuilds start from, kept
         # whatever the plan says (the planner is told: ``CostModel.candidates``' ``fixed``).
         self.anchors: List[StorageNode] = []
-        # Untraced frames, while the forward runs: storages offloaded without a node
-        # (address -> the storage's weak ref, its version, the store's weak ref)
-        self._untraced_offloads: Dict[int, Tuple[StorageWeakRef, int, "weakref.ref[OffloadStore]"]] = {}
-        self._recomputed: Set[Tuple[int, int]] = set()  # (id(node), state) of storages released by recompute
+
+        # -- the runtime's own: nothing outside ``bagualu2.runtime`` reads or writes it --------
+        self.runtime_state = FrameRun()
 
     def choice(self, key: str) -> Choice:
         return self.choices.get(key, self.default)
@@ -142,19 +179,26 @@ class Frame:
         self.choices.update(checked)
 
     @property
+    def past_blocks(self) -> bool:
+        """Whether the forward is past its outermost blocks: one has ended and none has begun
+        since (what it saves now is saved after every block, unless another block follows)."""
+        return self.runtime_state.past_blocks
+
+    @property
     def prefetch_pending_bytes(self) -> int:
         """Bytes backward has prefetched for this frame's host copies and not used yet
         (charged to the ledger meanwhile; at most the runtime's ``prefetch_bytes``)."""
-        return self._prefetch_pending
+        return self.runtime_state.prefetch_pending
 
     def offload_stores(self) -> List["OffloadStore"]:
         """This frame's host copies still alive, in pack (forward) order."""
-        return [s for s in (ref() for ref in self._offloads) if s is not None]
+        return [s for s in (ref() for ref in self.runtime_state.offloads) if s is not None]
 
     def recompute_nodes(self) -> List[Tuple[str, StorageNode, int]]:
         """``(key, node, state)`` of the storages this frame released by recompute and that
         are still needed (their packed objects alive), in forward order."""
-        return [(k, n, st) for k, n, st in ((k, ref(), st) for k, ref, st in self._recomputes) if n is not None]
+        refs = self.runtime_state.recomputes
+        return [(k, n, st) for k, n, st in ((k, ref(), st) for k, ref, st in refs) if n is not None]
 
 
 def check_keys(frame: Frame, nodes: Iterable[StorageNode]) -> None:

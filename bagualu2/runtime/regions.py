@@ -48,7 +48,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from bagualu2.shared import is_region_key, region_key
+from bagualu2.shared import region_key
 
 __all__ = ["RegionCall", "check_compile_config", "check_compile_options", "compiled_regions", "hide_from_dynamo", "is_compiled", "region_key",
            "report_gate",

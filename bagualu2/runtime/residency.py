@@ -45,7 +45,7 @@ from bagualu2.runtime.ledger import ResidencyLedger, Pin
 from bagualu2.runtime.parameters import ParameterStorages, storages_of
 from bagualu2.runtime.rerun import RerunSaved
 from bagualu2.runtime.stores import _Kept, _modified_error, _Offloaded, CopyClock, OffloadStore, kept_tensor
-from bagualu2.runtime.recipes import _PLAIN_TYPES, Replayer, StorageNode, ViewMeta, is_plain, view_meta, view_of
+from bagualu2.runtime.recipes import Replayer, StorageNode, ViewMeta, is_plain, view_meta, view_of
 from bagualu2.runtime.tracing import TracingMode
 
 __all__ = ["Residency"]
@@ -464,24 +464,25 @@ class Residency:
         # it at a whole-memory peak the forward never showed, which no excess learned from
         # earlier windows accounts for.
         task = torch._C._current_graph_task_id()
-        cursor = frame._prefetch_cursor
-        if cursor > store.index - 1 or task != frame._prefetch_task:
+        run = frame.runtime_state
+        cursor = run.prefetch_cursor
+        if cursor > store.index - 1 or task != run.prefetch_task:
             cursor = store.index - 1
-            frame._prefetch_task = task
+            run.prefetch_task = task
         # Room below the high-water mark, less what the unpack itself reloads if not prefetched.
         room = self.ledger.peak - self.ledger.resident
         if store.prefetched is None and store.held is None:
             room -= store.nbytes
         while cursor >= 0:
-            other = frame._offloads[cursor]()
+            other = run.offloads[cursor]()
             if other is not None:
-                if (frame._prefetch_pending + other.nbytes > self.prefetch_bytes or self._crosses(other.nbytes, pins=True)
+                if (run.prefetch_pending + other.nbytes > self.prefetch_bytes or self._crosses(other.nbytes, pins=True)
                         or other.nbytes > room):
                     break
                 if other.prefetch(self.ledger):
                     room -= other.nbytes
             cursor -= 1
-        frame._prefetch_cursor = cursor
+        run.prefetch_cursor = cursor
 
     def prefetch(self, store: "OffloadStore") -> bool:
         """Start reloading an offloaded storage now (charged to the ledger until backward

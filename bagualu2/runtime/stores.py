@@ -118,8 +118,8 @@ class OffloadStore:
         self.held_pin: Optional[Pin] = None
         self.frame = frame  # kept alive by its stores: backward prefetches from its list
         self.copies = copies  # the runtime's copy clock, which releasing the block adds to
-        self.index = len(frame._offloads)
-        frame._offloads.append(weakref.ref(self))
+        self.index = len(frame.runtime_state.offloads)
+        frame.runtime_state.offloads.append(weakref.ref(self))
 
     def settle(self, wait: bool = False) -> bool:
         """Drop the device source once the copy is done; True when it is. A copy that failed
@@ -167,7 +167,7 @@ class OffloadStore:
             self.frame.stats.fallbacks.append(f"{self.key}: prefetch failed ({e}); reloaded when used")
             return False
         self.prefetch_pin = Pin(ledger, self.prefetched.destination.untyped_storage())
-        self.frame._prefetch_pending += self.nbytes
+        self.frame.runtime_state.prefetch_pending += self.nbytes
         return True
 
     def take(self, ledger: ResidencyLedger, need: bool = True,
@@ -233,7 +233,7 @@ class OffloadStore:
                 prefetched, self.prefetched = self.prefetched, None
                 self.prefetch_pin.drop()
                 self.prefetch_pin = None
-                self.frame._prefetch_pending -= self.nbytes
+                self.frame.runtime_state.prefetch_pending -= self.nbytes
                 buffer = prefetched.wait()
             elif self.in_place:
                 buffer = self._in_place()
@@ -269,7 +269,7 @@ class OffloadStore:
         try:
             start = time.perf_counter()
             if self.prefetched is not None:
-                self.frame._prefetch_pending -= self.nbytes
+                self.frame.runtime_state.prefetch_pending -= self.nbytes
                 try:
                     self.prefetched.wait()
                 except _C.RuntimeError:  # a failed reload: it ended all the same
