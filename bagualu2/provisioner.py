@@ -56,6 +56,7 @@ import torch
 
 from bagualu2.runtime import ActivationRuntime, Budget, Frame, is_recomputing
 from bagualu2.runtime.recipes import reset_replay_depth
+from bagualu2.runtime.attachment import AttachedHook
 from bagualu2.runtime.rerun import RerunCapture
 from bagualu2.plan.cost_model import CostModel
 from bagualu2.errors import BudgetExceededError, recorded_memory_violation, recorded_violation
@@ -111,8 +112,11 @@ class Provisioner:
         self._root_rerunnable = self._compiled_root is None or not holds_collectives(model)
         if regions or self._compiled_root is not None:
             check_compile_config()
+            # A gate's region hook is traced into the graph that calls its gate; run as a frame of
+            # its own (its gate's call fell back to eager), it runs eagerly, as no graph of its own.
             hide_from_dynamo(ActivationRuntime._pack, ActivationRuntime._pack_calm, ActivationRuntime._unpack,
-                             RegionGates._report, RerunCapture.__call__, GateHook.__call__)
+                             RegionGates._report, RegionGates._traced, AttachedHook.__call__, RerunCapture.__call__,
+                             GateHook.__call__)
         check_options(policy, POLICIES, on_exceed, margin, profile_frames, calibrate_frames, recalibrate_every,
                       min_bytes, reserve_bytes, arena_bytes, arena_max_bytes)
         check_materialized(model)
@@ -156,9 +160,9 @@ class Provisioner:
             self.on_disable(handle.remove)
         self.gate_hooks = GateHooks(self.runtime, self._on_gate)
         self.on_disable(self.gate_hooks.regions.close)
-        paths = [""] if self._compiled_root is not None else list(regions)
+        self._region_paths = [""] if self._compiled_root is not None else list(regions)
         for spec in self.gates:
-            self.on_disable(self.gate_hooks.install(spec, paths).remove)
+            self.on_disable(self.gate_hooks.install(spec, self._region_paths).remove)
         host = self._compiled_root if self._compiled_root is not None else model
         self._forward = host.forward
         host.forward = ProvisionedForward(self._provisioned_forward, self._forward)  # type: ignore[method-assign]
@@ -208,7 +212,7 @@ class Provisioner:
         spec = GateSpec(module, name, layer, num_experts, counts_fn, None, name.rpartition(".")[0])
         self.gates.append(spec)
         self.cost.expert_prefixes[layer] = spec.experts_path
-        self.on_disable(self.gate_hooks.install(spec).remove)
+        self.on_disable(self.gate_hooks.install(spec, self._region_paths).remove)
         return spec
 
     def on_disable(self, fn: Callable[[], Any]) -> None:

@@ -188,6 +188,85 @@ def test_region_keys_in_a_fixed_plan_are_checked() -> None:
         bagualu2.enable(model, budget=None, policy=bagualu2.Plan({"embed:compiled": Choice.RECOMPUTE}))
 
 
+class _Tally(torch.nn.Module):
+    """Tokens per expert from the router's choices: a gate without parameters of its own."""
+
+    def __init__(self, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+
+    def forward(self, indices: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.one_hot(indices.reshape(-1), self.num_experts).sum(0)
+
+
+def _tallied_dense() -> torch.torch.nn.Module:
+    """``tiny_dense`` whose blocks also count their routing in a parameterless module."""
+    model = tiny_dense()
+    for block in model.layers:
+        block.mlp.tally = _Tally(2)
+        forward = block.forward
+
+        def counted(x: torch.Tensor, _block: torch.nn.Module = block, _forward: Any = forward) -> torch.Tensor:
+            _, _, indices = _block.mlp.gate(x.reshape(-1, x.shape[-1]))
+            _block.mlp.tally(indices)
+            return _forward(x)
+
+        block.forward = counted
+    return model
+
+
+def test_a_gate_without_parameters_inside_fullgraph_blocks_reports_without_a_graph_break() -> None:
+    """A gate module with no parameter of its own, inside ``fullgraph=True`` blocks, reports
+    its counts through the region hook (alone, its eager hook broke the graph: an error under
+    fullgraph); the steps stay bit-exact, and disable takes back the buffer that told it apart."""
+    plain = compile_model(_tallied_dense(), "blocks", backend="aot_eager", fullgraph=True)
+    expected = run_steps(plain, [False, True, False])
+    torch._dynamo.reset()  # the blocks share their code: enable before it is compiled
+    model = compile_model(_tallied_dense(), "blocks", backend="aot_eager", fullgraph=True)
+    buffers = {name for name, _ in model.named_buffers()}
+    state = set(model.state_dict())
+    prov = bagualu2.enable(model, budget=None, policy="recompute_all", min_bytes=0, gates=[])
+    tallies = [inner_block.mlp.tally for inner_block in (inner(b) for b in model.layers)]
+    for layer, tally in enumerate(tallies):
+        prov.register_gate(tally, 2, lambda module, args, out: out, layer=layer)
+    reported: List[List[int]] = []
+    got = run_steps(model, [False, True, False],
+                    hook=lambda i: reported.append([sum(prov.routing.counts[layer]) for layer in (0, 1)]))
+    assert mismatches(expected, got) == []
+    assert reported == [[32, 32]] * 3, reported  # 2 x 16 tokens, top-1, each layer each micro-batch
+    assert set(model.state_dict()) == state  # the anchor is not persistent
+    prov.disable()
+    assert {name for name, _ in model.named_buffers()} == buffers
+
+
+def test_the_region_report_finds_each_gate_when_their_parameters_move() -> None:
+    """FSDP2 frees and gathers a gate's parameters around every forward: an address a gate had
+    may be another gate's by the next report. Each report reaches the gate whose anchor it
+    carries, however their addresses moved, and a gate without parameters is told by its own."""
+    from bagualu2.provision.region_gates import ANCHOR, RegionGates
+    from bagualu2.runtime.gates import GateSpec
+    from bagualu2.runtime.regions import report_gate
+
+    heard: List[str] = []
+    gates = RegionGates(lambda spec: lambda module, args, output: heard.append(spec.name))
+    a, b, tally = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), _Tally(2)
+    for layer, (name, module) in enumerate([("a", a), ("b", b), ("tally", tally)]):
+        gates.add(GateSpec(module, name, layer, 2, lambda module, args, out: out))
+    assert [name for name, _ in tally.named_buffers()] == [ANCHOR]
+    x = torch.ones(2)
+    for module in (a, b, tally, a):
+        report_gate(gates.slot, next(iter(module.parameters(recurse=False)), None)
+                    if module is not tally else getattr(tally, ANCHOR), (x,), x)
+    old_b = b.weight
+    b.weight = torch.nn.Parameter(torch.zeros(2, 2))
+    a.weight = old_b  # a's anchor now sits where b's was
+    report_gate(gates.slot, a.weight, (x,), x)
+    report_gate(gates.slot, b.weight, (x,), x)
+    assert heard == ["a", "b", "tally", "a", "a", "b"]
+    gates.close()
+    assert list(tally.named_buffers()) == []
+
+
 def test_disable_gives_the_compiled_model_back() -> None:
     model = compile_model(tiny_dense(), "whole", backend="aot_eager", fullgraph=True)
     forward = model.forward

@@ -65,6 +65,7 @@ class GateHooks:
         """Put ``spec``'s hook on its gate: the shared region hook inside one of the compiled
         ``regions`` (module paths, "" the whole model); returns the removable handle."""
         register = spec.module.register_forward_pre_hook if spec.pre_hook else spec.module.register_forward_hook
-        if any(not r or spec.name.startswith(r + ".") for r in regions) and self.regions.add(spec):
+        if any(not r or spec.name.startswith(r + ".") for r in regions):
+            self.regions.add(spec)
             return register(self.regions.hook)
         return register(AttachedHook(self.hook_for(spec)))

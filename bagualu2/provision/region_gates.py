@@ -7,12 +7,15 @@ the hook only calls the report op with the gate's own first parameter, which tel
 apart at run time; the op's body then runs the gate's eager hook (``hook_for(spec)``) with the
 real tensors. Run eagerly (a region called outside Dynamo), the hook runs it directly.
 
-Invariant: only gates with a parameter of their own are served here (the caller hooks the
-others one by one); ``close`` frees the slot. Dynamo does not guard on module hooks: a region
-compiled before ``enable`` runs its old code, without the report, for as long as that code is
-cached. So the first provisioned forward checks that every served gate reported, and warns
-once, naming those that did not. The op takes plain tensors only: a DTensor
-parameter (EP-sharded experts) is passed as its local shard.
+A gate is told apart by its first parameter of its own; a gate with none (a module that only
+counts what the router chose) gets a one-element buffer, ``ANCHOR``, while the provisioner is on
+(``add``; not persistent: no state dict sees it; ``close`` removes it): hooked alone, its eager
+hook would break the region's graph at the gate, an error under ``fullgraph=True``.
+
+Dynamo does not guard on module hooks: a region compiled before ``enable`` runs its old code,
+without the report, for as long as that code is cached. So the first provisioned forward checks
+that every served gate reported, and warns once, naming those that did not. The op takes plain
+tensors only: a DTensor parameter (EP-sharded experts) is passed as its local shard.
 """
 from __future__ import annotations
 
@@ -38,19 +41,27 @@ class RegionGates:
     def __init__(self, hook_for: Callable[[GateSpec], Callable[..., None]]) -> None:
         self._hook_for = hook_for
         self._specs: Dict[int, GateSpec] = {}
+        self._by_anchor: Dict[int, GateSpec] = {}  # anchor address -> gate, rebuilt on a miss
+        self._anchored: List[torch.nn.Module] = []  # the gates given an ANCHOR buffer
         self.slot = register_gate_report(self._report)
         self.hook = AttachedHook(self._traced)
         self._heard: Optional[Set[int]] = set()  # gates that reported, until the first check
 
-    def add(self, spec: GateSpec) -> bool:
-        """Serve ``spec`` (True), or not: it has no parameter of its own to tell it apart."""
-        if next(spec.module.parameters(recurse=False), None) is None:
-            return False
-        self._specs[id(spec.module)] = spec
-        return True
+    def add(self, spec: GateSpec) -> None:
+        """Serve ``spec``; a gate without a parameter of its own gets an ``ANCHOR`` buffer."""
+        module = spec.module
+        if next(module.parameters(recurse=False), None) is None and ANCHOR not in module._buffers:
+            module.register_buffer(ANCHOR, torch.zeros(1), persistent=False)
+            self._anchored.append(module)
+        self._specs[id(module)] = spec
+        self._by_anchor.clear()
 
     def close(self) -> None:
+        """Free the report slot, and take back the ``ANCHOR`` buffers ``add`` gave."""
         unregister_gate_report(self.slot)
+        for module in self._anchored:
+            module._buffers.pop(ANCHOR, None)
+        self._anchored.clear()
 
     def check_heard(self) -> None:
         """After the first provisioned forward: warn (once) when a served gate did not report,
@@ -71,7 +82,7 @@ class RegionGates:
 
     def _traced(self, module: torch.nn.Module, args: tuple, output: Any = None) -> None:
         if torch.compiler.is_compiling():
-            report_gate(self.slot, _local(next(module.parameters(recurse=False))), args, output)
+            report_gate(self.slot, _anchor(module), args, output)
             return
         spec = self._specs.get(id(module))
         if spec is not None:
@@ -80,16 +91,32 @@ class RegionGates:
             self._hook_for(spec)(module, args, output)
 
     def _report(self, tensors: List[torch.Tensor], args_count: int, output_kind: int) -> None:
-        """``report_gate``'s body: find the gate by its parameter, run its hook."""
+        """``report_gate``'s body: find the gate by its anchor's address, run its hook. The
+        addresses are mapped once and again only when the map misses or is stale: a parameter
+        moved, or was resharded and its address reused by another gate's (FSDP2 frees and
+        gathers them around each forward). A step reports every gate: a scan per report would
+        grow with the square of the layers."""
         anchor, args, output = rebuilt_call(tensors, args_count, output_kind)
         ptr = anchor.data_ptr()
-        for spec in self._specs.values():
-            first = next(spec.module.parameters(recurse=False), None)
-            if first is not None and _local(first).data_ptr() == ptr:
-                if self._heard is not None:
-                    self._heard.add(id(spec.module))
-                self._hook_for(spec)(spec.module, args, output)
+        spec = self._by_anchor.get(ptr)
+        if spec is None or _anchor(spec.module).data_ptr() != ptr:
+            self._by_anchor = {_anchor(s.module).data_ptr(): s for s in self._specs.values()}
+            spec = self._by_anchor.get(ptr)
+            if spec is None:
                 return
+        if self._heard is not None:
+            self._heard.add(id(spec.module))
+        self._hook_for(spec)(spec.module, args, output)
+
+
+ANCHOR = "_bagualu2_gate_anchor"
+
+
+def _anchor(module: torch.nn.Module) -> torch.Tensor:
+    """What tells ``module``'s gate apart in the report: its first parameter of its own, else its
+    ``ANCHOR`` buffer (``RegionGates.add``)."""
+    param = next(module.parameters(recurse=False), None)
+    return _local(param) if param is not None else module._buffers[ANCHOR]
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
