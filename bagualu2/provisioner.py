@@ -58,6 +58,7 @@ from bagualu2.runtime import ActivationRuntime, Budget, Frame, is_recomputing
 from bagualu2.runtime.recipes import reset_replay_depth
 from bagualu2.runtime.attachment import AttachedHook
 from bagualu2.runtime.rerun import RerunCapture
+from bagualu2.runtime.residency import Residency
 from bagualu2.plan.cost_model import CostModel
 from bagualu2.errors import BudgetExceededError, recorded_memory_violation, recorded_violation
 from bagualu2.inputs import (
@@ -114,7 +115,7 @@ class Provisioner:
             check_compile_config()
             # A gate's region hook is traced into the graph that calls its gate; run as a frame of
             # its own (its gate's call fell back to eager), it runs eagerly, as no graph of its own.
-            hide_from_dynamo(ActivationRuntime._pack, ActivationRuntime._pack_calm, ActivationRuntime._unpack,
+            hide_from_dynamo(ActivationRuntime._pack, ActivationRuntime._pack_calm, Residency.unpack,
                              RegionGates._report, RegionGates._traced, AttachedHook.__call__, RerunCapture.__call__,
                              GateHook.__call__)
         check_options(policy, POLICIES, on_exceed, margin, profile_frames, calibrate_frames, recalibrate_every,
@@ -144,9 +145,9 @@ class Provisioner:
         )
         # Learning from what each backward measured; ``unsubscribe()`` it to read the runtime's
         # measurements (``take_replay_times``, ``take_copy_times``) yourself.
-        self.learning = self.runtime.on_backward_end.subscribe(self._learn)
+        self.learning = self.runtime.residency.on_backward_end.subscribe(self._learn)
         self.gates: List[GateSpec] = list(gates) if gates is not None else find_gates(model)
-        in_place = self.runtime.reload_in_place and self.device.type == "cpu"  # a reload reads the host copy
+        in_place = self.runtime.residency.reload_in_place and self.device.type == "cpu"  # a reload reads the host copy
         self.cost = CostModel({g.layer: g.experts_path for g in self.gates},
                               *measure_copy_costs(self.engine, self.device, in_place),
                               copies_overlap=self.device.type != "cpu")  # the cpu's copy threads hide nothing
@@ -362,7 +363,7 @@ class Provisioner:
         as this run would have: nothing is profiled or calibrated again. Versioned; see
         ``bagualu2.provision.state`` for the format."""
         counters = {"frames": self._frames, "step": self._step, "peak_with_backward": self._peak_with_backward,
-                    "last_choices": self._last_choices, "backward_passes": self.runtime.backward_passes,
+                    "last_choices": self._last_choices, "backward_passes": self.runtime.residency.backward_passes,
                     "arena_bytes": self.engine.arena.capacity if self.engine is not None else 0}
         return state.save(self._learned(), counters, state.signature(self.model, self.gates))
 
@@ -378,7 +379,7 @@ class Provisioner:
         self._frames, self._step = counters["frames"], counters["step"]
         self._peak_with_backward, self._last_choices = counters["peak_with_backward"], counters["last_choices"]
         # Stacking counts runs of forwards by the runtime's backward passes: they go on counting.
-        self.runtime.backward_passes = counters["backward_passes"]
+        self.runtime.residency.backward_passes = counters["backward_passes"]
         if self.engine is not None and not self._arena_chosen:
             reserve_arena(self.engine, counters["arena_bytes"])  # as the saved run had reserved it
 
@@ -401,8 +402,8 @@ class Provisioner:
         try:
             self._teardown.run()
         finally:  # the pinned arena goes now, or when the last graph holding one of its offloads dies
-            self.engine = self.runtime.engine = None
-            self.runtime.set_parameters(())
+            self.engine = self.runtime.residency.engine = None
+            self.runtime.residency.set_parameters(())
 
     # -- forward ----------------------------------------------------------------------------
     def _new_frame(self, conservative: bool) -> Frame:
@@ -446,7 +447,7 @@ class Provisioner:
             reset_replay_depth()  # no replay runs outside a backward pass: an interrupt left it
         if is_recomputing() or not self.enabled or not torch.is_grad_enabled():
             return self._forward(*args, **kwargs)
-        self.stacking.count_forward(self.runtime.backward_passes)
+        self.stacking.count_forward(self.runtime.residency.backward_passes)
         crossed = self.limits.begin(not self._frames, self.routing.counts)
         if crossed is not None and not self._told_violation:  # the first crossing, told once
             self._told_violation = True
@@ -474,7 +475,7 @@ class Provisioner:
     def _run_frame(self, args: tuple, kwargs: dict, conservative: bool) -> Any:
         # The model's parameters now, not at enable: a wrapper applied since (FSDP2's
         # fully_shard) replaced them, and their old addresses may hold activations by now.
-        self.runtime.set_parameters_of(self.model)
+        self.runtime.residency.set_parameters_of(self.model)
         self._note_peak()
         self._learn()  # what no backward's end learned (a forward's offloads, in a pipeline)
         frame = self._new_frame(conservative)
@@ -498,11 +499,11 @@ class Provisioner:
             running.append(self)
             with self.runtime.frame(frame):
                 if self._compiled_root is not None:
-                    self.runtime.region_enter(self._forward, "", args, kwargs, self._root_rerunnable)
+                    self.runtime.regions.enter(self._forward, "", args, kwargs, self._root_rerunnable)
                     try:
                         out = self._forward(*args, **kwargs)
                     finally:
-                        self.runtime.region_leave()
+                        self.runtime.regions.leave()
                 else:
                     out = self._forward(*args, **kwargs)
                 anchored = sum(node.nbytes for node in frame.anchors)
@@ -555,7 +556,8 @@ class Provisioner:
         """Refuse a micro-batch no plan can fit, before it allocates anything."""
         if self.budget is None or not self._policy.adaptive or not self.cost.ready:
             return
-        self.footprint.check_feasible(self.limits.limit(), self.runtime.ledger.resident, self.runtime.movable_bytes,
+        self.footprint.check_feasible(self.limits.limit(), self.runtime.ledger.resident,
+                                      self.runtime.residency.movable_bytes,
                                       f"micro-batch {self._frames}")
 
     def _exceeded(self, resident: int, budget: int, key: str) -> None:
@@ -582,7 +584,7 @@ class Provisioner:
                 # An unannounced spike under a whole-memory budget: the saves that would cross
                 # are the forward's last, which it still reads, so offloading them as they come
                 # frees nothing at the peak; what it saved before the gate is no longer read.
-                self.runtime.make_room(self.decisions.predicted - self.runtime.ledger.resident)
+                self.runtime.residency.make_room(self.decisions.predicted - self.runtime.ledger.resident)
             return
         start = time.perf_counter()
         decision = self.decisions.decide(frame, layer, values, self.limits.target(), self.limits.limit(), self._step,
@@ -660,5 +662,5 @@ def on_gating(tokens_per_expert: Union[torch.Tensor, Sequence[int]], layer: int)
         return
     spec = next((g for g in prov.gates if g.layer == layer), None)
     values = checked_counts(tokens_per_expert, f"on_gating(layer={layer})", spec.num_experts if spec else None)
-    with prov.runtime.untraced(), torch.no_grad():
+    with prov.runtime.residency.untraced(), torch.no_grad():
         prov._on_gate(layer, values)

@@ -214,7 +214,7 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
     # What the runtime measured, as the provisioner takes it to learn from (as each backward
     # ends), and how long learning took.
     measured = [0.0, 0.0, 0.0]
-    take_replays, take_copies, learn = prov.runtime.take_replay_times, prov.runtime.take_copy_times, prov.learning.fn
+    take_replays, take_copies, learn = prov.runtime.residency.take_replay_times, prov.runtime.residency.take_copy_times, prov.learning.fn
 
     def replays_noted() -> Dict[str, tuple]:
         times = take_replays()
@@ -231,10 +231,10 @@ def time_accuracy(model: MoETransformer, batch: torch.Tensor, fractions: List[fl
         learn()
         measured[2] += time.perf_counter() - start
 
-    prov.runtime.take_replay_times = replays_noted
-    prov.runtime.take_copy_times = copies_noted
+    prov.runtime.residency.take_replay_times = replays_noted
+    prov.runtime.residency.take_copy_times = copies_noted
     prov.learning.unsubscribe()
-    prov.runtime.on_backward_end.subscribe(learning_noted)
+    prov.runtime.residency.on_backward_end.subscribe(learning_noted)
     # Seconds in the saved-tensor hooks (pack, unpack) this step: what of a plan's overhead
     # runs inside the hooks, and what outside every one of them.
     hooks = [0.0, 0.0]

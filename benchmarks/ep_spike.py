@@ -102,7 +102,7 @@ def _summary(prov: Any, args: argparse.Namespace) -> Dict[str, Any]:
     """Peak and violations over the timed steps (the profiled first micro-batches are traced, and
     hold more than keep_all's untraced ones at the same load), and the whole run's report."""
     gc.collect()
-    prov.runtime.settle(wait=True)
+    prov.runtime.residency.settle(wait=True)
     report = prov.report()
     timed = prov.telemetry.micro_batches[args.warmup:]
     out = dict(peak_bytes=max((m.peak_bytes for m in timed), default=0), budget_bytes=report["budget_bytes"],

@@ -76,7 +76,7 @@ def measure(repeats: int, seed: int) -> Dict:
     # saved tensors packed as offloads.
     measured = [0.0, 0, 0]  # seconds, storages offloaded, their bytes
     saves = [0]
-    take_copies, learn = prov.runtime.take_copy_times, prov.learning.fn
+    take_copies, learn = prov.runtime.residency.take_copy_times, prov.learning.fn
 
     def copies_noted() -> tuple:
         times = take_copies()
@@ -91,9 +91,9 @@ def measure(repeats: int, seed: int) -> Dict:
     def pack_counted(hook: str, record: str, seconds: float) -> None:
         saves[0] += hook == "pack" and record == "offloaded"
 
-    prov.runtime.take_copy_times = copies_noted
+    prov.runtime.residency.take_copy_times = copies_noted
     prov.learning.unsubscribe()
-    prov.runtime.on_backward_end.subscribe(learning_noted)
+    prov.runtime.residency.on_backward_end.subscribe(learning_noted)
     prov.runtime.on_hook.subscribe(pack_counted)
 
     keep = bagualu2.Plan({})

@@ -30,7 +30,7 @@ ran early, the DP's decision time and its predicted exposed time against lazy is
 Prints a table and writes JSON (--json, default benchmarks/results/pipeline_overlap.json).
 On this CPU machine copies are memcpy by worker threads and compete with compute for the same
 two cores; on a GPU they would use the copy engines (see docs/pipeline.md). Reloads copy back
-here as on a device (``runtime.reload_in_place = False``), though on cpu bagualu2 otherwise
+here as on a device (``runtime.residency.reload_in_place = False``), though on cpu bagualu2 otherwise
 reads offloaded bytes in place.
 """
 from __future__ import annotations
@@ -130,7 +130,7 @@ def _run_mode(rank, world_size, args, mode, budget) -> dict:
     kwargs = _mode_kwargs(mode, budget)
     prov = pp.enable_bagualu2(pipe, arena_bytes=64 << 20, **kwargs) if kwargs is not None else None
     if prov is not None:
-        prov.runtime.reload_in_place = False  # copy back as on a device: the scheduler has reloads to place
+        prov.runtime.residency.reload_in_place = False  # copy back as on a device: the scheduler has reloads to place
         prov.runtime.on_hook.subscribe(_timed)
     # Idle time between this rank's compute actions (pipeline bubbles and p2p waits).
     idle = {"s": 0.0, "last": None}

@@ -141,7 +141,7 @@ class MegatronEngine(Engine):
         run = self._build(None)
         prov, forward_backward = adapter.enable_pipeline(run.chunks, run.forward_backward, budget=budget,
                                                          policy=policy, min_bytes=0, allocator=allocator)
-        prov.runtime.reload_in_place = False  # backward copies offloads back, as on a device
+        prov.runtime.residency.reload_in_place = False  # backward copies offloads back, as on a device
         return _MegatronRun(self, run, forward_backward, prov)
 
 

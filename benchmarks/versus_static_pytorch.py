@@ -81,5 +81,5 @@ class PyTorchEngine(Engine):
     def provisioned(self, policy: str, budget: Optional[int], allocator: Any = None) -> Run:
         model = self._model()
         prov = bagualu2.enable(model, budget=budget, policy=policy, min_bytes=0, allocator=allocator)
-        prov.runtime.reload_in_place = False  # backward copies offloads back, as on a device
+        prov.runtime.residency.reload_in_place = False  # backward copies offloads back, as on a device
         return _PyTorchRun(model, self.args, prov)

@@ -9,7 +9,6 @@ import contextlib
 import copy
 import gc
 import time
-import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
@@ -47,7 +46,7 @@ class Harness:
     def __init__(self, model: torch.nn.Module, engine: Optional[CopyEngine], reload_in_place: bool = False) -> None:
         self.model = model
         self.runtime = ActivationRuntime(engine, reload_in_place=reload_in_place)
-        self.runtime.set_parameters(list(model.parameters()) + list(model.buffers()))
+        self.runtime.residency.set_parameters(list(model.parameters()) + list(model.buffers()))
         self._hooks = self.runtime.attach(model)
 
     def close(self) -> None:
@@ -282,7 +281,7 @@ def test_each_offloaded_storage_is_reloaded_once_per_backward_pass(engine: CopyE
     def observe(key: str) -> None:
         held_peak[0] = max(held_peak[0], sum(s.nbytes for s in stores if s.held is not None))
 
-    watching = h.runtime.on_released_unpack.subscribe(observe)
+    watching = h.runtime.residency.on_released_unpack.subscribe(observe)
     for n in range(passes):
         model.zero_grad(set_to_none=True)
         loss.backward(retain_graph=n + 1 < passes)
@@ -386,9 +385,9 @@ def test_profile_names_the_unsaved_inputs_a_rebuild_must_rebuild_first(engine: C
     assert set(unsaved) == {add.key, lin.key} and reads == ()
     assert frame.unsaved_seconds[add.key] == add.creator.seconds > 0
     assert frame.unsaved_seconds[lin.key] == lin.creator.seconds > 0
-    h.runtime.take_replay_times()
+    h.runtime.residency.take_replay_times()
     loss.backward()
-    replays = h.runtime.take_replay_times()
+    replays = h.runtime.residency.take_replay_times()
     assert replays[mul][1] == 1 and replays[mul][0] > 0
 
 
@@ -404,11 +403,11 @@ def test_op_replay_times_time_each_replayed_op_once_and_a_rebuild_s_first_apart(
     mul = next(k for k in by_key if ":aten.mul.Tensor:" in k)
     add = by_key[mul].creator.args[0].node
     lin = add.creator.args[0].node
-    h.runtime.take_replay_times()
-    h.runtime.take_op_replay_times()
+    h.runtime.residency.take_replay_times()
+    h.runtime.residency.take_op_replay_times()
     loss.backward()
-    rebuilds = h.runtime.take_replay_times()
-    ops = h.runtime.take_op_replay_times()
+    rebuilds = h.runtime.residency.take_replay_times()
+    ops = h.runtime.residency.take_op_replay_times()
     # mul's rebuild replays lin and add first (saved by nothing), each once, inside the unpack;
     # lin, the first, reads only what the forward kept
     assert {mul, add.key, lin.key} <= set(ops) and ops[lin.key][:3] == (0.0, 0, 1) and ops[lin.key][4] == 1, ops
@@ -417,7 +416,7 @@ def test_op_replay_times_time_each_replayed_op_once_and_a_rebuild_s_first_apart(
     assert all(r == 1 and n + leads == 1 and (s > 0) == (n == 1) and (lead > 0) == (leads == 1)
                for s, n, r, lead, leads in ops.values()), ops
     assert sum(s + lead for s, _, _, lead, _ in ops.values()) <= sum(s for s, _ in rebuilds.values())
-    assert h.runtime.take_op_replay_times() == {}  # taken: counting starts again
+    assert h.runtime.residency.take_op_replay_times() == {}  # taken: counting starts again
 
 
 class Norm(torch.nn.Module):
@@ -460,12 +459,12 @@ def test_a_rebuild_s_reload_of_an_offloaded_input_counts_as_copy_time(
         return reload(self, *args, **kwargs)
 
     monkeypatch.setattr(CopyEngine, "reload", slow_reload)  # the Harness copies back (not in place)
-    h.runtime.take_copy_times()
+    h.runtime.residency.take_copy_times()
     loss.backward()
-    rebuilt = h.runtime.take_replay_times()
-    ops = h.runtime.take_op_replay_times()
+    rebuilt = h.runtime.residency.take_replay_times()
+    ops = h.runtime.residency.take_op_replay_times()
     assert rebuilt[":aten.mul.Tensor:0"][0] < slow and all(s < slow for s, *_ in ops.values()), (rebuilt, ops)
-    assert h.runtime.take_copy_times()[0] >= slow
+    assert h.runtime.residency.take_copy_times()[0] >= slow
 
 
 def test_releasing_a_host_copy_counts_as_copy_time(engine: CopyEngine, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -486,10 +485,10 @@ def test_releasing_a_host_copy_counts_as_copy_time(engine: CopyEngine, monkeypat
         release(handle)
 
     monkeypatch.setattr(OffloadHandle, "release", slow_release)
-    h.runtime.take_copy_times()
+    h.runtime.residency.take_copy_times()
     loss.backward()
     del loss
-    seconds, copies, _ = h.runtime.take_copy_times()
+    seconds, copies, _ = h.runtime.residency.take_copy_times()
     assert copies == 0 and seconds >= stores * slow  # the counts were the forward's; the seconds are the release's
 
 
@@ -558,14 +557,14 @@ def test_backward_holds_nothing_over_the_budget(engine: CopyEngine, choice: Choi
     reference = loss_and_grads(model, h.forward(tokens, None))
     frame = Frame(default=choice)
     loss = h.forward(tokens, frame)
-    h.runtime.settle(wait=True)
-    h.runtime.budget_bytes = h.runtime.ledger.resident
+    h.runtime.residency.settle(wait=True)
+    h.runtime.residency.budget_bytes = h.runtime.ledger.resident
     h.runtime.ledger.reset_peak()
     assert_bitwise(reference, loss_and_grads(model, loss))
-    assert h.runtime.ledger.peak <= h.runtime.budget_bytes
-    h.runtime.budget_bytes = None  # the same backward, unbounded, holds and prefetches above it
+    assert h.runtime.ledger.peak <= h.runtime.residency.budget_bytes
+    h.runtime.residency.budget_bytes = None  # the same backward, unbounded, holds and prefetches above it
     loss = h.forward(tokens, Frame(default=choice))
-    h.runtime.settle(wait=True)
+    h.runtime.residency.settle(wait=True)
     resident = h.runtime.ledger.resident
     assert_bitwise(reference, loss_and_grads(model, loss))
     assert h.runtime.ledger.peak > resident
@@ -582,16 +581,16 @@ def test_settling_releases_every_completed_offload(engine: CopyEngine, monkeypat
     done = OffloadHandle.done
     monkeypatch.setattr(OffloadHandle, "done", lambda handle: done(handle) and not copying[0])
     dropped = h.forward(tokens, Frame(default=Choice.OFFLOAD))
-    first = h.runtime.inflight_bytes
+    first = h.runtime.residency.inflight_bytes
     loss = h.forward(tokens, Frame(default=Choice.OFFLOAD))
-    assert 0 < first < h.runtime.inflight_bytes  # both forwards' sources wait for their copies
+    assert 0 < first < h.runtime.residency.inflight_bytes  # both forwards' sources wait for their copies
     del dropped
     gc.collect()
     engine.synchronize()
     copying[0] = False
-    assert h.runtime.inflight_bytes > 0
-    h.runtime.settle()
-    assert h.runtime.inflight_bytes == 0
+    assert h.runtime.residency.inflight_bytes > 0
+    h.runtime.residency.settle()
+    assert h.runtime.residency.inflight_bytes == 0
     held = h.runtime.ledger.resident
     loss_and_grads(model, loss)
     assert h.runtime.ledger.resident == 0 and held > 0
@@ -601,10 +600,10 @@ def test_settling_releases_every_completed_offload(engine: CopyEngine, monkeypat
 def test_replay_times_count_micro_batches_not_unpacks(engine: CopyEngine) -> None:
     model, x, h = views_casts_shared(engine)
     losses = [h.forward(x, Frame(default=Choice.RECOMPUTE)) for _ in range(2)]
-    h.runtime.take_replay_times()
+    h.runtime.residency.take_replay_times()
     for loss in losses:
         loss.backward()
-    replays = h.runtime.take_replay_times()
+    replays = h.runtime.residency.take_replay_times()
     assert replays and {n for _, n in replays.values()} == {2}, replays
 
 
@@ -786,16 +785,16 @@ def test_backward_prefetch_stays_in_its_window_in_every_pass(engine: CopyEngine,
     frame = Frame(default=Choice.OFFLOAD)
     loss = h.forward(tokens, frame)
     largest = max(s.nbytes for s in frame.offload_stores())
-    h.runtime.prefetch_bytes = window_stores * largest
+    h.runtime.residency.prefetch_bytes = window_stores * largest
     pending: List[Tuple[int, int]] = []  # (pass, bytes prefetched and not used) at each unpack
     passes = [0]
-    h.runtime.on_released_unpack.subscribe(lambda key, f=frame: pending.append((passes[0], f.prefetch_pending_bytes)))
+    h.runtime.residency.on_released_unpack.subscribe(lambda key, f=frame: pending.append((passes[0], f.prefetch_pending_bytes)))
     for passes[0] in (1, 2):
         model.zero_grad(set_to_none=True)
         loss.backward(retain_graph=passes[0] == 1)
         assert_bitwise(reference, (loss.detach(), [p.grad for p in model.parameters()]))
     assert len({p for p, _ in pending}) == 2
-    assert all(b <= h.runtime.prefetch_bytes for _, b in pending)
+    assert all(b <= h.runtime.residency.prefetch_bytes for _, b in pending)
     for n in (1, 2):
         seen = [b for p, b in pending if p == n]
         assert (max(seen) > 0) == (window_stores > 0), f"pass {n}: pending bytes {seen[:10]}"
@@ -811,7 +810,7 @@ def test_a_backward_prefetch_never_lifts_the_ledger_peak(engine: CopyEngine, mon
     model, tokens = make_model()
     h = Harness(model, engine)
     reference = loss_and_grads(model, h.forward(tokens, None))
-    h.runtime.prefetch_bytes = 1 << 40
+    h.runtime.residency.prefetch_bytes = 1 << 40
     frame = Frame(default=Choice.OFFLOAD)
     loss = h.forward(tokens, frame)
     ledger, lifted, started = h.runtime.ledger, [], []
@@ -842,7 +841,7 @@ def test_graph_dropped_without_backward_frees_everything(engine: CopyEngine, cho
     loss = h.forward(tokens, Frame(default=choice))
     assert h.runtime.ledger.resident > 0 or choice != Choice.KEEP
     del loss
-    h.runtime.settle(wait=True)
+    h.runtime.residency.settle(wait=True)
     assert h.runtime.ledger.resident == 0
     assert engine.arena.stats()["in_use"] == 0
 
@@ -946,7 +945,7 @@ def test_an_untraced_forward_counts_and_keeps_as_the_full_pack_does(
         if budget_fraction is not None:
             probe = Frame(default=Choice.KEEP)
             h.forward(x, probe)
-            h.runtime.budget_bytes = int(probe.stats.peak_resident * budget_fraction)
+            h.runtime.residency.budget_bytes = int(probe.stats.peak_resident * budget_fraction)
         full_packs = [0]
         pack = h.runtime._pack
 
@@ -989,7 +988,7 @@ def test_offloading_an_operator_lowers_resident_by_its_bytes(engine: CopyEngine,
     for key, nbytes in biggest:
         chosen[key] = Choice.OFFLOAD
         loss = h.forward(tokens, Frame(chosen))
-        h.runtime.settle(wait=True)
+        h.runtime.residency.settle(wait=True)
         assert h.runtime.ledger.resident == previous - nbytes, key
         previous = h.runtime.ledger.resident
         del loss
@@ -1139,7 +1138,7 @@ def test_untraced_forward_over_budget_offloads_exactly_within_the_budget(engine:
     peak = keep.stats.peak_resident
     plain.close()
     h = Harness(model, engine)
-    h.runtime.budget_bytes = peak // 2
+    h.runtime.residency.budget_bytes = peak // 2
     frame = untraced()
     got = loss_and_grads(model, h.forward(tokens, frame))
     assert_bitwise(ref, got)
@@ -1172,13 +1171,13 @@ def test_what_nothing_can_release_makes_room_by_offloading_an_earlier_micro_batc
     sum(plain(x) for x in xs).backward()
     engine = CopyEngine(HostArena(16 << 20)) if with_engine else None
     h = Harness(model, engine)
-    h.runtime.budget_bytes = 1 << 30
+    h.runtime.residency.budget_bytes = 1 << 30
     first = Frame(default=Choice.KEEP)
     with h.runtime.frame(first):
         loss = model(xs[0])
     held = h.runtime.ledger.resident
     budget = held + xs[1].untyped_storage().nbytes() // 2
-    h.runtime.budget_bytes = budget
+    h.runtime.residency.budget_bytes = budget
     h.runtime.ledger.reset_peak()
     second = Frame(default=Choice.OFFLOAD)
     with h.runtime.frame(second):
@@ -1202,7 +1201,7 @@ def test_untraced_offload_stores_a_storage_once_and_refuses_in_place_changes(eng
 
     x = torch.randn(64, 64, requires_grad=True)
     h = Harness(Saves(), engine)
-    h.runtime.budget_bytes = 0  # every save crosses it
+    h.runtime.residency.budget_bytes = 0  # every save crosses it
     frame = untraced()
     loss, y = h.forward(x, frame)
     assert frame.stats.offloaded_storages == 1  # y's storage, saved by four ops, copied once
@@ -1269,7 +1268,7 @@ def test_an_in_place_write_no_recipe_keeps_pins_nothing_it_reads() -> None:
     torch.manual_seed(0)
     rt = ActivationRuntime(None)
     lin = torch.nn.Linear(16, 16)
-    rt.set_parameters(lin.parameters())
+    rt.residency.set_parameters(lin.parameters())
     scale = torch.randn(16)
     frame = Frame()
     with rt.frame(frame):

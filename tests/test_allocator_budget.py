@@ -74,7 +74,7 @@ def runs() -> Tuple[int, List[int], Dict[bool, _Run]]:
         for i in range(steps):
             run.peaks.append(_peak(model, meter, i))
             run.excess.append(prov.report()["excess_bytes"])
-            run.limits.append(prov.runtime.budget_bytes)
+            run.limits.append(prov.runtime.residency.budget_bytes)
     return budget, keep, out
 
 
@@ -147,7 +147,7 @@ def test_without_an_allocator_view_the_report_says_none_and_the_budget_is_the_ac
     _step(model, 0)
     report = prov.report()
     assert (report["memory_peak_bytes"], report["memory_violations"], report["excess_bytes"]) == (None, None, None)
-    assert prov.runtime.budget_bytes == 1 << 30
+    assert prov.runtime.residency.budget_bytes == 1 << 30
 
 
 class _Name(str):

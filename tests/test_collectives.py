@@ -115,7 +115,7 @@ def _setup(functional: bool, engine: bool = True):
     torch.manual_seed(0)
     model = Blocks(functional)
     runtime = ActivationRuntime(CopyEngine(HostArena(16 << 20)) if engine else None)
-    runtime.set_parameters(model.parameters())
+    runtime.residency.set_parameters(model.parameters())
     runtime.attach(model)
     return model, runtime, torch.randn(12, 16)
 
@@ -170,7 +170,7 @@ def test_an_in_place_write_through_a_list_argument_is_replayed(choice: Choice) -
     x = torch.randn(4, 8)
     ref = _loss_and_grads(model, model(x))
     runtime = ActivationRuntime(CopyEngine(HostArena(1 << 20)))
-    runtime.set_parameters(model.parameters())
+    runtime.residency.set_parameters(model.parameters())
     runtime.attach(model)
     with runtime.frame(Frame(default=choice)):
         loss = model(x)
@@ -229,7 +229,7 @@ def test_a_block_that_issues_a_collective_is_never_rerun_whole() -> None:
     torch.manual_seed(0)
     model = Mixed()
     runtime = ActivationRuntime(None)
-    runtime.set_parameters(model.parameters())
+    runtime.residency.set_parameters(model.parameters())
     runtime.attach(model)
     x = torch.randn(12, 16)
     ref = _loss_and_grads(model, model(x), count=True)
@@ -365,12 +365,12 @@ def _fsdp_rank(rank: int, world: int, out: str, order: str, seed: int) -> None:
     shard(plain)
     runtime = ActivationRuntime(CopyEngine(HostArena(16 << 20)))
     if order == "enable_first":
-        runtime.set_parameters(model.parameters())
+        runtime.residency.set_parameters(model.parameters())
         runtime.attach(model)
         shard(model)
     else:
         shard(model)
-        runtime.set_parameters(model.parameters())
+        runtime.residency.set_parameters(model.parameters())
         runtime.attach(model)
 
     def step(m: torch.nn.Module, frame=None, count=False):
@@ -401,14 +401,14 @@ def _fsdp_rank(rank: int, world: int, out: str, order: str, seed: int) -> None:
         else:
             plan = {k: rng.choice(list(Choice)) for k in keys}
         # Odd trials: no room for anchors, so rebuild chains reach across blocks.
-        runtime.budget_bytes = 1 if trial % 2 else None
+        runtime.residency.budget_bytes = 1 if trial % 2 else None
         ref = step(plain, count=True)
         frame = Frame(plan)
         got = step(model, frame, count=True)
         exact = torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
         results.append({"exact": exact, "collectives": [ref[2], got[2]],
                          "refused": sum("sharded parameters" in f for f in frame.stats.fallbacks)})
-    runtime.budget_bytes = None
+    runtime.residency.budget_bytes = None
     del frame, got
     import gc
     gc.collect()

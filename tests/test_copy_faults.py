@@ -386,7 +386,7 @@ def test_a_reload_that_fails_raises_naming_the_activation_and_leaves_nothing_hel
     step(model, 0)
     step(plain, 0)
     if not prefetch:
-        prov.runtime.prefetch_bytes = 0
+        prov.runtime.residency.prefetch_bytes = 0
     message = ""
     with recorded_frames(prov) as frames:
         injected = NotingOffloads(frames)
@@ -416,7 +416,7 @@ def test_offload_all_with_failing_copies_keeps_their_sources_and_stays_exact(mod
     model = make_model()
     plain = copy.deepcopy(model)
     prov = bagualu2.enable(model, budget=None, policy="offload_all", min_bytes=0)
-    prov.runtime.reload_in_place = reload_in_place
+    prov.runtime.residency.reload_in_place = reload_in_place
     injected = Injected()
     ref = step(plain, 1)
     with recorded_frames(prov) as frames:
@@ -498,7 +498,7 @@ def test_a_prefetch_that_cannot_be_submitted_is_recorded_and_its_use_reloads() -
     stores = frame.offload_stores()
     assert stores
     hooks.set_copy_faults("submit", count=1)
-    assert not h.runtime.prefetch(stores[-1])
+    assert not h.runtime.residency.prefetch(stores[-1])
     assert hooks.copy_faults_left() == 0
     assert stores[-1].prefetched is None and frame.prefetch_pending_bytes == 0
     assert [f for f in frame.stats.fallbacks if "prefetch failed" in f and "injected fault" in f]

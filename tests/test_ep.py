@@ -95,7 +95,7 @@ def _settled_resident(prov: Optional[bagualu2.Provisioner]) -> int:
     if prov is None:
         return 0
     gc.collect()
-    prov.runtime.settle(wait=True)
+    prov.runtime.residency.settle(wait=True)
     return prov.runtime.ledger.resident
 
 

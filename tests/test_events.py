@@ -74,9 +74,9 @@ def test_the_runtime_s_events_each_reach_every_subscriber() -> None:
         rt.on_frame_start.subscribe(lambda f, log=log: (log.append("frame"),
                                                         f.on_saved.subscribe(lambda k, log=log: log.append("saved"))))
         rt.on_frame_end.subscribe(lambda f, log=log: log.append("frame end"))
-        rt.on_offload.subscribe(lambda key, nbytes, log=log: log.append("offload"))
-        rt.on_released_unpack.subscribe(lambda key, log=log: log.append("unpack"))
-        rt.on_backward_end.subscribe(lambda log=log: log.append("end"))
+        rt.residency.on_offload.subscribe(lambda key, nbytes, log=log: log.append("offload"))
+        rt.residency.on_released_unpack.subscribe(lambda key, log=log: log.append("unpack"))
+        rt.residency.on_backward_end.subscribe(lambda log=log: log.append("end"))
         rt.on_hook.subscribe(lambda hook, record, s, log=log: log.append(hook))
     x = torch.randn(16, 16, requires_grad=True)
     for choice in (Choice.RECOMPUTE, Choice.OFFLOAD):

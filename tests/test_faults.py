@@ -67,7 +67,7 @@ def enabled(fraction: float = 0.7, reload_in_place: bool = True) -> Tuple[MoETra
     model = make_model()
     plain = copy.deepcopy(model)
     prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * fraction), min_bytes=0)
-    prov.runtime.reload_in_place = reload_in_place
+    prov.runtime.residency.reload_in_place = reload_in_place
     return model, plain, prov
 
 
@@ -137,11 +137,11 @@ def _inject(point: str, model: MoETransformer, prov: Any, at: int, after: bool) 
         saved = Interrupt(lambda key: None, at)
         return rt.on_frame_start.subscribe(lambda frame: frame.on_saved.subscribe(saved)).unsubscribe
     if point == "offload":  # an offload started, its host copy not yet handed to the pack hook
-        return rt.on_offload.subscribe(Interrupt(lambda key, nbytes: None, at)).unsubscribe
+        return rt.residency.on_offload.subscribe(Interrupt(lambda key, nbytes: None, at)).unsubscribe
     if point == "unpack":  # inside the unpack hook, before a released activation is reloaded or rebuilt
-        return rt.on_released_unpack.subscribe(Interrupt(lambda key: None, at)).unsubscribe
+        return rt.residency.on_released_unpack.subscribe(Interrupt(lambda key: None, at)).unsubscribe
     if point == "learning":  # a subscriber beside the provisioner's learning: before it, or after
-        return rt.on_backward_end.subscribe(Interrupt(lambda: None, at), prepend=not after).unsubscribe
+        return rt.residency.on_backward_end.subscribe(Interrupt(lambda: None, at), prepend=not after).unsubscribe
     if point == "backward":
         layer = model.layers[0]
         handle = layer.register_full_backward_hook(Interrupt(lambda m, gi, go: None, at, after))
@@ -404,7 +404,7 @@ def test_an_arena_that_runs_out_in_a_spike_falls_back_without_leaking_a_block() 
     plain = copy.deepcopy(model)
     budget = int(keep_all_peak(model) * 0.6)
     prov = bagualu2.enable(model, budget=budget, min_bytes=0, arena_bytes=16 << 10, arena_max_bytes=16 << 10)
-    prov.runtime.reload_in_place = False
+    prov.runtime.residency.reload_in_place = False
     for i, spike in enumerate([0.0, 0.0, 2.6, 2.6, 0.0, 2.6]):
         assert_exact(model, plain, i, spike)
         assert_nothing_held(prov)

@@ -50,7 +50,7 @@ class Run:
         self.model = model
         self.engine = CopyEngine(HostArena(64 << 20))
         self.runtime = ActivationRuntime(self.engine, reload_in_place=False)  # reloads copy, as on a device
-        self.runtime.set_parameters(list(model.parameters()) + list(model.buffers()))
+        self.runtime.residency.set_parameters(list(model.parameters()) + list(model.buffers()))
         self.hooks = self.runtime.attach(model)
         self.driver = OverlapDriver(self.runtime, min_bubble_s=0.0)
         self.choice = choice
@@ -285,7 +285,7 @@ def test_an_untraced_frame_pairs_with_nothing_to_schedule_and_stays_exact() -> N
     model, a, b = make_model()
     ref = plain_run(model, a, b)
     run = Run(model, Choice.KEEP)
-    run.runtime.budget_bytes = 0  # every save of an untraced frame crosses it: all offloaded
+    run.runtime.residency.budget_bytes = 0  # every save of an untraced frame crosses it: all offloaded
 
     def forward(tokens: torch.Tensor, seed: int) -> Tuple[torch.Tensor, Frame]:
         frame = Frame()
@@ -320,7 +320,7 @@ def test_the_schedule_is_followed_while_other_subscribers_listen_to_the_same_eve
         frame.on_saved.subscribe(saved[len(frames) - 1].append)
 
     heard = run.runtime.on_frame_start.subscribe(on_frame)
-    run.runtime.on_released_unpack.subscribe(unpacked.append)
+    run.runtime.residency.on_released_unpack.subscribe(unpacked.append)
     try:
         out = run.run(a, b, lambda p: spread(p, PICKS["one_per_forward_op"]))
         assert_bitwise(out, reference)
@@ -334,6 +334,6 @@ def test_the_schedule_is_followed_while_other_subscribers_listen_to_the_same_eve
     finally:
         run.close()
     assert heard.active and len(run.runtime.on_frame_start.subscribers) == 1
-    assert len(run.runtime.on_released_unpack.subscribers) == 1  # the driver's went with its pair
+    assert len(run.runtime.residency.on_released_unpack.subscribers) == 1  # the driver's went with its pair
     run.forward(a, SEEDS[0])
     assert len(frames) == 3

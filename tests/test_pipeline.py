@@ -123,7 +123,7 @@ def _run_job(rank: int, world_size: int, job: dict, budgets: dict) -> dict | Non
                                   on_exceed="raise" if variant.endswith("_raise") else "record",
                                   overlap=variant.endswith("+overlap"))
         if variant.endswith("+overlap"):
-            prov.runtime.reload_in_place = False  # reloads copy, as on a device: there is something to schedule
+            prov.runtime.residency.reload_in_place = False  # reloads copy, as on a device: there is something to schedule
         inner = prov.set_pipeline_phase
         prov.set_pipeline_phase = lambda phase, stacked=0: (told.append((phase, stacked)), inner(phase, stacked))[1]
     torch.manual_seed(SEED + 1)  # dropout / sampling streams start equal in every scenario
@@ -137,7 +137,7 @@ def _run_job(rank: int, world_size: int, job: dict, budgets: dict) -> dict | Non
     }
     if prov is not None:
         gc.collect()
-        prov.runtime.settle(wait=True)
+        prov.runtime.residency.settle(wait=True)
         gc.collect()
         report = prov.report()
         extra["report"] = {k: report.get(k) for k in REPORT_KEYS}

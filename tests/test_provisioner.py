@@ -132,16 +132,16 @@ def test_the_budget_has_one_owner_and_each_forward_carries_its_share() -> None:
     budget = int(keep_all_peak(model, spike=2.6) * 0.6)
     prov = bagualu2.enable(model, budget=budget, min_bytes=0)
     seen = []
-    prov.runtime.on_frame_start.subscribe(lambda frame: seen.append((frame.budget, prov.runtime.budget_bytes)))
+    prov.runtime.on_frame_start.subscribe(lambda frame: seen.append((frame.budget, prov.runtime.residency.budget_bytes)))
     for i, spikes in enumerate([[0.0, 2.6, 0.0], [2.6]]):
         accumulate(model, i, spikes)
-        assert prov.runtime.budget_bytes == budget
+        assert prov.runtime.residency.budget_bytes == budget
     assert all(b is not None and b.limit == budget and rt == budget for b, rt in seen)
     assert any(b.reserve > 0 for b, _ in seen), "micro-batches stacked behind the first ones"
     with pytest.raises(ValueError, match="budget=-1 bytes"):
         prov.budget = -1
     prov.budget = budget // 2
-    assert prov.runtime.budget_bytes == budget // 2
+    assert prov.runtime.residency.budget_bytes == budget // 2
 
 
 @pytest.mark.parametrize("limit_over_bytes, reserve_over_bytes, violations",
@@ -306,7 +306,7 @@ def test_recompute_all_reruns_its_blocks_and_keeps_what_the_model_saves_after_th
     before = [k for k in order if k not in after]
     assert any(k.startswith("drop:") for k in before)
     assert all(frame.choice(k) == bagualu2.Choice.RECOMPUTE for k in before)
-    rebuilt = prov.runtime.take_replay_times()
+    rebuilt = prov.runtime.residency.take_replay_times()
     assert rebuilt and set(rebuilt) <= set(before)
     assert prov.report()["saved_bytes_by_choice"]["keep"] >= sum(frame.keys_seen[k] for k in after)
     report = prov.report()  # backward holds a block's rerun saves beside the blocks' inputs
@@ -433,7 +433,7 @@ def test_disable_restores_the_model() -> None:
     loss = model(tokens_for(model, 0))
     prov.disable()
     loss.backward()
-    assert prov.runtime.take_replay_times()
+    assert prov.runtime.residency.take_replay_times()
 
 
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")  # Dynamo's, tracing
@@ -669,14 +669,14 @@ def test_the_first_micro_batches_a_plan_may_release_from_measure_what_replays_co
     frames: List[bagualu2.runtime.Frame] = []
     prov.runtime.on_frame_start.subscribe(frames.append)
     taken: Dict[int, Dict[str, Tuple[float, int, int, float, int]]] = {}  # micro-batch -> its backward's op replays
-    take = prov.runtime.take_op_replay_times
+    take = prov.runtime.residency.take_op_replay_times
 
     def take_noting() -> Dict[str, Tuple[float, int, int, float, int]]:
         times = take()  # as the last frame's backward ends, or as the next forward begins
         taken.setdefault(len(frames) - 1, {}).update(times)
         return times
 
-    prov.runtime.take_op_replay_times = take_noting  # type: ignore[method-assign]
+    prov.runtime.residency.take_op_replay_times = take_noting  # type: ignore[method-assign]
     anchored: set = set()  # block inputs, held for the recipes: no plan releases them
     model.norm.register_forward_hook(lambda *a: anchored.update(n.key for n in frames[-1].anchors))
     for i in range(9):
@@ -1094,7 +1094,7 @@ def test_without_a_copy_engine_only_the_worst_routing_makes_a_forward_calm() -> 
     budget = int(keep_all_peak(model) * 1.05)
     prov = bagualu2.enable(model, budget=budget, min_bytes=0, engine=None)
     prov.engine = None  # nothing could hold an untraced spike under the budget
-    prov.runtime.engine = None
+    prov.runtime.residency.engine = None
     frames: List[bagualu2.runtime.Frame] = []
     prov.runtime.on_frame_start.subscribe(frames.append)
     for i in range(7):
@@ -1203,9 +1203,9 @@ def test_runtime_measures_rebuilds_and_copies_and_the_provisioner_feeds_the_cost
     prov = bagualu2.enable(model, budget=None, policy="recompute_all", min_bytes=0)
     prov.learning.unsubscribe()  # the measurements are read here, not learned from
     step(model, 0)
-    replays = prov.runtime.take_replay_times()
+    replays = prov.runtime.residency.take_replay_times()
     assert replays and all(s > 0 and n >= 1 for s, n in replays.values())
-    assert prov.runtime.take_replay_times() == {}  # taken: counting starts again
+    assert prov.runtime.residency.take_replay_times() == {}  # taken: counting starts again
     # Adaptive under a budget the worst routing would not fit recomputes (its calibrating
     # micro-batches all they can, whatever the timings: under 80% of the peak without
     # rebuilding anything twice); as each backward ends, the provisioner hands the measured
@@ -1214,17 +1214,17 @@ def test_runtime_measures_rebuilds_and_copies_and_the_provisioner_feeds_the_cost
     adaptive = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.8), min_bytes=0)
     for i in range(adaptive.profile_frames + adaptive.calibrate_frames):
         step(model, i)
-        assert adaptive.runtime.take_replay_times() == {} and adaptive.runtime.take_copy_times()[1] == 0
+        assert adaptive.runtime.residency.take_replay_times() == {} and adaptive.runtime.residency.take_copy_times()[1] == 0
     assert adaptive.report()["saved_bytes_by_choice"]["recompute"] > 0
     assert adaptive.cost.rebuild.replayed_calls and adaptive.cost.rebuild.fit.observed
     offloading = bagualu2.enable(make_model(), budget=None, policy="offload_all", min_bytes=0)
     offloading.learning.unsubscribe()
     step(offloading.model, 0)
-    seconds, copies, nbytes = offloading.runtime.take_copy_times()
+    seconds, copies, nbytes = offloading.runtime.residency.take_copy_times()
     assert seconds > 0 and copies > 0 and nbytes >= copies
-    offloading.runtime.on_backward_end.subscribe(offloading.learning.fn)
+    offloading.runtime.residency.on_backward_end.subscribe(offloading.learning.fn)
     step(offloading.model, 1)
-    assert offloading.runtime.take_copy_times()[1] == 0 and offloading.cost.copies.fit.observed
+    assert offloading.runtime.residency.take_copy_times()[1] == 0 and offloading.cost.copies.fit.observed
 
 
 def test_offloads_run_their_own_ops_past_the_dispatch_mode(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,7 +19,7 @@ def test_one_backward_s_measurements_are_one_frozen_record_and_taking_them_start
     torch.manual_seed(0)
     model = MoETransformer(MoEConfig.tiny())
     rt = ActivationRuntime(CopyEngine(HostArena(64 << 20)), reload_in_place=False)
-    rt.set_parameters(list(model.parameters()))
+    rt.residency.set_parameters(list(model.parameters()))
     hooks = rt.attach(model)
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 16))
     measured = []
@@ -28,7 +28,7 @@ def test_one_backward_s_measurements_are_one_frozen_record_and_taking_them_start
             loss = model(tokens).float().pow(2).mean()
         loss.backward()
         del loss
-        measured.append(rt.take_measurements())
+        measured.append(rt.residency.take_measurements())
     offloads, rebuilds = measured
     for m in measured:
         assert type(m) is Measurements and type(m.copies) is CopyTimes
@@ -40,7 +40,7 @@ def test_one_backward_s_measurements_are_one_frozen_record_and_taking_them_start
                                        for r in rebuilds.op_replays.values())
     with pytest.raises(AttributeError):
         rebuilds.copies.seconds = 0.0  # type: ignore[misc]
-    empty = rt.take_measurements()
+    empty = rt.residency.take_measurements()
     assert empty == Measurements({}, {}, CopyTimes(0.0, 0, 0))
     for h in hooks:
         h.remove()

@@ -125,14 +125,14 @@ def test_movable_bytes_are_the_storages_only_unchanged_kept_saves_hold(sizes: Li
         pinned = {cdata for _, cdata in pins}
         nbytes = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
         movable = sum(nbytes[c] for c in saves if c not in pinned and c not in changed)
-        assert runtime.movable_bytes() == movable
+        assert runtime.residency.movable_bytes() == movable
         assert runtime.ledger.resident == sum(nbytes[c] for c in set(saves) | pinned)
         assert runtime.ledger.pins == sum(saves.values()) + len(pins)
         for cdata, count in saves.items():
             assert runtime.ledger.count(cdata)[0] == count + sum(1 for _, c in pins if c == cdata)
     graphs.clear()
     pins.clear()
-    assert runtime.ledger.resident == 0 and runtime.ledger.pins == 0 and runtime.movable_bytes() == 0
+    assert runtime.ledger.resident == 0 and runtime.ledger.pins == 0 and runtime.residency.movable_bytes() == 0
 
 
 def test_the_parameter_walk_finds_what_parameters_and_buffers_yield() -> None:
@@ -159,9 +159,9 @@ def test_the_parameter_walk_finds_what_parameters_and_buffers_yield() -> None:
     for set_parameters in ("walked", "listed"):
         runtime = ActivationRuntime()
         if set_parameters == "walked":
-            runtime.set_parameters_of(model)
+            runtime.residency.set_parameters_of(model)
         else:
-            runtime.set_parameters(itertools.chain(model.parameters(), model.buffers()))
+            runtime.residency.set_parameters(itertools.chain(model.parameters(), model.buffers()))
         frame = Frame()
         frame.traced = False
         with runtime.frame(frame):
@@ -225,10 +225,10 @@ def test_a_storage_kept_alive_elsewhere_and_replaced_without_registration_is_mis
     go to an activation), and a save of the new one is counted: the set errs on the budget's side."""
     model = torch.nn.Linear(3, 3)
     runtime = ActivationRuntime()
-    runtime.set_parameters_of(model)
+    runtime.residency.set_parameters_of(model)
     old = model.weight.data  # held here: its storage lives on
     model.weight.data = torch.randn(3, 3)
-    runtime.set_parameters_of(model)
+    runtime.residency.set_parameters_of(model)
     anchor = torch.ones(1, requires_grad=True)
     frame = Frame()
     frame.traced = False
@@ -236,7 +236,7 @@ def test_a_storage_kept_alive_elsewhere_and_replaced_without_registration_is_mis
         out = _Save.apply(anchor, torch.empty(0).set_(model.weight.untyped_storage()))
     assert runtime.ledger.resident == model.weight.untyped_storage().nbytes()
     del out, old
-    runtime.set_parameters_of(model)  # the old storage died: walked again, the new one known
+    runtime.residency.set_parameters_of(model)  # the old storage died: walked again, the new one known
     with runtime.frame(Frame()):
         out = _Save.apply(anchor, torch.empty(0).set_(model.weight.untyped_storage()))
     assert runtime.ledger.resident == 0

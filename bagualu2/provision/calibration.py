@@ -88,7 +88,7 @@ def learn(cost: CostModel, runtime: ActivationRuntime, routed: Dict[int, List[in
     rebuilds and copies cost, each at ``routed``, the loads of the forward whose backward ran
     (the last one outside a pipeline; rounded means would move a size-driven op's token count
     and bend its time's fit)."""
-    measured = runtime.take_measurements()
+    measured = runtime.residency.take_measurements()
     if measured.op_replays:
         cost.observe_op_replays(measured.op_replays, routed)
     if measured.replays:

@@ -85,7 +85,7 @@ class GateDecisions:
         caller)."""
         cost = self.cost
         counts = self.counts_at(layer, values)
-        running = self.runtime.region_running()
+        running = self.runtime.regions.running()
         remaining = [k for k in cost.order if k not in frame.keys_seen and (running is None or k != running[0])]
         predicted = cost.predict_total(remaining, counts)
         if running is not None:
@@ -97,7 +97,7 @@ class GateDecisions:
         # What this gate plans afresh: the operators still to run, and the running region, whose
         # choice the next micro-batch (which starts from this plan) makes anew.
         replanned = remaining + [running[0]] if running is not None else remaining
-        resident = self.runtime.ledger.resident - self.runtime.inflight_bytes
+        resident = self.runtime.ledger.resident - self.runtime.residency.inflight_bytes
         must_free = resident + predicted - target
         if not self.predicted:
             self.predicted = resident + predicted

@@ -36,7 +36,7 @@ class GateHook:
         runtime, spec = self.hooks.runtime, self.spec
         if runtime.active_frame is None or is_recomputing():
             return
-        with runtime.untraced(), torch.no_grad():
+        with runtime.residency.untraced(), torch.no_grad():
             counts = spec.counts_fn(module, args, output)
             size = spec.size_fn(module, args, output) if spec.size_fn is not None else None
         what = f"counts_fn of gate {spec.name!r} (layer {spec.layer})"

@@ -39,7 +39,7 @@ class Limits:
 
     def set_budget(self, budget: Optional[int]) -> None:
         """A new budget for the micro-batches to come, and for backward from now on."""
-        self.budget = self.runtime.budget_bytes = budget
+        self.budget = self.runtime.residency.budget_bytes = budget
 
     def limit(self, excess: Optional[int] = None) -> int:
         """What this micro-batch's activations are held to: the budget less the excess the
@@ -100,7 +100,7 @@ class Limits:
         """Hold this micro-batch's activations to the budget less ``excess``: its frame (once it
         has one) and backward (the runtime's ``budget_bytes``)."""
         self.memory.now = excess
-        self.runtime.budget_bytes = self.limit()
+        self.runtime.residency.budget_bytes = self.limit()
         frame = self.runtime.active_frame
         if frame is not None and frame.budget is not None:
             frame.budget = Budget(self.limit(), frame.budget.reserve, frame.budget.pin_headroom)

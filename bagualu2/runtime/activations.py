@@ -18,9 +18,9 @@ from the frame's plan:
 
 This module owns the deciding half: frames (and closing what an interrupt left open), the
 module hooks that name operators and run blocks untraced, and the pack hook. Carrying the
-choices out (the ledger, the budget, kept storages, offloads, the unpack hook) is its base,
-``Residency`` (``bagualu2.runtime.residency``), which states the accounting and budget
-invariants; what a save becomes is in ``bagualu2.runtime.stores``.
+choices out (the ledger, the budget, kept storages, offloads, the unpack hook) is the
+``Residency`` it owns (``runtime.residency``; ``bagualu2.runtime.residency``, which states the
+accounting and budget invariants); what a save becomes is in ``bagualu2.runtime.stores``.
 
 Invariants:
 
@@ -59,6 +59,7 @@ from bagualu2.runtime.attachment import AttachedHook, _Attachment
 from bagualu2.runtime.compiled import CompiledRegions
 from bagualu2.runtime.frame import Frame, check_keys, profile_saves
 from bagualu2.runtime.ledger import _drain_failed_backward, _drain_graph, Pin
+from bagualu2.runtime.residency import Residency
 from bagualu2.runtime.rerun import BlockRerun, unrestorable
 from bagualu2.runtime.regions import compiled_regions, holds_collectives
 from bagualu2.runtime.stores import _Offloaded, _Recomputed, _uncounted, observed_hook, regeneration_source
@@ -68,9 +69,10 @@ __all__ = ["ActivationRuntime", "AttachedHook"]
 
 _STRIDED = torch.strided
 
-class ActivationRuntime(CompiledRegions):
+class ActivationRuntime:
     """Applies per-operator KEEP / OFFLOAD / RECOMPUTE choices to saved activations: picks each
-    save's choice here; its base ``Residency`` holds, counts and serves back what was picked.
+    save's choice here; the ``Residency`` it owns (``residency``) holds, counts and serves back
+    what was picked, within the budget.
 
     Args:
         engine: a ``bagualu2.CopyEngine`` for OFFLOAD, or None (OFFLOAD then falls back).
@@ -93,8 +95,13 @@ class ActivationRuntime(CompiledRegions):
                  prefetch_bytes: int = 64 << 20, reload_in_place: bool = True) -> None:
         if min_bytes < 0:
             raise ValueError(f"min_bytes={min_bytes} must be >= 0")
-        super().__init__(engine, budget_bytes=budget_bytes, enforce_budget=enforce_budget, on_exceed=on_exceed,
-                         prefetch_bytes=prefetch_bytes, reload_in_place=reload_in_place)
+        # What is held, within which budget, and how backward gets it back: the runtime's own.
+        self.residency = Residency(engine, budget_bytes=budget_bytes, enforce_budget=enforce_budget,
+                                   on_exceed=on_exceed, prefetch_bytes=prefetch_bytes,
+                                   reload_in_place=reload_in_place)
+        self.ledger = self.residency.ledger  # the residency's, read by all who ask the runtime
+        self.mode = self.residency.mode  # the tracing mode, whose recipes' pins the residency charges
+        self.regions = CompiledRegions(self.residency)  # entering, leaving and packing compiled region calls
         self.min_bytes = min_bytes
         # ``fn(frame)`` as each frame starts (the overlap driver: OverlapDriver). While any
         # subscriber listens, frames also list the storages they release by recompute
@@ -117,7 +124,7 @@ class ActivationRuntime(CompiledRegions):
     # -- frames -----------------------------------------------------------------------------
     @property
     def active_frame(self) -> Optional[Frame]:
-        return self._frame
+        return self.residency.frame
 
     def frame(self, frame: Frame) -> ContextManager[Frame]:
         """Trace and provision one micro-batch's forward (``with runtime.frame(f): ...``).
@@ -133,7 +140,7 @@ class ActivationRuntime(CompiledRegions):
 
     @contextlib.contextmanager
     def _frame_scope(self, frame: Frame, holder: List[Any]) -> Iterator[Frame]:
-        if self._frame is not None and not self._close_left_frame():
+        if self.residency.frame is not None and not self._close_left_frame():
             thread = self._frame_owner[0] if self._frame_owner is not None else None
             if thread is not None and thread != threading.get_ident():
                 raise RuntimeError(
@@ -152,14 +159,14 @@ class ActivationRuntime(CompiledRegions):
         self._module_hooks(frame.traced)
         # The caller of ``with``: this generator's caller is contextlib's __enter__.
         self._frame_owner = (threading.get_ident(), sys._getframe(2), holder[0])
-        self._frame = frame
+        self.residency.frame = frame
         if self.on_frame_start.subscribers:
             self.on_frame_start.emit(frame)
         frame.stats.start_resident = self.ledger.resident
         self.ledger.reset_peak()
         grad = torch.is_grad_enabled()
         try:
-            pack, unpack = self._pack if frame.traced else self._pack_calm, self._unpack
+            pack, unpack = self._pack if frame.traced else self._pack_calm, self.residency.unpack
             if self.on_hook.subscribers:
                 pack, unpack = observed_hook("pack", pack, self.on_hook.emit), observed_hook("unpack", unpack, self.on_hook.emit)
             # The tracing mode goes on and off by state (``TracingMode.place``), not as a ``with``: a rerun
@@ -171,7 +178,7 @@ class ActivationRuntime(CompiledRegions):
                     yield frame
                 finally:
                     if frame.runtime_state.region is not None:  # the region raised: its exit did not run
-                        self.region_leave()
+                        self.regions.leave()
                     if frame.runtime_state.rerun is not None:  # the block raised: its forward hook did not run
                         self._close_rerun(frame)
                     self.mode.place(False)
@@ -202,7 +209,7 @@ class ActivationRuntime(CompiledRegions):
         frame.stats.peak_resident = max(frame.stats.peak_resident, self.ledger.peak)
         if frame.profile and not frame.saved_profile:
             frame.saved_profile, frame.unsaved_seconds = profile_saves(frame, self.mode.nodes.values())
-        self.settle()
+        self.residency.settle()
         for node in frame.anchors:
             if node.offloaded:
                 node.anchor = None
@@ -214,13 +221,13 @@ class ActivationRuntime(CompiledRegions):
         self.mode.reset()  # the frame's nodes, and the anchors they pin
         self._clear_left_scopes()
         self._frame_owner = None
-        self._frame = None
+        self.residency.frame = None
 
     def _close_left_frame(self) -> bool:
         """Close the running frame if an interrupt left it open: its ``with`` statement's frame
         is off its thread's stack, or the scope's generator is done (its cleanup began). True
         when it was so (or no frame runs)."""
-        frame, owner = self._frame, self._frame_owner
+        frame, owner = self.residency.frame, self._frame_owner
         if frame is None:
             return True
         if owner is not None:
@@ -249,16 +256,17 @@ class ActivationRuntime(CompiledRegions):
         counts of dead pins, the arena blocks of offload stores that died while their copies
         ran, and what a failed backward left queued. Idempotent, and resumable after an
         interrupt of its own: an entry goes only once what it held is given back."""
-        if self._frame is not None:
+        residency = self.residency
+        if residency.frame is not None:
             self._close_left_frame()
         self.ledger.collect()
-        if self.engine is not None:
-            self.engine.prune()  # tickets of stores that died, kept while their copies ran
+        if residency.engine is not None:
+            residency.engine.prune()  # tickets of stores that died, kept while their copies ran
         # Something still held outside a frame may be what a failed backward left queued.
-        if self._frame is None and (self.ledger.resident or self._arena_in_use()) and _drain_failed_backward():
+        if residency.frame is None and (self.ledger.resident or residency.arena_in_use()) and _drain_failed_backward():
             self.ledger.collect()
-            if self.engine is not None:
-                self.engine.prune()
+            if residency.engine is not None:
+                residency.engine.prune()
 
     # -- module hooks -----------------------------------------------------------------------
     def attach(self, root: torch.nn.Module, root_compiled: bool = False) -> List[Any]:
@@ -294,7 +302,7 @@ class ActivationRuntime(CompiledRegions):
             if module is root or root_compiled or any(name.startswith(p + ".") for p in regions):
                 continue  # inside compiled code: Dynamo would trace a hook of ours
             if name in regions:
-                enter, leave = self._region_hooks(name, id(module) in blocks, not holds_collectives(module))
+                enter, leave = self.regions.hooks(name, id(module) in blocks, not holds_collectives(module))
                 if isinstance(module, torch.nn.Module) and getattr(module, "_compiled_call_impl", None) is not None:
                     calls.append((module, enter, leave))
                 else:  # torch.compile(module): its own hooks run outside Dynamo
@@ -309,7 +317,7 @@ class ActivationRuntime(CompiledRegions):
 
             def enter(mod: torch.nn.Module, args: tuple, kwargs: Dict[str, Any], _name: str = name,
                       _block: int = block, _rerunnable: bool = rerunnable) -> None:
-                frame = self._frame
+                frame = self.residency.frame
                 if frame is None or not frame.traced or self.mode.suspended or frame.runtime_state.rerun is not None:
                     return
                 if _block == 2:
@@ -322,7 +330,7 @@ class ActivationRuntime(CompiledRegions):
                     self._anchor(args[0], outermost=_block == 2)
 
             def leave(mod: torch.nn.Module, args: tuple, out: Any, _block: int = block) -> None:
-                frame = self._frame
+                frame = self.residency.frame
                 if frame is None or not frame.traced or self.mode.suspended:
                     return
                 if frame.runtime_state.rerun is not None:
@@ -368,7 +376,8 @@ class ActivationRuntime(CompiledRegions):
         if name not in self._traced_blocks or name in self.mode.side_effect_modules:
             return False
         self.mode.place(False)  # off torch's dispatch stack: the block's ops skip Python
-        frame.runtime_state.rerun = BlockRerun(module, name, flat, spec, self._pin_leaf, lambda s: Pin(self.ledger, s))
+        frame.runtime_state.rerun = BlockRerun(module, name, flat, spec, self.residency.pin_leaf,
+                                               lambda s: Pin(self.ledger, s))
         frame.stats.rerun_blocks += 1
         return True
 
@@ -380,28 +389,29 @@ class ActivationRuntime(CompiledRegions):
 
     def _anchor(self, t: torch.Tensor, outermost: bool) -> None:
         node = self.mode.nodes.get(t.untyped_storage()._cdata)
-        if node is not None and node.anchor is None and self._frame is not None:
-            if self._over_budget(t.untyped_storage()):
+        if node is not None and node.anchor is None and self.residency.frame is not None:
+            if self.residency.over_budget(t.untyped_storage()):
                 return  # no room: recompute chains reach further back instead
-            with self.untraced():
+            with self.residency.untraced():
                 held = t.detach()  # holding t's autograd graph would be a reference cycle
             node.anchor = (held, node.state, Pin(self.ledger, t.untyped_storage()))
-            self._frame.anchors.append(node)
+            self.residency.frame.anchors.append(node)
             anchors = node.cache.anchors
             if outermost and (not anchors or anchors[-1] < node.position):
                 anchors.append(node.position)
 
     # -- pack -------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:
-        frame = self._frame
+        frame = self.residency.frame
         if frame is None:
             return t
-        if frame.runtime_state.region is not None:
-            return self._pack_region(frame, frame.runtime_state.region, t)
-        if frame.runtime_state.rerun is not None:
+        run = frame.runtime_state
+        if run.region is not None:
+            return self.regions.pack(frame, run.region, t)
+        if run.rerun is not None:
             frame.stats.packed += 1
-            return frame.runtime_state.rerun.save(t, counted=is_plain(t) and not self._is_parameter(t))
-        if self._is_parameter(t):
+            return run.rerun.save(t, counted=is_plain(t) and not self.residency.is_parameter(t))
+        if self.residency.is_parameter(t):
             return _uncounted(t)
         self.mode.suspended += 1  # the runtime's own ops are not part of the model
         try:
@@ -426,21 +436,22 @@ class ActivationRuntime(CompiledRegions):
         stack, offloads in flight or made by this frame, a save that would cross the budget.
         Written for its cost: each lookup is made once (``is_plain`` inlined where it would
         repeat one; the budget check and the count are one step of the ledger's)."""
-        frame = self._frame
-        if (frame is None or self._inflight or frame.runtime_state.untraced_offloads
+        residency = self.residency
+        frame = residency.frame
+        if (frame is None or residency.inflight or frame.runtime_state.untraced_offloads
                 or torch._C._len_torch_dispatch_stack() or type(t) not in _PLAIN_TYPES
                 or t.layout != _STRIDED or t.is_nested):
             return self._pack(t)
         storage = t.untyped_storage()
-        if storage._cdata in self._params and type(t) is torch.Tensor:
-            return _uncounted(t)  # a plain tensor over a parameter's storage (what ``_is_parameter`` finds first)
+        if storage._cdata in residency.param_storages and type(t) is torch.Tensor:
+            return _uncounted(t)  # a plain tensor over a parameter's storage (what ``is_parameter`` finds first)
         base = t._base
         if type(t) is not torch.Tensor or (base is not None and type(base) is not torch.Tensor):
-            if self._is_parameter(t):  # a parameter, or a view of one
+            if residency.is_parameter(t):  # a parameter, or a view of one
                 return _uncounted(t)
             return self._pack(t)
         budget = frame.budget
-        kept = self._keep(frame, t, storage, None, self.budget_bytes if budget is None else budget.save_target)
+        kept = residency.keep(frame, t, storage, None, residency.budget_bytes if budget is None else budget.save_target)
         if kept is None:  # it would cross the budget
             return self._pack(t)
         frame.stats.packed += 1
@@ -449,10 +460,10 @@ class ActivationRuntime(CompiledRegions):
     def _pack_in(self, frame: Frame, t: torch.Tensor) -> Any:
         stats = frame.stats
         stats.packed += 1
-        if self._inflight:  # the offloads' share of the thread's time
+        if self.residency.inflight:  # the offloads' share of the thread's time
             start = time.perf_counter()
-            self.settle()
-            self._copies.seconds += time.perf_counter() - start
+            self.residency.settle()
+            self.residency.copies.seconds += time.perf_counter() - start
         if not is_plain(t):
             stats.fallbacks.append(f"kept a {type(t).__name__} with layout {t.layout}: not a plain strided "
                                    f"tensor, so it is neither counted nor released")
@@ -466,15 +477,15 @@ class ActivationRuntime(CompiledRegions):
             # what the pin headroom is left for, so only the target itself bounds it.
             if not self.ledger.holds(storage):
                 stats.outside_bytes += storage.nbytes()
-            if self._over_budget(storage, pins=True):
-                self.settle(wait=True)
-                if self._over_budget(storage, pins=True):
-                    return self._violate(frame, t, f"a saved input of shape {tuple(t.shape)}")
-            return self._keep(frame, t, storage)
+            if self.residency.over_budget(storage, pins=True):
+                self.residency.settle(wait=True)
+                if self.residency.over_budget(storage, pins=True):
+                    return self.residency.violate(frame, t, f"a saved input of shape {tuple(t.shape)}")
+            return self.residency.keep(frame, t, storage)
         nbytes = node.nbytes
         frame.keys_seen.setdefault(node.key, nbytes)
-        if nbytes < self.min_bytes and not self._over_budget(storage):
-            return self._keep(frame, t, storage, node)
+        if nbytes < self.min_bytes and not self.residency.over_budget(storage):
+            return self.residency.keep(frame, t, storage, node)
         state = node.state
         meta = view_meta(t)
         store = node.offloaded.get(state)
@@ -489,14 +500,14 @@ class ActivationRuntime(CompiledRegions):
         if frame.runtime_state.past_blocks and frame.after_blocks is not None:
             frame.choices.setdefault(node.key, frame.after_blocks)
         choice = frame.choice(node.key)
-        if choice == Choice.KEEP and self._over_budget(storage):
-            self.settle(wait=True)
-            if self._over_budget(storage):
-                if self.enforce_budget:
-                    choice = Choice.OFFLOAD if self.engine is not None else Choice.RECOMPUTE
+        if choice == Choice.KEEP and self.residency.over_budget(storage):
+            self.residency.settle(wait=True)
+            if self.residency.over_budget(storage):
+                if self.residency.enforce_budget:
+                    choice = Choice.OFFLOAD if self.residency.engine is not None else Choice.RECOMPUTE
                     stats.fallbacks.append(f"{node.key}: keep -> {choice.name.lower()} (budget)")
                 else:
-                    return self._violate(frame, t, node.key)
+                    return self.residency.violate(frame, t, node.key)
         rebuildable = node.rebuildable(state)
         why_not = node.why_not
         if rebuildable and not self.mode.rebuild_safe(node):
@@ -509,16 +520,16 @@ class ActivationRuntime(CompiledRegions):
             stats.fallbacks.append(f"{node.key}: recompute -> offload ({why_not})")
             choice = Choice.OFFLOAD
         if choice == Choice.OFFLOAD:
-            packed = self._offload(frame, node, storage, state, meta)
+            packed = self.residency.offload(frame, node, storage, state, meta)
             if packed is not None:
                 return packed
             if rebuildable:
                 stats.fallbacks.append(f"{node.key}: offload -> recompute (arena full or no engine)")
                 return self._recompute(frame, node, state, meta)
             stats.fallbacks.append(f"{node.key}: offload -> keep (arena full or no engine; not recomputable)")
-        if self._over_budget(storage):
-            return self._violate(frame, t, node.key)
-        return self._keep(frame, t, storage, node)
+        if self.residency.over_budget(storage):
+            return self.residency.violate(frame, t, node.key)
+        return self.residency.keep(frame, t, storage, node)
 
     def _pack_untraced(self, frame: Frame, t: torch.Tensor, storage: torch.UntypedStorage) -> Any:
         """Keep, unless that would cross an enforced budget: then offload (no recipe exists to
@@ -527,14 +538,14 @@ class ActivationRuntime(CompiledRegions):
         if store is not None:
             frame.stats.shared_bytes += storage.nbytes()
             return _Offloaded(store, view_meta(t), None, t._version, t)
-        if not self._over_budget(storage):
-            return self._keep(frame, t, storage)
-        self.settle(wait=True)
-        if not self._over_budget(storage):
-            return self._keep(frame, t, storage)
-        store = self._start_offload(frame, storage, "untraced") if self.enforce_budget else None
+        if not self.residency.over_budget(storage):
+            return self.residency.keep(frame, t, storage)
+        self.residency.settle(wait=True)
+        if not self.residency.over_budget(storage):
+            return self.residency.keep(frame, t, storage)
+        store = self.residency.start_offload(frame, storage, "untraced") if self.residency.enforce_budget else None
         if store is None:
-            return self._violate(frame, t, f"a saved tensor of shape {tuple(t.shape)} (untraced forward)")
+            return self.residency.violate(frame, t, f"a saved tensor of shape {tuple(t.shape)} (untraced forward)")
         frame.stats.fallbacks.append(f"untraced forward over budget: offloaded {storage.nbytes()} bytes")
         frame.runtime_state.note_offload(storage, t._version, store)
         return _Offloaded(store, view_meta(t), None, t._version, t)
@@ -562,5 +573,5 @@ class ActivationRuntime(CompiledRegions):
                 continue  # counted already
             for ref in recipe_refs(n, s):
                 ref.node.cache.add_reader(ref.node.position, ref.state)
-                if self._available(ref.node, ref.state) is None:
+                if self.residency.available(ref.node, ref.state) is None:
                     stack.append((ref.node, ref.state))

@@ -1,7 +1,8 @@
 """The runtime's side of compiled regions: a region call is one plan unit of its frame.
 
-Owns ``RegionState`` (one region call while it runs) and ``CompiledRegions``, the part of the
-activation runtime that enters and leaves a region call and packs what it saves. Which modules
+Owns ``RegionState`` (one region call while it runs) and ``CompiledRegions``, which the
+activation runtime owns (``runtime.regions``) to enter and leave a region call and pack what it
+saves. Which modules
 are regions and their keys are in ``bagualu2.runtime.regions``.
 
 Design note
@@ -61,37 +62,44 @@ class RegionState:
         self.start = time.perf_counter()
 
 
-class CompiledRegions(Residency):
-    """Entering, leaving and packing compiled region calls (see the module note)."""
+class CompiledRegions:
+    """Entering, leaving and packing compiled region calls (see the module note): the part of
+    an ``ActivationRuntime`` that its compiled regions need, owned by it (``runtime.regions``),
+    carrying out what regions save through the runtime's ``residency``."""
 
-    def _region_hooks(self, name: str, block: bool, rerunnable: bool = True
+    def __init__(self, residency: Residency) -> None:
+        self.residency = residency
+        self.mode = residency.mode
+        self.ledger = residency.ledger
+
+    def hooks(self, name: str, block: bool, rerunnable: bool = True
                       ) -> Tuple[Callable[..., None], Callable[..., None]]:
         """The entry and exit of the compiled region at ``name`` (``block``: an outermost block;
         ``rerunnable``: it issues no collective, see ``regions.holds_collectives``)."""
 
         def enter(mod: torch.nn.Module, args: tuple, kwargs: Dict[str, Any]) -> None:
-            frame = self._frame
+            frame = self.residency.frame
             if frame is None or not frame.traced or self.mode.suspended or frame.runtime_state.rerun is not None:
                 return
             if block:
                 frame.runtime_state.past_blocks = False
-            self.region_enter(mod, name, args, kwargs, rerunnable)
+            self.enter(mod, name, args, kwargs, rerunnable)
 
         def leave(mod: torch.nn.Module, args: tuple, out: Any, failed: bool = False) -> None:
-            frame = self._frame
+            frame = self.residency.frame
             if frame is None or frame.runtime_state.region is None:
                 return
-            self.region_leave()
+            self.leave()
             if block:
                 frame.runtime_state.past_blocks = True
 
         return enter, leave
 
-    def region_enter(self, module: Any, path: str, args: tuple, kwargs: Dict[str, Any],
+    def enter(self, module: Any, path: str, args: tuple, kwargs: Dict[str, Any],
                      rerunnable: bool = True) -> None:
         """A region call begins (``module``: what a rerun calls again with ``args``; not
         ``rerunnable``: never recomputed)."""
-        frame = self._frame
+        frame = self.residency.frame
         run = frame.runtime_state if frame is not None else None
         if run is None or run.region is not None or run.rerun is not None or is_recomputing():
             return
@@ -101,28 +109,29 @@ class CompiledRegions(Residency):
             self.mode.__exit__(None, None, None)  # Dynamo must never trace into the mode
         key = region_key(path)
         rerun = None
-        if rerunnable and (frame.choice(key) == Choice.RECOMPUTE or self.enforce_budget or key in frame.choices):
+        enforced = self.residency.enforce_budget
+        if rerunnable and (frame.choice(key) == Choice.RECOMPUTE or enforced or key in frame.choices):
             flat, spec = tree_flatten((args, kwargs))
             if unrestorable(flat) is None:
-                rerun = BlockRerun(module, path or "the compiled model", flat, spec, self._pin_leaf,
+                rerun = BlockRerun(module, path or "the compiled model", flat, spec, self.residency.pin_leaf,
                                    lambda s: Pin(self.ledger, s))
         frame.runtime_state.region = RegionState(key, rerun, tracing)
 
-    def region_running(self) -> Optional[Tuple[str, Choice, int]]:
+    def running(self) -> Optional[Tuple[str, Choice, int]]:
         """The compiled region call running in the frame now, once its first save has read its
         choice (what the rest of its saves follow): ``(key, choice, bytes it saved so far)``;
         None when no region runs or it has saved nothing yet. A gate inside a region that a
         graph break splits fires after the part before the break saved: the region is no
         longer the gate's to plan, and what it saved is already resident."""
-        frame = self._frame
+        frame = self.residency.frame
         state = frame.runtime_state.region if frame is not None else None
         if state is None or state.choice is None:
             return None
         return state.key, state.choice, sum(state.storages.values())
 
-    def region_leave(self) -> None:
+    def leave(self) -> None:
         """The region call running in the frame ended (returned or raised)."""
-        frame = self._frame
+        frame = self.residency.frame
         state = frame.runtime_state.region if frame is not None else None
         if state is None:
             return
@@ -138,7 +147,7 @@ class CompiledRegions(Residency):
         if frame.profile:
             frame.region_profile[state.key] = (nbytes, time.perf_counter() - state.start)
 
-    def _pack_region(self, frame: Frame, state: RegionState, t: torch.Tensor) -> Any:
+    def pack(self, frame: Frame, state: RegionState, t: torch.Tensor) -> Any:
         """Pack one tensor a region saved, as the region's choice says."""
         frame.stats.packed += 1
         if state.choice is None:
@@ -150,7 +159,7 @@ class CompiledRegions(Residency):
             state.choice = choice
             if choice != Choice.RECOMPUTE:
                 state.rerun = None  # its inputs need not be held
-        counted = is_plain(t) and not self._is_parameter(t)
+        counted = is_plain(t) and not self.residency.is_parameter(t)
         if state.choice == Choice.RECOMPUTE:
             assert state.rerun is not None
             packed = state.rerun.save(t, counted)
@@ -167,20 +176,20 @@ class CompiledRegions(Residency):
             frame.stats.shared_bytes += storage.nbytes()
             return _Offloaded(store, view_meta(t), None, t._version, t)
         if state.choice == Choice.KEEP:
-            if not self._over_budget(storage):
-                return self._keep(frame, t, storage)
-            self.settle(wait=True)
-            if not self._over_budget(storage):
-                return self._keep(frame, t, storage)
-            if not self.enforce_budget:
-                return self._violate(frame, t, state.key)
+            if not self.residency.over_budget(storage):
+                return self.residency.keep(frame, t, storage)
+            self.residency.settle(wait=True)
+            if not self.residency.over_budget(storage):
+                return self.residency.keep(frame, t, storage)
+            if not self.residency.enforce_budget:
+                return self.residency.violate(frame, t, state.key)
             frame.stats.fallbacks.append(f"{state.key}: keep -> offload (budget)")
-        store = self._start_offload(frame, storage, state.key)
+        store = self.residency.start_offload(frame, storage, state.key)
         if store is None:
             frame.stats.fallbacks.append(f"{state.key}: offload -> keep (arena full or no engine)")
-            if self._over_budget(storage):
-                return self._violate(frame, t, state.key)
-            return self._keep(frame, t, storage)
+            if self.residency.over_budget(storage):
+                return self.residency.violate(frame, t, state.key)
+            return self.residency.keep(frame, t, storage)
         frame.runtime_state.note_offload(storage, t._version, store)
         return _Offloaded(store, view_meta(t), None, t._version, t)
 

@@ -1,11 +1,12 @@
 """Residency: where a runtime's saved activations live, the budget they are held to, and how
 backward gets them back.
 
-Owns ``Residency``, the base of ``ActivationRuntime`` (``bagualu2.runtime.activations``): the
-ledger and the budget, the kept storages and the offloads in flight, making room, and the
-unpack hook that serves every packed record in backward (reloading, prefetching, rebuilding).
-The subclass adds what decides: frames, module hooks and the pack hook that picks each save's
-choice. Nothing here reads a plan; it carries out choices made there, within the budget.
+Owns ``Residency``, the object an ``ActivationRuntime`` (``bagualu2.runtime.activations``)
+carries its choices out with (``runtime.residency``): the ledger and the budget, the kept
+storages and the offloads in flight, making room, and the unpack hook that serves every packed
+record in backward (reloading, prefetching, rebuilding). The runtime decides: frames, module
+hooks and the pack hook that picks each save's choice; it tells the residency which frame runs
+(``frame``). Nothing here reads a plan; it carries out choices made there, within the budget.
 
 Invariants:
 
@@ -63,8 +64,9 @@ class _ReplayTally:
 
 
 class Residency:
-    """The device side of an ``ActivationRuntime`` (see its arguments): what is held, within
-    which budget, and how each packed record becomes a tensor again in backward."""
+    """The device side of an ``ActivationRuntime``, which owns it (its arguments are the
+    runtime's): what is held, within which budget, and how each packed record becomes a tensor
+    again in backward."""
 
     def __init__(self, engine: Any = None, *, budget_bytes: Optional[int] = None, enforce_budget: bool = True,
                  on_exceed: Optional[Callable[[int, int, str], None]] = None,
@@ -79,11 +81,11 @@ class Residency:
         self.reload_in_place = reload_in_place
         self.ledger = ResidencyLedger()
         # The leaves its recipes pin and the storages its recompute cache holds are charged here.
-        self.mode = TracingMode(self._pin_leaf, self._charge)
-        self._params: Set[int] = set()
-        self._params_of = ParameterStorages()  # the model whose storages ``_params`` holds
-        self._frame: Optional[Frame] = None  # the running frame, set by the subclass: its Budget applies
-        self._inflight: Deque["weakref.ref[OffloadStore]"] = collections.deque()
+        self.mode = TracingMode(self.pin_leaf, self._charge)
+        self.param_storages: Set[int] = set()
+        self._params_of = ParameterStorages()  # the model whose storages ``param_storages`` holds
+        self.frame: Optional[Frame] = None  # the running frame, set by the runtime: its Budget applies
+        self.inflight: Deque["weakref.ref[OffloadStore]"] = collections.deque()
         # ``fn(key)`` with the operator key of every released (offloaded or recomputed)
         # activation backward unpacks, before it is served (the overlap driver: OverlapDriver).
         self.on_released_unpack = Event("released_unpack")
@@ -94,7 +96,7 @@ class Residency:
         self.on_offload = Event("offload")
         self._replays: Dict[str, _ReplayTally] = {}  # key -> its backward rebuilds' cost
         self._op_replays: Dict[str, List[float]] = {}  # key -> its op's replay times (Replayer)
-        self._copies = CopyClock()  # what copies cost the caller's thread (take_copy_times)
+        self.copies = CopyClock()  # what copies cost the caller's thread (take_copy_times)
         self.backward_passes = 0  # backward passes that unpacked anything packed here
         self._last_task = -1
 
@@ -104,7 +106,7 @@ class Residency:
         A tensor subclass that wraps others (FSDP2's sharded ``DTensor`` parameters) is known
         by the storages of the tensors it holds: the ops that read it (FSDP2's all-gather of
         the shards) see those."""
-        self._params = {s._cdata for t in tensors for s in storages_of(t)}
+        self.param_storages = {s._cdata for t in tensors for s in storages_of(t)}
         self._params_of.forget()
 
     def set_parameters_of(self, model: torch.nn.Module) -> None:
@@ -115,9 +117,9 @@ class Residency:
         changed."""
         if self._params_of.current(model):
             return
-        self._params = self._params_of.walk(model)
+        self.param_storages = self._params_of.walk(model)
 
-    def _is_parameter(self, t: torch.Tensor) -> bool:
+    def is_parameter(self, t: torch.Tensor) -> bool:
         # A plain Tensor is never a Parameter: it skips the Parameter metaclass's isinstance (in
         # Python, and called for every save).
         if type(t) is not torch.Tensor and isinstance(t, torch.nn.Parameter):
@@ -127,17 +129,17 @@ class Residency:
         base = t._base
         if base is not None and type(base) is not torch.Tensor and isinstance(base, torch.nn.Parameter):
             return True
-        return is_plain(t) and t.untyped_storage()._cdata in self._params
+        return is_plain(t) and t.untyped_storage()._cdata in self.param_storages
 
-    def _pin_leaf(self, t: torch.Tensor) -> Optional[Pin]:
+    def pin_leaf(self, t: torch.Tensor) -> Optional[Pin]:
         if not is_plain(t):
             return None
         storage = t.untyped_storage()
         # Most leaves are the model's weights, read by every op that uses them: known by their
         # storage first, before the slower checks for parameters set_parameters did not see.
-        if storage._cdata in self._params or self._is_parameter(t):
+        if storage._cdata in self.param_storages or self.is_parameter(t):
             return None
-        frame = self._frame
+        frame = self.frame
         if frame is None or self.ledger.holds(storage):
             return Pin(self.ledger, storage)
         frame.stats.leaf_bytes += storage.nbytes()
@@ -153,13 +155,13 @@ class Residency:
     def limit(self) -> Optional[int]:
         """The budget crossing which is a violation now: the running frame's, else
         ``budget_bytes``."""
-        frame = self._frame
+        frame = self.frame
         return frame.budget.limit if frame is not None and frame.budget is not None else self.budget_bytes
 
     def target(self, pins: bool = False) -> Optional[int]:
         """Where releases aim now (``Budget.target`` of the running frame, else
         ``budget_bytes``); None without a budget."""
-        frame = self._frame
+        frame = self.frame
         return frame.budget.target(pins) if frame is not None and frame.budget is not None else self.budget_bytes
 
     def would_cross(self, nbytes: int) -> bool:
@@ -167,7 +169,7 @@ class Residency:
         for pins included (what the overlap driver asks before a reload or early recompute)."""
         return self._crosses(nbytes, pins=True)
 
-    def _over_budget(self, storage: torch.UntypedStorage, pins: bool = False) -> bool:
+    def over_budget(self, storage: torch.UntypedStorage, pins: bool = False) -> bool:
         """Whether holding ``storage`` crosses the target (``pins``: one of the storages the
         pin headroom is left for)."""
         return not self.ledger.holds(storage) and self._crosses(storage.nbytes(), pins)
@@ -179,20 +181,20 @@ class Residency:
 
     def _room(self, storage: torch.UntypedStorage) -> bool:
         """Whether backward may hold ``storage`` for more readers within the budget."""
-        return not self._over_budget(storage, pins=True)
+        return not self.over_budget(storage, pins=True)
 
     def _charge(self, storage: torch.UntypedStorage) -> Optional[Pin]:
         """Count a storage backward rebuilt and would hold for more readers (the recompute
         cache's), for the pin's life; None, and it is not held, where that crosses the budget."""
         return Pin(self.ledger, storage) if self._room(storage) else None
 
-    def _violate(self, frame: Frame, t: torch.Tensor, key: str) -> Any:
+    def violate(self, frame: Frame, t: torch.Tensor, key: str) -> Any:
         """Keep ``t`` although that crosses the target, unless kept storages can make room; a
         violation where it crosses the limit."""
         nbytes = t.untyped_storage().nbytes()
         if not self._make_room(frame, nbytes):
             self._count_violation(frame, nbytes, key)
-        return self._keep(frame, t)
+        return self.keep(frame, t)
 
     def _count_violation(self, frame: Frame, nbytes: int, key: str) -> None:
         limit = self.limit()
@@ -202,7 +204,7 @@ class Residency:
                 self.on_exceed(self.ledger.resident + nbytes, limit, key)
 
     # -- kept storages, and making room -----------------------------------------------------
-    def _keep(self, frame: Frame, t: torch.Tensor, storage: Optional[torch.UntypedStorage] = None,
+    def keep(self, frame: Frame, t: torch.Tensor, storage: Optional[torch.UntypedStorage] = None,
               node: Optional[StorageNode] = None, target: Optional[int] = None) -> Optional[_Kept]:
         """Keep ``t`` on the device, counted (``storage`` and ``node``: what the caller knows
         already, else looked up). With ``target``, only where that fits it: None, nothing kept
@@ -258,7 +260,7 @@ class Residency:
         come before they are made (the provisioner at a spike's gate in an untraced forward, where
         offloading the saves as they cross would free nothing the forward still reads). True when
         they fit; False without a running frame."""
-        frame = self._frame
+        frame = self.frame
         return frame is not None and self._make_room(frame, need)
 
     def _make_room(self, frame: Frame, need: int) -> bool:
@@ -276,7 +278,7 @@ class Residency:
         for _, _, cdata, saves in self._movable():
             if self.ledger.resident + need <= budget:
                 break
-            store = self._start_offload(frame, saves[0].tensor.untyped_storage(), "kept")
+            store = self.start_offload(frame, saves[0].tensor.untyped_storage(), "kept")
             if store is None:
                 break  # the arena is full
             store.settle(wait=True)  # at the budget: the copy cannot run beside the source
@@ -295,15 +297,15 @@ class Residency:
         return self.ledger.resident + need <= budget
 
     # -- offloads ---------------------------------------------------------------------------
-    def _offload(self, frame: Frame, node: StorageNode, storage: torch.UntypedStorage, state: int,
+    def offload(self, frame: Frame, node: StorageNode, storage: torch.UntypedStorage, state: int,
                  meta: ViewMeta) -> Optional[_Offloaded]:
-        store = self._start_offload(frame, storage, node.key)
+        store = self.start_offload(frame, storage, node.key)
         if store is None:
             return None
         node.offloaded[state] = store
         return _Offloaded(store, meta, node, state)
 
-    def _start_offload(self, frame: Frame, storage: torch.UntypedStorage, key: str) -> Optional[OffloadStore]:
+    def start_offload(self, frame: Frame, storage: torch.UntypedStorage, key: str) -> Optional[OffloadStore]:
         """Copy ``storage`` into the arena; None when there is no engine or no room there."""
         if self.engine is None:
             return None
@@ -318,9 +320,9 @@ class Residency:
             if handle is None:
                 return None
             pin: Optional[Pin] = None
-            if self._over_budget(storage):
+            if self.over_budget(storage):
                 self.settle(wait=True)
-            if self._over_budget(storage):
+            if self.over_budget(storage):
                 try:
                     handle.wait()  # no room even while the copy runs: copy synchronously
                 except _C.RuntimeError as e:  # the copy failed: the caller falls back
@@ -331,33 +333,33 @@ class Residency:
                 pin = Pin(self.ledger, storage)
             nbytes = storage.nbytes()
             store = OffloadStore(self.engine, handle, storage.device, nbytes, pin, frame, key,
-                                  self.reload_in_place and storage.device.type == "cpu", self._copies,
+                                  self.reload_in_place and storage.device.type == "cpu", self.copies,
                                   source, self.mode.nodes.get(storage._cdata))
             if pin is not None:
-                self._inflight.append(weakref.ref(store))
+                self.inflight.append(weakref.ref(store))
             frame.stats.offloaded_storages += 1
             frame.stats.bytes_by_choice["offload"] += nbytes
-            self._copies.offloads += 1
-            self._copies.nbytes += nbytes
+            self.copies.offloads += 1
+            self.copies.nbytes += nbytes
             if self.on_offload.subscribers:
                 self.on_offload.emit(key, nbytes)
             return store
         finally:
-            self._copies.seconds += time.perf_counter() - start
+            self.copies.seconds += time.perf_counter() - start
 
-    def _arena_in_use(self) -> int:
+    def arena_in_use(self) -> int:
         return self.engine.arena.stats()["in_use"] if self.engine is not None else 0
 
     @property
     def inflight_bytes(self) -> int:
         """Device bytes held only until their offload copies complete."""
-        return sum(s.nbytes for s in (ref() for ref in self._inflight) if s is not None and s.pin is not None)
+        return sum(s.nbytes for s in (ref() for ref in self.inflight) if s is not None and s.pin is not None)
 
     def settle(self, wait: bool = False) -> None:
         """Release device sources of completed offloads (all of them with ``wait``). Offloads
         complete in the order they started (one copy stream), so this stops at the first one
         still copying: a pack while many are in flight costs one query, not one per copy."""
-        inflight = self._inflight
+        inflight = self.inflight
         while inflight:
             store = inflight[0]()
             if store is not None and not store.settle(wait):
@@ -374,7 +376,7 @@ class Residency:
         finally:
             self.mode.suspended -= 1
 
-    def _unpack(self, packed: Any) -> torch.Tensor:
+    def unpack(self, packed: Any) -> torch.Tensor:
         task = torch._C._current_graph_task_id()
         if task != self._last_task:
             self._last_task = task
@@ -383,7 +385,7 @@ class Residency:
                 torch.autograd.Variable._execution_engine.queue_callback(self.on_backward_end.emit)
         if type(packed) is _Kept:  # the common record first: a bare tensor is the rarest
             if packed.moved is not None:
-                return self._unpack(packed.moved)
+                return self.unpack(packed.moved)
             if packed.tensor._version != packed.version:
                 raise _modified_error(f"a tensor of shape {tuple(packed.tensor.shape)}", packed.version,
                                       packed.tensor._version)
@@ -406,7 +408,7 @@ class Residency:
             if not store.frame.scheduled and not store.in_place:
                 self._prefetch_before(store.frame, store)
             out = store.unpack(packed.meta, self.ledger, self._room)
-            self._copies.seconds += time.perf_counter() - start
+            self.copies.seconds += time.perf_counter() - start
             return out
         node = packed.node
         if node.state != packed.state:
@@ -422,7 +424,7 @@ class Residency:
         def available(n: StorageNode, s: int) -> Optional[torch.UntypedStorage]:
             # a cast regenerated from an offloaded storage is one of that store's readers
             if source is None or n.offloaded.get(s) is not source:
-                return self._available(n, s)
+                return self.available(n, s)
             if not taken:
                 taken.append(source.take(self.ledger, room=self._room))
             return taken[0]
@@ -437,13 +439,13 @@ class Residency:
             entry = self._replays[node.key] = _ReplayTally()
         # Reloads of offloaded inputs count as the copies' time, not the rebuild's.
         entry.seconds += time.perf_counter() - start - replayer.reload_seconds
-        self._copies.seconds += replayer.reload_seconds
+        self.copies.seconds += replayer.reload_seconds
         if entry.cache != id(node.cache):  # a micro-batch's first rebuild of this key
             entry.micro_batches += 1
             entry.cache = id(node.cache)
         return out
 
-    def _available(self, node: StorageNode, state: int) -> Optional[torch.UntypedStorage]:
+    def available(self, node: StorageNode, state: int) -> Optional[torch.UntypedStorage]:
         if node.anchor is not None and node.anchor[1] == state:
             return node.anchor[0].untyped_storage()
         kept = kept_tensor(node, state)
@@ -495,7 +497,7 @@ class Residency:
         run while the device would otherwise idle; any thread may call it while no forward or
         backward of the same frame runs. Returns the ledger charge for the rebuilt storage:
         ``drop()`` it once backward has used it."""
-        return Pin(self.ledger, Replayer(self._available).storage(node, state))
+        return Pin(self.ledger, Replayer(self.available).storage(node, state))
 
     # -- measured costs ---------------------------------------------------------------------
     def take_measurements(self) -> Measurements:
@@ -509,7 +511,7 @@ class Residency:
         reloading (submitting, waiting, prefetching; for a rebuild's offloaded inputs too) and
         releasing the host copies (their arena blocks, as backward drops them), with
         the number and bytes of offloads, since the last call."""
-        return self._copies.take()
+        return self.copies.take()
 
     def take_replay_times(self) -> Dict[str, ReplayTimes]:
         """Per operator key, since the last call: seconds its backward unpacks spent rebuilding

@@ -312,12 +312,12 @@ class OverlapDriver:
             j = pair.reloads[pair.next_reload]
             if pair.schedule.issue_after[j] > op:
                 break
-            if self.runtime.would_cross(pair.problem.tasks[j].nbytes):
+            if self.runtime.residency.would_cross(pair.problem.tasks[j].nbytes):
                 self.stats["reloads_deferred"] += 1
                 break  # no room now (the plan's estimate was short): retry at the next point
             pair.next_reload += 1
             for store in pair.problem.targets[j]:
-                if not store.handle.released and self.runtime.prefetch(store):
+                if not store.handle.released and self.runtime.residency.prefetch(store):
                     self.stats[counter] += 1
 
     def forward_end(self) -> None:
@@ -340,10 +340,10 @@ class OverlapDriver:
         torch.set_num_threads(threads)
         for j in pair.early:
             for node, state in pair.problem.targets[j]:
-                if self.runtime.would_cross(node.nbytes):
+                if self.runtime.residency.would_cross(node.nbytes):
                     return  # this and the later ones are recomputed by backward when needed
                 try:
-                    pair.pins.append(self.runtime.recompute_ahead(node, state))
+                    pair.pins.append(self.runtime.residency.recompute_ahead(node, state))
                 except Exception as e:  # backward will recompute it late; nothing is lost
                     pair.errors.append(f"{node.key}: {e}")
                     return
@@ -360,7 +360,7 @@ class OverlapDriver:
         backward_op = pair.problem.backward_op
         if pair.unpacks_heard is not None:  # begun again: one subscription per pair
             pair.unpacks_heard.unsubscribe()
-        pair.unpacks_heard = self.runtime.on_released_unpack.subscribe(
+        pair.unpacks_heard = self.runtime.residency.on_released_unpack.subscribe(
             lambda key: self._issue_until(backward_op[key] - 1, "reloads_backward") if key in backward_op else None)
 
     def _join(self, pair: _Pair) -> None:
