@@ -16,7 +16,8 @@ from bagualu2.plan.cost_model import CostModel
 from bagualu2.errors import BudgetExceededError, InfeasibleBudgetError
 from bagualu2.offload import CopyEngine, HostArena
 from bagualu2.plan.planner import Candidate, Choice, Plan, Planner
-from bagualu2.provisioner import POLICIES, Provisioner, enable, on_gating
+from bagualu2.api import enable, on_gating
+from bagualu2.provisioner import POLICIES, Provisioner
 
 # The reference model and the engine integrations register their gate finders on import: the
 # runtime's discovery finds their gates and imports neither.

@@ -1,4 +1,5 @@
-"""``bagualu2.enable``: adaptive activation provisioning decided at MoE gating.
+"""The ``Provisioner`` (what ``bagualu2.enable``, in ``bagualu2.api``, returns): adaptive activation
+provisioning decided at MoE gating.
 
 Design note
 -----------
@@ -62,7 +63,7 @@ from bagualu2.runtime.residency import Residency
 from bagualu2.plan.cost_model import CostModel
 from bagualu2.errors import BudgetExceededError, recorded_memory_violation, recorded_violation
 from bagualu2.inputs import (
-    check_materialized, check_options, checked_counts, device_of, input_bytes, resolve_budget,
+    check_materialized, check_options, device_of, input_bytes, resolve_budget,
 )
 from bagualu2.provision.calibration import Calibration, learn
 from bagualu2.provision.copy_engine import arena_need, make_engine, measure_copy_costs, reserve_arena
@@ -77,7 +78,7 @@ from bagualu2.provision import state
 from bagualu2.provision.stacking import Stacking
 from bagualu2.provision.teardown import Teardown
 from bagualu2.provision.unplanned import UnplannedKeys
-from bagualu2.runtime.gates import GateSpec, describe_unsupported, find_gates
+from bagualu2.runtime.gates import GateSpec, find_gates
 from bagualu2.provision.gate_hooks import GateHook, GateHooks
 from bagualu2.provision.region_gates import RegionGates
 from bagualu2.runtime.regions import (
@@ -86,7 +87,7 @@ from bagualu2.runtime.regions import (
 from bagualu2.plan.planner import Choice, Plan
 from bagualu2.telemetry import MicroBatch, Telemetry
 
-__all__ = ["Provisioner", "enable", "on_gating", "POLICIES"]
+__all__ = ["Provisioner", "POLICIES"]
 
 
 class Provisioner:
@@ -159,7 +160,7 @@ class Provisioner:
         self._teardown = Teardown()  # what disable() undoes, last first (on_disable)
         for handle in self.runtime.attach(model, root_compiled=self._compiled_root is not None):
             self.on_disable(handle.remove)
-        self.gate_hooks = GateHooks(self.runtime, self._on_gate)
+        self.gate_hooks = GateHooks(self.runtime, self.on_gate)
         self.on_disable(self.gate_hooks.regions.close)
         self._region_paths = [""] if self._compiled_root is not None else list(regions)
         for spec in self.gates:
@@ -564,7 +565,10 @@ class Provisioner:
         raise BudgetExceededError(resident, budget, key, self._policy.name)
 
     # -- gating (each gate's hook: provision/gate_hooks.py) ----------------------------------
-    def _on_gate(self, layer: int, counts: Union[torch.Tensor, Sequence[int]], size: Optional[int] = None) -> None:
+    def on_gate(self, layer: int, counts: Union[torch.Tensor, Sequence[int]], size: Optional[int] = None) -> None:
+        """A gate routed: MoE layer ``layer``'s tokens per expert (and the micro-batch's size, when
+        its gate states it), after routing and before its experts run. What every gate hook and
+        ``bagualu2.on_gating`` call; outside a provisioned forward it does nothing."""
         frame = self.runtime.active_frame
         if frame is None:
             return
@@ -591,76 +595,3 @@ class Provisioner:
                                          self.engine is not None)
         decision.latency_us = (time.perf_counter() - start) * 1e6
         self.telemetry.add(decision)
-
-
-def enable(model: torch.nn.Module, budget: Union[str, int, float, None] = "auto",
-           policy: Union[str, Mapping[str, Choice]] = "adaptive", **options: Any) -> Provisioner:
-    """Provision ``model``'s saved activations under ``budget``; the training loop is unchanged.
-
-    Args:
-        model: the module whose ``forward`` is one micro-batch (a whole model or a pipeline
-            stage; for a ``torch.compile`` wrapper, the module it wraps). Its MoE gates are
-            found automatically (see ``bagualu2.runtime.gates.find_gates``); register others with
-            ``Provisioner.register_gate`` or report loads with ``bagualu2.on_gating``.
-        budget: ``"auto"`` (device memory minus what is resident now minus ``reserve_bytes``;
-            no limit on CPU), an int of bytes, or a float fraction of device memory.
-        policy: ``"adaptive"`` (decide per micro-batch at gating), or a static baseline through
-            the same machinery: ``"keep_all"``, ``"recompute_all"`` (all but what the model
-            saves after its last block, which backward reads first), ``"offload_all"``, or a
-            fixed mapping of operator keys to ``Choice``.
-        **options: ``on_exceed`` (``"record"`` or ``"raise"``: raise ``BudgetExceededError``
-            when the budget is crossed), ``min_bytes`` (smaller activations are kept, unless
-            the budget leaves no room for one),
-            ``arena_bytes`` (pinned host memory reserved at enable; by default 64 MiB, and
-            once the profiled micro-batches show how large activations get, what offloading
-            them may need, up to 8 GiB), ``arena_max_bytes`` (what the arena may grow to when
-            offloads need more; default half of this process's share of host memory),
-            ``reserve_bytes``, ``profile_frames``, ``calibrate_frames`` (adaptive micro-batches
-            that recompute all they can once profiled, to measure what replays cost before a
-            plan relies on it: the first under a budget their worst routing would not fit;
-            default 3, the first of which runs cold), ``recalibrate_every`` (one more such
-            micro-batch after every that many that may have to release, every other one of
-            them offloading all it can instead when there is a copy engine, to measure what
-            copies cost, and every other one that recomputes recomputing half of it, to
-            measure rebuilds at two sizes; default 0, never),
-            ``allocator`` (a view of the allocator: ``"cuda"`` for ``torch.cuda``'s counters of the
-            model's device, or a callable returning ``(bytes allocated now, peak bytes since its
-            last call)``; the budget is then on the whole memory it counts, and each micro-batch's
-            activations get the budget less what it learned lies outside them at the peak, at
-            that micro-batch's routing; default None: the budget is on the activations alone),
-            ``margin``, ``telemetry_path`` (JSON lines), ``gates`` (a list of
-            ``bagualu2.runtime.gates.GateSpec`` instead of discovery; ``[]`` when the model reports its
-            routing through ``bagualu2.on_gating``).
-
-    Returns:
-        The ``Provisioner``: ``report()``, ``plot(path)``, ``disable()``.
-    """
-    prov = Provisioner(model, budget, policy, **options)
-    if not prov.gates and policy == "adaptive" and options.get("gates") is None:
-        warnings.warn(
-            "bagualu2.enable: no MoE gate found, so decisions are made only by the budget check at "
-            "each save. " + describe_unsupported(model), stacklevel=2,
-        )
-    return prov
-
-
-def on_gating(tokens_per_expert: Union[torch.Tensor, Sequence[int]], layer: int) -> None:
-    """Report a MoE layer's routing from inside its forward (for gates that are not modules).
-
-    Call it after routing and before the experts run. Outside a provisioned forward, and
-    during recomputation, it does nothing.
-    """
-    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
-        raise TypeError(f"on_gating(layer={layer!r}): layer must be the MoE layer's index, an int >= 0")
-    running = active()
-    if not running or is_recomputing():
-        return
-    # The innermost provisioner of this thread whose forward runs (one an interrupt left on the
-    # stack has none).
-    prov = next((p for p in reversed(running) if p.runtime.active_frame is not None), None)
-    if prov is None:
-        return
-    spec = next((g for g in prov.gates if g.layer == layer), None)
-    values = checked_counts(tokens_per_expert, f"on_gating(layer={layer})", spec.num_experts if spec else None)
-    with prov.runtime.residency.untraced(), torch.no_grad():
-        prov._on_gate(layer, values)

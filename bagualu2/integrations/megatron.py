@@ -82,7 +82,7 @@ import torch
 from torch import Tensor, nn
 
 from bagualu2.provision.forward import ProvisionedForward
-from bagualu2.provisioner import enable
+from bagualu2.api import enable
 from bagualu2.runtime.gates import GateSpec, register_gate_finder
 
 __all__ = ["MegatronChunks", "check_options", "enable_pipeline", "find_gates", "interleaved_chunks",

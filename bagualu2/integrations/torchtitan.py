@@ -59,7 +59,7 @@ from typing import Any, List, Optional
 import torch
 from torch import Tensor, nn
 
-from bagualu2.provisioner import enable
+from bagualu2.api import enable
 from bagualu2.runtime.gates import GateSpec, register_gate_finder
 
 __all__ = ["add_to_checkpoint", "check_options", "enable_pipeline", "find_gates", "is_torchtitan_model"]

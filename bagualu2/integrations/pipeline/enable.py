@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from bagualu2.integrations.pipeline.build import Pipeline
 from bagualu2.integrations.pipeline.phases import phase_follower
-from bagualu2.provisioner import enable
+from bagualu2.api import enable
 
 __all__ = ["RankStages", "StageEntry", "enable_bagualu2"]
 
