@@ -10,6 +10,10 @@ Environment:
   DEBUG=1           Debug build
   MAX_JOBS          parallel build jobs
   BAGUALU2_SANITIZE=1  ASan + UBSan build
+
+bagualu2._saves, the save path's C++ part (csrc/saves), links against torch: it is built against
+the torch of the build environment (pyproject.toml pins it; `pip install --no-build-isolation`
+builds against the torch already installed), and the package then asks for that torch release.
 """
 
 import os
@@ -17,6 +21,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Tuple
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -48,7 +53,10 @@ class CMakeBuild(build_ext):
         self._in_tree = bool(self.inplace or getattr(self, "editable_mode", False))
         super().run()
 
-    def build_extension(self, ext: CMakeExtension) -> None:
+    def build_extension(self, ext: Extension) -> None:
+        if not isinstance(ext, CMakeExtension):  # bagualu2._saves: setuptools builds it
+            super().build_extension(ext)
+            return
         import pybind11
 
         ext_fullpath = Path.cwd() / self.get_ext_fullpath(ext.name)
@@ -91,4 +99,36 @@ class CMakeBuild(build_ext):
         subprocess.run(["cmake", "--build", ".", *build_args], cwd=build_temp, check=True)
 
 
-setup(ext_modules=[CMakeExtension("bagualu2._C")], cmdclass={"build_ext": CMakeBuild})
+def torch_extension() -> Tuple[Extension, str]:
+    """bagualu2._saves, and the torch requirement it brings (the build's torch release)."""
+    import torch
+    from torch.utils import cpp_extension
+
+    isystem = [arg for path in cpp_extension.include_paths() for arg in ("-isystem", path)]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    extension = Extension(
+        "bagualu2._saves",
+        sources=["csrc/saves/residency_ledger.cpp"],
+        include_dirs=["csrc"],
+        library_dirs=cpp_extension.library_paths(),
+        libraries=["c10", "torch", "torch_cpu", "torch_python"],
+        runtime_library_dirs=[],
+        extra_compile_args=[*isystem, "-std=c++20", "-O2", "-Wall", "-Wextra", "-Werror",
+                            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+                            "-fvisibility=hidden"],
+        language="c++",
+    )
+    if os.environ.get("BAGUALU2_SANITIZE") == "1":  # as the CMake build's (CMakeLists.txt)
+        sanitize = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined"]
+        extension.extra_compile_args += sanitize
+        extension.extra_link_args = sanitize
+    return extension, f"torch=={major}.{minor}.*"
+
+
+SAVES, TORCH_REQUIREMENT = torch_extension()
+setup(
+    ext_modules=[CMakeExtension("bagualu2._C"), SAVES],
+    cmdclass={"build_ext": CMakeBuild},
+    install_requires=[TORCH_REQUIREMENT, "numpy", "tqdm", "matplotlib"],
+)

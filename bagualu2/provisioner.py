@@ -116,7 +116,7 @@ class Provisioner:
             check_compile_config()
             # A gate's region hook is traced into the graph that calls its gate; run as a frame of
             # its own (its gate's call fell back to eager), it runs eagerly, as no graph of its own.
-            hide_from_dynamo(ActivationRuntime._pack, ActivationRuntime._pack_calm, Residency.unpack,
+            hide_from_dynamo(ActivationRuntime._pack, Residency.unpack,
                              RegionGates._report, RegionGates._traced, AttachedHook.__call__, RerunCapture.__call__,
                              GateHook.__call__)
         check_options(policy, POLICIES, on_exceed, margin, profile_frames, calibrate_frames, recalibrate_every,

@@ -19,7 +19,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import bagualu2
 from bagualu2.runtime import ActivationRuntime, Frame
-from bagualu2.runtime import recipes
+from bagualu2.runtime import activations, recipes
 from bagualu2.runtime.recipes import call_key, module_of
 from bagualu2.runtime.stores import OffloadStore
 from bagualu2.models import MoEConfig, MoETransformer
@@ -925,7 +925,7 @@ def test_keep_all_high_water_equals_saved_bytes(engine: CopyEngine) -> None:
 def test_an_untraced_forward_counts_and_keeps_as_the_full_pack_does(
         engine: CopyEngine, model_kind: str, budget_fraction: Optional[float],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """An untraced frame's pack hook (``_pack_calm``) keeps what fits by a short way of its
+    """An untraced frame's pack hook (``CalmPack``, C++) keeps what fits by a short way of its
     own; what it counts, keeps and (over the budget) offloads is what the full pack hook
     (``_pack``) does, bit for bit, and with no budget it never needs the full one. The one test
     that reaches the runtime's private steps: the short way is what it checks."""
@@ -955,8 +955,8 @@ def test_an_untraced_forward_counts_and_keeps_as_the_full_pack_does(
 
         # Looked up on the instance as a frame starts, and as the short way hands a save over.
         monkeypatch.setattr(h.runtime, "_pack", counted)
-        if full:  # every save takes the full hook
-            monkeypatch.setattr(h.runtime, "_pack_calm", counted)
+        if full:  # every save takes the full hook: the frame's pack hook is the fallback itself
+            monkeypatch.setattr(activations, "CalmPack", lambda ledger, residency, fallback: fallback)
         frame = Frame(default=Choice.KEEP)
         frame.traced = False
         loss = h.forward(x, frame)

@@ -79,10 +79,13 @@ def _absolute(module: str, path: Path, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
+COMPILED = {"bagualu2._C", "bagualu2._saves"}  # the extension modules: no Python source to read
+
+
 def _reaches(module: str, path: Path, source: str) -> List[str]:
     """Where ``module`` (at ``path``, reading ``source``) reaches another component's private
     name: ``from m import _x`` or ``m._x`` with ``m`` a bagualu2 module it imported
-    (``bagualu2._C`` is the compiled module, not a private name)."""
+    (``bagualu2._C`` and ``bagualu2._saves`` are the compiled modules, not private names)."""
     tree = ast.parse(source, str(path))
     bound: Dict[str, str] = {}  # local name -> the bagualu2 module it is
     found = []
@@ -99,7 +102,7 @@ def _reaches(module: str, path: Path, source: str) -> List[str]:
             origin = _absolute(module, path, node)
             for alias in node.names:
                 target = f"{origin}.{alias.name}"
-                if target == "bagualu2._C":
+                if target in COMPILED:
                     continue
                 if _is_module(target):
                     bound[alias.asname or alias.name] = target
@@ -124,7 +127,7 @@ def _root_imports(module: str, path: Path) -> List[str]:
         if isinstance(node, ast.Import):
             names = [None for alias in node.names if alias.name == "bagualu2"]
         elif isinstance(node, ast.ImportFrom) and _absolute(module, path, node) == "bagualu2":
-            names = [alias.name for alias in node.names if alias.name != "_C" and not _is_module(f"bagualu2.{alias.name}")]
+            names = [alias.name for alias in node.names if f"bagualu2.{alias.name}" not in COMPILED and not _is_module(f"bagualu2.{alias.name}")]
         found += [f"{path.relative_to(ROOT)}:{node.lineno}: " + (f"from bagualu2 import {n}" if n else "import bagualu2")
                   for n in names]
     return found

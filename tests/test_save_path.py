@@ -6,14 +6,16 @@ from __future__ import annotations
 import itertools
 from typing import Dict, List, Set
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bagualu2.offload import CopyEngine, HostArena
 from bagualu2.plan.cost_model import CostModel
 from bagualu2.runtime import ActivationRuntime, Frame
-from bagualu2.runtime.ledger import Pin, ResidencyLedger
+from bagualu2.runtime.ledger import Kept, KeptUnpack, Pin, ResidencyLedger
 from bagualu2.runtime.parameters import ParameterStorages, storages_of
 from bagualu2.shared import Budget
 
@@ -53,6 +55,84 @@ def test_live_pins_are_those_holding_counts_in_acquisition_order() -> None:
     pins[0].drop()
     del pins[1]
     assert [p for p, _ in ledger.live(Pin)] == [pins[1]]  # the third, now second in the list
+
+
+def test_a_kept_record_is_its_own_count_and_gives_it_back_when_it_dies() -> None:
+    """``Ledger.keep``: the record counts its storage once however many records share it, says
+    whether it was held already, holds an op's output detached (no reference cycle through its
+    grad_fn), and gives its count back when dropped or when it dies, with no read in between."""
+    ledger = ResidencyLedger()
+    x = torch.randn(16, requires_grad=True)
+    y = x.sigmoid()
+    first = ledger.keep(y, None, 0, 7, None)
+    assert (first.shared, first.nbytes, first.frame, first.version) == (False, 64, 7, y._version)
+    assert first.tensor.grad_fn is None and first.tensor.data_ptr() == y.data_ptr() and first.pin is first
+    second = ledger.keep(y[2:], None, 0, 8, 0)  # held already: adds no bytes, so never refused
+    assert second.shared and ledger.count(y.untyped_storage()._cdata) == (2, 64) and ledger.resident == 64
+    assert [k for k, _ in ledger.live(Kept)] == [first, second]
+    first.drop()
+    first.drop()  # once only
+    assert first.pin is None and ledger.count(y.untyped_storage()._cdata) == (1, 64)
+    del second
+    assert ledger.resident == 0 and ledger.pins == 0 and ledger.live(Kept) == []
+    assert ledger.keep(torch.zeros(100), None, 0, 0, 399) is None and ledger.pins == 0  # 400 > 399: refused
+    uncounted = Kept(y)
+    assert uncounted.pin is None and uncounted.nbytes == 0 and uncounted.tensor.grad_fn is None
+    with pytest.raises(ValueError, match="must be a torch.Tensor"):
+        ledger.keep(object(), None, 0, 0, None)
+    assert ledger.peak == 64
+
+
+def test_the_calm_keep_takes_plain_tensors_and_leaves_the_rest_to_the_full_way() -> None:
+    """``Ledger.keep_plain``: a parameter, or a tensor over a parameter's storage, is held
+    uncounted; a plain tensor is kept and counted; a subclass, a view of a Parameter the set
+    does not know, a save under another dispatch mode and one over the target go the full way
+    (None), counting nothing."""
+    ledger = ResidencyLedger()
+    weight = torch.nn.Parameter(torch.randn(4, 4))
+    known = torch.nn.Parameter(torch.randn(4, 4))
+    params = {known.untyped_storage()._cdata}
+    for held in (weight, known.detach(), known.t()):  # a Parameter; a plain tensor over a known storage
+        kept = ledger.keep_plain(held, params, 0, None)
+        assert kept is not None and kept.pin is None
+    assert ledger.keep_plain(weight.t(), params, 0, None) is None  # a view of a Parameter not in the set
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert ledger.keep_plain(torch.randn(3).as_subclass(Sub), params, 0, None) is None
+    assert ledger.keep_plain(torch.randn(100), params, 0, 399) is None
+    with OpCounter():
+        assert ledger.keep_plain(torch.randn(3), params, 0, None) is None
+    assert ledger.pins == 0 and ledger.resident == 0
+    kept = ledger.keep_plain(torch.randn(100), params, 3, 400)
+    assert kept.pin is kept and kept.frame == 3 and ledger.resident == 400
+
+
+def test_the_unpack_hook_serves_kept_records_and_hands_the_rest_over() -> None:
+    """``KeptUnpack``: an unchanged kept record's tensor comes back from C++; a changed one, a
+    moved one, any other record, and the first unpack of each backward pass go to the fallback
+    (which raises autograd's error for a changed one, follows a moved one, counts passes)."""
+    ledger = ResidencyLedger()
+    handed: List[object] = []
+    unpack = KeptUnpack(lambda packed: handed.append(packed) or "fallback")
+    t = torch.randn(8)
+    kept = ledger.keep(t, None, 0, 0, None)
+    assert unpack(kept) == "fallback" and handed == [kept]  # the first call: a new pass to count
+    assert unpack(kept) is kept.tensor and len(handed) == 1
+    assert unpack("other") == "fallback"
+    t.add_(1)
+    assert unpack(kept) == "fallback"
+    moved = ledger.keep(torch.randn(8), None, 0, 0, None)
+    moved.moved = "elsewhere"
+    assert unpack(moved) == "fallback" and handed[-1] is moved
+
+
+class OpCounter(TorchDispatchMode):
+    """A dispatch mode on the stack (what the calm keep leaves to the full way)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return func(*args, **(kwargs or {}))
 
 
 class _Save(torch.autograd.Function):

@@ -58,16 +58,15 @@ from bagualu2.shared import Choice, Event
 from bagualu2.runtime.attachment import AttachedHook, _Attachment
 from bagualu2.runtime.compiled import CompiledRegions
 from bagualu2.runtime.frame import Frame, check_keys, profile_saves
-from bagualu2.runtime.ledger import _drain_failed_backward, _drain_graph, Pin
+from bagualu2.runtime.ledger import _drain_failed_backward, _drain_graph, CalmPack, KeptUnpack, Pin
 from bagualu2.runtime.residency import Residency
 from bagualu2.runtime.rerun import BlockRerun, unrestorable
 from bagualu2.runtime.regions import compiled_regions, holds_collectives
 from bagualu2.runtime.stores import _Offloaded, _Recomputed, _uncounted, observed_hook, regeneration_source
-from bagualu2.runtime.recipes import _PLAIN_TYPES, StorageNode, ViewMeta, is_plain, recipe_refs, view_meta
+from bagualu2.runtime.recipes import StorageNode, ViewMeta, is_plain, recipe_refs, view_meta
 
 __all__ = ["ActivationRuntime", "AttachedHook"]
 
-_STRIDED = torch.strided
 
 class ActivationRuntime:
     """Applies per-operator KEEP / OFFLOAD / RECOMPUTE choices to saved activations: picks each
@@ -166,7 +165,12 @@ class ActivationRuntime:
         self.ledger.reset_peak()
         grad = torch.is_grad_enabled()
         try:
-            pack, unpack = self._pack if frame.traced else self._pack_calm, self.residency.unpack
+            # The hooks' common cases run in C++ (bagualu2._saves): an untraced frame's pack hook
+            # keeps a plain tensor that fits the budget, the unpack hook serves a kept record
+            # back; the rest goes to ``_pack`` and ``residency.unpack``. Made per frame: held by
+            # the runtime, they would hold it in a cycle the garbage collector cannot see into.
+            pack = self._pack if frame.traced else CalmPack(self.ledger, self.residency, self._pack)
+            unpack = KeptUnpack(self.residency.unpack)
             if self.on_hook.subscribers:
                 pack, unpack = observed_hook("pack", pack, self.on_hook.emit), observed_hook("unpack", unpack, self.on_hook.emit)
             # The tracing mode goes on and off by state (``TracingMode.place``), not as a ``with``: a rerun
@@ -197,7 +201,7 @@ class ActivationRuntime:
         on this thread: the entry had pushed its state, the ``with`` never owned it, so no exit
         popped it. Called where a frame starts and ends, where none of them is in use."""
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
-        while hooks is not None and getattr(hooks[0], "__self__", None) is self:
+        while hooks is not None and getattr(getattr(hooks[0], "fallback", hooks[0]), "__self__", None) is self:
             torch._C._autograd._pop_saved_tensors_default_hooks()
             hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
         self.mode.place(False)
@@ -426,36 +430,6 @@ class ActivationRuntime:
             return packed
         finally:
             self.mode.suspended -= 1
-
-    def _pack_calm(self, t: torch.Tensor) -> Any:
-        """The pack hook of an untraced frame. Its common case, a plain tensor that fits the
-        budget, is counted and kept here, with nothing else to ask (calm micro-batches save
-        about a hundred tensors each on the reference model, and this is most of what
-        provisioning them costs), and so is a parameter (or a view of one: held, never counted);
-        anything else takes the full way (``_pack``): a subclass, another dispatch mode on the
-        stack, offloads in flight or made by this frame, a save that would cross the budget.
-        Written for its cost: each lookup is made once (``is_plain`` inlined where it would
-        repeat one; the budget check and the count are one step of the ledger's)."""
-        residency = self.residency
-        frame = residency.frame
-        if (frame is None or residency.inflight or frame.runtime_state.untraced_offloads
-                or torch._C._len_torch_dispatch_stack() or type(t) not in _PLAIN_TYPES
-                or t.layout != _STRIDED or t.is_nested):
-            return self._pack(t)
-        storage = t.untyped_storage()
-        if storage._cdata in residency.param_storages and type(t) is torch.Tensor:
-            return _uncounted(t)  # a plain tensor over a parameter's storage (what ``is_parameter`` finds first)
-        base = t._base
-        if type(t) is not torch.Tensor or (base is not None and type(base) is not torch.Tensor):
-            if residency.is_parameter(t):  # a parameter, or a view of one
-                return _uncounted(t)
-            return self._pack(t)
-        budget = frame.budget
-        kept = residency.keep(frame, t, storage, None, residency.budget_bytes if budget is None else budget.save_target)
-        if kept is None:  # it would cross the budget
-            return self._pack(t)
-        frame.stats.packed += 1
-        return kept
 
     def _pack_in(self, frame: Frame, t: torch.Tensor) -> Any:
         stats = frame.stats

@@ -42,10 +42,10 @@ import torch
 from bagualu2 import _C
 from bagualu2.shared import CopyTimes, Event, Measurements, OpReplayTimes, ReplayTimes
 from bagualu2.runtime.frame import Frame
-from bagualu2.runtime.ledger import ResidencyLedger, Pin
+from bagualu2.runtime.ledger import Kept, ResidencyLedger, Pin
 from bagualu2.runtime.parameters import ParameterStorages, storages_of
 from bagualu2.runtime.rerun import RerunSaved
-from bagualu2.runtime.stores import _Kept, _modified_error, _Offloaded, CopyClock, OffloadStore, kept_tensor
+from bagualu2.runtime.stores import _modified_error, _Offloaded, CopyClock, OffloadStore, kept_tensor
 from bagualu2.runtime.recipes import Replayer, StorageNode, ViewMeta, is_plain, view_meta, view_of
 from bagualu2.runtime.tracing import TracingMode
 
@@ -205,37 +205,32 @@ class Residency:
 
     # -- kept storages, and making room -----------------------------------------------------
     def keep(self, frame: Frame, t: torch.Tensor, storage: Optional[torch.UntypedStorage] = None,
-              node: Optional[StorageNode] = None, target: Optional[int] = None) -> Optional[_Kept]:
+             node: Optional[StorageNode] = None, target: Optional[int] = None) -> Optional[Kept]:
         """Keep ``t`` on the device, counted (``storage`` and ``node``: what the caller knows
         already, else looked up). With ``target``, only where that fits it: None, nothing kept
         and nothing counted, where a storage the ledger does not hold yet would cross it."""
-        if storage is None:
-            storage = t.untyped_storage()
-        if t.grad_fn is not None:
-            t = t.detach()  # an op's saved output: holding its grad_fn would be a reference cycle
         if node is None and frame.traced:
-            node = self.mode.nodes.get(storage._cdata)
-        kept = _Kept(t, self.ledger, node, frame.index)
-        held = self.ledger.acquire(storage, kept, target)
-        if held is None:
+            node = self.mode.nodes.get((t.untyped_storage() if storage is None else storage)._cdata)
+        kept = self.ledger.keep(t, node, 0 if node is None else node.state, frame.index, target)
+        if kept is None:
             return None
-        if held:
-            frame.stats.shared_bytes += storage.nbytes()
+        if kept.shared:
+            frame.stats.shared_bytes += kept.nbytes
         else:
-            frame.stats.bytes_by_choice["keep"] += storage.nbytes()
-        if node is not None:
-            node.kept[node.state] = (weakref.ref(t), t._version)
+            frame.stats.bytes_by_choice["keep"] += kept.nbytes
+        if node is not None:  # the record's tensor (detached if it was an op's output): it lives as long
+            node.kept[node.state] = (weakref.ref(kept.tensor), t._version)
         return kept
 
-    def _movable(self) -> List[Tuple[int, int, int, List[_Kept]]]:
+    def _movable(self) -> List[Tuple[int, int, int, List[Kept]]]:
         """Kept storages ``_make_room`` may offload, in the order it would: (frame index,
         -bytes, cdata, the kept saves), those of earlier frames first, larger first. A storage
         is movable when kept saves, unchanged since and not moved, are all that hold it; they
         are found through the ledger's pins (no registry is kept per save)."""
         if self.target() is None or not self.enforce_budget or self.engine is None:
             return []
-        by_storage: Dict[int, Tuple[int, List[_Kept]]] = {}
-        for kept, cdata in self.ledger.live(_Kept):
+        by_storage: Dict[int, Tuple[int, List[Kept]]] = {}
+        for kept, cdata in self.ledger.live(Kept):
             if kept.moved is None:
                 entry = by_storage.get(cdata)
                 if entry is None:
@@ -383,7 +378,7 @@ class Residency:
             self.backward_passes += 1
             if self.on_backward_end.subscribers and task >= 0:  # -1: not inside a backward pass
                 torch.autograd.Variable._execution_engine.queue_callback(self.on_backward_end.emit)
-        if type(packed) is _Kept:  # the common record first: a bare tensor is the rarest
+        if type(packed) is Kept:  # the common record first: a bare tensor is the rarest
             if packed.moved is not None:
                 return self.unpack(packed.moved)
             if packed.tensor._version != packed.version:

@@ -1,7 +1,7 @@
 """What a saved activation becomes once packed: kept, offloaded, or released for recompute.
 
-Owns the packed records autograd holds in a saved tensor's place (``_Kept``, ``_Offloaded``,
-``_Recomputed``), ``OffloadStore``, a storage's one copy in the host arena that every saved view
+Owns the packed records autograd holds in a saved tensor's place (``_Offloaded``,
+``_Recomputed``; the kept one, ``Kept``, is the ledger's), ``OffloadStore``, a storage's one copy in the host arena that every saved view
 of it reads, ``CopyClock``, what copies cost (the stores' releases included), and the two
 lookups of where a traced storage's bytes are already held (``kept_tensor``,
 ``regeneration_source``). The runtime (``bagualu2.runtime.activations``)
@@ -32,7 +32,7 @@ import torch
 from bagualu2 import _C
 from bagualu2.shared import CopyTimes
 from bagualu2.runtime.frame import Frame
-from bagualu2.runtime.ledger import ResidencyLedger, Pin
+from bagualu2.runtime.ledger import Kept, ResidencyLedger, Pin
 from bagualu2.runtime.recipes import StorageNode, ViewMeta, view_of
 from bagualu2.runtime.rerun import RerunSaved
 
@@ -290,40 +290,11 @@ def _modified_error(what: str, saved: int, now: int) -> RuntimeError:
     )
 
 
-class _Kept(Pin):
-    """A saved tensor held as it is; ``moved`` once offloaded later to make room (``_make_room``).
-
-    It is its own pin: its owner counts the tensor's storage for it (``ResidencyLedger.acquire``
-    with ``ledger``, once it is built), for as long as it lives or until ``drop``; without a
-    ledger it is charged to nothing. One object per kept save, not two: a step keeps one per
-    saved tensor. ``frame`` is the index of the frame that saved it (``_make_room`` moves
-    earlier micro-batches' first).
-    """
-
-    __slots__ = ("tensor", "version", "node", "state", "moved", "frame")
-
-    def __init__(self, tensor: torch.Tensor, ledger: Optional[ResidencyLedger], node: Optional[StorageNode] = None,
-                 frame: int = -1) -> None:
-        self.tensor: Optional[torch.Tensor] = tensor
-        self.version = tensor._version
-        self.node = node  # the traced storage it holds, and that storage's state at the save
-        self.state = node.state if node is not None else 0
-        self.moved: Optional[_Offloaded] = None
-        self.frame = frame
-        self._ledger = ledger
-        self._ref = None
-
-    @property
-    def pin(self) -> Optional["_Kept"]:
-        """Itself while it holds a count; None when uncounted or dropped."""
-        return self if self._ref is not None else None
-
-
-def _uncounted(t: torch.Tensor) -> _Kept:
+def _uncounted(t: torch.Tensor) -> Kept:
     """``t`` held as it is and charged to nothing: a parameter (or a view of one), or a tensor
-    the ledger cannot count. An op's saved output is detached (holding its grad_fn would be a
+    the ledger cannot count (an op's saved output is held detached: its grad_fn would be a
     reference cycle)."""
-    return _Kept(t if t.grad_fn is None else t.detach(), None)
+    return Kept(t)
 
 
 class _Offloaded:
@@ -390,7 +361,7 @@ def regeneration_source(node: StorageNode, state: int) -> Tuple[bool, Optional[O
     return False, None
 
 
-_RECORDS = {_Kept: "kept", _Offloaded: "offloaded", _Recomputed: "recomputed", RerunSaved: "recomputed"}
+_RECORDS = {Kept: "kept", _Offloaded: "offloaded", _Recomputed: "recomputed", RerunSaved: "recomputed"}
 
 
 def _record(packed: Any) -> str:
