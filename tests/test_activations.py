@@ -9,7 +9,7 @@ import contextlib
 import copy
 import gc
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -920,6 +920,18 @@ def test_keep_all_high_water_equals_saved_bytes(engine: CopyEngine) -> None:
     assert h.runtime.ledger.resident == 0
 
 
+class HandsEverySaveOver:
+    """An untraced frame's pack hook (``CalmPack``'s signature) that keeps nothing itself."""
+
+    packed = kept_bytes = shared_bytes = 0
+
+    def __init__(self, ledger: object, residency: object, frame: Frame, fallback: Callable[[torch.Tensor], object]) -> None:
+        self.fallback = fallback
+
+    def __call__(self, t: torch.Tensor) -> object:
+        return self.fallback(t)
+
+
 @pytest.mark.parametrize("model_kind", ["moe", "views", "custom function"])
 @pytest.mark.parametrize("budget_fraction", [None, 0.5])
 def test_an_untraced_forward_counts_and_keeps_as_the_full_pack_does(
@@ -955,8 +967,8 @@ def test_an_untraced_forward_counts_and_keeps_as_the_full_pack_does(
 
         # Looked up on the instance as a frame starts, and as the short way hands a save over.
         monkeypatch.setattr(h.runtime, "_pack", counted)
-        if full:  # every save takes the full hook: the frame's pack hook is the fallback itself
-            monkeypatch.setattr(activations, "CalmPack", lambda ledger, residency, fallback: fallback)
+        if full:  # every save takes the full hook: the frame's pack hook hands each one over
+            monkeypatch.setattr(activations, "CalmPack", HandsEverySaveOver)
         frame = Frame(default=Choice.KEEP)
         frame.traced = False
         loss = h.forward(x, frame)

@@ -164,12 +164,14 @@ class ActivationRuntime:
         frame.stats.start_resident = self.ledger.resident
         self.ledger.reset_peak()
         grad = torch.is_grad_enabled()
+        calm = None
         try:
             # The hooks' common cases run in C++ (bagualu2._saves): an untraced frame's pack hook
             # keeps a plain tensor that fits the budget, the unpack hook serves a kept record
             # back; the rest goes to ``_pack`` and ``residency.unpack``. Made per frame: held by
             # the runtime, they would hold it in a cycle the garbage collector cannot see into.
-            pack = self._pack if frame.traced else CalmPack(self.ledger, self.residency, self._pack)
+            calm = None if frame.traced else CalmPack(self.ledger, self.residency, frame, self._pack)
+            pack = self._pack if calm is None else calm
             unpack = KeptUnpack(self.residency.unpack)
             if self.on_hook.subscribers:
                 pack, unpack = observed_hook("pack", pack, self.on_hook.emit), observed_hook("unpack", unpack, self.on_hook.emit)
@@ -192,6 +194,11 @@ class ActivationRuntime:
             # The caller's grad mode, whatever an interrupt stopped inside the forward (the
             # entry of a gate's ``torch.no_grad()``, after it switched grad off) left.
             torch.set_grad_enabled(grad)
+            if calm is not None:  # what the C++ pack hook kept, counted there
+                stats = frame.stats
+                stats.packed += calm.packed
+                stats.bytes_by_choice["keep"] += calm.kept_bytes
+                stats.shared_bytes += calm.shared_bytes
             if self.on_frame_end.subscribers:
                 self.on_frame_end.emit(frame)
             self._close_frame(frame)

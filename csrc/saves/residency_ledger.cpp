@@ -138,7 +138,11 @@ struct Kept {
     Kept* prev = nullptr;
     Kept* next = nullptr;
 
-    explicit Kept(const at::Tensor& t) : tensor(t.grad_fn() ? t.detach() : t), version(t._version()) {}
+    // An op's saved output is held as its tensor data (the same storage and version counter, no
+    // autograd metadata): holding it with its grad_fn would be a reference cycle through the
+    // node that holds this record, and a detach() costs a dispatch where this is one copy of
+    // the tensor's metadata.
+    explicit Kept(const at::Tensor& t) : tensor(t.grad_fn() ? t.tensor_data() : t), version(t._version()) {}
     Kept(const Kept&) = delete;
     Kept& operator=(const Kept&) = delete;
     ~Kept() { drop(); }
@@ -268,15 +272,24 @@ public:
         return out;
     }
 
+    // A record as Python holds it and as C++ reads it; `kept` null (and `obj` None): none made.
+    struct Record {
+        py::object obj = py::none();
+        const Kept* kept = nullptr;
+    };
+
     // A Kept record of `tensor`, counted (L2): None, and nothing counted, where its storage is
     // not held yet and its bytes would take resident over `target` (L5).
     py::object keep(py::handle tensor, py::handle node, int64_t state, int64_t frame, std::optional<int64_t> target) {
-        const at::Tensor& t = tensor_of(tensor, "the kept tensor");
+        return keep_record(tensor_of(tensor, "the kept tensor"), node, state, frame, target).obj;
+    }
+
+    Record keep_record(const at::Tensor& t, py::handle node, int64_t state, int64_t frame, std::optional<int64_t> target) {
         s_->collect();
         auto kept = std::make_unique<Kept>(t);
         std::optional<bool> held = s_->add(t.storage(), target);
         if (!held) {
-            return py::none();
+            return {};
         }
         // From here nothing can fail before the record owns its count (py::cast allocates: if it
         // fails, the record's destructor gives the count back).
@@ -288,7 +301,8 @@ public:
         kept->ledger = s_;
         kept->key = t.storage().unsafeGetStorageImpl();
         s_->link(kept.get());
-        return py::cast(std::move(kept));
+        const Kept* raw = kept.get();
+        return {py::cast(std::move(kept)), raw};
     }
 
     // The calm pack hook's common case, in one call: a plain tensor (torch.Tensor or a
@@ -298,16 +312,20 @@ public:
     // where the caller's full way must decide: anything else, a view of a tensor subclass, a
     // save that would cross the target.
     py::object keep_plain(py::handle tensor, py::handle param_storages, int64_t frame, std::optional<int64_t> target) {
+        return keep_plain_record(tensor, param_storages, frame, target).obj;
+    }
+
+    Record keep_plain_record(py::handle tensor, py::handle param_storages, int64_t frame, std::optional<int64_t> target) {
         PyObject* obj = tensor.ptr();
         // torch.Tensor or a Parameter exactly (THPVariable_CheckExact admits both).
         const bool plain = reinterpret_cast<PyObject*>(Py_TYPE(obj)) == THPVariableClass;
         const bool parameter = reinterpret_cast<PyObject*>(Py_TYPE(obj)) == ParameterClass;
         if ((!plain && !parameter) || c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
-            return py::none();
+            return {};
         }
         const at::Tensor& t = THPVariable_Unpack(obj);
         if (t.layout() != c10::kStrided || t.is_nested()) {
-            return py::none();
+            return {};
         }
         py::object cdata = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(t.storage().unsafeGetStorageImpl()));
         const int in_params = PySet_Contains(param_storages.ptr(), cdata.ptr());
@@ -315,15 +333,17 @@ public:
             throw py::error_already_set();
         }
         if (in_params || parameter) {
-            return py::cast(std::make_unique<Kept>(t));
+            auto held = std::make_unique<Kept>(t);
+            const Kept* raw = held.get();
+            return {py::cast(std::move(held)), raw};
         }
         if (t.is_view()) {  // a view of a subclass (a Parameter the model did not hold): the full way
             py::object base = wrap(at::Tensor(t._base()));
             if (reinterpret_cast<PyObject*>(Py_TYPE(base.ptr())) != THPVariableClass) {
-                return py::none();
+                return {};
             }
         }
-        return keep(tensor, py::none(), 0, frame, target);
+        return keep_record(t, py::none(), 0, frame, target);
     }
 
 private:
@@ -355,80 +375,68 @@ bool truthy(const py::object& obj) {
     return out != 0;
 }
 
-void add(PyObject* obj, PyObject* attr, int64_t n) {
-    py::object sum = get(obj, attr) + py::int_(n);
-    if (PyObject_SetAttr(obj, attr, sum.ptr()) != 0) {
-        throw py::error_already_set();
-    }
-}
-
-// The pack hook of an untraced frame (bagualu2.runtime.ActivationRuntime). Its common case, a
-// plain tensor that fits the budget, is counted and kept here (Ledger.keep_plain), and so is a
-// parameter (held, never counted); anything else takes the full way, `fallback`: no running
-// frame, offloads in flight or made by this frame, a subclass, another dispatch mode on the
-// stack, a save that would cross the budget. It reads the runtime's state where the runtime
-// keeps it, at each call (the residency's frame, in-flight offloads, parameter storages and
-// budget; the frame's budget, index and untraced offloads), and counts the save in the frame's
-// stats (packed; bytes_by_choice["keep"], or shared_bytes for a storage held already): nothing
-// is mirrored that could fall out of step.
+// The pack hook of an untraced frame (bagualu2.runtime.ActivationRuntime), made for that
+// frame. Its common case, a plain tensor that fits the budget, is counted and kept here
+// (Ledger.keep_plain), and so is a parameter (held, never counted); anything else takes the
+// full way, `fallback`: the frame no longer running, offloads in flight or made by this frame,
+// a subclass, another dispatch mode on the stack, a save that would cross the budget. It reads
+// the runtime's state where the runtime keeps it, at each call (the residency's running frame,
+// in-flight offloads, parameter storages and budget; the frame's budget and untraced offloads):
+// nothing is mirrored that could fall out of step. What it kept it counts here (`packed`,
+// `kept_bytes`, `shared_bytes`: bytes of storages held already), for the runtime to add to the
+// frame's stats when the frame's hooks come off.
 class CalmPack {
 public:
-    CalmPack(Ledger& ledger, py::object residency, py::object fallback)
-        : ledger_(ledger), residency_(std::move(residency)), fallback_(std::move(fallback)) {}
+    CalmPack(Ledger& ledger, py::object residency, py::object frame, py::object fallback)
+        : ledger_(ledger), residency_(std::move(residency)), frame_(std::move(frame)), fallback_(std::move(fallback)),
+          run_(get(frame_.ptr(), name("runtime_state"))),  // made with the frame, never replaced
+          index_(get(frame_.ptr(), name("index")).cast<int64_t>()) {}
 
     py::object operator()(py::handle t) {
         static PyObject* const frame_name = name("frame");
         static PyObject* const inflight_name = name("inflight");
-        static PyObject* const state_name = name("runtime_state");
         static PyObject* const untraced_name = name("untraced_offloads");
         static PyObject* const budget_name = name("budget");
         static PyObject* const target_name = name("save_target");
         static PyObject* const budget_bytes_name = name("budget_bytes");
         static PyObject* const params_name = name("param_storages");
-        static PyObject* const index_name = name("index");
-        static PyObject* const stats_name = name("stats");
-        static PyObject* const packed_name = name("packed");
-        static PyObject* const shared_name = name("shared_bytes");
-        static PyObject* const by_choice_name = name("bytes_by_choice");
-        static PyObject* const keep_name = name("keep");
 
         PyObject* residency = residency_.ptr();
-        py::object frame = get(residency, frame_name);
-        if (frame.is_none() || truthy(get(residency, inflight_name)) ||
-            truthy(get(get(frame.ptr(), state_name).ptr(), untraced_name))) {
+        PyObject* frame = frame_.ptr();
+        if (get(residency, frame_name).ptr() != frame || truthy(get(residency, inflight_name)) ||
+            truthy(get(run_.ptr(), untraced_name))) {
             return fallback_(t);
         }
-        py::object budget = get(frame.ptr(), budget_name);
+        py::object budget = get(frame, budget_name);
         py::object target = budget.is_none() ? get(residency, budget_bytes_name) : get(budget.ptr(), target_name);
-        py::object kept = ledger_.keep_plain(
-            t, get(residency, params_name), get(frame.ptr(), index_name).cast<int64_t>(),
+        Ledger::Record kept = ledger_.keep_plain_record(
+            t, get(residency, params_name), index_,
             target.is_none() ? std::nullopt : std::optional<int64_t>(target.cast<int64_t>()));
-        if (kept.is_none()) {
+        if (kept.kept == nullptr) {
             return fallback_(t);
         }
-        const Kept& k = kept.cast<const Kept&>();
-        if (k.key != nullptr) {  // counted (a parameter is not)
-            py::object stats = get(frame.ptr(), stats_name);
-            add(stats.ptr(), packed_name, 1);
-            if (k.shared) {
-                add(stats.ptr(), shared_name, k.nbytes);
-            } else {
-                py::object by_choice = get(stats.ptr(), by_choice_name);
-                py::object sum = py::object(by_choice[py::handle(keep_name)]) + py::int_(k.nbytes);
-                if (PyObject_SetItem(by_choice.ptr(), keep_name, sum.ptr()) != 0) {
-                    throw py::error_already_set();
-                }
-            }
+        if (kept.kept->key != nullptr) {  // counted (a parameter is not)
+            ++packed_;
+            (kept.kept->shared ? shared_bytes_ : kept_bytes_) += kept.kept->nbytes;
         }
-        return kept;
+        return kept.obj;
     }
 
     const py::object& fallback() const { return fallback_; }
+    int64_t packed() const { return packed_; }
+    int64_t kept_bytes() const { return kept_bytes_; }
+    int64_t shared_bytes() const { return shared_bytes_; }
 
 private:
     Ledger& ledger_;
     py::object residency_;
+    py::object frame_;
     py::object fallback_;
+    py::object run_;
+    int64_t index_;
+    int64_t packed_ = 0;
+    int64_t kept_bytes_ = 0;
+    int64_t shared_bytes_ = 0;
 };
 
 // The unpack hook's common case in C++: a Kept record, unmoved and unchanged, inside the
@@ -501,10 +509,13 @@ PYBIND11_MODULE(_saves, m) {
              py::arg("target"));
 
     py::class_<CalmPack>(m, "CalmPack", "The pack hook of an untraced frame (see its note in csrc/saves).")
-        .def(py::init<Ledger&, py::object, py::object>(), py::arg("ledger"), py::arg("residency"), py::arg("fallback"),
-             py::keep_alive<1, 2>())
+        .def(py::init<Ledger&, py::object, py::object, py::object>(), py::arg("ledger"), py::arg("residency"),
+             py::arg("frame"), py::arg("fallback"), py::keep_alive<1, 2>())
         .def("__call__", &CalmPack::operator())
-        .def_property_readonly("fallback", &CalmPack::fallback, "What takes the saves it does not keep.");
+        .def_property_readonly("fallback", &CalmPack::fallback, "What takes the saves it does not keep.")
+        .def_property_readonly("packed", &CalmPack::packed, "Saves it kept, counted.")
+        .def_property_readonly("kept_bytes", &CalmPack::kept_bytes, "Bytes of the storages it counted first.")
+        .def_property_readonly("shared_bytes", &CalmPack::shared_bytes, "Bytes of storages held already when kept.");
 
     py::class_<KeptUnpack>(m, "KeptUnpack", "The unpack hook: Kept records here, the rest through the fallback.")
         .def(py::init<py::object>(), py::arg("fallback"))
