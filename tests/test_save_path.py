@@ -4,6 +4,8 @@ footprint's one pass, each against a reference computed the plain way."""
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 from typing import Dict, List, Set
 
 import pytest
@@ -344,3 +346,13 @@ def test_floors_and_total_in_one_pass_are_floors_and_predict_total(ops: list, ro
             if not releasable]
     assert soft == sum(n for _, n in kept) == cost.candidates(keys, counts, min_bytes, can_offload)[1]
     assert hard == sum(n for op, n in kept if not (can_offload or op.recomputable))
+
+
+def test_a_save_path_built_for_another_torch_release_is_refused_with_the_way_to_rebuild() -> None:
+    """torch's C++ ABI holds within a release: bagualu2._saves, built against one, is not loaded
+    under another, and the error says how to rebuild it."""
+    code = "import torch; torch.__version__ = '2.99.0'; import bagualu2"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "built against torch 2." in run.stderr and "torch 2.99.0" in run.stderr
+    assert "--no-build-isolation" in run.stderr

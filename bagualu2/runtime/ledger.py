@@ -23,14 +23,16 @@ from typing import Optional, Tuple
 
 import torch
 
+_REBUILD = ("bagualu2's save path (bagualu2._saves) links against torch and is built against the torch "
+            "of its build environment: reinstall bagualu2 with this torch (pip install --force-reinstall "
+            "--no-build-isolation bagualu2, or from a checkout: pip install --no-build-isolation .)")
 try:
-    from bagualu2._saves import CalmPack, Kept, KeptUnpack, Ledger as ResidencyLedger
+    from bagualu2._saves import CalmPack, Kept, KeptUnpack, Ledger as ResidencyLedger, torch_release
 except ImportError as e:  # built against another torch release than this process runs
-    raise ImportError(
-        f"bagualu2: its save path (bagualu2._saves) does not load with torch {torch.__version__}: {e}. "
-        "It links against torch and is built against the torch of its build environment: reinstall "
-        "bagualu2 with this torch (pip install --force-reinstall --no-build-isolation bagualu2, or from a "
-        "checkout: pip install --no-build-isolation .)") from e
+    raise ImportError(f"bagualu2: bagualu2._saves does not load with torch {torch.__version__}: {e}. {_REBUILD}") from e
+if tuple(int(v) for v in torch.__version__.split(".")[:2]) != tuple(torch_release):
+    raise ImportError(f"bagualu2: bagualu2._saves was built against torch {'.'.join(map(str, torch_release))} and this "
+                      f"process runs torch {torch.__version__}. {_REBUILD}")
 
 __all__ = ["CalmPack", "Kept", "KeptUnpack", "Pin", "ResidencyLedger"]
 

@@ -34,6 +34,7 @@
 #include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/headeronly/version.h>
 
 #include <cstdint>
 #include <memory>
@@ -470,6 +471,8 @@ PYBIND11_MODULE(_saves, m) {
     using namespace bagualu2;
     m.doc() = "bagualu2's save path in C++: the residency ledger, the kept-save record and the unpack hook's fast path";
     py::register_exception<Error>(m, "Error", PyExc_ValueError);
+    // torch's C++ ABI holds within a release only: the package checks this against the torch it runs.
+    m.attr("torch_release") = py::make_tuple(TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR);
 
     py::class_<Kept>(m, "Kept", "A saved tensor held as it is (see the module's design note).")
         .def(py::init([](py::handle t) { return std::make_unique<Kept>(tensor_of(t, "the kept tensor")); }),
