@@ -113,7 +113,6 @@ def torch_extension() -> Tuple[Extension, str]:
         include_dirs=["csrc"],
         library_dirs=cpp_extension.library_paths(),
         libraries=["c10", "torch", "torch_cpu", "torch_python"],
-        runtime_library_dirs=[],
         extra_compile_args=[*isystem, "-std=c++20", "-O2", "-Wall", "-Wextra", "-Werror",
                             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_API_INCLUDE_EXTENSION_H",
                             "-fvisibility=hidden"],

@@ -58,11 +58,11 @@ from bagualu2.shared import Choice, Event
 from bagualu2.runtime.attachment import AttachedHook, _Attachment
 from bagualu2.runtime.compiled import CompiledRegions
 from bagualu2.runtime.frame import Frame, check_keys, profile_saves
-from bagualu2.runtime.ledger import _drain_failed_backward, _drain_graph, CalmPack, KeptUnpack, Pin
+from bagualu2.runtime.ledger import _drain_failed_backward, _drain_graph, CalmPack, Kept, KeptUnpack, Pin
 from bagualu2.runtime.residency import Residency
 from bagualu2.runtime.rerun import BlockRerun, unrestorable
 from bagualu2.runtime.regions import compiled_regions, holds_collectives
-from bagualu2.runtime.stores import _Offloaded, _Recomputed, _uncounted, observed_hook, regeneration_source
+from bagualu2.runtime.stores import _Offloaded, _Recomputed, observed_hook, regeneration_source
 from bagualu2.runtime.recipes import StorageNode, ViewMeta, is_plain, recipe_refs, view_meta
 
 __all__ = ["ActivationRuntime", "AttachedHook"]
@@ -423,7 +423,7 @@ class ActivationRuntime:
             frame.stats.packed += 1
             return run.rerun.save(t, counted=is_plain(t) and not self.residency.is_parameter(t))
         if self.residency.is_parameter(t):
-            return _uncounted(t)
+            return Kept(t)
         self.mode.suspended += 1  # the runtime's own ops are not part of the model
         try:
             # ... and on a plain tensor they skip Python dispatch altogether: through the mode,
@@ -448,7 +448,7 @@ class ActivationRuntime:
         if not is_plain(t):
             stats.fallbacks.append(f"kept a {type(t).__name__} with layout {t.layout}: not a plain strided "
                                    f"tensor, so it is neither counted nor released")
-            return _uncounted(t)
+            return Kept(t)
         storage = t.untyped_storage()
         if not frame.traced:
             return self._pack_untraced(frame, t, storage)

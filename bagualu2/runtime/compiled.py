@@ -37,12 +37,12 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from bagualu2.shared import Choice
 from bagualu2.runtime.frame import Frame
-from bagualu2.runtime.ledger import Pin
+from bagualu2.runtime.ledger import Kept, Pin
 from bagualu2.runtime.recipes import is_plain, is_recomputing, view_meta
 from bagualu2.runtime.regions import region_key
 from bagualu2.runtime.rerun import BlockRerun, unrestorable
 from bagualu2.runtime.residency import Residency
-from bagualu2.runtime.stores import _Offloaded, _uncounted
+from bagualu2.runtime.stores import _Offloaded
 
 __all__ = ["CompiledRegions", "RegionState"]
 
@@ -168,7 +168,7 @@ class CompiledRegions:
                 state.storages.setdefault(storage._cdata, storage.nbytes())
             return packed
         if not counted:
-            return _uncounted(t)
+            return Kept(t)
         storage = t.untyped_storage()
         state.storages.setdefault(storage._cdata, storage.nbytes())
         store = frame.runtime_state.offloaded(storage, t._version)

@@ -290,13 +290,6 @@ def _modified_error(what: str, saved: int, now: int) -> RuntimeError:
     )
 
 
-def _uncounted(t: torch.Tensor) -> Kept:
-    """``t`` held as it is and charged to nothing: a parameter (or a view of one), or a tensor
-    the ledger cannot count (an op's saved output is held detached: its grad_fn would be a
-    reference cycle)."""
-    return Kept(t)
-
-
 class _Offloaded:
     """A saved view of an offloaded storage. In-place changes after the save are seen through
     the storage's node (``state``: its mutations) or, in untraced frames, through the saved
