@@ -3,9 +3,11 @@ the ledger's pins (what ``movable_bytes`` and making room read), the parameter w
 footprint's one pass, each against a reference computed the plain way."""
 from __future__ import annotations
 
+import gc
 import itertools
 import subprocess
 import sys
+import weakref
 from typing import Dict, List, Set
 
 import pytest
@@ -17,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bagualu2.offload import CopyEngine, HostArena
 from bagualu2.plan.cost_model import CostModel
 from bagualu2.runtime import ActivationRuntime, Frame
-from bagualu2.runtime.ledger import Kept, KeptUnpack, Pin, ResidencyLedger
+from bagualu2.runtime.ledger import CalmPack, Kept, KeptUnpack, Pin, ResidencyLedger
 from bagualu2.runtime.parameters import ParameterStorages, storages_of
 from bagualu2.shared import Budget
 
@@ -128,6 +130,41 @@ def test_the_unpack_hook_serves_kept_records_and_hands_the_rest_over() -> None:
     moved = ledger.keep(torch.randn(8), None, 0, 0, None)
     moved.moved = "elsewhere"
     assert unpack(moved) == "fallback" and handed[-1] is moved
+
+
+def test_the_hooks_take_one_argument_and_a_cycle_through_one_is_collected() -> None:
+    """The per-save types are written against the C API: a hook called wrongly raises (no
+    crash), a record's fields cannot be deleted, and a hook in a reference cycle (its fallback
+    holds what holds it, as a runtime's bound method does) is freed by the garbage collector."""
+    ledger, runtime = ResidencyLedger(), ActivationRuntime(None)
+    unpack = KeptUnpack(lambda packed: packed)
+    with pytest.raises(TypeError, match="one positional argument"):
+        unpack(1, 2)
+    with pytest.raises(TypeError, match="one positional argument"):
+        unpack(packed=1)
+    with pytest.raises(ValueError, match="must be callable"):
+        KeptUnpack(3)
+    with pytest.raises(ValueError, match="must be a bagualu2._saves.Ledger"):
+        CalmPack(object(), runtime.residency, Frame(), print)
+    kept = ledger.keep(torch.randn(4), None, 0, 0, None)
+    with pytest.raises(AttributeError, match="cannot be deleted"):
+        del kept.node
+    with pytest.raises(ValueError, match="only be cleared"):
+        kept.tensor = torch.randn(4)
+    with pytest.raises(TypeError):
+        type("Sub", (Kept,), {})  # final: the hooks check the exact type
+
+    class Owner:
+        def fallback(self, x: object) -> object:
+            return x
+
+    for make in (lambda o: KeptUnpack(o.fallback), lambda o: CalmPack(ledger, runtime.residency, Frame(), o.fallback)):
+        owner = Owner()
+        owner.hook = make(owner)  # type: ignore[attr-defined]
+        alive = weakref.ref(owner)
+        del owner
+        gc.collect()
+        assert alive() is None
 
 
 class OpCounter(TorchDispatchMode):
