@@ -48,9 +48,11 @@ aten op, where host time is all there is: a chain of ``--links`` tiny links (a m
 weight, a sigmoid gate, a residual add: four aten ops and five saved tensors each, on a
 4 x 8 tensor), forward and backward, under plain autograd, ``torch.autograd.graph.save_on_cpu``
 (``pin_memory=False``: the hook pair alone), torch's selective checkpointing over the whole
-chain (matmul outputs saved, the rest recomputed), bagualu2 ``keep_all``, bagualu2 traced (a
-fixed plan recomputing the last link's sigmoid: a plan that keeps everything is not traced) and
-bagualu2 adaptive with an ample budget (calm: untraced). The same runs on a chain of
+chain (matmul outputs saved, the rest recomputed), an empty Python dispatch mode (one that
+only counts and calls each op: what any tracing written as a ``TorchDispatchMode`` pays before it records
+anything), bagualu2 ``keep_all``, bagualu2 traced (a fixed plan recomputing the last link's
+sigmoid: a plan that keeps everything is not traced) and bagualu2 adaptive with an ample budget
+(calm: untraced). The same runs on a chain of
 ``--short-links`` links, and each round times ``--reps`` steps of every variant on each chain,
 in an order shuffled every round. Times are the calling thread's CPU time (on cpu tensors this
 small, forward and backward run on it alone): on a shared machine the other processes' load
@@ -154,7 +156,12 @@ class Chain(torch.nn.Module):
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the aten ops that run under it."""
+    """Counts the aten ops that run under it, and does nothing else: also the floor of a tracing
+    written as a dispatch mode."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # as bagualu2's tracing mode: no Dynamo-disabling shim per op
 
     def __init__(self) -> None:
         super().__init__()
@@ -202,6 +209,11 @@ def host_variants(links: int, x: torch.Tensor, provisioners: Dict[str, bagualu2.
     def selective() -> None:
         torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False, context_fn=context).backward()
 
+    def empty_mode() -> None:
+        with OpCounter():
+            loss = model(x)
+        loss.backward()
+
     def provisioned(name: str, policy: Union[str, dict], budget: Optional[int] = None) -> Callable[[], None]:
         own = copy.deepcopy(model)
         with warnings.catch_warnings():  # the chain has no MoE gate: the budget check alone decides
@@ -216,6 +228,7 @@ def host_variants(links: int, x: torch.Tensor, provisioners: Dict[str, bagualu2.
         "plain pytorch": plain,
         "torch save_on_cpu": save_on_cpu,
         "torch selective checkpoint": selective,
+        "empty python dispatch mode": empty_mode,
         "bagualu2 keep_all": provisioned("bagualu2 keep_all", "keep_all"),
         # A plan that keeps all but one op (the last sigmoid, recomputed) is traced: an all-keep
         # plan is not (it releases nothing, so its recipes would never be used).
