@@ -109,7 +109,8 @@ def torch_extension() -> Tuple[Extension, str]:
     major, minor = torch.__version__.split("+")[0].split(".")[:2]
     extension = Extension(
         "bagualu2._saves",
-        sources=["csrc/saves/residency_ledger.cpp"],
+        sources=["csrc/saves/ledger.cpp", "csrc/saves/hooks.cpp", "csrc/saves/module.cpp"],
+        depends=["csrc/saves/ledger.h", "csrc/saves/hooks.h", "csrc/common/check.h"],  # a change rebuilds it
         include_dirs=["csrc"],
         library_dirs=cpp_extension.library_paths(),
         libraries=["c10", "torch", "torch_cpu", "torch_python"],

@@ -1,7 +1,7 @@
 """Residency ledger: the device bytes the activation runtime holds, counted once per storage.
 
 ``ResidencyLedger`` and the kept-save record (``Kept``) are C++ (``bagualu2._saves``,
-csrc/saves/residency_ledger.cpp, whose design note states their invariants): a step counts and
+csrc/saves/ledger.h, whose design note states their invariants): a step counts and
 gives back one count per saved tensor, and in C++ neither runs Python code nor can be cut short
 by an interrupt. Here: ``Pin`` (the handle that holds one count for any other holder) and
 ``_drain_failed_backward``, which frees what a failed backward pass left holding counts inside
