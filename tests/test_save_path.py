@@ -167,10 +167,33 @@ def test_the_hooks_take_one_argument_and_a_cycle_through_one_is_collected() -> N
         assert alive() is None
 
 
+def test_a_kept_output_runs_no_dispatch_mode_and_a_python_error_inside_keeps_its_type() -> None:
+    """The record of an op's output is made without a Python call, even with a dispatch mode on
+    the stack (torch would copy its metadata through the mode's ``detach``: Python code, where an
+    interrupt can land); a Python error raised inside the record's making (here an interrupt in
+    an ``isinstance`` check) comes out as itself, not as torch's empty ``RuntimeError``."""
+    y = torch.randn(4, requires_grad=True) * 2
+    with OpCounter() as mode:
+        kept = Kept(y)
+    assert mode.ops == 0 and kept.tensor.grad_fn is None and kept.tensor.data_ptr() == y.data_ptr()
+
+    class Interrupting:
+        @property  # type: ignore[misc]
+        def __class__(self) -> type:  # what isinstance reads
+            raise KeyboardInterrupt("inside the record")
+
+    with pytest.raises(KeyboardInterrupt, match="inside the record"):
+        Kept(Interrupting())
+
+
 class OpCounter(TorchDispatchMode):
-    """A dispatch mode on the stack (what the calm keep leaves to the full way)."""
+    """A dispatch mode on the stack (what the calm keep leaves to the full way), counting the ops
+    it sees."""
+
+    ops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops += 1
         return func(*args, **(kwargs or {}))
 
 

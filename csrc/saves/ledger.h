@@ -32,7 +32,9 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <pybind11/pybind11.h>
+#include <torch/csrc/Exceptions.h>
 
 #include <cstdint>
 #include <exception>
@@ -50,20 +52,18 @@ namespace py = pybind11;
 
 extern PyObject* g_error;  // bagualu2._saves.Error, what Error raises in Python (set at import)
 
-// Runs the body of a C API entry point: a C++ exception becomes the Python exception pybind11
-// would raise for it, and `failed` is returned.
+// Runs the body of a C API entry point: bagualu2::Error becomes bagualu2._saves.Error, and any
+// other exception what torch's bindings make of it (a Python error thrown through torch's C++
+// code, python_error, is restored as it was: a KeyboardInterrupt raised in a dispatch mode
+// reached from here stays a KeyboardInterrupt); `failed` is returned.
 template <typename R, typename F>
 R guarded(R failed, F&& body) {
     try {
         return body();
-    } catch (py::error_already_set& e) {
-        e.restore();
     } catch (const Error& e) {
         PyErr_SetString(g_error, e.what());
-    } catch (const std::bad_alloc&) {
-        PyErr_NoMemory();
-    } catch (const std::exception& e) {
-        PyErr_SetString(PyExc_RuntimeError, e.what());
+    } catch (...) {
+        torch::translate_exception_to_python(std::current_exception());
     }
     return failed;
 }
@@ -106,6 +106,20 @@ struct LedgerState {
 
 extern PyTypeObject KeptType;
 
+// `t`'s tensor data. torch copies a tensor's metadata through the innermost dispatch mode's
+// Python `detach` while one is on the stack; for a tensor with no Python behaviour of its own
+// (no Python dispatch key: not a subclass) that is a Python call per kept save of a traced
+// forward that records nothing, and it runs Python code (an interrupt may land there), so it
+// is taken with the Python key excluded, as the runtime's own ops on plain tensors are. A
+// subclass keeps its own detach.
+inline at::Tensor tensor_data(const at::Tensor& t) {
+    if (t.key_set().has(c10::DispatchKey::Python)) {
+        return t.tensor_data();
+    }
+    c10::impl::ExcludeDispatchKeyGuard no_python(c10::DispatchKey::Python);
+    return t.tensor_data();
+}
+
 // The kept-save record, a Python object of type Kept with its C++ fields in place. Made by
 // make_kept, freed by its type's dealloc.
 struct Kept {
@@ -127,7 +141,7 @@ struct Kept {
     // autograd metadata): holding it with its grad_fn would be a reference cycle through the
     // node that holds this record, and a detach() costs a dispatch where this is one copy of
     // the tensor's metadata.
-    explicit Kept(const at::Tensor& t) : tensor(t.grad_fn() ? t.tensor_data() : t), version(t._version()) {}
+    explicit Kept(const at::Tensor& t) : tensor(t.grad_fn() ? tensor_data(t) : t), version(t._version()) {}
     Kept(const Kept&) = delete;
     Kept& operator=(const Kept&) = delete;
     ~Kept() { drop(); }
