@@ -15,6 +15,9 @@
 //      mirrored that could fall out of step.
 //   H3 KeptUnpack hands each backward pass's first unpack over (the runtime counts passes), and
 //      a record that moved or changed since its save.
+//   H4 an error raised inside a hook or a record's making comes out as itself (`guarded`, as
+//      torch's bindings translate it): an interrupt that lands in Python code reached from
+//      here stays a KeyboardInterrupt (tests/test_faults.py's timer storms).
 #include "saves/hooks.h"
 
 #include <torch/csrc/autograd/graph_task.h>
