@@ -49,11 +49,10 @@ weight, a sigmoid gate, a residual add: four aten ops and five saved tensors eac
 4 x 8 tensor), forward and backward, under plain autograd, ``torch.autograd.graph.save_on_cpu``
 (``pin_memory=False``: the hook pair alone), torch's selective checkpointing over the whole
 chain (matmul outputs saved, the rest recomputed), an empty Python dispatch mode (one that
-only counts and calls each op: what any tracing written as a ``TorchDispatchMode`` pays before it records
-anything), bagualu2 ``keep_all``, bagualu2 traced (a fixed plan recomputing the last link's
-sigmoid: a plan that keeps everything is not traced) and bagualu2 adaptive with an ample budget
-(calm: untraced). The same runs on a chain of
-``--short-links`` links, and each round times ``--reps`` steps of every variant on each chain,
+only counts and calls each op: what any tracing written as a ``TorchDispatchMode`` pays before
+it records anything), bagualu2 ``keep_all``, bagualu2 traced (a fixed plan recomputing the last
+link's sigmoid: a plan that keeps everything is not traced) and bagualu2 adaptive with an ample
+budget (calm: untraced). The same runs on a chain of ``--short-links`` links, and each round times ``--reps`` steps of every variant on each chain,
 in an order shuffled every round. Times are the calling thread's CPU time (on cpu tensors this
 small, forward and backward run on it alone): on a shared machine the other processes' load
 stretches wall time many times over, and thread time far less. Reported per variant: the median over rounds of (its step

@@ -135,10 +135,10 @@ PyTypeObject KeptUnpackType{};
 
 PyObject* calm_pack_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
     PyObject* t = one_argument("CalmPack", args, nargsf, kwnames);
-    CalmPackState* s = reinterpret_cast<CalmPack*>(self)->s;
     if (t == nullptr) {
         return nullptr;
     }
+    CalmPackState* s = reinterpret_cast<CalmPack*>(self)->s;
     if (s == nullptr) {
         PyErr_SetString(g_error, "this CalmPack was cleared");
         return nullptr;
