@@ -1064,6 +1064,39 @@ def test_saved_tensor_modified_in_place_is_refused() -> None:
         loss.backward()
 
 
+def test_a_block_input_written_in_place_after_it_was_read_is_rebuilt_as_read() -> None:
+    """A block reads its input, then writes it in place; the read's result is recomputed. The
+    input's anchor holds the storage as written: the rebuild must not take it for what was read."""
+    class Writes(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 8) / 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b = x + 1  # recomputed: reads x as it entered
+            x.add_(1)
+            return (b @ self.w) * x.sigmoid()
+
+    class Blocks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Writes(), Writes()])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x * 1.0
+            for block in self.blocks:
+                x = block(x)
+            return x.square().sum()
+
+    torch.manual_seed(0)
+    model, x = Blocks(), torch.randn(4, 8)
+    h = Harness(model, None)
+    reference = loss_and_grads(model, h.forward(x, None))
+    frame = Frame({"blocks.1:aten.add.Tensor:0": Choice.RECOMPUTE})
+    assert_bitwise(reference, loss_and_grads(model, h.forward(x, frame)))
+    assert frame.stats.bytes_by_choice["recompute"] > 0
+
+
 def test_a_long_chain_without_blocks_is_rebuilt_without_deep_recursion(engine: CopyEngine) -> None:
     """No ModuleList, so no block input bounds a recompute chain: rebuilding the last storage
     replays 1,500 ops, far past Python's recursion limit were it done recursively."""

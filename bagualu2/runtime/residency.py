@@ -441,7 +441,9 @@ class Residency:
         return out
 
     def available(self, node: StorageNode, state: int) -> Optional[torch.UntypedStorage]:
-        if node.anchor is not None and node.anchor[1] == state:
+        # An anchor holds the storage as it is now: in the state it was anchored in only if no
+        # in-place op has written it since.
+        if node.anchor is not None and node.anchor[1] == state == node.state:
             return node.anchor[0].untyped_storage()
         kept = kept_tensor(node, state)
         if kept is not None:
