@@ -16,6 +16,9 @@ from the frame's plan:
   whole blocks (``Frame.rerun_blocks``) runs them untraced instead and reruns each in backward
   (``BlockRerun``).
 
+A traced frame whose plan releases nothing in some outermost blocks (``Frame.releasing_modules``)
+runs those untraced too, their saves kept as an untraced frame's are (``runtime.calm_blocks``).
+
 This module owns the deciding half: frames (and closing what an interrupt left open), the
 module hooks that name operators and run blocks untraced, and the pack hook. Carrying the
 choices out (the ledger, the budget, kept storages, offloads, the unpack hook) is the
@@ -56,6 +59,7 @@ from torch.utils._pytree import tree_flatten
 
 from bagualu2.shared import Choice, Event
 from bagualu2.runtime.attachment import AttachedHook, _Attachment
+from bagualu2.runtime import calm_blocks
 from bagualu2.runtime.compiled import CompiledRegions
 from bagualu2.runtime.frame import Frame, check_keys, profile_saves
 from bagualu2.runtime.ledger import _drain_failed_backward, _drain_graph, CalmPack, Kept, KeptUnpack, Pin
@@ -166,12 +170,13 @@ class ActivationRuntime:
         grad = torch.is_grad_enabled()
         calm = None
         try:
-            # The hooks' common cases run in C++ (bagualu2._saves): an untraced frame's pack hook
-            # keeps a plain tensor that fits the budget, the unpack hook serves a kept record
+            # The hooks' common cases run in C++ (bagualu2._saves): the pack hook keeps a calm
+            # save (``FrameRun.calm``: all of an untraced frame's, a calm block's in a traced
+            # one) of a plain tensor that fits the budget, the unpack hook serves a kept record
             # back; the rest goes to ``_pack`` and ``residency.unpack``. Made per frame: held by
             # the runtime, they would hold it in a cycle the garbage collector cannot see into.
-            calm = None if frame.traced else CalmPack(self.ledger, self.residency, frame, self._pack)
-            pack = self._pack if calm is None else calm
+            frame.runtime_state.calm = not frame.traced
+            pack = calm = CalmPack(self.ledger, self.residency, frame, self._pack)
             unpack = KeptUnpack(self.residency.unpack)
             if self.on_hook.subscribers:
                 pack, unpack = observed_hook("pack", pack, self.on_hook.emit), observed_hook("unpack", unpack, self.on_hook.emit)
@@ -187,6 +192,8 @@ class ActivationRuntime:
                         self.regions.leave()
                     if frame.runtime_state.rerun is not None:  # the block raised: its forward hook did not run
                         self._close_rerun(frame)
+                    if frame.runtime_state.calm_block is not None:
+                        calm_blocks.leave(frame, self.mode)
                     self.mode.place(False)
             if frame.strict:
                 check_keys(frame, self.mode.nodes.values())
@@ -228,6 +235,7 @@ class ActivationRuntime:
         frame.runtime_state.untraced_offloads = {}
         frame.runtime_state.recomputed = set()
         frame.runtime_state.rerun = None
+        frame.runtime_state.calm_block = None
         frame.runtime_state.region = None
         self.mode.reset()  # the frame's nodes, and the anchors they pin
         self._clear_left_scopes()
@@ -329,11 +337,16 @@ class ActivationRuntime:
             def enter(mod: torch.nn.Module, args: tuple, kwargs: Dict[str, Any], _name: str = name,
                       _block: int = block, _rerunnable: bool = rerunnable) -> None:
                 frame = self.residency.frame
-                if frame is None or not frame.traced or self.mode.suspended or frame.runtime_state.rerun is not None:
+                run = None if frame is None else frame.runtime_state
+                if (run is None or not frame.traced or self.mode.suspended or run.rerun is not None
+                        or run.calm_block is not None):
                     return
                 if _block == 2:
-                    frame.runtime_state.past_blocks = False
+                    run.past_blocks = False
                     if _rerunnable and frame.rerun_blocks and self._open_rerun(frame, mod, _name, args, kwargs):
+                        return
+                    if (frame.releasing_modules is not None and _name not in frame.releasing_modules
+                            and calm_blocks.enter(frame, self.mode, mod, _name, args, kwargs)):
                         return
                     self._traced_blocks.add(_name)
                 self.mode.push_module(_name)
@@ -347,6 +360,11 @@ class ActivationRuntime:
                 if frame.runtime_state.rerun is not None:
                     if frame.runtime_state.rerun.module is mod:
                         self._close_rerun(frame)
+                        frame.runtime_state.past_blocks = True
+                    return
+                if frame.runtime_state.calm_block is not None:
+                    if frame.runtime_state.calm_block.module is mod:
+                        calm_blocks.leave(frame, self.mode)
                         frame.runtime_state.past_blocks = True
                     return
                 self.mode.pop_module()
@@ -450,7 +468,7 @@ class ActivationRuntime:
                                    f"tensor, so it is neither counted nor released")
             return Kept(t)
         storage = t.untyped_storage()
-        if not frame.traced:
+        if frame.runtime_state.calm:
             return self._pack_untraced(frame, t, storage)
         node = self.mode.nodes.get(storage._cdata)
         if node is None:
@@ -527,7 +545,7 @@ class ActivationRuntime:
         store = self.residency.start_offload(frame, storage, "untraced") if self.residency.enforce_budget else None
         if store is None:
             return self.residency.violate(frame, t, f"a saved tensor of shape {tuple(t.shape)} (untraced forward)")
-        frame.stats.fallbacks.append(f"untraced forward over budget: offloaded {storage.nbytes()} bytes")
+        frame.stats.fallbacks.append(f"untraced save over budget: offloaded {storage.nbytes()} bytes")
         frame.runtime_state.note_offload(storage, t._version, store)
         return _Offloaded(store, view_meta(t), None, t._version, t)
 

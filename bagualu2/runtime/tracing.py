@@ -177,6 +177,13 @@ class TracingMode(TorchDispatchMode):
         if on:
             mode.__enter__()
 
+    def untraced_write(self, node: StorageNode, why: str) -> None:
+        """``node``'s storage was written in place by ops this mode did not see (a calm block's,
+        ``runtime.calm_blocks``): its states from now on cannot be replayed, so what reads it
+        later holds it as it is."""
+        node.why_not = why
+        node.mutations += (Step(None, (), {}, None),)
+
     def _side_effect(self) -> None:
         """The running op has an effect a rerun would repeat: mark every module call it is in."""
         for path, _ in self._calls[1:]:

@@ -1,5 +1,6 @@
-// The saved-tensor hooks' common cases (bagualu2._saves): an untraced frame's pack hook keeps a
-// plain tensor that fits the budget (CalmPack), and the unpack hook serves a kept record back
+// The saved-tensor hooks' common cases (bagualu2._saves): the pack hook keeps a calm save (an
+// untraced frame's, or a calm block's in a traced one) of a plain tensor that fits the budget
+// (CalmPack), and the unpack hook serves a kept record back
 // (KeptUnpack); everything else goes to the Python runtime each was made with (`fallback`).
 //
 // Both are called once per saved tensor, so both are Python types of their own written against
@@ -64,13 +65,15 @@ PyObject* one_argument(const char* hook, PyObject* const* args, size_t nargsf, P
     return args[0];
 }
 
-// The pack hook of an untraced frame (bagualu2.runtime.ActivationRuntime), made for that
-// frame. Its common case, a plain tensor that fits the budget, is counted and kept here
-// (keep_plain_record), and so is a parameter (held, never counted); anything else takes the
-// full way, `fallback`: the frame no longer running, offloads in flight or made by this frame,
-// a subclass, another dispatch mode on the stack, a save that would cross the budget. It reads
-// the runtime's state where the runtime keeps it, at each call (the residency's running frame,
-// in-flight offloads, parameter storages and budget; the frame's budget and untraced offloads):
+// The pack hook of a frame (bagualu2.runtime.ActivationRuntime), made for that frame. Its
+// common case, a calm save (the frame's runtime state says its saves are calm now: an untraced
+// frame, or a block of a traced one that the plan releases nothing from) of a plain tensor that
+// fits the budget, is counted and kept here (keep_plain_record), and so is a parameter (held,
+// never counted); anything else takes the full way, `fallback`: a traced save, the frame no
+// longer running, offloads in flight or made by this frame, a subclass, another dispatch mode
+// on the stack, a save that would cross the budget. It reads the runtime's state where the
+// runtime keeps it, at each call (the residency's running frame, in-flight offloads, parameter
+// storages and budget; the frame's budget, calm flag and untraced offloads):
 // nothing is mirrored that could fall out of step. What it kept it counts here (`packed`,
 // `kept_bytes`, `shared_bytes`: bytes of storages held already), for the runtime to add to the
 // frame's stats when the frame's hooks come off.
@@ -86,6 +89,7 @@ struct CalmPackState {
     int64_t shared_bytes = 0;
 
     PyObject* pack(PyObject* t) {
+        static PyObject* const calm_name = name("calm");
         static PyObject* const frame_name = name("frame");
         static PyObject* const inflight_name = name("inflight");
         static PyObject* const untraced_name = name("untraced_offloads");
@@ -95,7 +99,7 @@ struct CalmPackState {
         static PyObject* const params_name = name("param_storages");
 
         PyObject* res = residency.ptr();
-        if (get(res, frame_name).ptr() != frame.ptr() || truthy(get(res, inflight_name)) ||
+        if (!truthy(get(run.ptr(), calm_name)) || get(res, frame_name).ptr() != frame.ptr() || truthy(get(res, inflight_name)) ||
             truthy(get(run.ptr(), untraced_name))) {
             return PyObject_CallOneArg(fallback.ptr(), t);
         }
@@ -290,7 +294,7 @@ void ready_hook(PyTypeObject& type, const char* name, const char* doc, Py_ssize_
 
 void add_hooks(py::module_& m) {
     ready_hook(CalmPackType, "bagualu2._saves.CalmPack",
-               "CalmPack(ledger, residency, frame, fallback): the pack hook of an untraced frame (see its note in "
+               "CalmPack(ledger, residency, frame, fallback): the pack hook of a frame (see its note in "
                "csrc/saves).",
                sizeof(CalmPack), offsetof(CalmPack, vectorcall), calm_pack_new, calm_pack_dealloc, calm_pack_traverse,
                calm_pack_clear);
