@@ -1,5 +1,5 @@
-"""Calm blocks (bagualu2/runtime/calm_blocks.py): a traced frame runs the outermost blocks its
-plan releases nothing from untraced. Every test compares against the same model run by plain
+"""Trace scopes (bagualu2/runtime/calm_blocks.py): a fixed plan's traced forward traces only the
+outermost blocks it may release from. Every test compares against the same model run by plain
 PyTorch, bit for bit."""
 from __future__ import annotations
 
@@ -16,45 +16,50 @@ import bagualu2
 from bagualu2.models import MoEConfig, MoETransformer
 from bagualu2.offload import CopyEngine, HostArena
 from bagualu2.runtime import ActivationRuntime, Frame
-from bagualu2.runtime.frame import releasing
+from bagualu2.runtime.calm_blocks import trace_scope
+from bagualu2.runtime.frame import released_modules
 from bagualu2.shared import Choice
+
+ROOT = ":aten.sin.default:0"  # the blocks' input: made outside every block, saved by the first block
 
 
 class Link(torch.nn.Module):
-    """``x @ w``, then ``h * sigmoid(h) + x``; ``in_place``: doubles its input in place and returns
-    it instead; ``fail`` raises halfway."""
+    """``h = x @ w``, then ``h * sigmoid(h) + x`` (times ``skip`` when given); ``in_place``: doubles
+    its input in place and returns a copy of it instead; ``fail`` raises halfway."""
 
     def __init__(self, width: int, in_place: bool = False) -> None:
         super().__init__()
         self.in_place = in_place
+        self.fail = False
         if not in_place:
             self.w = torch.nn.Parameter(torch.randn(width, width) / width ** 0.5)
-        self.fail = False
 
-    def forward(self, x: torch.Tensor, extra: Any = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, skip: Optional[torch.Tensor] = None, extra: Any = None) -> torch.Tensor:
         if self.in_place:
-            return x.mul_(2)
+            return x.mul_(2) * 1.0
         h = x @ self.w
         if self.fail:
             raise RuntimeError("link failed")
-        return h * torch.sigmoid(h) + x
+        out = h * torch.sigmoid(h) + x
+        return out if skip is None else out * skip
 
 
 class Chain(torch.nn.Module):
+    """Links in a ModuleList (the outermost blocks); block 2 also reads block 0's output."""
+
     def __init__(self, links: int, width: int = 16, in_place: Tuple[int, ...] = ()) -> None:
         super().__init__()
         self.blocks = torch.nn.ModuleList(Link(width, i in in_place) for i in range(links))
-        self.extra: Any = None  # passed to every block: an object, not a tensor or a plain value
+        self.extra: Any = None  # passed to every block when set: an object, not a tensor or a value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x * 1.0  # the blocks' input is made inside the forward (a link writes its input)
+        x = torch.sin(x)  # ROOT: the blocks' input is made inside the forward (a link writes its input)
         first = x
         for i, block in enumerate(self.blocks):
-            x = block(x, self.extra) if self.extra is not None else block(x)
+            skip = first if i == 2 else None
+            x = block(x, skip, self.extra) if self.extra is not None else block(x, skip)
             if i == 0:
                 first = x
-            elif i == 1:  # outside every block: saves the first block's output as it is now
-                x = x * first
         return x.square().sum()
 
 
@@ -81,7 +86,7 @@ class Runner:
 
     def frame(self, plan: Dict[str, Choice], **flags: Any) -> Frame:
         frame = Frame(plan)
-        frame.releasing_modules = releasing(plan)
+        frame.released_modules = released_modules(plan)
         for name, value in flags.items():
             setattr(frame, name, value)
         return frame
@@ -102,94 +107,130 @@ def prepared(links: int, engine: bool = False, in_place: Tuple[int, ...] = ()
     return model, x, runner, grads(model, runner.run(x, None))
 
 
-def test_blocks_the_plan_keeps_run_untraced_and_the_step_is_exact() -> None:
+def hooked(model: Chain) -> List[bool]:
+    """Which blocks carry module hooks now."""
+    return [bool(b._forward_pre_hooks) for b in model.blocks]
+
+
+def test_only_the_blocks_a_plan_releases_from_are_traced_and_the_step_is_exact() -> None:
     model, x, runner, reference = prepared(5, engine=True)
     plan = {"blocks.3:aten.sigmoid.default:0": Choice.RECOMPUTE, "blocks.3:aten.mm.default:0": Choice.OFFLOAD}
     frame = runner.frame(plan)
     assert_bitwise(reference, grads(model, runner.run(x, frame)))
-    assert frame.stats.calm_blocks == 4
-    assert {k.split(":")[0] for k in frame.keys_seen} <= {"", "blocks.3"}, sorted(frame.keys_seen)
+    assert frame.stats.traced_blocks == 1 and hooked(model) == [False, False, False, True, False]
+    assert {k.split(":")[0] for k in frame.keys_seen} == {"blocks.3"}, sorted(frame.keys_seen)
     assert frame.stats.bytes_by_choice["recompute"] > 0 and frame.stats.bytes_by_choice["offload"] > 0
-    # The calm blocks' saves were counted and given back like a traced block's.
-    assert frame.stats.bytes_by_choice["keep"] > 0
+    assert frame.stats.bytes_by_choice["keep"] > 0  # the untraced saves, counted by the C++ pack hook
     gc.collect()
     assert runner.runtime.ledger.resident == 0
-    # Traced whole, the same plan gives the same step.
+    # Traced whole, the same plan gives the same step; the hooks go back on every block.
     whole = Frame(plan)
     assert_bitwise(reference, grads(model, runner.run(x, whole)))
-    assert whole.stats.calm_blocks == 0 and any(k.startswith("blocks.0:") for k in whole.keys_seen)
+    assert whole.stats.traced_blocks == 5 and hooked(model) == [True] * 5
+    assert any(k.startswith("blocks.0:") for k in whole.keys_seen) and ROOT in whole.keys_seen
 
 
-def test_a_traced_storage_a_calm_block_writes_in_place_is_never_rebuilt_as_it_was() -> None:
-    """Block 1 runs calm and doubles its input, block 0's output, in place; the forward saves it
-    after block 1, outside every block (no anchor holds it). Rebuilt from its recipe as block 0
-    left it (the plan recomputes it), it would be half what was read."""
-    model, x, runner, reference = prepared(3, engine=True, in_place=(1,))
-    plan = {"blocks.0:aten.add.Tensor:0": Choice.RECOMPUTE, "blocks.2:aten.sigmoid.default:0": Choice.RECOMPUTE}
+def test_a_release_outside_every_block_traces_all_but_the_blocks_it_keeps() -> None:
+    model, x, runner, reference = prepared(5, engine=True)
+    plan = {ROOT: Choice.OFFLOAD, "blocks.3:aten.sigmoid.default:0": Choice.RECOMPUTE}
     frame = runner.frame(plan)
     assert_bitwise(reference, grads(model, runner.run(x, frame)))
-    assert frame.stats.calm_blocks == 1
-    # The save of the written storage fell back from its plan's recompute: a replay would
-    # rebuild it unwritten.
-    assert any(f.startswith("blocks.0:aten.add.Tensor:0: recompute -> offload") and "blocks.1 wrote it in place" in f
+    assert frame.stats.traced_blocks == 1 and hooked(model) == [True] * 5  # the calm blocks' own hooks
+    assert {k.split(":")[0] for k in frame.keys_seen} == {"", "blocks.3"}, sorted(frame.keys_seen)
+    assert frame.stats.bytes_by_choice["offload"] > 0 and frame.stats.bytes_by_choice["recompute"] > 0
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_traced_storage_written_in_place_untraced_is_never_rebuilt_as_it_was(whole: bool) -> None:
+    """Block 1 runs untraced and doubles block 0's output in place; block 2 reads and saves it
+    (as ``skip``: no anchor holds it). Rebuilt from its recipe as block 0 left it (the plan
+    recomputes it), it would be half what was read. Seen through block 0's output (only the
+    releasing blocks traced) or through block 1's argument (a release outside the blocks)."""
+    model, x, runner, reference = prepared(3, engine=True, in_place=(1,))
+    plan = {"blocks.0:aten.add.Tensor:0": Choice.RECOMPUTE, "blocks.2:aten.sigmoid.default:0": Choice.RECOMPUTE}
+    if whole:
+        plan[ROOT] = Choice.OFFLOAD
+    frame = runner.frame(plan)
+    assert_bitwise(reference, grads(model, runner.run(x, frame)))
+    assert frame.stats.traced_blocks == 2
+    why = "blocks.1 wrote it in place" if whole else "written in place untraced before blocks.2"
+    assert any(f.startswith("blocks.0:aten.add.Tensor:0: recompute -> offload") and why in f
                for f in frame.stats.fallbacks), frame.stats.fallbacks
 
 
-def test_profiled_strict_and_followed_frames_and_blocks_given_objects_are_traced_whole() -> None:
+def test_profiled_strict_and_followed_frames_are_traced_whole() -> None:
     model, x, runner, reference = prepared(3)
     plan = {"blocks.2:aten.sigmoid.default:0": Choice.RECOMPUTE}
     followed = runner.frame(plan)
     followed.on_saved.subscribe(lambda key: None)  # an overlap driver follows the first saves
     for frame in (runner.frame(plan, profile=True), runner.frame(plan, strict=True), followed):
         assert_bitwise(reference, grads(model, runner.run(x, frame)))
-        assert frame.stats.calm_blocks == 0 and any(k.startswith("blocks.0:") for k in frame.keys_seen)
-    model.extra = object()  # a block called with an object it could write into unseen
+        assert frame.stats.traced_blocks == 3 and any(k.startswith("blocks.0:") for k in frame.keys_seen)
     frame = runner.frame(plan)
     assert_bitwise(reference, grads(model, runner.run(x, frame)))
-    assert frame.stats.calm_blocks == 0
-    model.extra = None
+    assert frame.stats.traced_blocks == 1
+    # As an overlap driver follows them: from each frame's start.
+    heard: List[str] = []
+    follow = runner.runtime.on_frame_start.subscribe(lambda f: f.on_saved.subscribe(heard.append))
     frame = runner.frame(plan)
     assert_bitwise(reference, grads(model, runner.run(x, frame)))
-    assert frame.stats.calm_blocks == 2
+    assert frame.stats.traced_blocks == 3 and hooked(model) == [True] * 3 and heard == list(frame.keys_seen)
+    follow.unsubscribe()
 
 
-def test_an_error_inside_a_calm_block_leaves_the_runtime_whole() -> None:
+def test_a_block_given_an_object_is_traced_where_blocks_are_untraced_by_their_hooks() -> None:
+    """A calm block's hooks (a release outside the blocks) trace a call with an object argument
+    (it could write into it unseen); with only the releasing blocks hooked, no hook sees it."""
     model, x, runner, reference = prepared(3)
-    plan = {"blocks.2:aten.sigmoid.default:0": Choice.RECOMPUTE}
-    model.blocks[1].fail = True
+    model.extra = object()
+    reference = grads(model, runner.run(x, None))
+    for plan, traced in (({ROOT: Choice.OFFLOAD, "blocks.2:aten.sigmoid.default:0": Choice.RECOMPUTE}, 3),
+                         ({"blocks.2:aten.sigmoid.default:0": Choice.RECOMPUTE}, 1)):
+        frame = runner.frame(plan)
+        assert_bitwise(reference, grads(model, runner.run(x, frame)))
+        assert frame.stats.traced_blocks == traced
+
+
+@pytest.mark.parametrize("failing", [1, 3])
+@pytest.mark.parametrize("whole", [False, True])
+def test_an_error_inside_a_block_leaves_the_runtime_whole(failing: int, whole: bool) -> None:
+    """Block 1 runs untraced, block 3 traced; either raises."""
+    model, x, runner, reference = prepared(5)
+    plan = {"blocks.3:aten.sigmoid.default:0": Choice.RECOMPUTE, **({ROOT: Choice.RECOMPUTE} if whole else {})}
+    model.blocks[failing].fail = True
     with pytest.raises(RuntimeError, match="link failed"):
         runner.run(x, runner.frame(plan))
-    model.blocks[1].fail = False
+    model.blocks[failing].fail = False
     assert torch._C._len_torch_dispatch_stack() == 0
     assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
     gc.collect()
     assert runner.runtime.ledger.resident == 0 and runner.runtime.active_frame is None
     frame = runner.frame(plan)
     assert_bitwise(reference, grads(model, runner.run(x, frame)))
-    assert frame.stats.calm_blocks == 2
+    assert frame.stats.traced_blocks == 1
 
 
-def test_a_calm_blocks_saves_over_the_budget_are_offloaded() -> None:
+def test_untraced_saves_over_the_budget_are_offloaded() -> None:
     torch.manual_seed(0)
     model, x = Chain(6, width=64), torch.randn(64, 64)
     plain = Runner(model)
     reference = grads(model, plain.run(x, None))
     plan = {"blocks.5:aten.sigmoid.default:0": Choice.RECOMPUTE}
-    whole = plain.frame(plan)
+    whole = Frame(plan)
     grads(model, plain.run(x, whole))
     budget = whole.stats.peak_resident // 2
     runner = Runner(model, CopyEngine(HostArena(16 << 20)), budget_bytes=budget)
     frame = runner.frame(plan)
     assert_bitwise(reference, grads(model, runner.run(x, frame)))
-    assert frame.stats.calm_blocks == 5 and frame.stats.violations == 0
+    assert frame.stats.traced_blocks == 1 and frame.stats.violations == 0
     assert frame.stats.peak_resident <= budget and frame.stats.bytes_by_choice["offload"] > 0
     assert any(f.startswith("untraced save over budget") for f in frame.stats.fallbacks)
 
 
-def test_a_provisioned_fixed_plan_runs_its_kept_blocks_calm_with_dropout() -> None:
+def test_a_provisioned_fixed_plan_traces_only_the_layer_it_releases_from_with_dropout() -> None:
     """The reference MoE model (dropout on, so the RNG must line up) under ``enable`` with a
-    fixed plan naming the second layer's operators: after the profiled micro-batches, the first
-    layer runs calm, every step bit for bit plain PyTorch's."""
+    fixed plan naming the second layer's operators: after the profiled micro-batches, only that
+    layer is traced, every step bit for bit plain PyTorch's."""
     torch.manual_seed(0)
     model = MoETransformer(MoEConfig.tiny(dropout=0.1))
     plain = copy.deepcopy(model)
@@ -200,8 +241,8 @@ def test_a_provisioned_fixed_plan_runs_its_kept_blocks_calm_with_dropout() -> No
     prov.runtime.on_frame_end.subscribe(lambda f: keys.extend(f.keys_seen))
     probe(tokens).backward()
     prov.disable()
-    second = [k for k in keys if k.startswith("layers.1.")]
-    assert second
+    second = [k for k in keys if k.startswith(("layers.1.", "layers.1:"))]
+    assert second and model.cfg.num_layers > 1
     plan = {k: (Choice.RECOMPUTE if i % 2 else Choice.OFFLOAD) for i, k in enumerate(second)}
     prov = bagualu2.enable(model, budget=None, policy=plan, min_bytes=0)
     frames: List[Frame] = []
@@ -211,27 +252,34 @@ def test_a_provisioned_fixed_plan_runs_its_kept_blocks_calm_with_dropout() -> No
         a = grads(model, model(tokens))
         torch.manual_seed(step)
         assert_bitwise(grads(plain, plain(tokens)), a)
-    calm = [f.stats.calm_blocks for f in frames]
-    assert calm[-1] == 1 and calm == [0 if f.profile else 1 for f in frames], calm
-    assert not any(k.startswith("layers.0.") for k in frames[-1].keys_seen)
+    traced = [f.stats.traced_blocks for f in frames]
+    assert traced == [model.cfg.num_layers if f.profile else 1 for f in frames] and not frames[-1].profile, traced
+    assert all(k.startswith(("layers.1.", "layers.1:")) for k in frames[-1].keys_seen)
     assert frames[-1].stats.bytes_by_choice["recompute"] > 0
 
 
-_PATHS = ["", "a", "a.b", "a.b.c", "a.bc", "ab", "x.0", "x.0.y", "x.1"]
-_OPS = ["aten.mm.default:0", "aten.add.Tensor:1", "aten.split.Tensor:0.1", "compiled"]
+_PATHS = ["", "a", "a.b", "a.b.c", "a.bc", "ab", "x.0", "x.0.y", "x.1", "x.10"]
 
 
 @settings(max_examples=200, deadline=None)
-@given(entries=st.lists(st.tuples(st.sampled_from(_PATHS), st.sampled_from(["", "#1"]), st.sampled_from(_OPS),
+@given(released=st.sets(st.sampled_from(_PATHS), max_size=5), outermost=st.sets(st.sampled_from(_PATHS[1:]), max_size=4))
+def test_a_trace_scope_is_the_outermost_blocks_holding_a_released_module(released: set, outermost: set) -> None:
+    outermost = {p for p in outermost if not any(p.startswith(q + ".") for q in outermost)}  # none nested
+    scope = trace_scope(released, outermost)
+    holders = [[b for b in outermost if p == b or p.startswith(b + ".")] for p in released]
+    assert scope.blocks == {b for h in holders for b in h}
+    assert scope.whole == any(not h for h in holders)
+
+
+@settings(max_examples=100, deadline=None)
+@given(entries=st.lists(st.tuples(st.sampled_from(_PATHS), st.sampled_from(["", "#1"]),
+                                  st.sampled_from(["aten.mm.default:0", "aten.split.Tensor:0.1", "compiled"]),
                                   st.sampled_from(list(Choice))), max_size=8),
        default=st.sampled_from(list(Choice)))
-def test_releasing_names_exactly_the_modules_at_or_above_a_released_operator(entries: list, default: Choice) -> None:
+def test_released_modules_are_the_modules_of_the_released_operators(entries: list, default: Choice) -> None:
     plan = {f"{path}{call}:{op}": choice for path, call, op, choice in entries}
-    got = releasing(plan, default)
+    got = released_modules(plan, default)
     if default != Choice.KEEP:
         assert got is None
-        return
-    released = [key.partition(":")[0].partition("#")[0] for key, c in plan.items() if c != Choice.KEEP]
-    for path in _PATHS:
-        under = any(r == path or r.startswith(path + ".") or not path for r in released)
-        assert (path in got) == under, (path, plan, got)
+    else:
+        assert got == {key.partition(":")[0].partition("#")[0] for key, c in plan.items() if c != Choice.KEEP}

@@ -16,9 +16,9 @@ Invariants:
   need no tracing.
 - The frames of ``recompute_all`` and ``offload_all`` are final: nothing profiles,
   calibrates or plans them (``frame`` says so by returning ``final=True``).
-- A fixed plan's frames name the modules it may release from (``Frame.releasing_modules``):
-  no gate changes the plan while the forward runs, so the outermost blocks it keeps whole run
-  untraced. Adaptive frames name none: a gate may release from any block after it.
+- A fixed plan's frames name the modules it may release from (``Frame.released_modules``):
+  no gate changes the plan while the forward runs, so what it keeps whole runs untraced.
+  Adaptive frames name none: a gate may release from any block after it.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import torch
 from bagualu2.inputs import checked_plan
 from bagualu2.plan.planner import Choice, Plan
 from bagualu2.runtime import Frame
-from bagualu2.runtime.frame import releasing
+from bagualu2.runtime.frame import released_modules
 
 POLICIES = ("adaptive", "keep_all", "recompute_all", "offload_all")
 
@@ -42,7 +42,7 @@ class Policy:
         self._model = model
         self._compiled = compiled  # all of the model is one compiled region
         self.plan: Optional[Dict[str, Choice]] = None  # a fixed plan's choices
-        self._releasing: Optional[FrozenSet[str]] = None  # the modules it may release from (``releasing``)
+        self._released: Optional[FrozenSet[str]] = None  # the modules it may release from
         self.shown: Union[str, Plan] = policy  # what ``Provisioner.policy`` returns
         self.keeps_all = policy == "keep_all"
         self.name = policy if isinstance(policy, str) else "static"
@@ -69,7 +69,7 @@ class Policy:
         self.plan = checked_plan(plan.choices if isinstance(plan, Plan) else plan, self._model, self._compiled)
         self.shown = plan if isinstance(plan, Plan) else Plan(dict(self.plan))
         self.keeps_all = all(c == Choice.KEEP for c in self.plan.values())
-        self._releasing = releasing(self.plan)
+        self._released = released_modules(self.plan)
 
     def frame(self, index: int, rerun_blocks: bool) -> Tuple[Frame, bool]:
         """The frame forward ``index`` starts from, and whether it is final (see the note).
@@ -91,5 +91,5 @@ class Policy:
         if self.name == "offload_all":
             return Frame(default=Choice.OFFLOAD, index=index), True
         frame = Frame(self.plan, index=index)
-        frame.releasing_modules = self._releasing
+        frame.released_modules = self._released
         return frame, False

@@ -16,8 +16,8 @@ from the frame's plan:
   whole blocks (``Frame.rerun_blocks``) runs them untraced instead and reruns each in backward
   (``BlockRerun``).
 
-A traced frame whose plan releases nothing in some outermost blocks (``Frame.releasing_modules``)
-runs those untraced too, their saves kept as an untraced frame's are (``runtime.calm_blocks``).
+A traced frame whose plan releases from a few outermost blocks only (``Frame.released_modules``)
+runs the rest untraced, its saves kept as an untraced frame's are (``runtime.calm_blocks``).
 
 This module owns the deciding half: frames (and closing what an interrupt left open), the
 module hooks that name operators and run blocks untraced, and the pack hook. Carrying the
@@ -52,13 +52,13 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, FrozenSet, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from bagualu2.shared import Choice, Event
-from bagualu2.runtime.attachment import AttachedHook, _Attachment
+from bagualu2.runtime.attachment import AttachedHook, Hooks, _Attachment
 from bagualu2.runtime import calm_blocks
 from bagualu2.runtime.compiled import CompiledRegions
 from bagualu2.runtime.frame import Frame, check_keys, profile_saves
@@ -120,6 +120,9 @@ class ActivationRuntime:
         self._told_unrestorable = False  # a block call that could not be rerun was warned of
         self._traced_blocks: Set[str] = set()  # outermost blocks seen traced: whether they issue collectives is known
         self._attachments: List["_Attachment"] = []  # module trees attached (``attach``)
+        self._outermost: Set[str] = set()  # their plain outermost blocks' paths
+        # The trace scope last computed: (released_modules, len(_outermost), its scope)
+        self._scopes: Optional[Tuple[FrozenSet[str], int, calm_blocks.TraceScope]] = None
         # The thread and the Python frame of the ``with frame(...)`` running now: a frame whose
         # forward is no longer on that thread's stack was left by an interrupt (``_frame_left``).
         self._frame_owner: Optional[Tuple[int, Any]] = None
@@ -159,12 +162,16 @@ class ActivationRuntime:
         self.mode.reset()
         self.mode.suspended = 0  # what an interrupt between a suspension's step and its ``try`` left
         self.mode.profile = frame.profile
-        self._module_hooks(frame.traced)
+        scope = frame.runtime_state.scope = self._scope(frame)
+        self._module_hooks(frame.traced, scope.blocks if scope is not None and not scope.whole else None)
         # The caller of ``with``: this generator's caller is contextlib's __enter__.
         self._frame_owner = (threading.get_ident(), sys._getframe(2), holder[0])
         self.residency.frame = frame
         if self.on_frame_start.subscribers:
             self.on_frame_start.emit(frame)
+            if scope is not None and frame.on_saved.subscribers:  # a subscriber follows its saves: traced whole
+                scope = frame.runtime_state.scope = None
+                self._module_hooks(frame.traced)
         frame.stats.start_resident = self.ledger.resident
         self.ledger.reset_peak()
         grad = torch.is_grad_enabled()
@@ -175,7 +182,8 @@ class ActivationRuntime:
             # one) of a plain tensor that fits the budget, the unpack hook serves a kept record
             # back; the rest goes to ``_pack`` and ``residency.unpack``. Made per frame: held by
             # the runtime, they would hold it in a cycle the garbage collector cannot see into.
-            frame.runtime_state.calm = not frame.traced
+            traced_outside = frame.traced and (scope is None or scope.whole)  # the mode is on outside the blocks
+            frame.runtime_state.calm = not traced_outside
             pack = calm = CalmPack(self.ledger, self.residency, frame, self._pack)
             unpack = KeptUnpack(self.residency.unpack)
             if self.on_hook.subscribers:
@@ -185,7 +193,7 @@ class ActivationRuntime:
             # the two must not turn the exit into a second, failing, pop.
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 try:
-                    self.mode.place(frame.traced)
+                    self.mode.place(traced_outside)
                     yield frame
                 finally:
                     if frame.runtime_state.region is not None:  # the region raised: its exit did not run
@@ -195,6 +203,8 @@ class ActivationRuntime:
                     if frame.runtime_state.calm_block is not None:
                         calm_blocks.leave(frame, self.mode)
                     self.mode.place(False)
+                    calm_blocks.watch_written(frame.runtime_state.watched, self.mode, "written in place untraced after "
+                                              "the blocks the plan releases from")
             if frame.strict:
                 check_keys(frame, self.mode.nodes.values())
         finally:
@@ -236,6 +246,7 @@ class ActivationRuntime:
         frame.runtime_state.recomputed = set()
         frame.runtime_state.rerun = None
         frame.runtime_state.calm_block = None
+        frame.runtime_state.watched = []
         frame.runtime_state.region = None
         self.mode.reset()  # the frame's nodes, and the anchors they pin
         self._clear_left_scopes()
@@ -314,18 +325,25 @@ class ActivationRuntime:
         """
         blocks = {id(child) for m in root.modules() if isinstance(m, torch.nn.ModuleList) for child in m}
         block_paths = [name for name, m in root.named_modules() if id(m) in blocks]
-        hooks: List[Tuple[torch.nn.Module, AttachedHook, AttachedHook]] = []
-        calls: List[Tuple[torch.nn.Module, Callable[..., Any], Callable[..., Any]]] = []
+        outermost = [p for p in block_paths if not any(p.startswith(q + ".") for q in block_paths)]
+        hooks: List[Hooks] = []
+        calls: List[Hooks] = []
         regions = {} if root_compiled else compiled_regions(root)
+        # Plain outermost blocks (not compiled regions): the units a scoped frame traces.
+        self._outermost.update(p for p in outermost if p not in regions and not root_compiled)
+
+        def outer_block(name: str) -> Optional[str]:
+            return next((p for p in outermost if name == p or name.startswith(p + ".")), None)
+
         for name, module in root.named_modules():
             if module is root or root_compiled or any(name.startswith(p + ".") for p in regions):
                 continue  # inside compiled code: Dynamo would trace a hook of ours
             if name in regions:
                 enter, leave = self.regions.hooks(name, id(module) in blocks, not holds_collectives(module))
                 if isinstance(module, torch.nn.Module) and getattr(module, "_compiled_call_impl", None) is not None:
-                    calls.append((module, enter, leave))
+                    calls.append((module, enter, leave, outer_block(name)))
                 else:  # torch.compile(module): its own hooks run outside Dynamo
-                    hooks.append((module, AttachedHook(enter), AttachedHook(leave)))
+                    hooks.append((module, AttachedHook(enter), AttachedHook(leave), outer_block(name)))
                 continue
             block = 0
             if id(module) in blocks:
@@ -345,10 +363,14 @@ class ActivationRuntime:
                     run.past_blocks = False
                     if _rerunnable and frame.rerun_blocks and self._open_rerun(frame, mod, _name, args, kwargs):
                         return
-                    if (frame.releasing_modules is not None and _name not in frame.releasing_modules
+                    scope = run.scope
+                    if scope is not None and _name in scope.blocks and not scope.whole:
+                        calm_blocks.enter_traced(frame, self.mode, _name)
+                    elif (scope is not None and _name not in scope.blocks
                             and calm_blocks.enter(frame, self.mode, mod, _name, args, kwargs)):
                         return
                     self._traced_blocks.add(_name)
+                    frame.stats.traced_blocks += 1
                 self.mode.push_module(_name)
                 if _block and args and isinstance(args[0], torch.Tensor):
                     self._anchor(args[0], outermost=_block == 2)
@@ -370,16 +392,30 @@ class ActivationRuntime:
                 self.mode.pop_module()
                 if _block == 2:
                     frame.runtime_state.past_blocks = True
+                    scope = frame.runtime_state.scope
+                    if scope is not None and not scope.whole:
+                        calm_blocks.leave_traced(frame, self.mode, out)
 
-            hooks.append((module, AttachedHook(enter), AttachedHook(leave)))
+            hooks.append((module, AttachedHook(enter), AttachedHook(leave), outer_block(name)))
         attachment = _Attachment(self, hooks, calls)
         self._attachments.append(attachment)
         return [attachment]
 
-    def _module_hooks(self, on: bool) -> None:
-        """Install (``on``) or remove every attachment's module hooks."""
+    def _module_hooks(self, on: bool, blocks: Optional[FrozenSet[str]] = None) -> None:
+        """Install (``on``; only those inside the outermost ``blocks`` unless None) or remove
+        every attachment's module hooks."""
         for attachment in self._attachments:
-            attachment.install(on)
+            attachment.install(on, blocks)
+
+    def _scope(self, frame: Frame) -> Optional[calm_blocks.TraceScope]:
+        """What ``frame`` traces (``runtime.calm_blocks``), None: all of it, or nothing."""
+        released = frame.released_modules
+        if released is None or not frame.traced or frame.profile or frame.strict or frame.on_saved.subscribers:
+            return None
+        cached = self._scopes
+        if cached is None or cached[0] is not released or cached[1] != len(self._outermost):
+            self._scopes = cached = (released, len(self._outermost), calm_blocks.trace_scope(released, self._outermost))
+        return cached[2]
 
     def _open_rerun(self, frame: Frame, module: torch.nn.Module, name: str, args: tuple,
                     kwargs: Dict[str, Any]) -> bool:
@@ -468,9 +504,14 @@ class ActivationRuntime:
                                    f"tensor, so it is neither counted nor released")
             return Kept(t)
         storage = t.untyped_storage()
-        if frame.runtime_state.calm:
-            return self._pack_untraced(frame, t, storage)
         node = self.mode.nodes.get(storage._cdata)
+        run = frame.runtime_state
+        if run.calm:
+            if node is None:
+                return self._pack_untraced(frame, t, storage)
+            # A storage a traced op made, saved by untraced code: its plan decides, once what
+            # untraced code wrote of it is seen (its state then is the one saved).
+            calm_blocks.watched_written(frame, self.mode)
         if node is None:
             # From outside the traced forward: no recipe, and not this frame's to release. It is
             # what the pin headroom is left for, so only the target itself bounds it.

@@ -8,7 +8,7 @@ module hooks, which Dynamo would trace).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, List, Tuple
+from typing import TYPE_CHECKING, Any, Callable, FrozenSet, List, Optional, Tuple
 
 import torch
 
@@ -51,25 +51,38 @@ class AttachedHook:
         return _detached, ()
 
 
+# One module's hooks: (module, enter, leave, the path of the outermost block it is in or None)
+Hooks = Tuple[torch.nn.Module, Callable[..., Any], Callable[..., Any], Optional[str]]
+
+
 class _Attachment:
     """One module tree's hooks (``ActivationRuntime.attach``): installed while traced frames
-    run, and ``remove()`` takes them off for good."""
+    run (those inside the given outermost blocks only, when a frame traces only those), and
+    ``remove()`` takes them off for good."""
 
-    def __init__(self, runtime: "ActivationRuntime",
-                 hooks: List[Tuple[torch.nn.Module, AttachedHook, AttachedHook]],
-                 calls: List[Tuple[torch.nn.Module, Callable[..., Any], Callable[..., Any]]]) -> None:
+    def __init__(self, runtime: "ActivationRuntime", hooks: List[Hooks], calls: List[Hooks]) -> None:
         self._runtime = runtime
         self._hooks = hooks
-        self._calls = calls  # module.compile()d regions: (module, enter, leave) around _compiled_call_impl
+        self._calls = calls  # module.compile()d regions: their hooks go around _compiled_call_impl
         self._handles: List[Any] = []
         self._swapped: List[Tuple[torch.nn.Module, Any]] = []
+        self._blocks: Optional[FrozenSet[str]] = None  # the blocks the installed hooks are limited to
 
-    def install(self, on: bool) -> None:
+    def install(self, on: bool, blocks: Optional[FrozenSet[str]] = None) -> None:
+        """Put the hooks on (``on``; only those inside the outermost ``blocks`` unless None) or
+        take them all off."""
+        if on and (self._handles or self._swapped) and blocks != self._blocks:
+            self.install(False)
         if on and not self._handles and not self._swapped:
-            for module, enter, leave in self._hooks:
+            self._blocks = blocks
+            for module, enter, leave, block in self._hooks:
+                if blocks is not None and block not in blocks:
+                    continue
                 self._handles.append(module.register_forward_pre_hook(enter, with_kwargs=True, prepend=True))
                 self._handles.append(module.register_forward_hook(leave))
-            for module, enter, leave in self._calls:
+            for module, enter, leave, block in self._calls:
+                if blocks is not None and block not in blocks:
+                    continue
                 compiled = module._compiled_call_impl
                 if isinstance(compiled, RegionCall):  # another runtime's, left on: not ours to wrap
                     continue

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Dict, FrozenSet, Iterable, List, Mapping, Name
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from bagualu2.shared import Budget, Choice, Event, SavedOp, module_of, region_key
-from bagualu2.runtime.calm_blocks import CalmBlock
+from bagualu2.runtime.calm_blocks import CalmBlock, TraceScope
 from bagualu2.runtime.rerun import BlockRerun
 from bagualu2.runtime.recipes import StorageNode, step_inputs
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from bagualu2.runtime.stores import OffloadStore
 
 __all__ = ["Budget", "Frame", "FrameRun", "FrameStats", "SavesProfile", "check_keys", "checked_choices",
-           "profile_saves", "releasing"]
+           "profile_saves", "released_modules"]
 
 
 @dataclass
@@ -53,7 +53,7 @@ class FrameStats:
     room_made_bytes: int = 0    # kept storages (of it or earlier frames) offloaded to make room
     peak_resident: int = 0      # ledger high-water mark while this frame's forward ran
     rerun_blocks: int = 0       # block calls run untraced, to be rerun whole in backward
-    calm_blocks: int = 0        # block calls run untraced because the plan releases nothing in them
+    traced_blocks: int = 0      # outermost block calls traced
     start_resident: int = 0
 
 
@@ -77,15 +77,20 @@ class FrameRun:
     storages released by recompute). Written and read by ``bagualu2.runtime`` only; the
     provisioner asks through ``Frame``'s fields and reads what the forward reports."""
 
-    __slots__ = ("past_blocks", "calm", "calm_block", "rerun", "region", "offloads", "prefetch_cursor",
-                 "prefetch_task", "prefetch_pending", "recomputes", "untraced_offloads", "recomputed")
+    __slots__ = ("past_blocks", "scope", "calm", "calm_block", "watched", "rerun", "region", "offloads",
+                 "prefetch_cursor", "prefetch_task", "prefetch_pending", "recomputes", "untraced_offloads",
+                 "recomputed")
 
     def __init__(self, calm: bool = False) -> None:
         self.past_blocks = False  # an outermost block ended, and none has begun since
+        # What a traced frame with ``released_modules`` traces (``calm_blocks``); None: all of it.
+        self.scope: Optional[TraceScope] = None
         # Saves are kept now as an untraced frame keeps them (no node, no plan): all of an
-        # untraced frame's, a calm block's in a traced one. The C++ pack hook reads it.
+        # untraced frame's, what a traced one runs untraced (``scope``). The C++ pack hook reads it.
         self.calm = calm
         self.calm_block: Optional[CalmBlock] = None  # the block of a traced frame running calm now
+        # Traced storages that traced blocks returned, with their versions then (``scope``)
+        self.watched: List[Tuple[StorageNode, "weakref.ref[torch.Tensor]", int]] = []
         self.rerun: Optional[BlockRerun] = None  # the block running untraced now, to be rerun
         self.region: Optional["RegionState"] = None  # the compiled region call running now
         self.offloads: List["weakref.ref[OffloadStore]"] = []  # in pack (forward) order
@@ -138,14 +143,13 @@ class Frame:
         # recomputed op by op (``default``) instead, and so are block calls with an argument
         # that is neither a tensor nor a plain value (a KV cache the forward appends to).
         self.rerun_blocks = False
-        # None: a traced forward traces every outermost block. Otherwise the module paths of
-        # the operators the plan may release, and of every module above them (``releasing``):
-        # an outermost block not among them runs untraced, its saves kept as an untraced
-        # frame keeps them (offloaded over an enforced budget), and its operators appear in
-        # neither ``keys_seen`` nor the recipes. Only for a plan that no gate changes while the
-        # forward runs; profiled and ``strict`` frames, and those whose first saves an overlap
-        # driver follows (``on_saved``), trace every block whatever it says.
-        self.releasing_modules: Optional[FrozenSet[str]] = None
+        # None: a traced forward is traced whole. Otherwise the module paths of the operators
+        # the plan may release (``released_modules``): the forward is traced only as far as
+        # they need (``bagualu2.runtime.calm_blocks``), the rest saving as an untraced frame
+        # does, its operators in neither ``keys_seen`` nor the recipes. Only for a plan that no
+        # gate changes while the forward runs; profiled and ``strict`` frames, and those whose
+        # first saves an overlap driver follows (``on_saved``), are traced whole regardless.
+        self.released_modules: Optional[FrozenSet[str]] = None
         self.strict = strict  # a key in ``choices`` that names no op of the forward is an error
         # What the forward is held to; None: the runtime's ``budget_bytes``, all of it.
         self.budget: Optional[Budget] = None
@@ -231,18 +235,13 @@ def check_keys(frame: Frame, nodes: Iterable[StorageNode]) -> None:
         )
 
 
-def releasing(choices: Mapping[str, Choice], default: Choice = Choice.KEEP) -> Optional[FrozenSet[str]]:
-    """The module paths of the operators a plan (``choices``, ``default`` for the rest) may
-    release, with every module above each (the root, ``""``, too): a frame's
-    ``releasing_modules``. None when ``default`` releases (every module may)."""
+def released_modules(choices: Mapping[str, Choice], default: Choice = Choice.KEEP) -> Optional[FrozenSet[str]]:
+    """The paths of the modules whose operators a plan (``choices``, ``default`` for the rest)
+    may release: a frame's ``released_modules``. None when ``default`` releases (every
+    module's may)."""
     if default != Choice.KEEP:
         return None
-    paths = set()
-    for key, choice in choices.items():
-        if choice != Choice.KEEP:
-            parts = module_of(key).split(".")
-            paths.update(".".join(parts[:i]) for i in range(len(parts) + 1))  # the root ("") too
-    return frozenset(paths)
+    return frozenset(module_of(key) for key, choice in choices.items() if choice != Choice.KEEP)
 
 
 class SavesProfile(NamedTuple):

@@ -153,18 +153,24 @@ class TracingMode(TorchDispatchMode):
         handles, so a call an interrupt stopped can be made again."""
         mode = self
         saved = [getattr(mode, attr, None) for _, attr in _MODE_FLAGS]
-        if not on and not any(saved) and not torch._C._len_torch_dispatch_stack():
-            # Off, and no entry or exit of it stopped halfway (each saves a flag before it
-            # pushes and pops it after restoring them): every untraced frame's case, several
-            # times per micro-batch, so it skips reading the stack.
+        depth = torch._C._len_torch_dispatch_stack()
+        top = depth > 0 and torch._C._get_dispatch_stack_at(depth - 1) is mode
+        # The short ways: from a state no entry or exit stopped halfway in (each saves a flag
+        # before it pushes, and pops after restoring them). Off and not stacked: every untraced
+        # frame's case, several times per micro-batch. Entered once and on top, or off and
+        # nothing saved: the exit or entry a ``with`` would make (around each calm block).
+        if not on:
+            if not depth and not any(saved):
+                return
+            if top and all(old is not None and len(old) == 1 for old in saved):
+                mode.__exit__(None, None, None)
+                return
+        elif top and all(saved):
             return
-        modes = _get_current_dispatch_mode_stack()
-        stacked = bool(modes) and modes[-1] is mode
-        if on and stacked and all(saved):
-            return
-        if on and not stacked and not any(saved):
+        elif not any(saved) and (not depth or mode not in _get_current_dispatch_mode_stack()):
             mode.__enter__()
             return
+        modes = _get_current_dispatch_mode_stack()
         while mode in modes:
             _pop_mode()
             modes.pop()

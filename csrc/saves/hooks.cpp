@@ -71,9 +71,11 @@ PyObject* one_argument(const char* hook, PyObject* const* args, size_t nargsf, P
 // fits the budget, is counted and kept here (keep_plain_record), and so is a parameter (held,
 // never counted); anything else takes the full way, `fallback`: a traced save, the frame no
 // longer running, offloads in flight or made by this frame, a subclass, another dispatch mode
-// on the stack, a save that would cross the budget. It reads the runtime's state where the
-// runtime keeps it, at each call (the residency's running frame, in-flight offloads, parameter
-// storages and budget; the frame's budget, calm flag and untraced offloads):
+// on the stack, a save that would cross the budget, a storage a traced op of the frame made
+// (its plan decides, wherever it is saved). It reads the runtime's state where the runtime
+// keeps it, at each call (the residency's running frame, in-flight offloads, parameter
+// storages and budget; the frame's budget, calm flag and untraced offloads; the tracing
+// mode's nodes):
 // nothing is mirrored that could fall out of step. What it kept it counts here (`packed`,
 // `kept_bytes`, `shared_bytes`: bytes of storages held already), for the runtime to add to the
 // frame's stats when the frame's hooks come off.
@@ -83,6 +85,7 @@ struct CalmPackState {
     py::object frame;
     py::object fallback;
     py::object run;  // the frame's runtime_state: made with the frame, never replaced
+    py::object mode;  // the residency's tracing mode: made with the runtime, never replaced
     int64_t index;
     int64_t packed = 0;
     int64_t kept_bytes = 0;
@@ -97,6 +100,7 @@ struct CalmPackState {
         static PyObject* const target_name = name("save_target");
         static PyObject* const budget_bytes_name = name("budget_bytes");
         static PyObject* const params_name = name("param_storages");
+        static PyObject* const nodes_name = name("nodes");
 
         PyObject* res = residency.ptr();
         if (!truthy(get(run.ptr(), calm_name)) || get(res, frame_name).ptr() != frame.ptr() || truthy(get(res, inflight_name)) ||
@@ -105,8 +109,12 @@ struct CalmPackState {
         }
         py::object budget = get(frame.ptr(), budget_name);
         py::object target = budget.is_none() ? get(res, budget_bytes_name) : get(budget.ptr(), target_name);
+        py::object traced = get(mode.ptr(), nodes_name);
+        BAGUALU2_CHECK(PyDict_Check(traced.ptr()), "CalmPack: the tracing mode's nodes must be a dict, not ",
+                       Py_TYPE(traced.ptr())->tp_name);
         Record kept = keep_plain_record(ledger, t, get(res, params_name).ptr(), index,
-                                        target.is_none() ? std::nullopt : std::optional<int64_t>(target.cast<int64_t>()));
+                                        target.is_none() ? std::nullopt : std::optional<int64_t>(target.cast<int64_t>()),
+                                        traced.ptr());
         if (kept.kept == nullptr) {
             return PyObject_CallOneArg(fallback.ptr(), t);
         }
@@ -163,10 +171,11 @@ PyObject* calm_pack_new(PyTypeObject*, PyObject* args, PyObject* kwargs) {
         BAGUALU2_CHECK(PyCallable_Check(fallback), "CalmPack: fallback must be callable, not ", Py_TYPE(fallback)->tp_name);
         static PyObject* const run_name = name("runtime_state");
         static PyObject* const index_name = name("index");
+        static PyObject* const mode_name = name("mode");
         auto state = std::make_unique<CalmPackState>(CalmPackState{
             py::cast<Ledger&>(ledger).state(), py::reinterpret_borrow<py::object>(residency),
             py::reinterpret_borrow<py::object>(frame), py::reinterpret_borrow<py::object>(fallback),
-            get(frame, run_name), get(frame, index_name).cast<int64_t>()});
+            get(frame, run_name), get(residency, mode_name), get(frame, index_name).cast<int64_t>()});
         CalmPack* out = PyObject_GC_New(CalmPack, &CalmPackType);
         if (out == nullptr) {
             throw py::error_already_set();
@@ -180,7 +189,7 @@ PyObject* calm_pack_new(PyTypeObject*, PyObject* args, PyObject* kwargs) {
 
 int calm_pack_traverse(PyObject* self, visitproc visit, void* arg) {
     if (const CalmPackState* s = reinterpret_cast<CalmPack*>(self)->s) {
-        for (const py::object* field : {&s->residency, &s->frame, &s->fallback, &s->run}) {
+        for (const py::object* field : {&s->residency, &s->frame, &s->fallback, &s->run, &s->mode}) {
             Py_VISIT(field->ptr());
         }
     }

@@ -229,7 +229,7 @@ Record keep_record(const std::shared_ptr<LedgerState>& s, const at::Tensor& t, p
 }
 
 Record keep_plain_record(const std::shared_ptr<LedgerState>& s, PyObject* obj, PyObject* param_storages,
-                         int64_t frame, std::optional<int64_t> target) {
+                         int64_t frame, std::optional<int64_t> target, PyObject* traced) {
     // torch.Tensor or a Parameter exactly (THPVariable_CheckExact admits both).
     const bool plain = reinterpret_cast<PyObject*>(Py_TYPE(obj)) == THPVariableClass;
     const bool parameter = reinterpret_cast<PyObject*>(Py_TYPE(obj)) == ParameterClass;
@@ -247,6 +247,15 @@ Record keep_plain_record(const std::shared_ptr<LedgerState>& s, PyObject* obj, P
     }
     if (in_params || parameter) {
         return make_kept(t);
+    }
+    if (traced != nullptr && PyDict_GET_SIZE(traced) > 0) {
+        const int is_traced = PyDict_Contains(traced, cdata.ptr());
+        if (is_traced < 0) {
+            throw py::error_already_set();
+        }
+        if (is_traced) {
+            return {};
+        }
     }
     if (t.is_view()) {  // a view of a subclass (a Parameter the model did not hold): the full way
         py::object base = wrap(at::Tensor(t._base()));

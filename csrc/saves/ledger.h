@@ -184,9 +184,10 @@ Record keep_record(const std::shared_ptr<LedgerState>& s, const at::Tensor& t, p
 // (its storage in `param_storages`, a set of the addresses of the model's parameter storages,
 // or a Parameter itself) and kept, counted against `target`, otherwise. None where the caller's
 // full way must decide: anything else, a view of a tensor subclass, a save that would cross the
-// target.
+// target, a storage among the keys of `traced` (a dict keyed by storage address, or null: the
+// storages the running frame traced, whose plan decides their saves wherever they are made).
 Record keep_plain_record(const std::shared_ptr<LedgerState>& s, PyObject* obj, PyObject* param_storages,
-                         int64_t frame, std::optional<int64_t> target);
+                         int64_t frame, std::optional<int64_t> target, PyObject* traced = nullptr);
 
 // The ledger as Python holds it (a pybind11 class: called on the full way only).
 class Ledger {
