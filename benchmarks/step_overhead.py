@@ -6,8 +6,10 @@ Compares, in one run and on the same model and batches:
   PyTorch: what bagualu2 costs in stable phases;
 * all-keep (``policy="keep_all"``: nothing can be released, so it is not traced either) against
   plain PyTorch;
-* an all-keep plan that is traced (``policy={}``, a fixed plan with no entries) against plain
-  PyTorch: the price of tracing, which a micro-batch pays when a release may be needed;
+* a traced plan that releases next to nothing (a fixed plan recomputing the smallest saved
+  operator of each layer, so that every layer is traced; a plan that keeps everything is not
+  traced at all) against plain PyTorch: the price of tracing, which a micro-batch pays when a
+  release may be needed;
 * all-offload (``policy="offload_all"``) against ``torch.autograd.graph.save_on_cpu``, twice:
   as a user calls it on this machine (``pin_memory=False``: on cpu tensors it copies nothing,
   so it is plain PyTorch plus the hooks) and with ``pin_memory=True`` (the setting for GPUs,
@@ -50,9 +52,11 @@ weight, a sigmoid gate, a residual add: four aten ops and five saved tensors eac
 (``pin_memory=False``: the hook pair alone), torch's selective checkpointing over the whole
 chain (matmul outputs saved, the rest recomputed), an empty Python dispatch mode (one that
 only counts and calls each op: what any tracing written as a ``TorchDispatchMode`` pays before
-it records anything), bagualu2 ``keep_all``, bagualu2 traced (a fixed plan recomputing the last
-link's sigmoid: a plan that keeps everything is not traced) and bagualu2 adaptive with an ample
-budget (calm: untraced). The same runs on a chain of ``--short-links`` links, and each round times ``--reps`` steps of every variant on each chain,
+it records anything), bagualu2 ``keep_all``, bagualu2 traced twice (fixed plans: one
+recomputing the last link's sigmoid, so that only the last link is traced and the others run
+untraced, as blocks a plan releases nothing from do; one recomputing every link's sigmoid, so
+that every op is traced; a plan that keeps everything is not traced at all) and bagualu2
+adaptive with an ample budget (calm: untraced). The same runs on a chain of ``--short-links`` links, and each round times ``--reps`` steps of every variant on each chain,
 in an order shuffled every round. Times are the calling thread's CPU time (on cpu tensors this
 small, forward and backward run on it alone): on a shared machine the other processes' load
 stretches wall time many times over, and thread time far less. Reported per variant: the median over rounds of (its step
@@ -229,10 +233,14 @@ def host_variants(links: int, x: torch.Tensor, provisioners: Dict[str, bagualu2.
         "torch selective checkpoint": selective,
         "empty python dispatch mode": empty_mode,
         "bagualu2 keep_all": provisioned("bagualu2 keep_all", "keep_all"),
-        # A plan that keeps all but one op (the last sigmoid, recomputed) is traced: an all-keep
-        # plan is not (it releases nothing, so its recipes would never be used).
-        "bagualu2 traced": provisioned("bagualu2 traced",
-                                       {f"links.{links - 1}:aten.sigmoid.default:0": bagualu2.Choice.RECOMPUTE}),
+        # A plan that releases one op (the last sigmoid, recomputed) traces the link holding it
+        # and runs the others untraced; one that releases an op of every link traces them all.
+        # An all-keep plan is not traced at all (its recipes would never be used).
+        "bagualu2 traced, last link": provisioned(
+            "bagualu2 traced, last link", {f"links.{links - 1}:aten.sigmoid.default:0": bagualu2.Choice.RECOMPUTE}),
+        "bagualu2 traced, every link": provisioned(
+            "bagualu2 traced, every link",
+            {f"links.{i}:aten.sigmoid.default:0": bagualu2.Choice.RECOMPUTE for i in range(links)}),
         "bagualu2 adaptive, calm": provisioned("bagualu2 adaptive, calm", "adaptive", budget=1 << 40),
     }
     return variants, counter.ops, len(saves)
@@ -275,15 +283,15 @@ def host_cost(args: argparse.Namespace) -> None:
     per_op_ratio, marginal_ratio = versus(per_op), versus(marginal)
     print(f"chains: {lengths[0]} and {lengths[1]} links ({short_ops} and {ops} aten ops, the long one saving "
           f"{saves} tensors per forward); {args.rounds} rounds of {args.reps} steps per variant and chain")
-    print(f"{'variant':<28}{'step us':>9}{'us/op above plain':>19}{'quartiles':>16}{'x soc':>8}"
+    print(f"{'variant':<30}{'step us':>9}{'us/op above plain':>19}{'quartiles':>16}{'x soc':>8}"
           f"{'marginal us/op':>16}{'x soc':>8}{'fixed us/step':>15}")
     for name in names:
         step = statistics.median(times[(name, args.links)]) * 1e6
         if name == "plain pytorch":
-            print(f"{name:<28}{step:>9.0f}")
+            print(f"{name:<30}{step:>9.0f}")
             continue
         q1, med, q3 = _quartiles(per_op[name])
-        print(f"{name:<28}{step:>9.0f}{med:>19.2f}{f'{q1:.2f}..{q3:.2f}':>16}{per_op_ratio[name]:>7.2f}x"
+        print(f"{name:<30}{step:>9.0f}{med:>19.2f}{f'{q1:.2f}..{q3:.2f}':>16}{per_op_ratio[name]:>7.2f}x"
               f"{statistics.median(marginal[name]):>16.2f}{marginal_ratio[name]:>7.2f}x"
               f"{statistics.median(fixed[name]):>15.0f}")
     traced = {name: prov.report()["traced_micro_batches"] for name, prov in provisioners.items()}
@@ -360,11 +368,12 @@ def main() -> None:
             own(batch).backward()
         return run
 
-    def saved_keys() -> Tuple[List[str], List[str]]:
-        """The operator keys a forward saves, and those it first saves after its last block
-        (which recompute_all keeps; the last block's output is one of them)."""
+    def saved_keys() -> Tuple[Dict[str, int], List[str]]:
+        """The operator keys a forward saves, with their storages' bytes, and those it first
+        saves after its last block (which recompute_all keeps; the last block's output is one of
+        them)."""
         probe = copy.deepcopy(model)
-        prov = bagualu2.enable(probe, budget=None, policy={})  # a fixed plan: traced
+        prov = bagualu2.enable(probe, budget=None, policy={})  # its first forward is profiled: traced
         frames: List[Frame] = []
         after: List[str] = []
 
@@ -376,19 +385,25 @@ def main() -> None:
         probe(batch).backward()
         prov.disable()
         (frame,) = frames
-        return list(frame.keys_seen), after
+        return dict(frame.keys_seen), after
 
     keys, after_blocks = saved_keys()
     RECOMPUTE, KEEP = bagualu2.Choice.RECOMPUTE, bagualu2.Choice.KEEP
     # checkpoint's set: every operator inside the blocks checkpoint wraps, but their outputs
     checkpoint_set = {key: RECOMPUTE if key.startswith("layers.") and key not in after_blocks else KEEP
                       for key in keys}
+    smallest: Dict[str, str] = {}  # layer -> its smallest saved operator's key
+    for key, nbytes in keys.items():
+        layer = ".".join(key.split(":")[0].split(".")[:2])
+        if key.startswith("layers.") and (layer not in smallest or nbytes < keys[smallest[layer]]):
+            smallest[layer] = key
 
     variants: Dict[str, Callable[[], None]] = {
         "plain pytorch": plain,
         "bagualu2 adaptive, ample": provisioned("bagualu2 adaptive, ample", "adaptive", budget=1 << 40),
         "bagualu2 keep_all": provisioned("bagualu2 keep_all", "keep_all"),
-        "bagualu2 all-keep, traced": provisioned("bagualu2 all-keep, traced", {}),
+        "bagualu2 traced, tiny release": provisioned("bagualu2 traced, tiny release",
+                                                     dict.fromkeys(smallest.values(), RECOMPUTE)),
         "torch save_on_cpu": save_on_cpu(torch.cuda.is_available()),
         **({} if torch.cuda.is_available() else {"torch save_on_cpu, pinned": save_on_cpu(True)}),
         "bagualu2 offload_all": provisioned("bagualu2 offload_all", "offload_all"),
@@ -417,6 +432,7 @@ def main() -> None:
             print(f"step {i} {name:<28} {elapsed * 1000:8.1f} ms", flush=True)
 
     peaks = {name: prov.report()["peak_bytes"] for name, prov in provisioners.items()}
+    traced = {name: prov.report()["traced_micro_batches"] for name, prov in provisioners.items()}
     step_peak = StepPeak()
     measured: Dict[str, List[int]] = {name: [] for name in variants}
     for _ in range(args.peak_repeats):
@@ -428,7 +444,7 @@ def main() -> None:
     median = {name: statistics.median(v) for name, v in times.items()}
     best = {name: min(v) for name, v in times.items()}
     pairs = [("bagualu2 adaptive, ample", "plain pytorch"), ("bagualu2 keep_all", "plain pytorch"),
-             ("bagualu2 all-keep, traced", "plain pytorch"),
+             ("bagualu2 traced, tiny release", "plain pytorch"),
              ("bagualu2 offload_all", "torch save_on_cpu"), ("bagualu2 offload_all", "torch save_on_cpu, pinned"),
              ("bagualu2 recompute_all", "torch checkpoint"), ("bagualu2 checkpoint's set", "torch checkpoint"),
              ("bagualu2 every op recomputed", "torch checkpoint"), ("torch checkpoint, again", "torch checkpoint")]
@@ -447,10 +463,11 @@ def main() -> None:
               f"{best[ours] / best[baseline]:>11.3f}x"
               + (f"{peaks[ours] / 2**20:>14.1f}" if ours in peaks else f"{'':>14}")
               + f"{step_peaks[ours] / 2**20:>14.1f}")
+    print(f"traced micro-batches: {traced}")
     result = {
         "config": args.config, "ep_size": args.ep_size, "batch": args.batch, "seq": args.seq, "steps": args.steps,
         "threads": torch.get_num_threads(), "median_s": median, "best_s": best, "all_s": times,
-        "peak_activation_bytes": peaks, "step_peak_bytes": step_peaks,
+        "peak_activation_bytes": peaks, "step_peak_bytes": step_peaks, "traced_micro_batches": traced,
         "ratios": {f"{ours} / {baseline}": median[ours] / median[baseline] for ours, baseline in pairs},
         "paired_ratios": {f"{ours} / {baseline}": r for (ours, baseline), r in paired.items()},
     }
