@@ -121,8 +121,9 @@ class ActivationRuntime:
         self._traced_blocks: Set[str] = set()  # outermost blocks seen traced: whether they issue collectives is known
         self._attachments: List["_Attachment"] = []  # module trees attached (``attach``)
         self._outermost: Set[str] = set()  # their plain outermost blocks' paths
-        # The trace scope last computed: (released_modules, len(_outermost), its scope)
-        self._scopes: Optional[Tuple[FrozenSet[str], int, calm_blocks.TraceScope]] = None
+        self._framed: Set[str] = set()  # outermost blocks seen called inside a frame
+        # The trace scope last computed: (released_modules, len(_outermost), len(_framed), its scope)
+        self._scopes: Optional[Tuple[FrozenSet[str], int, int, calm_blocks.TraceScope]] = None
         # The thread and the Python frame of the ``with frame(...)`` running now: a frame whose
         # forward is no longer on that thread's stack was left by an interrupt (``_frame_left``).
         self._frame_owner: Optional[Tuple[int, Any]] = None
@@ -203,8 +204,7 @@ class ActivationRuntime:
                     if frame.runtime_state.calm_block is not None:
                         calm_blocks.leave(frame, self.mode)
                     self.mode.place(False)
-                    calm_blocks.watch_written(frame.runtime_state.watched, self.mode, "written in place untraced after "
-                                              "the blocks the plan releases from")
+                    calm_blocks.watched_written(frame, self.mode)  # what untraced code wrote after the last traced block
             if frame.strict:
                 check_keys(frame, self.mode.nodes.values())
         finally:
@@ -361,6 +361,7 @@ class ActivationRuntime:
                     return
                 if _block == 2:
                     run.past_blocks = False
+                    self._framed.add(_name)
                     if _rerunnable and frame.rerun_blocks and self._open_rerun(frame, mod, _name, args, kwargs):
                         return
                     scope = run.scope
@@ -413,9 +414,10 @@ class ActivationRuntime:
         if released is None or not frame.traced or frame.profile or frame.strict or frame.on_saved.subscribers:
             return None
         cached = self._scopes
-        if cached is None or cached[0] is not released or cached[1] != len(self._outermost):
-            self._scopes = cached = (released, len(self._outermost), calm_blocks.trace_scope(released, self._outermost))
-        return cached[2]
+        if cached is None or cached[:3] != (released, len(self._outermost), len(self._framed)):
+            scope = calm_blocks.trace_scope(released, self._outermost, self._framed)
+            self._scopes = cached = (released, len(self._outermost), len(self._framed), scope)
+        return cached[3]
 
     def _open_rerun(self, frame: Frame, module: torch.nn.Module, name: str, args: tuple,
                     kwargs: Dict[str, Any]) -> bool:

@@ -7,8 +7,8 @@ releases the operators of a few blocks needs recipes only there. A frame with
 ``Frame.released_modules`` (a fixed plan's: no gate changes it while the forward runs) is traced
 only as far as those modules need (``TraceScope``):
 
-* When each of them lies inside an outermost block (a plain module, not a compiled region), only
-  those blocks are traced: the module hooks are on them and the modules inside them, and nowhere
+* When each of them lies inside an outermost block (a plain module, not a compiled region, seen
+  called inside an earlier frame), only those blocks are traced: the module hooks are on them and the modules inside them, and nowhere
   else; a traced block turns the tracing mode on as it begins and off as it returns
   (``enter_traced``, ``leave_traced``). Everything else saves as an untraced frame does (by the
   C++ pack hook; offloaded when a save would cross an enforced budget).
@@ -66,22 +66,24 @@ class TraceScope(NamedTuple):
     blocks: FrozenSet[str]
     """The outermost blocks holding a module it may release from: traced."""
     whole: bool
-    """An operator outside every such block may be released: the forward is traced but for the
-    other outermost blocks (calm blocks); else only ``blocks`` are."""
+    """An operator outside every such block may be released, or one in a block not yet seen
+    called inside a frame: the forward is traced but for the other outermost blocks (calm
+    blocks); else only ``blocks`` are."""
 
 
-def trace_scope(released: Iterable[str], outermost: AbstractSet[str]) -> TraceScope:
+def trace_scope(released: Iterable[str], outermost: AbstractSet[str], framed: AbstractSet[str]) -> TraceScope:
     """The scope of a frame whose plan may release the operators of the modules ``released``,
-    in a model whose plain outermost blocks are ``outermost`` (module paths)."""
+    in a model whose plain outermost blocks are ``outermost`` (module paths), of which those in
+    ``framed`` have been seen called inside a frame (a block called before its forward begins,
+    as a pipeline's model chunk is, would never turn the tracing mode on)."""
     blocks = set()
     whole = False
     for path in released:
         parts = path.split(".")
         block = next((p for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if p in outermost), None)
-        if block is None:
-            whole = True
-        else:
+        if block is not None:
             blocks.add(block)
+        whole = whole or block not in framed
     return TraceScope(frozenset(blocks), whole)
 
 
@@ -116,14 +118,17 @@ def watch_written(watched: List[_Watched], mode: "TracingMode", why: str) -> Non
     watched[:] = alive
 
 
+def _written_by(block: str) -> str:
+    return f"{block} wrote it in place, untraced (a block the plan keeps)"
+
+
 def watched_written(frame: "Frame", mode: "TracingMode") -> None:
     """``watch_written`` over all ``frame`` watches now: the traced blocks' outputs and the
     running calm block's arguments."""
     run = frame.runtime_state
     watch_written(run.watched, mode, "written in place untraced (outside the blocks the plan releases from)")
     if run.calm_block is not None:
-        watch_written(run.calm_block.watched, mode, f"{run.calm_block.name} wrote it in place, untraced (a block "
-                                                    f"the plan keeps)")
+        watch_written(run.calm_block.watched, mode, _written_by(run.calm_block.name))
 
 
 class CalmBlock:
@@ -163,7 +168,7 @@ def leave(frame: "Frame", mode: "TracingMode") -> None:
     block, run.calm_block = run.calm_block, None
     run.calm = False
     if block is not None:
-        watch_written(block.watched, mode, f"{block.name} wrote it in place, untraced (a block the plan keeps)")
+        watch_written(block.watched, mode, _written_by(block.name))
     mode.place(True)
 
 
