@@ -7,14 +7,15 @@ releases the operators of a few blocks needs recipes only there. A frame with
 ``Frame.released_modules`` (a fixed plan's: no gate changes it while the forward runs) is traced
 only as far as those modules need (``TraceScope``):
 
-* When each of them lies inside an outermost block (a plain module, not a compiled region, seen
-  called inside an earlier frame), only those blocks are traced: the module hooks are on them and the modules inside them, and nowhere
-  else; a traced block turns the tracing mode on as it begins and off as it returns
-  (``enter_traced``, ``leave_traced``). Everything else saves as an untraced frame does (by the
-  C++ pack hook; offloaded when a save would cross an enforced budget).
-* Otherwise (an operator outside every block may be released) the forward is traced but for the
-  outermost blocks that hold none of them: each such call (a ``CalmBlock``) turns the mode off as
-  it begins and on as it returns (``enter``, ``leave``).
+* When each of them lies inside an outermost block (a plain module, not a compiled region, that
+  an earlier frame saw called inside it), only those blocks are traced: the module hooks are on
+  them and the modules inside them, and nowhere else; a traced block turns the tracing mode on
+  as it begins and off as it returns (``enter_traced``, ``leave_traced``). Everything else
+  saves as an untraced frame does (by the C++ pack hook; offloaded when a save would cross an
+  enforced budget).
+* Otherwise (an operator outside every such block may be released) the forward is traced but
+  for the outermost blocks that hold none of them: each such call (a ``CalmBlock``) turns the
+  mode off as it begins and on as it returns (``enter``, ``leave``).
 
 What a traced op reads of a storage made untraced it holds as it holds the forward's inputs
 (``Leaf``s, version-checked at replay).
@@ -24,12 +25,12 @@ Invariants (tests/test_calm_blocks.py):
 * Exactness: a traced storage that untraced code writes in place ends its node's replayable
   states (``TracingMode.untraced_write``), so no rebuild reproduces it as it was before the write
   for a read made after it. The writes are seen through what the traced blocks return (checked
-  as each traced block begins and as the forward ends) and through a calm block's tensor
-  arguments (checked as it returns), while those tensors live (held weakly: watching extends
-  no activation's life); a write through another tensor of the storage after they died is
-  not seen. A calm block called with an argument that is neither a
-  tensor nor a plain value (a KV cache), or entered while another dispatch mode runs above the
-  tracing mode, is traced instead.
+  as each traced block begins, as the forward ends, and before untraced code's save of a traced
+  storage) and through a calm block's tensor arguments (checked as it returns), while those
+  tensors live (held weakly: watching extends no activation's life); a write through another
+  tensor of the storage after they died is not seen. A calm block called with an argument that
+  is neither a tensor nor a plain value (a KV cache), or entered while another dispatch mode runs
+  above the tracing mode, is traced instead.
 * A storage a traced op made is saved as the plan says wherever it is saved: untraced code's
   saves of it take the full way, after the writes above are seen.
 * Nothing untraced is planned: it has no node and its operators no key seen. Profiled and
