@@ -131,6 +131,11 @@ def test_only_the_blocks_a_plan_releases_from_are_traced_and_the_step_is_exact()
     assert_bitwise(reference, grads(model, runner.run(x, whole)))
     assert whole.stats.traced_blocks == 5 and hooked(model) == [True] * 5
     assert any(k.startswith("blocks.0:") for k in whole.keys_seen) and ROOT in whole.keys_seen
+    # A plan releasing from every block is traced whole too: nothing to leave untraced but the
+    # ops between blocks, and turning the mode on and off around each block would cost more.
+    every = runner.frame({f"blocks.{i}:aten.sigmoid.default:0": Choice.RECOMPUTE for i in range(5)})
+    assert_bitwise(reference, grads(model, runner.run(x, every)))
+    assert every.stats.traced_blocks == 5 and ROOT in every.keys_seen
 
 
 def test_a_release_outside_every_block_traces_all_but_the_blocks_it_keeps() -> None:

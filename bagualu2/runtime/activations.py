@@ -415,7 +415,9 @@ class ActivationRuntime:
             return None
         cached = self._scopes
         if cached is None or cached[:3] != (released, len(self._outermost), len(self._framed)):
-            scope = calm_blocks.trace_scope(released, self._outermost, self._framed)
+            scope: Optional[calm_blocks.TraceScope] = calm_blocks.trace_scope(released, self._outermost, self._framed)
+            if scope is not None and scope.blocks >= self._outermost:
+                scope = None  # every block traced: tracing all of it spares turning the mode on and off
             self._scopes = cached = (released, len(self._outermost), len(self._framed), scope)
         return cached[3]
 
