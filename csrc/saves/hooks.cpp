@@ -74,8 +74,8 @@ PyObject* one_argument(const char* hook, PyObject* const* args, size_t nargsf, P
 // on the stack, a save that would cross the budget, a storage a traced op of the frame made
 // (its plan decides, wherever it is saved). It reads the runtime's state where the runtime
 // keeps it, at each call (the residency's running frame, in-flight offloads, parameter
-// storages and budget; the frame's budget, calm flag and untraced offloads; the tracing
-// mode's nodes):
+// storages and budget; the frame's budget, calm flag and untraced offloads; a traced frame's
+// tracing mode's nodes):
 // nothing is mirrored that could fall out of step. What it kept it counts here (`packed`,
 // `kept_bytes`, `shared_bytes`: bytes of storages held already), for the runtime to add to the
 // frame's stats when the frame's hooks come off.
@@ -86,6 +86,7 @@ struct CalmPackState {
     py::object fallback;
     py::object run;  // the frame's runtime_state: made with the frame, never replaced
     py::object mode;  // the residency's tracing mode: made with the runtime, never replaced
+    bool traced;      // the frame's `traced`, set before it starts: only a traced frame has traced storages
     int64_t index;
     int64_t packed = 0;
     int64_t kept_bytes = 0;
@@ -109,12 +110,12 @@ struct CalmPackState {
         }
         py::object budget = get(frame.ptr(), budget_name);
         py::object target = budget.is_none() ? get(res, budget_bytes_name) : get(budget.ptr(), target_name);
-        py::object traced = get(mode.ptr(), nodes_name);
-        BAGUALU2_CHECK(PyDict_Check(traced.ptr()), "CalmPack: the tracing mode's nodes must be a dict, not ",
-                       Py_TYPE(traced.ptr())->tp_name);
+        py::object nodes = traced ? get(mode.ptr(), nodes_name) : py::object();
+        BAGUALU2_CHECK(!nodes || PyDict_Check(nodes.ptr()), "CalmPack: the tracing mode's nodes must be a dict, not ",
+                       Py_TYPE(nodes.ptr())->tp_name);
         Record kept = keep_plain_record(ledger, t, get(res, params_name).ptr(), index,
                                         target.is_none() ? std::nullopt : std::optional<int64_t>(target.cast<int64_t>()),
-                                        traced.ptr());
+                                        nodes ? nodes.ptr() : nullptr);
         if (kept.kept == nullptr) {
             return PyObject_CallOneArg(fallback.ptr(), t);
         }
@@ -172,10 +173,12 @@ PyObject* calm_pack_new(PyTypeObject*, PyObject* args, PyObject* kwargs) {
         static PyObject* const run_name = name("runtime_state");
         static PyObject* const index_name = name("index");
         static PyObject* const mode_name = name("mode");
+        static PyObject* const traced_name = name("traced");
         auto state = std::make_unique<CalmPackState>(CalmPackState{
             py::cast<Ledger&>(ledger).state(), py::reinterpret_borrow<py::object>(residency),
             py::reinterpret_borrow<py::object>(frame), py::reinterpret_borrow<py::object>(fallback),
-            get(frame, run_name), get(residency, mode_name), get(frame, index_name).cast<int64_t>()});
+            get(frame, run_name), get(residency, mode_name), truthy(get(frame, traced_name)),
+            get(frame, index_name).cast<int64_t>()});
         CalmPack* out = PyObject_GC_New(CalmPack, &CalmPackType);
         if (out == nullptr) {
             throw py::error_already_set();
