@@ -120,10 +120,7 @@ class ActivationRuntime:
         self._told_unrestorable = False  # a block call that could not be rerun was warned of
         self._traced_blocks: Set[str] = set()  # outermost blocks seen traced: whether they issue collectives is known
         self._attachments: List["_Attachment"] = []  # module trees attached (``attach``)
-        self._outermost: Set[str] = set()  # their plain outermost blocks' paths
-        self._framed: Set[str] = set()  # outermost blocks seen called inside a frame
-        # The trace scope last computed: (released_modules, len(_outermost), len(_framed), its scope)
-        self._scopes: Optional[Tuple[FrozenSet[str], int, int, calm_blocks.TraceScope]] = None
+        self._scopes = calm_blocks.Scopes()  # their outermost blocks, and what a frame traces of them
         # The thread and the Python frame of the ``with frame(...)`` running now: a frame whose
         # forward is no longer on that thread's stack was left by an interrupt (``_frame_left``).
         self._frame_owner: Optional[Tuple[int, Any]] = None
@@ -163,7 +160,7 @@ class ActivationRuntime:
         self.mode.reset()
         self.mode.suspended = 0  # what an interrupt between a suspension's step and its ``try`` left
         self.mode.profile = frame.profile
-        scope = frame.runtime_state.scope = self._scope(frame)
+        scope = frame.runtime_state.scope = self._scopes.of(frame)
         self._module_hooks(frame.traced, scope.blocks if scope is not None and not scope.whole else None)
         # The caller of ``with``: this generator's caller is contextlib's __enter__.
         self._frame_owner = (threading.get_ident(), sys._getframe(2), holder[0])
@@ -330,7 +327,7 @@ class ActivationRuntime:
         calls: List[Hooks] = []
         regions = {} if root_compiled else compiled_regions(root)
         # Plain outermost blocks (not compiled regions): the units a scoped frame traces.
-        self._outermost.update(p for p in outermost if p not in regions and not root_compiled)
+        self._scopes.outermost.update(p for p in outermost if p not in regions and not root_compiled)
 
         def outer_block(name: str) -> Optional[str]:
             return next((p for p in outermost if name == p or name.startswith(p + ".")), None)
@@ -361,15 +358,11 @@ class ActivationRuntime:
                     return
                 if _block == 2:
                     run.past_blocks = False
-                    self._framed.add(_name)
+                    self._scopes.framed.add(_name)
                     if _rerunnable and frame.rerun_blocks and self._open_rerun(frame, mod, _name, args, kwargs):
                         return
-                    scope = run.scope
-                    if scope is not None and _name in scope.blocks and not scope.whole:
-                        calm_blocks.enter_traced(frame, self.mode, _name)
-                    elif (scope is not None and _name not in scope.blocks
-                            and calm_blocks.enter(frame, self.mode, mod, _name, args, kwargs)):
-                        return
+                    if run.scope is not None and calm_blocks.begins(frame, self.mode, mod, _name, args, kwargs):
+                        return  # runs untraced
                     self._traced_blocks.add(_name)
                     frame.stats.traced_blocks += 1
                 self.mode.push_module(_name)
@@ -393,9 +386,8 @@ class ActivationRuntime:
                 self.mode.pop_module()
                 if _block == 2:
                     frame.runtime_state.past_blocks = True
-                    scope = frame.runtime_state.scope
-                    if scope is not None and not scope.whole:
-                        calm_blocks.leave_traced(frame, self.mode, out)
+                    if frame.runtime_state.scope is not None:
+                        calm_blocks.traced_ends(frame, self.mode, out)
 
             hooks.append((module, AttachedHook(enter), AttachedHook(leave), outer_block(name)))
         attachment = _Attachment(self, hooks, calls)
@@ -407,19 +399,6 @@ class ActivationRuntime:
         every attachment's module hooks."""
         for attachment in self._attachments:
             attachment.install(on, blocks)
-
-    def _scope(self, frame: Frame) -> Optional[calm_blocks.TraceScope]:
-        """What ``frame`` traces (``runtime.calm_blocks``), None: all of it, or nothing."""
-        released = frame.released_modules
-        if released is None or not frame.traced or frame.profile or frame.strict or frame.on_saved.subscribers:
-            return None
-        cached = self._scopes
-        if cached is None or cached[:3] != (released, len(self._outermost), len(self._framed)):
-            scope: Optional[calm_blocks.TraceScope] = calm_blocks.trace_scope(released, self._outermost, self._framed)
-            if scope is not None and scope.blocks >= self._outermost:
-                scope = None  # every block traced: tracing all of it spares turning the mode on and off
-            self._scopes = cached = (released, len(self._outermost), len(self._framed), scope)
-        return cached[3]
 
     def _open_rerun(self, frame: Frame, module: torch.nn.Module, name: str, args: tuple,
                     kwargs: Dict[str, Any]) -> bool:

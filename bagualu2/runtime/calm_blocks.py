@@ -40,7 +40,7 @@ Invariants (tests/test_calm_blocks.py):
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, AbstractSet, Any, Dict, FrozenSet, Iterable, List, NamedTuple, Tuple
+from typing import TYPE_CHECKING, AbstractSet, Any, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -53,8 +53,8 @@ if TYPE_CHECKING:
     from bagualu2.runtime.frame import Frame
     from bagualu2.runtime.tracing import TracingMode
 
-__all__ = ["CalmBlock", "TraceScope", "enter", "enter_traced", "leave", "leave_traced", "trace_scope",
-           "watch_written", "watched_written"]
+__all__ = ["CalmBlock", "Scopes", "TraceScope", "begins", "enter", "enter_traced", "leave", "leave_traced",
+           "trace_scope", "traced_ends", "watch_written", "watched_written"]
 
 # A traced storage a tensor handed to or from untraced code views: (node, that tensor, held
 # weakly, its version counter then)
@@ -86,6 +86,30 @@ def trace_scope(released: Iterable[str], outermost: AbstractSet[str], framed: Ab
             blocks.add(block)
         whole = whole or block not in framed
     return TraceScope(frozenset(blocks), whole)
+
+
+class Scopes:
+    """A runtime's plain outermost blocks (``outermost``, module paths: not compiled regions),
+    those it has seen called inside a frame (``framed``), and the scope a frame traces (``of``)."""
+
+    def __init__(self) -> None:
+        self.outermost: Set[str] = set()
+        self.framed: Set[str] = set()
+        # The scope last computed: (released_modules, len(outermost), len(framed), the scope)
+        self._last: Optional[Tuple[FrozenSet[str], int, int, Optional[TraceScope]]] = None
+
+    def of(self, frame: "Frame") -> Optional[TraceScope]:
+        """What ``frame`` traces; None: all of it (or, untraced, nothing)."""
+        released = frame.released_modules
+        if released is None or not frame.traced or frame.profile or frame.strict or frame.on_saved.subscribers:
+            return None
+        last = self._last
+        if last is None or last[:3] != (released, len(self.outermost), len(self.framed)):
+            scope: Optional[TraceScope] = trace_scope(released, self.outermost, self.framed)
+            if scope is not None and scope.blocks >= self.outermost:
+                scope = None  # every block traced: tracing all of it spares turning the mode on and off
+            self._last = last = (released, len(self.outermost), len(self.framed), scope)
+        return last[3]
 
 
 def _flat(args: tuple, kwargs: Dict[str, Any]) -> List[Any]:
@@ -142,6 +166,25 @@ class CalmBlock:
         self.module = module
         self.name = name
         self.watched = watched
+
+
+def begins(frame: "Frame", mode: "TracingMode", module: torch.nn.Module, name: str, args: tuple,
+           kwargs: Dict[str, Any]) -> bool:
+    """Outermost block ``name`` begins in ``frame``, which has a scope: True when it runs
+    untraced (a calm block: ``enter``); else it is traced, the mode turned on first when the
+    scope traces only its blocks (``enter_traced``)."""
+    scope = frame.runtime_state.scope
+    if name not in scope.blocks:
+        return enter(frame, mode, module, name, args, kwargs)
+    if not scope.whole:
+        enter_traced(frame, mode, name)
+    return False
+
+
+def traced_ends(frame: "Frame", mode: "TracingMode", out: Any) -> None:
+    """A traced outermost block of ``frame``, which has a scope, returned ``out``."""
+    if not frame.runtime_state.scope.whole:
+        leave_traced(frame, mode, out)
 
 
 def enter(frame: "Frame", mode: "TracingMode", module: torch.nn.Module, name: str, args: tuple,
