@@ -105,10 +105,10 @@ class Scopes:
             return None
         last = self._last
         if last is None or last[:3] != (released, len(self.outermost), len(self.framed)):
-            scope: Optional[TraceScope] = trace_scope(released, self.outermost, self.framed)
-            if scope is not None and scope.blocks >= self.outermost:
-                scope = None  # every block traced: tracing all of it spares turning the mode on and off
-            self._last = last = (released, len(self.outermost), len(self.framed), scope)
+            scope = trace_scope(released, self.outermost, self.framed)
+            # Every block traced: tracing all of it spares turning the mode on and off.
+            self._last = last = (released, len(self.outermost), len(self.framed),
+                                 None if scope.blocks >= self.outermost else scope)
         return last[3]
 
 

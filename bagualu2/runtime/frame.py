@@ -81,13 +81,13 @@ class FrameRun:
                  "prefetch_cursor", "prefetch_task", "prefetch_pending", "recomputes", "untraced_offloads",
                  "recomputed")
 
-    def __init__(self, calm: bool = False) -> None:
+    def __init__(self) -> None:
         self.past_blocks = False  # an outermost block ended, and none has begun since
         # What a traced frame with ``released_modules`` traces (``calm_blocks``); None: all of it.
         self.scope: Optional[TraceScope] = None
         # Saves are kept now as an untraced frame keeps them (no node, no plan): all of an
         # untraced frame's, what a traced one runs untraced (``scope``). The C++ pack hook reads it.
-        self.calm = calm
+        self.calm = False  # set as the frame starts
         self.calm_block: Optional[CalmBlock] = None  # the block of a traced frame running calm now
         # Traced storages that traced blocks returned, with their versions then (``scope``)
         self.watched: List[Tuple[StorageNode, "weakref.ref[torch.Tensor]", int]] = []

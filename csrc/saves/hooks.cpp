@@ -1,7 +1,7 @@
 // The saved-tensor hooks' common cases (bagualu2._saves): the pack hook keeps a calm save (an
-// untraced frame's, or a calm block's in a traced one) of a plain tensor that fits the budget
-// (CalmPack), and the unpack hook serves a kept record back
-// (KeptUnpack); everything else goes to the Python runtime each was made with (`fallback`).
+// untraced frame's, or what a traced one runs untraced) of a plain tensor that fits the budget
+// (CalmPack), and the unpack hook serves a kept record back (KeptUnpack); everything else goes
+// to the Python runtime each was made with (`fallback`).
 //
 // Both are called once per saved tensor, so both are Python types of their own written against
 // the C API, called through vectorcall (no argument tuple, none of pybind11's overload
@@ -67,18 +67,17 @@ PyObject* one_argument(const char* hook, PyObject* const* args, size_t nargsf, P
 
 // The pack hook of a frame (bagualu2.runtime.ActivationRuntime), made for that frame. Its
 // common case, a calm save (the frame's runtime state says its saves are calm now: an untraced
-// frame, or a block of a traced one that the plan releases nothing from) of a plain tensor that
-// fits the budget, is counted and kept here (keep_plain_record), and so is a parameter (held,
-// never counted); anything else takes the full way, `fallback`: a traced save, the frame no
-// longer running, offloads in flight or made by this frame, a subclass, another dispatch mode
-// on the stack, a save that would cross the budget, a storage a traced op of the frame made
-// (its plan decides, wherever it is saved). It reads the runtime's state where the runtime
-// keeps it, at each call (the residency's running frame, in-flight offloads, parameter
+// frame's, or what a traced one runs untraced, outside the blocks its plan releases from) of a
+// plain tensor that fits the budget, is counted and kept here (keep_plain_record), and so is a
+// parameter (held, never counted); anything else takes the full way, `fallback`: a traced save,
+// the frame no longer running, offloads in flight or made by this frame, a subclass, another
+// dispatch mode on the stack, a save that would cross the budget, a storage a traced op of the
+// frame made (its plan decides, wherever it is saved). It reads the runtime's state where the
+// runtime keeps it, at each call (the residency's running frame, in-flight offloads, parameter
 // storages and budget; the frame's budget, calm flag and untraced offloads; a traced frame's
-// tracing mode's nodes):
-// nothing is mirrored that could fall out of step. What it kept it counts here (`packed`,
-// `kept_bytes`, `shared_bytes`: bytes of storages held already), for the runtime to add to the
-// frame's stats when the frame's hooks come off.
+// tracing mode's nodes): nothing is mirrored that could fall out of step. What it kept it
+// counts here (`packed`, `kept_bytes`, `shared_bytes`: bytes of storages held already), for the
+// runtime to add to the frame's stats when the frame's hooks come off.
 struct CalmPackState {
     std::shared_ptr<LedgerState> ledger;
     py::object residency;
@@ -104,7 +103,8 @@ struct CalmPackState {
         static PyObject* const nodes_name = name("nodes");
 
         PyObject* res = residency.ptr();
-        if (!truthy(get(run.ptr(), calm_name)) || get(res, frame_name).ptr() != frame.ptr() || truthy(get(res, inflight_name)) ||
+        if (!truthy(get(run.ptr(), calm_name)) || get(res, frame_name).ptr() != frame.ptr() ||
+            truthy(get(res, inflight_name)) ||
             truthy(get(run.ptr(), untraced_name))) {
             return PyObject_CallOneArg(fallback.ptr(), t);
         }
