@@ -19,8 +19,9 @@ writes ``selftest.json`` and ``selftest.png`` under ``--out``:
                between recompute_all's and keep_all's needs: the safety net reruns, exact
   oom-driver   the same limit with the rest of the device taken, so cudaMalloc itself fails
   growth       no growth of device memory, pinned memory or the arena over 200 micro-batches
-  device>0     a fresh process that sets the last device first: exact, and (NVML) no context
-               on GPU 0; when more than one device is present
+  device>0     a fresh process that sets the last device first: exact, and device 0's primary
+               context inactive there (the driver's cuDevicePrimaryCtxGetState); when more
+               than one device is present
 
 The device rows are in bagualu2/cli/selftest_device.py. selftest.json is written before each
 row (with the row in progress named) and after it, so a row that aborts the process leaves

@@ -12,15 +12,16 @@ each measured so that it can only pass for the reason it names.
                 recompute_all and keep_all's forward need: the safety net reruns, exact
   oom-driver    the same limit made real: the rest of the device is taken by one tensor, so the
                 step's cudaMalloc fails in the driver; safety net, exact
-  device>0      a fresh process that sets the last device first, runs offload_all exactly and an
-                engine round trip there, and then asks NVML (pynvml, else nvidia-smi) whether
-                it holds a context on GPU 0: it must not
+  device>0      a fresh process (the caller's CUDA_VISIBLE_DEVICES kept) that sets the last device
+                first, runs offload_all exactly and an engine round trip there, and then asks
+                the driver itself whether device 0's primary context is active in that process
+                (cuDevicePrimaryCtxGetState: exact, where NVML's process list matched against
+                os.getpid() reports host pids or nothing in a container): it must not be
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from typing import Any, Dict, List, Optional, Tuple
@@ -192,38 +193,21 @@ def take_device_memory(device: torch.device, leave: int) -> Optional[torch.Tenso
 
 
 # -- device>0, in a fresh process ------------------------------------------------------------------
-def _nvml_context_pids(uuid: str) -> Optional[List[int]]:
-    """PIDs holding a context on the GPU of `uuid` (NVML's compute processes), or None when
-    neither pynvml nor nvidia-smi can tell."""
-    want = uuid.lower().removeprefix("gpu-")
-    try:
-        import pynvml
+def primary_context_active(device: int) -> bool:
+    """Whether ``device``'s primary context is active in this process, from the CUDA driver
+    (the library bagualu2's cuda backend loads: ``BAGUALU2_CUDA_LIBRARY``, else libcuda.so.1).
+    Raises RuntimeError when the driver cannot answer."""
+    import ctypes
 
-        pynvml.nvmlInit()
-        try:
-            for i in range(pynvml.nvmlDeviceGetCount()):
-                h = pynvml.nvmlDeviceGetHandleByIndex(i)
-                got = pynvml.nvmlDeviceGetUUID(h)
-                got = got.decode() if isinstance(got, bytes) else got
-                if got.lower().removeprefix("gpu-") == want:
-                    return [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)]
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no pynvml, or an NVML it cannot drive: ask nvidia-smi
-        pass
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    out = subprocess.run([smi, "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
-                         capture_output=True, text=True, timeout=60)
-    if out.returncode != 0:
-        return None
-    pids = []
-    for line in out.stdout.splitlines():
-        pid, _, gpu = line.partition(",")
-        if gpu.strip().lower().removeprefix("gpu-") == want:
-            pids.append(int(pid))
-    return pids
+    name = os.environ.get("BAGUALU2_CUDA_LIBRARY") or "libcuda.so.1"
+    driver = ctypes.CDLL(name)
+    handle, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+    for call, args in (("cuInit", (0,)), ("cuDeviceGet", (ctypes.byref(handle), device)),
+                       ("cuDevicePrimaryCtxGetState", (handle, ctypes.byref(flags), ctypes.byref(active)))):
+        status = getattr(driver, call)(*args)
+        if status != 0:
+            raise RuntimeError(f"{call} failed with CUDA error {status} ({name})")
+    return bool(active.value)
 
 
 def device_probe(seed: int) -> Dict[str, Any]:
@@ -251,26 +235,25 @@ def device_probe(seed: int) -> Dict[str, Any]:
     del engine
     gc.collect()  # finalizers of everything above, on whatever thread collects
     torch.cuda.synchronize(dev)
-    uuid = str(torch.cuda.get_device_properties(0).uuid)
-    pids = _nvml_context_pids(uuid)
     return {"device": index, "offload_all_exact": _same(ref, got),
             "round_trip_exact": bool(back.device == dev and torch.equal(back, t)),
-            "gpu0_uuid": uuid, "gpu0_context_pids": pids, "pid": os.getpid(),
-            "context_on_gpu0": None if pids is None else os.getpid() in pids}
+            "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "context_on_device0": primary_context_active(0)}
 
 
 def check_other_device(seed: int) -> Tuple[bool, str, Dict[str, Any]]:
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    # The environment as the caller has it: the devices it sees are the ones checked.
     code = f"import json; from bagualu2.cli.selftest_device import device_probe; print(json.dumps(device_probe({seed})))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ))
     if out.returncode != 0:
         return False, f"probe process failed ({out.returncode}): {out.stderr[-300:]}", {}
     data = json.loads(out.stdout.strip().splitlines()[-1])
-    ctx = data["context_on_gpu0"]
+    ctx = data["context_on_device0"]
     ok = data["offload_all_exact"] and data["round_trip_exact"] and ctx is False
     line = (f"cuda:{data['device']} set first in a fresh process: offload_all "
             f"{'exact' if data['offload_all_exact'] else 'NOT exact'}, round trip "
-            f"{'exact' if data['round_trip_exact'] else 'wrong'}, context on GPU 0: "
-            f"{'unknown (no pynvml, no nvidia-smi)' if ctx is None else 'YES' if ctx else 'none'}")
+            f"{'exact' if data['round_trip_exact'] else 'wrong'}, device 0's primary context "
+            f"(cuDevicePrimaryCtxGetState): {'ACTIVE' if ctx else 'inactive'}")
     return ok, line, data
 
