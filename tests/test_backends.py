@@ -205,3 +205,37 @@ def test_a_tensor_on_another_device_is_refused_naming_the_engine_to_use() -> Non
         engine.reload(h, device="cuda:1")
     with pytest.raises(ValueError, match="belongs to device 1"):
         engine.offload(torch.ones(1024, device="cuda:0"), stream=torch.cuda.current_stream(1))
+
+
+# -- the prototype check (csrc/gpu/check_abi.cpp) ------------------------------------------------
+_CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+_CUDA_INCLUDE = os.environ.get("CUDA_INCLUDE", "/usr/local/cuda/include")
+
+
+def _check_abi_with(tmp_path, table: str) -> subprocess.CompletedProcess:
+    """Compiles check_abi.cpp against <cuda.h> with `table` as gpu/cuda_abi.h (a copy found
+    before csrc/ on the include path)."""
+    (tmp_path / "gpu").mkdir(exist_ok=True)
+    (tmp_path / "gpu" / "cuda_abi.h").write_text(table)
+    cxx = os.environ.get("CXX", "c++")
+    return subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-DBAGUALU2_CHECK_CUDA_ABI=1",
+                           f"-I{tmp_path}", f"-I{_CSRC}", "-isystem", _CUDA_INCLUDE,
+                           os.path.join(_CSRC, "gpu", "check_abi.cpp")],
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(_CUDA_INCLUDE, "cuda.h")) or
+                    not os.path.isdir(_CSRC), reason="needs the CUDA toolkit's cuda.h and the sources")
+def test_the_abi_check_wants_the_name_cuda_h_maps_to_first(tmp_path):
+    """Issue #58, 9: a real libcuda exports cuStreamDestroy and cuStreamDestroy_v2 and the
+    loader takes the first name it finds, so a table listing the plain name first must not
+    compile; the shipped table does."""
+    with open(os.path.join(_CSRC, "gpu", "cuda_abi.h")) as f:
+        table = f.read()
+    shipped = _check_abi_with(tmp_path, table)
+    assert shipped.returncode == 0, shipped.stderr[-3000:]
+    entry = '"cuStreamDestroy_v2")'
+    assert entry in table
+    swapped = _check_abi_with(tmp_path, table.replace(entry, '"cuStreamDestroy", "cuStreamDestroy_v2")'))
+    assert swapped.returncode != 0
+    assert "not the first symbol cuda_api.cpp looks up" in swapped.stderr, swapped.stderr[-3000:]

@@ -414,3 +414,46 @@ def test_trace_keeps_its_capacity_and_counts_the_rest(engine):
     assert engine.trace_dropped == 3
     engine.start_trace(8)  # a new trace starts empty
     assert engine.trace() == [] and engine.trace_dropped == 0
+
+
+# -- fork --------------------------------------------------------------------------------------
+def _in_forked_child(fn) -> str:
+    """fn() in a child forked now; what it raised there ("" for nothing). The child leaves with
+    os._exit, running no finalizer."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read)
+            try:
+                fn()
+                got = ""
+            except Exception as e:  # reported to the parent, which asserts on it
+                got = f"{type(e).__name__}: {e}"
+            os.write(write, got.encode() or b"-")
+        finally:
+            os._exit(0)
+    os.close(write)
+    chunks = []
+    while chunk := os.read(read, 1 << 16):
+        chunks.append(chunk)
+    os.close(read)
+    os.waitpid(pid, 0)
+    got = b"".join(chunks).decode()
+    return "" if got == "-" else got
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_after_the_runtime_refuses_to_use_it(engine):
+    """Issue #58, 10: a forked child (a DataLoader worker) has none of the runtime's worker
+    threads: the parent's engine and a new one refuse there, saying why, and the parent goes on."""
+    src = rand_bytes(MiB)
+    producer = hooks.Stream("cpu")
+    engine.offload(src.data_ptr(), MiB, producer.handle).wait()
+    offload = _in_forked_child(lambda: engine.offload(src.data_ptr(), MiB, producer.handle))
+    new_engine = _in_forked_child(lambda: _C.CopyEngine(engine.arena, "cpu", -1))
+    for got in (offload, new_engine):
+        assert "forked" in got and "spawn" in got, got
+    t = engine.offload(src.data_ptr(), MiB, producer.handle)
+    t.wait()
+    assert host_view(t, MiB) == src.numpy().tobytes()

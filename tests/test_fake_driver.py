@@ -49,6 +49,92 @@ def test_no_context_on_device_0_from_any_thread(observed: dict) -> None:
     assert driver["violations"] == 0, driver["violation_text"]
 
 
+def test_the_loader_took_the_versioned_entry_points(observed: dict) -> None:
+    """The stand-in exports cuStreamDestroy and cuStreamDestroy_v2 (and the other pairs), as a
+    real libcuda does, and lists a call of a plain one: none was made."""
+    assert "plain entry point" not in observed["driver"]["violation_text"]
+
+
+def test_nothing_is_left_after_teardown(observed: dict) -> None:
+    """Every event, pinned and device allocation the scenarios made is gone once their objects
+    are; the only streams left are the process-wide copy streams, two per device used."""
+    live = observed["live_after_teardown"]
+    assert live["events"] == 0 and live["host"] == 0 and live["device"] == 0, live
+    assert live["streams"] == [0, 2, 2], live
+
+
+def test_a_fence_the_driver_cannot_answer_keeps_its_block(observed: dict) -> None:
+    """Issue #58, 4: a deinitialised driver (one entry point, or every one: the bind fails too)
+    says nothing about a copy in flight, so its block is not handed out again until the copy
+    is known to have ended; a failure of the work itself (ILLEGAL_ADDRESS) ends it."""
+    fe = observed["fence_errors"]
+    for case in ("query_deinitialized", "driver_deinitialized"):
+        assert "DEINITIALIZED" in fe[case]["done"], fe[case]
+        assert fe[case]["handed_out_while_copy_held"] is False, fe[case]
+        assert fe[case]["handed_out_after_copy_ended"] is True, fe[case]
+    illegal = fe["query_illegal_address"]
+    assert "ILLEGAL_ADDRESS" in illegal["done"] and illegal["handed_out_while_copy_held"] is True, illegal
+
+
+def test_a_failed_timing_query_costs_one_copys_time_only(observed: dict) -> None:
+    """Issue #58, 5: the elapsed-time query failing inside the driver once does not wedge the
+    engine: later copies and stats() work, the copy is counted as untimed."""
+    tf = observed["timing_failure"]
+    assert tf["first_copy"] == tf["stats_after"] == tf["second_copy"] == tf["stats_again"] == "", tf
+    assert tf["d2h"] == {"copies": 1, "untimed": 1, "bytes": 1 << 16, "failed": 0}, tf
+
+
+def test_engines_sharing_streams_wait_only_for_their_own_copies(observed: dict) -> None:
+    """Issue #58, 6: engine A's synchronize and destructor return while engine B's copy on the
+    stream they share is held."""
+    ss = observed["shared_streams"]
+    assert ss["same_streams"]
+    assert ss["a_synchronize_returned_while_b_held"] is True, ss
+    assert ss["a_destroyed_while_b_held"] is True, ss
+    assert ss["b_done_while_held"] is False, ss
+
+
+def test_copies_reuse_their_timing_events(observed: dict) -> None:
+    """Issue #58, 7: after a warm-up, round trips create no driver events."""
+    ep = observed["event_pool"]
+    assert ep["exact"] and ep["created_in_20_round_trips"] == 0, ep
+
+
+def test_a_misaligned_reservation_is_given_back(observed: dict) -> None:
+    """Issue #58, 11: host_alloc returning memory off the arena's alignment fails the call and
+    frees the reservation (at construction and when growing)."""
+    mr = observed["misaligned_reservation"]
+    assert "not aligned" in mr["construct"] and "not aligned" in mr["grow"], mr
+    assert mr["left_by_construct"] == 0 and mr["left_by_grow"] == 0, mr
+
+
+def test_a_forked_child_refuses_before_reaching_the_driver(observed: dict) -> None:
+    """Issue #58, 10: in a child forked after the runtime was created, the parent's engine, a
+    new engine and a new arena all refuse, saying why, and the child makes no driver call."""
+    fc = observed["fork_child"]
+    child = fc["child"]
+    for what in ("offload", "new_engine", "new_arena"):
+        assert "forked" in child[what] and "spawn" in child[what], child
+    assert child["driver_calls"] == 0, child
+    assert fc["parent_after"] is True
+
+
+def test_the_device0_probe_asks_the_driver(observed: dict) -> None:
+    """Issue #58, 8: the selftest's device>0 probe reads device 0's primary context state from
+    the driver: inactive in a process that never touched it, active for device 2."""
+    assert observed["primary_contexts"] == {"device0": False, "device2": True}
+
+
+def test_the_stand_in_refuses_wrong_memory_kinds_host_function_calls_and_plain_names(observed: dict) -> None:
+    """The double is strict: an async copy from pageable or another device's memory, a CUDA
+    call inside a host function and a call of a plain entry point are refused or listed."""
+    strict = observed["the_stand_in_is_strict"]
+    assert "INVALID_VALUE" in strict["pageable"] and "INVALID_VALUE" in strict["other_device"], strict
+    assert strict["launch"] == 0 and strict["inside_host_function"] == [800], strict
+    assert strict["plain_destroy"] == 0
+    assert strict["new_violations"] == 4, strict
+
+
 def test_every_call_gives_the_thread_back_its_own_context_none_included(observed: dict) -> None:
     ft = observed["foreign_threads"]
     assert ft["no_context_thread"] == {"result": True, "device_after": -1}
@@ -85,6 +171,7 @@ def test_every_wait_in_the_right_order(observed: dict) -> None:
     assert o["reload_done_while_consumer_held"] is False
     assert o["consumer_read_old_before_reload"] and o["consumer_read_reloaded_after"]
     assert o["wait_on_orders_consumer_after_reload"]
+    assert o["prefetch_on_copy_stream_done_while_compute_held"]
 
 
 def test_streams_of_another_device_are_refused_naming_both_devices(observed: dict) -> None:

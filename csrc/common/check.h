@@ -23,6 +23,15 @@ public:
     using std::runtime_error::runtime_error;
 };
 
+// The one RuntimeError that says asynchronous work ended: a completion query (event_query,
+// event_synchronize) reporting that the work before the event failed on the device. Every
+// other runtime failure (a bind that failed, a deinitialised driver, an invalid context or
+// handle) says nothing about whether that work still runs. Surfaces as RuntimeError.
+class WorkFailed : public RuntimeError {
+public:
+    using RuntimeError::RuntimeError;
+};
+
 namespace detail {
 template <typename... Args>
 std::string format_message(const char* file, int line, const Args&... args) {
@@ -49,6 +58,15 @@ std::string format_message(const char* file, int line, const Args&... args) {
     do {                                                                                       \
         if (!(ok)) {                                                                           \
             throw ::bagualu2::RuntimeError(                                                    \
+                ::bagualu2::detail::format_message(__FILE__, __LINE__, __VA_ARGS__));          \
+        }                                                                                      \
+    } while (false)
+
+// BAGUALU2_WORK_CHECK(ok, "what failed", detail...): throws bagualu2::WorkFailed.
+#define BAGUALU2_WORK_CHECK(ok, ...)                                                           \
+    do {                                                                                       \
+        if (!(ok)) {                                                                           \
+            throw ::bagualu2::WorkFailed(                                                      \
                 ::bagualu2::detail::format_message(__FILE__, __LINE__, __VA_ARGS__));          \
         }                                                                                      \
     } while (false)

@@ -3,13 +3,18 @@
 // object is never linked: compiling it is the test.
 //
 // CUDA entries come from the one table the loader uses (cuda_abi.h), and each is checked twice:
-// its prototype, and that the symbol <cuda.h> maps its name to is one the loader looks up
-// (cuStreamDestroy and cuStreamDestroy_v2 share a prototype, so only the name tells them apart).
+// its prototype, and that the symbol <cuda.h> maps its name to is the first one the loader
+// looks up (cuStreamDestroy and cuStreamDestroy_v2 share a prototype, so only the name tells
+// them apart, and a real libcuda exports both: the loader takes the first it finds, so the
+// mapped name anywhere else in the list would load the other one).
+// HIP entries get their prototypes checked; hipStreamGetDevice, optional at run time, where
+// the headers declare it (ROCm 6).
 //
 // Two prototypes match when they agree after erasing what the C ABI does not see: opaque
 // handle pointers (CUstream, hipEvent_t, ...) become void*, pointers to them void**, enums
 // their signed underlying integer. Arithmetic types and pointers to them must match exactly.
 #include <initializer_list>
+#include <iterator>
 #include <type_traits>
 
 #if defined(BAGUALU2_CHECK_CUDA_ABI)
@@ -87,16 +92,27 @@ constexpr bool same_name(const char* a, const char* b) {
     }
     return *a == *b;
 }
-// Whether `mapped` (the symbol <cuda.h> makes of a name) is one of the names looked up.
-constexpr bool looked_up(const char* mapped, std::initializer_list<const char*> names) {
-    for (const char* name : names) {
-        if (same_name(mapped, name)) {
+// Whether `mapped` (the symbol <cuda.h> makes of a name) is the first name looked up.
+constexpr bool looked_up_first(const char* mapped, std::initializer_list<const char*> names) {
+    return names.size() > 0 && same_name(mapped, *names.begin());
+}
+constexpr bool is_work_failure(int status) {
+    for (const int failure : cu::kWorkFailures) {
+        if (status == failure) {
             return true;
         }
     }
     return false;
 }
 }  // namespace
+static_assert(is_work_failure(CUDA_ERROR_ECC_UNCORRECTABLE) && is_work_failure(CUDA_ERROR_ILLEGAL_ADDRESS) &&
+              is_work_failure(CUDA_ERROR_LAUNCH_TIMEOUT) && is_work_failure(CUDA_ERROR_ASSERT) &&
+              is_work_failure(CUDA_ERROR_HARDWARE_STACK_ERROR) &&
+              is_work_failure(CUDA_ERROR_ILLEGAL_INSTRUCTION) &&
+              is_work_failure(CUDA_ERROR_MISALIGNED_ADDRESS) &&
+              is_work_failure(CUDA_ERROR_INVALID_ADDRESS_SPACE) &&
+              is_work_failure(CUDA_ERROR_INVALID_PC) && is_work_failure(CUDA_ERROR_LAUNCH_FAILED));
+static_assert(std::size(cu::kWorkFailures) == 10 && !is_work_failure(CUDA_ERROR_DEINITIALIZED));
 
 // `api` arrives macro-expanded: the symbol <cuda.h> maps the name to (cuStreamDestroy ->
 // cuStreamDestroy_v2); its prototype and its name are both checked.
@@ -104,9 +120,10 @@ constexpr bool looked_up(const char* mapped, std::initializer_list<const char*> 
 #define BAGUALU2_EXPANDED_NAME(x) BAGUALU2_STRINGIFY(x)
 #define BAGUALU2_CHECK_CUDA_ENTRY(api, Fn, field, ...)                                         \
     BAGUALU2_SAME_ABI(::api, cu::Fn);                                                          \
-    static_assert(looked_up(BAGUALU2_EXPANDED_NAME(api), {__VA_ARGS__}),                       \
+    static_assert(looked_up_first(BAGUALU2_EXPANDED_NAME(api), {__VA_ARGS__}),                 \
                   "cuda.h maps an entry point to " BAGUALU2_EXPANDED_NAME(api)                 \
-                  ", a symbol cuda_api.cpp does not look up (cuda_abi.h: " #field ")");
+                  ", which is not the first symbol cuda_api.cpp looks up (cuda_abi.h: " #field \
+                  ")");
 BAGUALU2_CUDA_ENTRY_POINTS(BAGUALU2_CHECK_CUDA_ENTRY)
 #endif
 
@@ -138,6 +155,14 @@ BAGUALU2_SAME_ABI(::hipEventSynchronize, hp::EventSynchronizeFn);
 BAGUALU2_SAME_ABI(::hipEventElapsedTime, hp::EventElapsedTimeFn);
 BAGUALU2_SAME_ABI(::hipMemcpyAsync, hp::MemcpyAsyncFn);
 BAGUALU2_SAME_ABI(::hipStreamAddCallback, hp::StreamAddCallbackFn);
+static_assert(std::size(hp::kWorkFailures) == 5);
+static_assert(hp::kWorkFailures[0] == hipErrorECCNotCorrectable &&
+              hp::kWorkFailures[1] == hipErrorIllegalAddress &&
+              hp::kWorkFailures[2] == hipErrorLaunchTimeOut && hp::kWorkFailures[3] == hipErrorAssert &&
+              hp::kWorkFailures[4] == hipErrorLaunchFailure);
+#if HIP_VERSION_MAJOR >= 6
+BAGUALU2_SAME_ABI(::hipStreamGetDevice, hp::StreamGetDeviceFn);
+#endif
 BAGUALU2_SAME_ABI(::hipGetErrorName, hp::GetErrorNameFn);
 BAGUALU2_SAME_ABI(::hipGetErrorString, hp::GetErrorStringFn);
 #pragma GCC diagnostic pop

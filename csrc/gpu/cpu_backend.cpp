@@ -237,14 +237,14 @@ struct Completion {
         return done;
     }
 
-    // Throws bagualu2::RuntimeError when the record completed failed.
+    // Throws bagualu2::WorkFailed when the record completed failed.
     void check() {
         std::string why;
         {
             std::lock_guard<std::mutex> lock(mutex);
             why = error;
         }
-        BAGUALU2_RUNTIME_CHECK(why.empty(), why);
+        BAGUALU2_WORK_CHECK(why.empty(), why);
     }
 };
 
@@ -407,6 +407,7 @@ public:
     void host_free(void* ptr) override { std::free(ptr); }
 
     Stream stream_create() override {
+        check_not_forked(born_, "cpu");
         auto* stream = new CpuStream();
         std::lock_guard<std::mutex> lock(registry_mutex_);
         streams_.insert(stream);
@@ -433,12 +434,14 @@ public:
     }
 
     void stream_synchronize(Stream stream) override {
+        check_not_forked(born_, "cpu");
         if (stream != nullptr) {
             static_cast<CpuStream*>(stream)->synchronize();
         }
     }
 
     void stream_wait_event(Stream stream, Event event) override {
+        check_not_forked(born_, "cpu");
         auto target = static_cast<CpuEvent*>(event)->current();
         if (target == nullptr) {
             return;  // never recorded: nothing to wait for
@@ -456,6 +459,7 @@ public:
     void event_destroy(Event event) override { delete static_cast<CpuEvent*>(event); }
 
     void event_record(Event event, Stream stream) override {
+        check_not_forked(born_, "cpu");
         auto* ev = static_cast<CpuEvent*>(event);
         auto completion = std::make_shared<Completion>();
         {
@@ -483,6 +487,7 @@ public:
     }
 
     void event_synchronize(Event event) override {
+        check_not_forked(born_, "cpu");
         auto c = static_cast<CpuEvent*>(event)->current();
         if (c != nullptr) {
             c->wait();
@@ -509,6 +514,7 @@ public:
     }
 
     void memcpy_async(void* dst, const void* src, std::size_t bytes, Stream stream) override {
+        check_not_forked(born_, "cpu");
         if (bytes == 0) {
             return;
         }
@@ -537,6 +543,7 @@ public:
     }
 
     void launch_host_func(Stream stream, std::function<void()> fn) override {
+        check_not_forked(born_, "cpu");
         if (stream == nullptr) {
             fn();
             return;
@@ -545,6 +552,9 @@ public:
     }
 
 private:
+    // The fork generation this runtime was created in: its worker threads and copy pool exist
+    // only there (gpu.h, "Fork").
+    const std::uint64_t born_ = fork_generation();
     // Live streams, so handles coming from Python can be checked.
     std::mutex registry_mutex_;
     std::unordered_set<Stream> streams_;

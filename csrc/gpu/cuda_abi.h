@@ -31,6 +31,19 @@ using HostFn = void (*)(void* user_data);  // CUhostFn
 constexpr Result kSuccess = 0;              // CUDA_SUCCESS
 constexpr Result kErrorInvalidHandle = 400; // CUDA_ERROR_INVALID_HANDLE
 constexpr Result kErrorNotReady = 600;      // CUDA_ERROR_NOT_READY
+// The statuses of a failed asynchronous operation: the context aborted the work (sticky).
+constexpr Result kWorkFailures[] = {
+    214,  // CUDA_ERROR_ECC_UNCORRECTABLE
+    700,  // CUDA_ERROR_ILLEGAL_ADDRESS
+    702,  // CUDA_ERROR_LAUNCH_TIMEOUT
+    710,  // CUDA_ERROR_ASSERT
+    714,  // CUDA_ERROR_HARDWARE_STACK_ERROR
+    715,  // CUDA_ERROR_ILLEGAL_INSTRUCTION
+    716,  // CUDA_ERROR_MISALIGNED_ADDRESS
+    717,  // CUDA_ERROR_INVALID_ADDRESS_SPACE
+    718,  // CUDA_ERROR_INVALID_PC
+    719,  // CUDA_ERROR_LAUNCH_FAILED
+};
 constexpr unsigned kStreamNonBlocking = 1;  // CU_STREAM_NON_BLOCKING
 constexpr unsigned kEventDefault = 0;       // CU_EVENT_DEFAULT
 constexpr unsigned kEventDisableTiming = 2; // CU_EVENT_DISABLE_TIMING

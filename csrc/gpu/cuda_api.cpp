@@ -125,6 +125,15 @@ Result stream_device(void* stream, int* device) {
     return kSuccess;
 }
 
+bool work_failed(int status) {
+    for (const Result failure : kWorkFailures) {
+        if (status == failure) {
+            return true;
+        }
+    }
+    return false;
+}
+
 DevicePtr address(const void* ptr) {
     return static_cast<DevicePtr>(reinterpret_cast<std::uintptr_t>(ptr));
 }
@@ -147,6 +156,7 @@ DeviceApi table() {
     DeviceApi api;
     api.name = "cuda";
     api.not_ready = kErrorNotReady;
+    api.work_failed = work_failed;
     api.device_count = [](int* count) { return cu.device_get_count(count); };
     api.get_device = get_device;
     api.bind = bind;

@@ -38,6 +38,11 @@ struct DeviceApi {
 
     // Status values: success is 0 in both runtimes.
     int not_ready = 0;
+    // Whether a status from event_query / event_synchronize says the work before the event
+    // failed on the device (the context aborted it, so it ended): the statuses of a failed
+    // asynchronous operation. Anything else (deinitialised, invalid context or handle) says
+    // nothing about the work.
+    bool (*work_failed)(int status) = nullptr;
 
     // Devices.
     int (*device_count)(int* count) = nullptr;
@@ -56,7 +61,8 @@ struct DeviceApi {
     int (*stream_synchronize)(void* stream) = nullptr;
     int (*stream_wait_event)(void* stream, void* event) = nullptr;
     // The device a (non-null) stream handle belongs to; -1 for a device whose context this
-    // process never bound through `bind`. nullptr where the runtime cannot tell (HIP).
+    // process never bound through `bind` (CUDA). nullptr where the runtime cannot tell (a HIP
+    // runtime without hipStreamGetDevice).
     int (*stream_device)(void* stream, int* device) = nullptr;
     // Events.
     int (*event_create)(void** event, bool timing) = nullptr;

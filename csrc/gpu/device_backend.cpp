@@ -7,6 +7,11 @@
 // and sees at least one device; runtime("cuda") / runtime("hip") of an unusable one throws
 // with the reason, and backend_status() reports it without throwing.
 //
+// event_query / event_synchronize throw bagualu2::WorkFailed for the statuses the table calls
+// a failure of the work (DeviceApi::work_failed), a plain RuntimeError for any other. In a
+// child forked after the runtime was created, every call refuses before reaching the library
+// (gpu.h, "Fork").
+//
 // The test-only copy fault switch (gpu/copy_faults.h) is honoured as the cpu backend honours
 // it, in host bookkeeping: a copy failed at submission throws from memcpy_async without
 // calling the runtime; one failed at execution is not enqueued, its stream is marked, and the
@@ -70,54 +75,69 @@ public:
     bool is_host() const override { return false; }
 
     int device_count() override {
+        check_not_forked(born_, api_.name);
         int count = 0;
         return api_.device_count(&count) == 0 ? count : 0;  // no device: zero, not an error
     }
 
     int get_device() override {
+        check_not_forked(born_, api_.name);
         int device = -1;
         check(api_.get_device(&device), "get_device");
         return device;
     }
 
     std::uintptr_t bind(int device) override {
+        check_not_forked(born_, api_.name);
         std::uintptr_t previous = 0;
         check(api_.bind(device, &previous), "bind of device ", device);
         return previous;
     }
 
-    void restore(std::uintptr_t previous) override { check(api_.restore(previous), "restore"); }
+    void restore(std::uintptr_t previous) override {
+        check_not_forked(born_, api_.name);
+        check(api_.restore(previous), "restore");
+    }
 
     void* host_alloc(std::size_t bytes) override {
+        check_not_forked(born_, api_.name);
         void* ptr = nullptr;
         check(api_.host_alloc(&ptr, bytes), "pinned host_alloc");
         return ptr;
     }
 
-    void host_free(void* ptr) override { check(api_.host_free(ptr), "host_free"); }
+    void host_free(void* ptr) override {
+        check_not_forked(born_, api_.name);
+        check(api_.host_free(ptr), "host_free");
+    }
 
     Stream stream_create() override {
+        check_not_forked(born_, api_.name);
         void* stream = nullptr;
         check(api_.stream_create(&stream), "stream_create");
         return stream;
     }
 
     void stream_destroy(Stream stream) override {
+        check_not_forked(born_, api_.name);
         check(api_.stream_destroy(stream), "stream_destroy");
         forget(stream, nullptr);
     }
 
     void stream_synchronize(Stream stream) override {
+        check_not_forked(born_, api_.name);
         check(api_.stream_synchronize(stream), "stream_synchronize");
     }
 
     void stream_wait_event(Stream stream, Event event) override {
+        check_not_forked(born_, api_.name);
         check(api_.stream_wait_event(stream, event), "stream_wait_event");
     }
 
     void check_stream(Stream stream, int device) override {
+        check_not_forked(born_, api_.name);
         if (stream == nullptr || api_.stream_device == nullptr) {
-            return;  // 0: the bound device's default stream; HIP cannot tell a stream's device
+            return;  // 0: the bound device's default stream; a HIP before 6 cannot tell
         }
         int owner = -1;
         const int status = api_.stream_device(stream, &owner);
@@ -133,17 +153,20 @@ public:
     }
 
     Event event_create(bool timing) override {
+        check_not_forked(born_, api_.name);
         void* event = nullptr;
         check(api_.event_create(&event, timing), "event_create");
         return event;
     }
 
     void event_destroy(Event event) override {
+        check_not_forked(born_, api_.name);
         check(api_.event_destroy(event), "event_destroy");
         forget(nullptr, event);
     }
 
     void event_record(Event event, Stream stream) override {
+        check_not_forked(born_, api_.name);
         check(api_.event_record(event, stream), "event_record");
         if (faults_seen_.load(std::memory_order_acquire)) {
             // The record takes the failure of a copy injected before it on the stream.
@@ -159,27 +182,31 @@ public:
     }
 
     bool event_query(Event event) override {
+        check_not_forked(born_, api_.name);
         const int status = api_.event_query(event);
         if (status == api_.not_ready) {
             return false;
         }
-        check(status, "event_query");
+        check_completion(status, "event_query");
         check_injected(event);
         return true;
     }
 
     void event_synchronize(Event event) override {
-        check(api_.event_synchronize(event), "event_synchronize");
+        check_not_forked(born_, api_.name);
+        check_completion(api_.event_synchronize(event), "event_synchronize");
         check_injected(event);
     }
 
     double event_elapsed_ms(Event start, Event end) override {
+        check_not_forked(born_, api_.name);
         float ms = 0.0f;
         check(api_.event_elapsed_ms(&ms, start, end), "event_elapsed_ms");
         return static_cast<double>(ms);
     }
 
     void memcpy_async(void* dst, const void* src, std::size_t bytes, Stream stream) override {
+        check_not_forked(born_, api_.name);
         if (bytes == 0) {
             return;
         }
@@ -200,6 +227,7 @@ public:
     }
 
     void launch_host_func(Stream stream, std::function<void()> fn) override {
+        check_not_forked(born_, api_.name);
         auto boxed = std::make_unique<std::function<void()>>(std::move(fn));
         check(api_.launch_host_callback(stream, boxed.get()), "launch_host_func");
         boxed.release();  // run_host_callback owns it now
@@ -210,6 +238,15 @@ private:
     void check(int status, const What&... what) const {
         BAGUALU2_RUNTIME_CHECK(status == 0, api_.name, " ", what..., " failed: ",
                                api_.describe(status), " (", api_.library, ")");
+    }
+
+    // A completion query's status: WorkFailed when it reports the work failed (it ended),
+    // else as check().
+    void check_completion(int status, const char* what) const {
+        BAGUALU2_WORK_CHECK(status == 0 || !api_.work_failed(status), api_.name, " ", what,
+                            ": the work before the event failed: ", api_.describe(status), " (",
+                            api_.library, ")");
+        check(status, what);
     }
 
     // Throws the injected failure an event's record took (test switch only).
@@ -225,7 +262,7 @@ private:
                 why = it->second;
             }
         }
-        BAGUALU2_RUNTIME_CHECK(why.empty(), why);
+        BAGUALU2_WORK_CHECK(why.empty(), why);
     }
 
     // Drops the marks of a destroyed stream or event (its handle may be reused).
@@ -242,8 +279,10 @@ private:
         }
     }
 
-    // The loaded library's table (static storage of its loader).
+    // The loaded library's table (static storage of its loader), and the fork generation it
+    // was loaded in (gpu.h, "Fork").
     const DeviceApi& api_;
+    const std::uint64_t born_ = fork_generation();
     // Injected execution failures (gpu/copy_faults.h), consulted once faults_seen_: streams
     // whose next record fails, and the records that did.
     std::atomic<bool> faults_seen_{false};

@@ -45,11 +45,22 @@
 // streams (copy_stream() below). The cpu backend's streams are worker threads torch never
 // sees; each engine owns and joins its own (UniqueStream).
 //
+// Fork. A child forked after a runtime was created inherits its handles but not what backs
+// them: CUDA and HIP contexts do not survive fork(), and neither do the cpu backend's worker
+// threads (DataLoader workers fork). pthread_atfork (runtime.cpp) counts forks; every runtime
+// remembers the count it was created at, and in a later child every call that needs the
+// device or a worker refuses with a RuntimeError saying so (`check_not_forked`), before
+// reaching the driver, so the child neither hangs nor talks to its parent's contexts. A child
+// forked before a runtime was created uses it as a fresh process would.
+//
 // Invariants every backend keeps:
 //   * Operations enqueued on one stream execute in enqueue order.
 //   * An event that was never recorded reports complete (as in CUDA).
 //   * `event_query` never blocks; `event_synchronize` and `stream_synchronize` block the caller
-//     (callers release the GIL around them).
+//     (callers release the GIL around them). Both throw bagualu2::WorkFailed (common/check.h)
+//     only when the runtime reports that the work before the event failed on the device (it
+//     ended); any other failure of theirs is a plain RuntimeError and says nothing about the
+//     work (offload/fence.h keeps such a block pending).
 //   * Raw handles are opaque integers-as-pointers. Whatever this library creates is owned by
 //     a UniqueStream or UniqueEvent (below), never by a bare handle, so a constructor that
 //     throws half-way leaks nothing, except the process-wide copy streams, which are never
@@ -59,6 +70,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -122,8 +134,9 @@ public:
 
     /// Throws bagualu2::Error when `stream` is not a live stream of `device` (cpu checks its
     /// registry of live streams; CUDA asks the driver which context a non-null handle belongs
-    /// to; HIP cannot tell and accepts every handle). Handle 0 is the current device's default
-    /// stream, so callers check it, and use it, inside a DeviceGuard for `device`.
+    /// to; HIP asks hipStreamGetDevice where the runtime has it (ROCm 6), else accepts every
+    /// handle). Handle 0 is the current device's default stream, so callers check it, and
+    /// use it, inside a DeviceGuard for `device`.
     /// \param[in] stream  stream handle received from Python.
     /// \param[in] device  the device the caller's work is on.
     virtual void check_stream(Stream stream, int device) = 0;
@@ -205,12 +218,29 @@ Runtime* lookup_runtime(const char* name, std::string* error);
 /// \param[in] what    the object, for the error ("CopyEngine", "HostArena").
 int resolve_device(Runtime& rt, int device, const char* what);
 
+// A process-wide copy stream and the lock its submitters share: engines of one device enqueue
+// each copy (its timing events and chunks) under it, so no other engine's work lands between
+// a copy's start and end events on the stream they share.
+struct CopyStream {
+    Stream stream = nullptr;
+    std::mutex* submit = nullptr;
+};
+
 /// A process-wide stream of `device`, created on first use and never destroyed (see "Streams
-/// handed to torch" above); GPU backends only.
+/// handed to torch" above), with its submission lock; GPU backends only.
 /// \param[in] rt      runtime of the stream.
 /// \param[in] device  its device.
 /// \param[in] slot    which one (the copy engine uses 0 for D2H, 1 for H2D).
-Stream copy_stream(Runtime& rt, int device, int slot);
+CopyStream copy_stream(Runtime& rt, int device, int slot);
+
+/// Forks of this process so far, counted in the child by pthread_atfork (see "Fork").
+std::uint64_t fork_generation();
+
+/// Throws bagualu2::RuntimeError when this process is a child forked after generation `born`
+/// (a runtime created then cannot be used here; see "Fork").
+/// \param[in] born     fork_generation() when the runtime was created.
+/// \param[in] backend  its name, for the message.
+void check_not_forked(std::uint64_t born, const char* backend);
 
 // Makes `device` current for the guard's lifetime and then gives the thread back exactly what
 // it had, none included (no-op on cpu or for device < 0).

@@ -4,7 +4,8 @@
 // void* and enums as int. check_abi.cpp static_asserts each one, and every constant, against
 // <hip/hip_runtime_api.h>. Every entry point exists in HIP 5.0 and later (Debian's 5.2 too).
 // hipStreamAddCallback is used for host callbacks because hipLaunchHostFunc is declared but
-// missing from older runtimes (Debian's libamdhip64 5.2).
+// missing from older runtimes (Debian's libamdhip64 5.2). hipStreamGetDevice (ROCm 6) is
+// optional: where the runtime has it, a stream handle's device is checked as on CUDA.
 #pragma once
 
 #include <cstddef>
@@ -18,6 +19,14 @@ using StreamCallback = void (*)(Stream stream, Error status, void* user_data);  
 
 constexpr Error kSuccess = 0;                // hipSuccess
 constexpr Error kErrorNotReady = 600;        // hipErrorNotReady
+// The statuses of a failed asynchronous operation: the device aborted the work.
+constexpr Error kWorkFailures[] = {
+    214,  // hipErrorECCNotCorrectable
+    700,  // hipErrorIllegalAddress
+    702,  // hipErrorLaunchTimeOut
+    710,  // hipErrorAssert
+    719,  // hipErrorLaunchFailure
+};
 constexpr int kMemcpyDefault = 4;            // hipMemcpyDefault
 constexpr unsigned kStreamNonBlocking = 1;   // hipStreamNonBlocking
 constexpr unsigned kEventDefault = 0;        // hipEventDefault
@@ -46,6 +55,7 @@ using MemcpyAsyncFn = Error (*)(void* dst, const void* src, std::size_t bytes, i
                                 Stream stream);                            // hipMemcpyAsync
 using StreamAddCallbackFn = Error (*)(Stream stream, StreamCallback callback, void* user_data,
                                       unsigned flags);                     // hipStreamAddCallback
+using StreamGetDeviceFn = Error (*)(Stream stream, int* device);           // hipStreamGetDevice
 using GetErrorNameFn = const char* (*)(Error error);                       // hipGetErrorName
 using GetErrorStringFn = const char* (*)(Error error);                     // hipGetErrorString
 

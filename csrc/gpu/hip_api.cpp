@@ -46,6 +46,7 @@ struct Entries {
     EventElapsedTimeFn event_elapsed_time = nullptr;
     MemcpyAsyncFn memcpy_async = nullptr;
     StreamAddCallbackFn stream_add_callback = nullptr;
+    StreamGetDeviceFn stream_get_device = nullptr;  // optional (ROCm 6)
     GetErrorNameFn get_error_name = nullptr;
     GetErrorStringFn get_error_string = nullptr;
 };
@@ -62,10 +63,20 @@ std::string describe(int status) {
 
 void callback(Stream /*stream*/, Error /*status*/, void* arg) { run_host_callback(arg); }
 
+bool work_failed(int status) {
+    for (const Error failure : kWorkFailures) {
+        if (status == failure) {
+            return true;
+        }
+    }
+    return false;
+}
+
 DeviceApi table() {
     DeviceApi api;
     api.name = "hip";
     api.not_ready = kErrorNotReady;
+    api.work_failed = work_failed;
     api.device_count = [](int* count) { return hip.get_device_count(count); };
     api.get_device = [](int* device) { return hip.get_device(device); };
     api.bind = [](int device, std::uintptr_t* previous) {
@@ -95,6 +106,11 @@ DeviceApi table() {
     api.stream_wait_event = [](void* stream, void* event) {
         return hip.stream_wait_event(stream, event, 0);
     };
+    if (hip.stream_get_device != nullptr) {
+        api.stream_device = [](void* stream, int* device) {
+            return hip.stream_get_device(stream, device);
+        };
+    }
     api.event_create = [](void** event, bool timing) {
         return hip.event_create_with_flags(event, timing ? kEventDefault : kEventDisableTiming);
     };
@@ -168,6 +184,8 @@ Loaded load() {
     all &= lib.symbol({"hipStreamAddCallback"}, &hip.stream_add_callback, &missing);
     all &= lib.symbol({"hipGetErrorName"}, &hip.get_error_name, &missing);
     all &= lib.symbol({"hipGetErrorString"}, &hip.get_error_string, &missing);
+    std::string optional;
+    lib.symbol({"hipStreamGetDevice"}, &hip.stream_get_device, &optional);  // absent before ROCm 6
     if (!all) {
         out.why = lib.path() + " lacks " + missing + ": the HIP runtime is older than 5.0; update it";
         return out;

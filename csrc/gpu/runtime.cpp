@@ -1,5 +1,9 @@
 // Backend registry of the neutral gpu:: API: selection by name, status, the extension entry,
-// object devices and the process-wide copy streams (gpu.h says why they are never destroyed).
+// object devices, the process-wide copy streams (gpu.h says why they are never destroyed) and
+// the fork count.
+#include <pthread.h>
+
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -68,18 +72,42 @@ int resolve_device(Runtime& rt, int device, const char* what) {
     return chosen;
 }
 
-Stream copy_stream(Runtime& rt, int device, int slot) {
+CopyStream copy_stream(Runtime& rt, int device, int slot) {
     BAGUALU2_CHECK(!rt.is_host(), "copy_stream is for GPU backends");
-    // Never destroyed: torch may record on these streams until the process ends.
+    // Never destroyed: torch may record on these streams until the process ends; their locks
+    // live as long (an engine may be destroyed at exit after this map's storage would be).
     static std::mutex* mutex = new std::mutex;
-    static auto* streams = new std::map<std::tuple<const Runtime*, int, int>, Stream>;
+    static auto* streams = new std::map<std::tuple<const Runtime*, int, int>, CopyStream>;
     std::lock_guard<std::mutex> lock(*mutex);
-    Stream& stream = (*streams)[std::make_tuple(&rt, device, slot)];
-    if (stream == nullptr) {
+    CopyStream& entry = (*streams)[std::make_tuple(&rt, device, slot)];
+    if (entry.stream == nullptr) {
         DeviceGuard guard(rt, device);
-        stream = rt.stream_create();
+        entry.stream = rt.stream_create();
+        entry.submit = new std::mutex;
     }
-    return stream;
+    return entry;
+}
+
+namespace {
+std::atomic<std::uint64_t> forks{0};
+
+// Registered when _C loads: only the child's handler, which counts (async-signal-safe).
+const int atfork_registered = pthread_atfork(nullptr, nullptr, [] {
+    forks.fetch_add(1, std::memory_order_relaxed);
+});
+}  // namespace
+
+std::uint64_t fork_generation() {
+    static_cast<void>(atfork_registered);
+    return forks.load(std::memory_order_relaxed);
+}
+
+void check_not_forked(std::uint64_t born, const char* backend) {
+    BAGUALU2_RUNTIME_CHECK(forks.load(std::memory_order_relaxed) == born, "the ", backend,
+                           " runtime was created before this process was forked: its contexts, "
+                           "streams and worker threads do not exist in a forked child (use the "
+                           "'spawn' or 'forkserver' start method for workers that offload, e.g. "
+                           "DataLoader(multiprocessing_context='spawn'))");
 }
 
 Runtime* lookup_runtime(const char* name, std::string* error) {

@@ -78,6 +78,7 @@ py::dict engine_stats_dict(CopyEngine& engine) {
         d[(p + "_busy_s").c_str()] = dirs[i].busy_s;
         d[(p + "_bytes_submitted").c_str()] = dirs[i].bytes_submitted;
         d[(p + "_failed").c_str()] = dirs[i].failed;
+        d[(p + "_untimed").c_str()] = dirs[i].untimed;
         d[(p + "_GBps").c_str()] =
             dirs[i].busy_s > 0 ? static_cast<double>(dirs[i].bytes) / dirs[i].busy_s / 1e9 : 0.0;
     }
@@ -183,10 +184,14 @@ void register_offload(py::module_& m) {
             "finished",
             [](const Ticket& t) {
                 auto fence = t.fence();
-                return fence == nullptr || fence->ready();
+                try {
+                    return fence == nullptr || fence->ready();
+                } catch (const RuntimeError&) {
+                    return false;  // the runtime cannot tell: what the copy uses stays held
+                }
             },
             "Whether the copy completed (failed included); unlike done() also answers after "
-            "release().")
+            "release(). False while the runtime cannot tell (done() raises its error).")
         .def_property_readonly(
             "failure",
             [](const Ticket& t) -> std::optional<std::string> {

@@ -163,19 +163,23 @@ int checked_device(gpu::Runtime& rt, const std::string& backend,
 
 CopyEngine::Direction::Direction(gpu::Runtime& rt, int device, int slot)
     : owned(rt.is_host() ? std::make_unique<gpu::UniqueStream>(rt, device) : nullptr),
-      stream(owned != nullptr ? owned->get() : gpu::copy_stream(rt, device, slot)) {}
+      owned_lock(rt.is_host() ? std::make_unique<std::mutex>() : nullptr),
+      shared(rt.is_host() ? gpu::CopyStream{} : gpu::copy_stream(rt, device, slot)),
+      stream(owned != nullptr ? owned->get() : shared.stream),
+      submit(owned_lock != nullptr ? owned_lock.get() : shared.submit) {}
 
 CopyEngine::CopyEngine(std::shared_ptr<HostArena> arena, const std::string& backend, int device,
                        std::size_t chunk_bytes)
     : arena_(std::move(arena)), rt_(gpu::runtime(backend)), backend_(backend),
       chunk_bytes_(chunk_bytes),
       device_(checked_device(rt_, backend_, arena_, chunk_bytes_, device)),
-      d2h_dir_(rt_, device_, 0), h2d_dir_(rt_, device_, 1), d2h_(d2h_dir_.stream),
-      h2d_(h2d_dir_.stream), sync_event_(rt_, device_, false) {}
+      events_(std::make_shared<EventPool>(rt_, device_)), d2h_dir_(rt_, device_, 0),
+      h2d_dir_(rt_, device_, 1), d2h_(d2h_dir_.stream), h2d_(h2d_dir_.stream),
+      sync_event_(rt_, device_, false) {}
 
 CopyEngine::~CopyEngine() {
-    // Drain both directions before the members go (the timing events first, then the event,
-    // then a cpu engine's own streams; a GPU engine's streams stay, see copy_engine.h).
+    // This engine's copies end before the members go (the timing events first, then the
+    // event, then a cpu engine's own streams; a GPU engine's streams stay, see copy_engine.h).
     try {
         synchronize();
     } catch (...) {
@@ -184,8 +188,10 @@ CopyEngine::~CopyEngine() {
 }
 
 void CopyEngine::wait_for_stream(Direction& dir, gpu::Stream stream) {
-    if (stream == nullptr && rt_.is_host()) {
-        return;  // the host thread is synchronous: everything it wrote is already there
+    if ((stream == nullptr && rt_.is_host()) || stream == dir.stream) {
+        // The host thread is synchronous (everything it wrote is already there); the copy
+        // stream runs in order with itself.
+        return;
     }
     rt_.event_record(sync_event_.get(), stream);
     rt_.stream_wait_event(dir.stream, sync_event_.get());
@@ -193,8 +199,13 @@ void CopyEngine::wait_for_stream(Direction& dir, gpu::Stream stream) {
 
 std::shared_ptr<EventFence> CopyEngine::enqueue_copy(Direction& dir, void* dst, const void* src,
                                                      std::size_t nbytes) {
-    auto start = std::make_shared<EventFence>(rt_, device_, true);
-    auto end = std::make_shared<EventFence>(rt_, device_, true);
+    {
+        // Completed copies give their events back to the pool before this one takes two.
+        std::lock_guard<std::mutex> lock(stats_mutex_);
+        account(dir);
+    }
+    auto start = std::make_shared<EventFence>(events_);
+    auto end = std::make_shared<EventFence>(events_);
     rt_.event_record(start->event(), dir.stream);
     auto* d = static_cast<char*>(dst);
     const auto* s = static_cast<const char*>(src);
@@ -203,8 +214,8 @@ std::shared_ptr<EventFence> CopyEngine::enqueue_copy(Direction& dir, void* dst, 
         rt_.memcpy_async(d + offset, s + offset, len, dir.stream);
     }
     rt_.event_record(end->event(), dir.stream);
+    dir.last = end;
     std::lock_guard<std::mutex> lock(stats_mutex_);
-    account(dir);
     dir.timings.push_back(Timing{std::move(start), end, nbytes});
     dir.stats.bytes_submitted += nbytes;
     return end;
@@ -231,6 +242,7 @@ TicketPtr CopyEngine::offload(std::uintptr_t src, std::int64_t nbytes,
     try {
         gpu::DeviceGuard guard(rt_, device_);
         std::lock_guard<std::mutex> lock(submit_mutex_);
+        std::lock_guard<std::mutex> stream_lock(*d2h_dir_.submit);
         wait_for_stream(d2h_dir_, as_stream(producer_stream));
         done = enqueue_copy(d2h_dir_, block, reinterpret_cast<const void*>(src), n);
         record(false, block, n);
@@ -277,6 +289,7 @@ TicketPtr CopyEngine::reload(const TicketPtr& from, std::uintptr_t dst, std::int
         gpu::DeviceGuard guard(rt_, device_);
         std::lock_guard<std::mutex> lock(submit_mutex_);
         try {
+            std::lock_guard<std::mutex> stream_lock(*h2d_dir_.submit);
             if (!source_ended) {
                 rt_.stream_wait_event(h2d_, from->done_->event());
             }
@@ -352,30 +365,60 @@ void CopyEngine::wait_on(const TicketPtr& ticket, std::uintptr_t stream) {
 
 void CopyEngine::drain(Direction& dir) noexcept {
     try {
+        // An event of its own: what this submission enqueued ends before it; copies other
+        // engines enqueue later on a shared stream do not.
+        gpu::UniqueEvent tail(rt_, device_, false);
         gpu::DeviceGuard guard(rt_, device_);
-        rt_.stream_synchronize(dir.stream);
+        rt_.event_record(tail.get(), dir.stream);
+        rt_.event_synchronize(tail.get());
     } catch (...) {
         // A runtime that cannot synchronize has failed as a whole: nothing of it still runs.
     }
 }
 
 void CopyEngine::synchronize() {
-    gpu::DeviceGuard guard(rt_, device_);
-    rt_.stream_synchronize(d2h_);
-    rt_.stream_synchronize(h2d_);
+    std::shared_ptr<EventFence> last[2];
+    {
+        std::lock_guard<std::mutex> lock(submit_mutex_);
+        last[0] = d2h_dir_.last;
+        last[1] = h2d_dir_.last;
+    }
+    // Each stream runs in order: this engine's last copy on it ends after all its earlier ones.
+    for (const auto& fence : last) {
+        if (fence != nullptr) {
+            fence->wait();  // a failed copy ended too (the ticket reports it)
+        }
+    }
 }
 
 void CopyEngine::account(Direction& dir) {
-    while (!dir.timings.empty() && dir.timings.front().end->ready()) {
-        Timing& t = dir.timings.front();
+    while (!dir.timings.empty()) {
+        bool ended = false;
+        try {
+            ended = dir.timings.front().end->ready();
+        } catch (const RuntimeError&) {
+            return;  // the runtime cannot tell now: the copy stays queued, nothing is counted
+        }
+        if (!ended) {
+            return;
+        }
+        // Off the queue first, so a query that throws below cannot keep it at the head.
+        const Timing t = std::move(dir.timings.front());
+        dir.timings.pop_front();
         if (!t.end->failure().empty()) {
             dir.stats.failed += 1;  // moved nothing: its time and bytes are not bandwidth
-        } else {
-            dir.stats.busy_s += rt_.event_elapsed_ms(t.start->event(), t.end->event()) / 1e3;
-            dir.stats.bytes += t.bytes;
-            dir.stats.copies += 1;
+            continue;
         }
-        dir.timings.pop_front();
+        double ms = 0.0;
+        try {
+            ms = rt_.event_elapsed_ms(t.start->event(), t.end->event());
+        } catch (const RuntimeError&) {
+            dir.stats.untimed += 1;  // it moved, but bytes without a time are not bandwidth
+            continue;
+        }
+        dir.stats.busy_s += ms / 1e3;
+        dir.stats.bytes += t.bytes;
+        dir.stats.copies += 1;
     }
 }
 

@@ -6,7 +6,13 @@
 // "reload"), so both directions run at once and beside the caller's compute. On a GPU they are
 // the device's process-wide copy streams (gpu::copy_stream): the facade hands them to torch,
 // which may record on them after the engine died (gpu/gpu.h, "Streams handed to torch"), so
-// engines of one device share them and none destroys them; an engine drains them when it dies.
+// engines of one device share them and none destroys them. Sharing must not mix the engines:
+// each copy (its producer wait, start event, chunks, end event) is enqueued under the stream's
+// process-wide submission lock, so another engine's copy never lands between its start and
+// end events and its busy time is its own; and synchronize(), the destructor and a failed
+// submission's drain wait for this engine's own copies (its last end event per direction),
+// never for the whole stream. Timing events come from the engine's EventPool (offload/
+// fence.h), so a copy costs no event creation once the pool holds what is in flight.
 // On cpu each engine owns its two streams (gpu::UniqueStream: whatever the constructor created
 // is destroyed if a later step throws); they are worker threads, a copy submitted to an idle
 // stream runs on the calling thread (gpu/cpu_backend.cpp says why), and large copies are also
@@ -27,7 +33,10 @@
 //   1. Ordering. An offload starts only after the producer stream reached the point where
 //      offload() was called (event recorded on it, copy stream waits). A reload writes its
 //      destination only after the consumer stream reached the reload call, and the consumer
-//      stream waits for the reload's completion (reload(wait=true) or wait_on()).
+//      stream waits for the reload's completion (reload(wait=true) or wait_on()). A consumer
+//      stream that is the reload stream itself imposes no wait: a prefetch whose destination
+//      was allocated on the copy stream starts at once, not when the compute stream catches up
+//      (bagualu2/offload/facade.py).
 //   2. A ticket's block is returned to the arena by release(), or when the last reference to
 //      an unreleased ticket dies (an owner that never runs its release, such as one an
 //      interrupt stopped between offload() and keeping the ticket, cannot leak the block);
@@ -42,8 +51,10 @@
 //      stream handles the backend does not know, streams of another device than the engine's.
 //   4. Exhaustion is not an error: offload() returns nullptr when the arena has no block.
 //   5. Stats: per direction bytes, copies, busy time (elapsed between a copy's start and end
-//      events, so time spent waiting for a producer is not counted) and bandwidth; figures
-//      include every copy whose end event completed.
+//      events, so time spent waiting for a producer, or copying for another engine, is not
+//      counted) and bandwidth; figures include every copy whose end event completed. A copy
+//      whose elapsed time the runtime cannot give is counted in `untimed` only, and taken off
+//      the queue all the same: one failed query never blocks the copies and stats after it.
 //   6. Trace: while tracing, every submitted copy is appended (under the submission lock, so in
 //      the exact order copies enter their streams) with its direction, host block, size and
 //      submission time; the overlap scheduler's tests read it to check issue order.
@@ -174,6 +185,7 @@ struct DirectionStats {
     double busy_s = 0.0;
     std::uint64_t bytes_submitted = 0;
     std::uint64_t failed = 0;  // copies that ended failed (not in bytes, copies, busy_s)
+    std::uint64_t untimed = 0;  // copies that ended whose elapsed time the runtime refused
 };
 
 class CopyEngine {
@@ -255,17 +267,22 @@ private:
     struct Direction {
         Direction(gpu::Runtime& rt, int device, int slot);
         std::unique_ptr<gpu::UniqueStream> owned;  // cpu: the engine's own stream
-        gpu::Stream stream;          // owned's, or the device's process-wide copy stream
+        std::unique_ptr<std::mutex> owned_lock;    // cpu: its submission lock
+        gpu::CopyStream shared;      // GPU: the device's process-wide copy stream and its lock
+        gpu::Stream stream;          // owned's or shared's
+        std::mutex* submit;          // owned_lock's or shared's, taken inside submit_mutex_
+        std::shared_ptr<EventFence> last;  // this engine's last copy here, under submit_mutex_
         std::deque<Timing> timings;  // copies whose time is not yet accounted
         DirectionStats stats;
     };
 
     // Enqueues a chunked copy bracketed by timing events on `dir`; returns the end fence.
-    // submit_mutex_ held.
+    // submit_mutex_ and *dir.submit held.
     std::shared_ptr<EventFence> enqueue_copy(Direction& dir, void* dst, const void* src,
                                              std::size_t nbytes);
-    // Blocks until `dir`'s stream ran everything enqueued on it, swallowing runtime errors:
-    // a submission that failed half-way drains what it enqueued before the memory goes.
+    // Blocks until `dir`'s stream ran everything enqueued on it so far (not what other engines
+    // enqueue later), swallowing runtime errors: a submission that failed half-way drains what
+    // it enqueued before the memory goes.
     void drain(Direction& dir) noexcept;
     // Appends a submitted copy to the trace when tracing. submit_mutex_ held.
     void record(bool h2d, const void* host, std::size_t nbytes);
@@ -281,6 +298,7 @@ private:
     std::string backend_;
     std::size_t chunk_bytes_;
     int device_ = 0;
+    std::shared_ptr<EventPool> events_;  // the copies' timing events (fences share it)
 
     // Submission: streams and the reusable cross-stream event, guarded by submit_mutex_ so one
     // ticket's operations are contiguous on its stream. Each is owned by a member, constructed

@@ -11,7 +11,32 @@ namespace bagualu2 {
 namespace {
 std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
 constexpr std::size_t kMaxBytes = std::numeric_limits<std::size_t>::max() >> 2;
+
+// Whether a fence's work is known to have ended: a fence whose runtime cannot tell (it throws)
+// keeps its block pending (invariant 4, offload/fence.h).
+bool settled(const FencePtr& fence) {
+    try {
+        return fence->ready();
+    } catch (const RuntimeError&) {
+        return false;
+    }
+}
 }  // namespace
+
+void HostArena::check_aligned(void* segment, std::size_t bytes) {
+    const auto addr = reinterpret_cast<std::uintptr_t>(segment);
+    if (addr % kAlignment == 0) {
+        return;
+    }
+    try {
+        gpu::DeviceGuard guard(rt_, device_);
+        rt_.host_free(segment);  // not kept: nothing else would ever free it
+    } catch (const RuntimeError&) {
+        // The runtime refuses the free as well: the reservation is lost, the error below stands.
+    }
+    BAGUALU2_RUNTIME_CHECK(false, "host_alloc of ", bytes, " bytes returned 0x", std::hex, addr,
+                           std::dec, ", not aligned to ", kAlignment, " bytes");
+}
 
 HostArena::HostArena(std::size_t capacity, const std::string& backend, std::size_t max_capacity,
                      int device)
@@ -25,14 +50,13 @@ HostArena::HostArena(std::size_t capacity, const std::string& backend, std::size
     BAGUALU2_CHECK(max_capacity == 0 || max_capacity >= capacity, "HostArena max_capacity (",
                    max_capacity, ") must be 0 (no growth) or at least capacity (", capacity, ")");
     max_capacity_ = max_capacity == 0 ? first : round_up(max_capacity, kAlignment);
-    char* base = nullptr;
+    void* base = nullptr;
     {
         gpu::DeviceGuard guard(rt_, device_);
-        base = static_cast<char*>(rt_.host_alloc(first));
+        base = rt_.host_alloc(first);
     }
+    check_aligned(base, first);
     const auto addr = reinterpret_cast<std::uintptr_t>(base);
-    BAGUALU2_RUNTIME_CHECK(addr % kAlignment == 0, "host_alloc returned memory not aligned to ",
-                           kAlignment, " bytes");
     segments_.push_back({addr, first});
     capacity_ = first;
     blocks_.emplace(addr, Block{first, 0, State::kFree, {}});
@@ -88,7 +112,7 @@ void HostArena::reclaim() {
     for (auto& [addr, fences] : snapshot) {
         bool all_ready = true;
         for (auto& fence : fences) {
-            if (!fence->ready()) {
+            if (!settled(fence)) {
                 all_ready = false;
                 break;
             }
@@ -190,16 +214,15 @@ bool HostArena::add_segment(std::size_t seg_size) {
     // The runtime call, with the bookkeeping lock released (pinning can take milliseconds).
     // A reservation the host refuses is exhaustion like any other: the caller keeps or
     // recomputes instead.
-    char* base = nullptr;
+    void* base = nullptr;
     try {
         gpu::DeviceGuard guard(rt_, device_);
-        base = static_cast<char*>(rt_.host_alloc(seg_size));
+        base = rt_.host_alloc(seg_size);
     } catch (const RuntimeError&) {
         return false;
     }
+    check_aligned(base, seg_size);
     const auto addr = reinterpret_cast<std::uintptr_t>(base);
-    BAGUALU2_RUNTIME_CHECK(addr % kAlignment == 0, "host_alloc returned memory not aligned to ",
-                           kAlignment, " bytes");
     std::lock_guard<std::mutex> lock(mutex_);
     segments_.push_back({addr, seg_size});
     capacity_ += seg_size;
@@ -247,7 +270,7 @@ void HostArena::free(void* ptr, std::vector<FencePtr> fences) {
     std::vector<FencePtr> open;
     for (auto& fence : fences) {
         BAGUALU2_CHECK(fence != nullptr, "HostArena.free: a fence is None");
-        if (!fence->ready()) {
+        if (!settled(fence)) {
             open.push_back(fence);
         }
     }

@@ -23,7 +23,13 @@
 //      blocks) is big enough and no segment can be added. Failure returns nullptr and counts
 //      as `num_failed`: a normal, reported outcome.
 //   4. A block freed with fences (copies that may still be in flight) is "pending": it is not
-//      handed out again until every one of its fences is ready ("re-used too soon" test).
+//      handed out again until every one of its fences is ready ("re-used too soon" test). A
+//      fence whose runtime cannot tell (its query throws: a failed bind, a deinitialised
+//      driver, an invalid context) is not ready: the block stays pending, possibly for good,
+//      since reusing memory a DMA may still write is the one outcome worse than a leak
+//      (offload/fence.h, "Failure").
+//   8. Every reservation is either a segment (freed with the arena) or freed before the call
+//      that made it throws (a misaligned reservation included): nothing pinned leaks.
 //   5. Thread-safe. The lock guards bookkeeping only: fences are queried, and the last
 //      reference to a fence (whose destructor calls the runtime) is dropped, with the lock
 //      released.
@@ -160,6 +166,8 @@ private:
     // Reserves one segment of `seg_size` bytes (the runtime call with mutex_ released); false
     // when the runtime refuses. Called with grow_mutex_ held, without mutex_.
     bool add_segment(std::size_t seg_size);
+    // Frees `segment` (a host_alloc of `bytes`) and throws when it is not kAlignment-aligned.
+    void check_aligned(void* segment, std::size_t bytes);
     // Index of the segment holding [addr, addr + nbytes), or -1. Lock held.
     long segment_of_locked(std::uintptr_t addr, std::size_t nbytes) const;
 

@@ -8,22 +8,48 @@
 // records what a test needs to see:
 //   * Devices: BAGUALU2_FAKE_CUDA_DEVICES of them (default 3), each with one primary context.
 //     The current context is per thread (null at thread start). Per device it counts primary
-//     context retains and whether its context was ever current on any thread.
-//   * Every call that acts on a stream, an event or pinned memory needs a current context, and
-//     the context of the stream / event it acts on (cuStreamWaitEvent's event excepted, as in
+//     context retains and whether its context was ever current on any thread, and answers
+//     cuDevicePrimaryCtxGetState (active once retained: nothing here releases one).
+//   * Every call that acts on a stream, an event or memory needs a current context, and the
+//     context of the stream / event it acts on (cuStreamWaitEvent's event excepted, as in
 //     CUDA); anything else is a violation.
-//   * Streams are worker threads that run their operations in FIFO order; stream handle 0 is
-//     the current context's default stream (counted per device). A destroyed stream or event is
-//     kept (never freed) so that any later use is caught as a violation, not a crash.
+//   * Memory kinds. Device memory (cuMemAlloc_v2, or fake_cuda_device_alloc for a test), pinned
+//     host memory (cuMemHostAlloc) and pageable memory (anything else) are told apart by
+//     address range. cuMemcpyAsync infers its direction, so the call an async copy on a stream of
+//     device d must match is: one side device memory of d, the other device memory of d or
+//     pinned host memory, each range inside one allocation. A pageable side (the real driver
+//     stages it synchronously), another device's memory, a host-to-host copy or a range past
+//     its allocation is refused (CUDA_ERROR_INVALID_VALUE) and listed.
+//   * Lifetimes: live contexts, streams (default streams apart), events, pinned and device
+//     allocations are counted (fake_cuda_live, fake_cuda_created), so a test sees what a
+//     teardown left. Streams are worker threads that run their operations in FIFO order;
+//     stream handle 0 is the current context's default stream (counted per device). A
+//     destroyed stream or event is kept (never freed) so that any later use is caught as a
+//     violation, not a crash.
 //   * Events: each record is a fresh completion flag; a wait captures the record current at
 //     the call (CUDA semantics); an event never recorded is complete.
 //   * "Device" pointers are host pointers: cuMemcpyAsync is memcpy on the stream's thread.
-// Violations are returned as errors (CUDA_ERROR_INVALID_CONTEXT / _HANDLE) and also listed, so
-// a test sees them even where the backend swallows the error (destructors).
+//   * Errors from inside: fake_cuda_fail(call, code, count) makes the next `count` calls of an
+//     entry point (or of every one, "*": a driver deinitialised mid-run) return `code`, before
+//     they do anything; fake_cuda_misalign_host_allocs(n) makes the next n cuMemHostAlloc
+//     return memory off the 256-byte alignment (freed like any other).
+//   * Host functions: a CUDA call made inside a function cuLaunchHostFunc runs is refused
+//     (CUDA_ERROR_NOT_PERMITTED, as CUDA forbids it) and listed.
+//   * Names: the versioned entry points (cuStreamDestroy_v2, cuEventDestroy_v2,
+//     cuEventElapsedTime_v2) and the plain ones a real libcuda also exports; <cuda.h> maps the
+//     names to the versioned ones, so a call of a plain one means the loader took the wrong
+//     symbol, and is listed.
+//   * Fork: the driver remembers the process that initialised it; any call from a forked child
+//     returns CUDA_ERROR_NOT_INITIALIZED without touching the parent's state, and is counted
+//     (fake_cuda_calls_in_child, in the child's memory).
+// Violations are returned as errors (CUDA_ERROR_INVALID_CONTEXT / _HANDLE / _VALUE /
+// _NOT_PERMITTED) and also listed, so a test sees them even where the backend swallows the
+// error (destructors).
 //
 // Test queries (extern "C", prefixed fake_cuda_) read the records; all state is allocated once
 // and never freed, so worker threads still running at process exit touch nothing destroyed.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -32,12 +58,15 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <unistd.h>
 
 namespace {
 
@@ -49,6 +78,9 @@ constexpr Result kInvalidDevice = 101;
 constexpr Result kInvalidContext = 201;
 constexpr Result kInvalidHandle = 400;
 constexpr Result kNotReady = 600;
+constexpr Result kDeinitialized = 4;
+constexpr Result kNotPermitted = 800;
+constexpr Result kIllegalAddress = 700;
 
 struct Context {
     int device;
@@ -76,6 +108,20 @@ struct FakeStream {
     std::size_t pending = 0;                 // enqueued and not finished
 };
 
+// An allocation the driver made: its size and device (-1: pinned host memory).
+struct Allocation {
+    std::size_t size = 0;
+    int device = -1;
+    void* base = nullptr;  // what to free (a misaligned pinned block's real start)
+};
+
+// Errors injected into an entry point ("*": every one): the next `count` calls (-1: until
+// cleared) return `code`.
+struct Injection {
+    Result code = kSuccess;
+    long count = 0;
+};
+
 struct State {
     std::mutex mutex;
     std::condition_variable changed;  // any record completed, any op finished
@@ -88,9 +134,21 @@ struct State {
     std::vector<FakeStream*> default_streams;
     std::set<FakeStream*> streams;  // every stream ever created, destroyed ones included
     std::set<FakeEvent*> events;
-    std::set<void*> host_blocks;
+    std::map<std::uintptr_t, Allocation> memory;  // pinned and device allocations by address
+    std::map<std::string, Injection> injections;
+    int misaligned_left = 0;
+    long streams_created = 0;
+    long streams_destroyed = 0;
+    long events_created = 0;
+    long events_destroyed = 0;
     std::vector<std::string> violations;
 };
+
+// The process that initialised the driver, and calls made from a forked child (atomics: the
+// child may have been forked while another thread held State::mutex).
+std::atomic<long> owner_pid{0};
+std::atomic<long> calls_in_child{0};
+thread_local bool in_host_function = false;
 
 State& state() {
     static State* s = [] {
@@ -207,10 +265,96 @@ FakeEvent* resolve_event(void* handle, const char* call, bool any_context, Resul
     return e;
 }
 
+// What every entry point does first: a forked child is refused, a call from a host function
+// is a violation, an injected error is returned. kSuccess lets the call go on.
+Result enter(const char* call) {
+    const long owner = owner_pid.load();
+    if (owner != 0 && owner != static_cast<long>(getpid())) {
+        calls_in_child.fetch_add(1);
+        return kNotInitialized;
+    }
+    State& st = state();
+    std::lock_guard<std::mutex> lock(st.mutex);
+    if (in_host_function) {
+        return violation(kNotPermitted, std::string(call) + " inside a host function");
+    }
+    for (const char* key : {call, "*"}) {
+        auto it = st.injections.find(key);
+        if (it != st.injections.end() && it->second.count != 0) {
+            if (it->second.count > 0) {
+                --it->second.count;
+            }
+            return it->second.code;
+        }
+    }
+    return kSuccess;
+}
+
+#define FAKE_ENTER(call)                     \
+    do {                                     \
+        const Result entered = enter(call);  \
+        if (entered != kSuccess) {           \
+            return entered;                  \
+        }                                    \
+    } while (false)
+
+// The allocation holding [addr, addr + bytes), or nullptr; *partial when addr lies in one the
+// range runs past. State::mutex held.
+const Allocation* find_allocation(std::uintptr_t addr, std::size_t bytes, bool* partial) {
+    State& st = state();
+    *partial = false;
+    auto it = st.memory.upper_bound(addr);
+    if (it == st.memory.begin()) {
+        return nullptr;
+    }
+    --it;
+    if (addr - it->first >= it->second.size) {
+        return nullptr;
+    }
+    if (bytes > it->second.size - (addr - it->first)) {
+        *partial = true;
+        return nullptr;
+    }
+    return &it->second;
+}
+
+// "device d", "pinned host" or "pageable host" memory, for messages.
+std::string kind_name(const Allocation* a) {
+    if (a == nullptr) {
+        return "pageable host memory";
+    }
+    return a->device < 0 ? "pinned host memory" : "device " + std::to_string(a->device) + " memory";
+}
+
 void enqueue(FakeStream* s, std::function<void()> op) {
     ++s->pending;
     s->ops.push_back(std::move(op));
     state().changed.notify_all();
+}
+
+// An allocation of `bytes` for `device` (-1: pinned host), `offset` bytes into a page-aligned
+// block. State::mutex held.
+Result allocate(void** ptr, std::size_t bytes, int device, std::size_t offset) {
+    const std::size_t rounded = (bytes + offset + 4095) / 4096 * 4096;
+    void* base = std::aligned_alloc(4096, rounded);
+    if (base == nullptr) {
+        return 2;  // CUDA_ERROR_OUT_OF_MEMORY
+    }
+    *ptr = static_cast<char*>(base) + offset;
+    state().memory[reinterpret_cast<std::uintptr_t>(*ptr)] = Allocation{bytes, device, base};
+    return kSuccess;
+}
+
+// Frees an allocation of `device` (-1: pinned host) that starts at ptr. State::mutex held.
+Result release(void* ptr, int device, const char* call) {
+    State& st = state();
+    auto it = st.memory.find(reinterpret_cast<std::uintptr_t>(ptr));
+    if (it == st.memory.end() || (it->second.device < 0) != (device < 0)) {
+        return violation(kInvalidValue, std::string(call) + " of memory its allocator did not return");
+    }
+    std::free(it->second.base);
+    st.memory.erase(it);
+    return kSuccess;
 }
 
 }  // namespace
@@ -223,22 +367,28 @@ Result cuInit(unsigned flags) {
     if (flags != 0) {
         return kInvalidValue;
     }
+    long none = 0;
+    owner_pid.compare_exchange_strong(none, static_cast<long>(getpid()));
+    FAKE_ENTER("cuInit");
     std::lock_guard<std::mutex> lock(state().mutex);
     state().initialised = true;
     return kSuccess;
 }
 
 Result cuDriverGetVersion(int* version) {
+    FAKE_ENTER("cuDriverGetVersion");
     *version = 13000;
     return kSuccess;
 }
 
 Result cuDeviceGetCount(int* count) {
+    FAKE_ENTER("cuDeviceGetCount");
     *count = state().devices;
     return state().initialised ? kSuccess : kNotInitialized;
 }
 
 Result cuDeviceGet(int* device, int ordinal) {
+    FAKE_ENTER("cuDeviceGet");
     if (ordinal < 0 || ordinal >= state().devices) {
         return kInvalidDevice;
     }
@@ -247,6 +397,7 @@ Result cuDeviceGet(int* device, int ordinal) {
 }
 
 Result cuDevicePrimaryCtxRetain(void** ctx, int device) {
+    FAKE_ENTER("cuDevicePrimaryCtxRetain");
     State& st = state();
     if (device < 0 || device >= st.devices) {
         return kInvalidDevice;
@@ -258,11 +409,13 @@ Result cuDevicePrimaryCtxRetain(void** ctx, int device) {
 }
 
 Result cuCtxGetCurrent(void** ctx) {
+    FAKE_ENTER("cuCtxGetCurrent");
     *ctx = current;
     return kSuccess;
 }
 
 Result cuCtxSetCurrent(void* ctx) {
+    FAKE_ENTER("cuCtxSetCurrent");
     State& st = state();
     std::lock_guard<std::mutex> lock(st.mutex);
     if (ctx == nullptr) {
@@ -288,6 +441,7 @@ Result cuCtxSetCurrent(void* ctx) {
 }
 
 Result cuCtxGetDevice(int* device) {
+    FAKE_ENTER("cuCtxGetDevice");
     if (current == nullptr) {
         std::lock_guard<std::mutex> lock(state().mutex);
         return violation(kInvalidContext, "cuCtxGetDevice with no current context");
@@ -297,41 +451,74 @@ Result cuCtxGetDevice(int* device) {
 }
 
 Result cuMemHostAlloc(void** ptr, std::size_t bytes, unsigned /*flags*/) {
+    FAKE_ENTER("cuMemHostAlloc");
     std::lock_guard<std::mutex> lock(state().mutex);
     if (current == nullptr) {
         return violation(kInvalidContext, "cuMemHostAlloc with no current context");
     }
-    const std::size_t rounded = (bytes + 4095) / 4096 * 4096;
-    *ptr = std::aligned_alloc(4096, rounded);
-    if (*ptr == nullptr) {
-        return 2;  // CUDA_ERROR_OUT_OF_MEMORY
+    std::size_t offset = 0;
+    if (state().misaligned_left > 0) {
+        --state().misaligned_left;
+        offset = 64;  // off the 256-byte alignment the arena needs
     }
-    state().host_blocks.insert(*ptr);
-    return kSuccess;
+    return allocate(ptr, bytes, -1, offset);
 }
 
 Result cuMemFreeHost(void* ptr) {
+    FAKE_ENTER("cuMemFreeHost");
     std::lock_guard<std::mutex> lock(state().mutex);
     if (current == nullptr) {
         return violation(kInvalidContext, "cuMemFreeHost with no current context");
     }
-    if (state().host_blocks.erase(ptr) == 0) {
-        return violation(kInvalidValue, "cuMemFreeHost of memory cuMemHostAlloc did not return");
+    return release(ptr, -1, "cuMemFreeHost");
+}
+
+Result cuMemAlloc_v2(unsigned long long* dptr, std::size_t bytes) {
+    FAKE_ENTER("cuMemAlloc");
+    std::lock_guard<std::mutex> lock(state().mutex);
+    if (current == nullptr) {
+        return violation(kInvalidContext, "cuMemAlloc with no current context");
     }
-    std::free(ptr);
+    void* ptr = nullptr;
+    const Result r = allocate(&ptr, bytes, current->device, 0);
+    *dptr = reinterpret_cast<std::uintptr_t>(ptr);
+    return r;
+}
+
+Result cuMemFree_v2(unsigned long long dptr) {
+    FAKE_ENTER("cuMemFree");
+    std::lock_guard<std::mutex> lock(state().mutex);
+    if (current == nullptr) {
+        return violation(kInvalidContext, "cuMemFree with no current context");
+    }
+    return release(reinterpret_cast<void*>(dptr), current->device, "cuMemFree");
+}
+
+Result cuDevicePrimaryCtxGetState(int device, unsigned* flags, int* active) {
+    FAKE_ENTER("cuDevicePrimaryCtxGetState");
+    State& st = state();
+    if (device < 0 || device >= st.devices) {
+        return kInvalidDevice;
+    }
+    std::lock_guard<std::mutex> lock(st.mutex);
+    *flags = 0;
+    *active = st.retains[static_cast<std::size_t>(device)] > 0 ? 1 : 0;
     return kSuccess;
 }
 
 Result cuStreamCreate(void** stream, unsigned /*flags*/) {
+    FAKE_ENTER("cuStreamCreate");
     std::lock_guard<std::mutex> lock(state().mutex);
     if (current == nullptr) {
         return violation(kInvalidContext, "cuStreamCreate with no current context");
     }
     *stream = new_stream(current);
+    ++state().streams_created;
     return kSuccess;
 }
 
 Result cuStreamDestroy_v2(void* stream) {
+    FAKE_ENTER("cuStreamDestroy");
     std::lock_guard<std::mutex> lock(state().mutex);
     Result r = kSuccess;
     FakeStream* s = resolve(stream, "cuStreamDestroy", &r);
@@ -339,10 +526,26 @@ Result cuStreamDestroy_v2(void* stream) {
         return s == nullptr ? r : kInvalidHandle;
     }
     s->destroyed = true;  // pending work still runs, as in CUDA
+    ++state().streams_destroyed;
     return kSuccess;
 }
 
+// The plain names a real libcuda exports beside the versioned ones: <cuda.h> maps the names to
+// the versioned ones, so a call here means the loader took the wrong symbol.
+Result plain(const char* call) {
+    std::lock_guard<std::mutex> lock(state().mutex);
+    return violation(kSuccess, std::string(call) + ": the plain entry point (<cuda.h> maps the "
+                                                   "name to its _v2): the loader took the wrong "
+                                                   "symbol");
+}
+
+Result cuStreamDestroy(void* stream) {
+    plain("cuStreamDestroy");
+    return cuStreamDestroy_v2(stream);
+}
+
 Result cuStreamSynchronize(void* stream) {
+    FAKE_ENTER("cuStreamSynchronize");
     State& st = state();
     std::unique_lock<std::mutex> lock(st.mutex);
     Result r = kSuccess;
@@ -355,6 +558,7 @@ Result cuStreamSynchronize(void* stream) {
 }
 
 Result cuStreamWaitEvent(void* stream, void* event, unsigned /*flags*/) {
+    FAKE_ENTER("cuStreamWaitEvent");
     State& st = state();
     std::lock_guard<std::mutex> lock(st.mutex);
     Result r = kSuccess;
@@ -378,6 +582,7 @@ Result cuStreamWaitEvent(void* stream, void* event, unsigned /*flags*/) {
 }
 
 Result cuStreamGetCtx(void* stream, void** ctx) {
+    FAKE_ENTER("cuStreamGetCtx");
     State& st = state();
     std::lock_guard<std::mutex> lock(st.mutex);
     if (stream == nullptr) {
@@ -399,6 +604,7 @@ Result cuStreamGetCtx(void* stream, void** ctx) {
 }
 
 Result cuEventCreate(void** event, unsigned flags) {
+    FAKE_ENTER("cuEventCreate");
     std::lock_guard<std::mutex> lock(state().mutex);
     if (current == nullptr) {
         return violation(kInvalidContext, "cuEventCreate with no current context");
@@ -407,11 +613,13 @@ Result cuEventCreate(void** event, unsigned flags) {
     e->ctx = current;
     e->timing = (flags & 2u) == 0;
     state().events.insert(e);
+    ++state().events_created;
     *event = e;
     return kSuccess;
 }
 
 Result cuEventDestroy_v2(void* event) {
+    FAKE_ENTER("cuEventDestroy");
     std::lock_guard<std::mutex> lock(state().mutex);
     Result r = kSuccess;
     FakeEvent* e = resolve_event(event, "cuEventDestroy", false, &r);
@@ -419,10 +627,17 @@ Result cuEventDestroy_v2(void* event) {
         return r;
     }
     e->destroyed = true;
+    ++state().events_destroyed;
     return kSuccess;
 }
 
+Result cuEventDestroy(void* event) {
+    plain("cuEventDestroy");
+    return cuEventDestroy_v2(event);
+}
+
 Result cuEventRecord(void* event, void* stream) {
+    FAKE_ENTER("cuEventRecord");
     State& st = state();
     std::lock_guard<std::mutex> lock(st.mutex);
     Result r = kSuccess;
@@ -445,6 +660,7 @@ Result cuEventRecord(void* event, void* stream) {
 }
 
 Result cuEventQuery(void* event) {
+    FAKE_ENTER("cuEventQuery");
     std::lock_guard<std::mutex> lock(state().mutex);
     Result r = kSuccess;
     FakeEvent* e = resolve_event(event, "cuEventQuery", false, &r);
@@ -455,6 +671,7 @@ Result cuEventQuery(void* event) {
 }
 
 Result cuEventSynchronize(void* event) {
+    FAKE_ENTER("cuEventSynchronize");
     State& st = state();
     std::unique_lock<std::mutex> lock(st.mutex);
     Result r = kSuccess;
@@ -470,6 +687,7 @@ Result cuEventSynchronize(void* event) {
 }
 
 Result cuEventElapsedTime_v2(float* ms, void* start, void* end) {
+    FAKE_ENTER("cuEventElapsedTime");
     std::lock_guard<std::mutex> lock(state().mutex);
     Result r = kSuccess;
     FakeEvent* a = resolve_event(start, "cuEventElapsedTime", false, &r);
@@ -488,16 +706,43 @@ Result cuEventElapsedTime_v2(float* ms, void* start, void* end) {
 }
 
 Result cuEventElapsedTime(float* ms, void* start, void* end) {
+    plain("cuEventElapsedTime");
     return cuEventElapsedTime_v2(ms, start, end);
 }
 
 Result cuMemcpyAsync(unsigned long long dst, unsigned long long src, std::size_t bytes,
                      void* stream) {
+    FAKE_ENTER("cuMemcpyAsync");
     std::lock_guard<std::mutex> lock(state().mutex);
     Result r = kSuccess;
     FakeStream* s = resolve(stream, "cuMemcpyAsync", &r);
     if (s == nullptr) {
         return r;
+    }
+    // The memory kinds must match an async copy on a stream of this device (design note).
+    const int device = s->ctx->device;
+    bool partial_dst = false;
+    bool partial_src = false;
+    const Allocation* to = find_allocation(dst, bytes, &partial_dst);
+    const Allocation* from = find_allocation(src, bytes, &partial_src);
+    const std::string what = "cuMemcpyAsync of " + std::to_string(bytes) + " bytes on a stream of device " +
+                             std::to_string(device) + " from " + kind_name(from) + " to " +
+                             kind_name(to);
+    if (partial_dst || partial_src) {
+        return violation(kInvalidValue, what + ": a range runs past its allocation");
+    }
+    const auto on_device = [device](const Allocation* a) { return a != nullptr && a->device == device; };
+    const auto other_device = [device](const Allocation* a) {
+        return a != nullptr && a->device >= 0 && a->device != device;
+    };
+    if (other_device(to) || other_device(from)) {
+        return violation(kInvalidValue, what + ": another device's memory");
+    }
+    if (to == nullptr || from == nullptr) {
+        return violation(kInvalidValue, what + ": pageable memory in an async copy");
+    }
+    if (!on_device(to) && !on_device(from)) {
+        return violation(kInvalidValue, what + ": a host-to-host copy on a device stream");
     }
     enqueue(s, [dst, src, bytes] {
         std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes);
@@ -506,13 +751,18 @@ Result cuMemcpyAsync(unsigned long long dst, unsigned long long src, std::size_t
 }
 
 Result cuLaunchHostFunc(void* stream, void (*fn)(void*), void* data) {
+    FAKE_ENTER("cuLaunchHostFunc");
     std::lock_guard<std::mutex> lock(state().mutex);
     Result r = kSuccess;
     FakeStream* s = resolve(stream, "cuLaunchHostFunc", &r);
     if (s == nullptr) {
         return r;
     }
-    enqueue(s, [fn, data] { fn(data); });
+    enqueue(s, [fn, data] {
+        in_host_function = true;  // CUDA forbids driver calls in here
+        fn(data);
+        in_host_function = false;
+    });
     return kSuccess;
 }
 
@@ -524,6 +774,10 @@ Result cuGetErrorName(Result error, const char** text) {
         case kInvalidContext: *text = "CUDA_ERROR_INVALID_CONTEXT"; return kSuccess;
         case kInvalidHandle: *text = "CUDA_ERROR_INVALID_HANDLE"; return kSuccess;
         case kNotReady: *text = "CUDA_ERROR_NOT_READY"; return kSuccess;
+        case kNotInitialized: *text = "CUDA_ERROR_NOT_INITIALIZED"; return kSuccess;
+        case kDeinitialized: *text = "CUDA_ERROR_DEINITIALIZED"; return kSuccess;
+        case kNotPermitted: *text = "CUDA_ERROR_NOT_PERMITTED"; return kSuccess;
+        case kIllegalAddress: *text = "CUDA_ERROR_ILLEGAL_ADDRESS"; return kSuccess;
         default: return kInvalidValue;
     }
 }
@@ -590,6 +844,86 @@ int fake_cuda_violations(char* buf, int len) {
     }
     return static_cast<int>(state().violations.size());
 }
+
+/// Live objects of a kind: "contexts" (retained primary contexts), "streams" (created, not
+/// destroyed, default streams apart), "events", "host" (pinned allocations), "device"; -1 for
+/// another name. With `device` >= 0, "streams" counts that device's only.
+long fake_cuda_live(const char* what, int device) {
+    State& st = state();
+    std::lock_guard<std::mutex> lock(st.mutex);
+    const std::string kind = what;
+    long n = 0;
+    if (kind == "contexts") {
+        for (int r : st.retains) {
+            n += r > 0 ? 1 : 0;
+        }
+        return n;
+    }
+    if (kind == "streams") {
+        for (FakeStream* s : st.streams) {
+            const bool is_default = std::find(st.default_streams.begin(), st.default_streams.end(), s) !=
+                                    st.default_streams.end();
+            n += !s->destroyed && !is_default && (device < 0 || s->ctx->device == device) ? 1 : 0;
+        }
+        return n;
+    }
+    if (kind == "events") {
+        return st.events_created - st.events_destroyed;
+    }
+    if (kind == "host" || kind == "device") {
+        for (const auto& entry : st.memory) {
+            n += (entry.second.device < 0) == (kind == "host") ? 1 : 0;
+        }
+        return n;
+    }
+    return -1;
+}
+
+/// Objects of a kind ever created: "streams", "events"; -1 for another name.
+long fake_cuda_created(const char* what) {
+    State& st = state();
+    std::lock_guard<std::mutex> lock(st.mutex);
+    const std::string kind = what;
+    return kind == "streams" ? st.streams_created : kind == "events" ? st.events_created : -1;
+}
+
+/// The next `count` calls (-1: every call until cleared with count 0) of entry point `call`
+/// (its name without _v2, or "*" for every entry point) return `code`. "*" with count 0
+/// clears every injection.
+void fake_cuda_fail(const char* call, int code, long count) {
+    std::lock_guard<std::mutex> lock(state().mutex);
+    if (std::string(call) == "*" && count == 0) {
+        state().injections.clear();
+        return;
+    }
+    state().injections[call] = Injection{code, count};
+}
+
+/// The next `count` cuMemHostAlloc return memory 64 bytes past a page boundary.
+void fake_cuda_misalign_host_allocs(int count) {
+    std::lock_guard<std::mutex> lock(state().mutex);
+    state().misaligned_left = count;
+}
+
+/// Device memory of `device` for a test to fill and read (host addresses), no context needed;
+/// 0 when out of memory.
+unsigned long long fake_cuda_device_alloc(int device, std::size_t bytes) {
+    std::lock_guard<std::mutex> lock(state().mutex);
+    void* ptr = nullptr;
+    return allocate(&ptr, bytes, device, 0) == kSuccess ? reinterpret_cast<std::uintptr_t>(ptr) : 0;
+}
+
+/// Frees what fake_cuda_device_alloc returned.
+int fake_cuda_device_free(unsigned long long ptr) {
+    std::lock_guard<std::mutex> lock(state().mutex);
+    auto it = state().memory.find(ptr);
+    return it == state().memory.end() ? kInvalidValue
+                                      : release(reinterpret_cast<void*>(ptr), it->second.device,
+                                                "fake_cuda_device_free");
+}
+
+/// Driver calls this process made after being forked from the one that initialised it.
+long fake_cuda_calls_in_child() { return calls_in_child.load(); }
 
 /// Make device `device`'s primary context current on the calling thread (retaining it), as a
 /// torch thread that chose that device would have it; -1 makes none current.
