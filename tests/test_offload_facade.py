@@ -364,3 +364,148 @@ def test_bench_offload_command_names_a_gpu_backend_it_cannot_use(tmp_path) -> No
     match = "compiled in but not usable" if gpu in _C.backends() else "is not compiled"
     with pytest.raises(SystemExit, match=match):
         main(["bench", "offload", "--backend", gpu, "--out", str(tmp_path / "bench"), "--no-plot", "--quiet"])
+
+
+# -- which stream the facade's own work runs on (issue #58, 1-3) -----------------------------------
+# On a machine without a GPU: torch.cuda's stream calls, the device allocations and the _C
+# engine are stand-ins that record which stream was current when the facade allocated or
+# compacted, and which stream handle it handed the engine to order the copy after.
+class _Stream:
+    def __init__(self, name: str, handle: int) -> None:
+        self.name, self.cuda_stream = name, handle
+
+
+class _OnDevice(torch.Tensor):
+    """A host tensor the facade takes for one on cuda:0; records the stream it compacts on."""
+
+    log: list = []
+    current: list = []
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+    def contiguous(self, *args, **kwargs):
+        _OnDevice.log.append(("contiguous", _OnDevice.current[-1].name))
+        return super().contiguous(*args, **kwargs)
+
+    def record_stream(self, stream) -> None:
+        _OnDevice.log.append(("record_stream", stream.name))
+
+
+class _Ticket:
+    released = False
+    finished = True
+    nbytes = 0
+
+
+class _Impl:
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def offload(self, ptr, nbytes, producer):
+        self.calls.append(("offload", producer))
+        ticket = _Ticket()
+        ticket.nbytes = nbytes
+        return ticket
+
+    def reload(self, ticket, dst, cap, consumer, waits):
+        self.calls.append(("reload", consumer, waits))
+        return _Ticket()
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.fixture
+def stream_world(monkeypatch):
+    """A gpu CopyEngine of cuda:0 over stand-ins; yields (engine, its _Impl, the compute
+    stream, a side stream)."""
+    import contextlib
+
+    compute, side = _Stream("compute", 0x100), _Stream("side", 0x200)
+    d2h, h2d = _Stream("d2h", 0x300), _Stream("h2d", 0x400)
+    by_handle = {s.cuda_stream: s for s in (compute, side, d2h, h2d)}
+    _OnDevice.log, _OnDevice.current = [], [compute]
+
+    @contextlib.contextmanager
+    def stream(s):
+        if s is not None:
+            _OnDevice.current.append(s)
+        try:
+            yield
+        finally:
+            if s is not None:
+                _OnDevice.current.pop()
+
+    def empty(*shape_and_stride, dtype=None, device=None, **_):
+        _OnDevice.log.append(("allocate", _OnDevice.current[-1].name))
+        return torch.zeros(shape_and_stride[0], dtype=dtype).as_subclass(_OnDevice)
+
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _OnDevice.current[-1])
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda handle, device=None: by_handle[handle])
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch, "empty_strided", empty)
+    engine = CopyEngine.__new__(CopyEngine)
+    impl = _Impl()
+    engine.backend, engine._gpu, engine.device = "cuda", True, torch.device("cuda", 0)
+    engine._impl, engine._inflight, engine._d2h, engine._h2d = impl, __import__("collections").deque(), d2h, h2d
+    yield engine, impl, compute, side
+
+
+def test_a_strided_offload_compacts_on_the_producer_stream_it_names(stream_world):
+    """Issue #58, 2: with stream= the copy waits only for that stream, so the compaction of a
+    non-contiguous tensor must run there, not on the current stream."""
+    engine, impl, compute, side = stream_world
+    t = torch.arange(8 * 64, dtype=torch.float32).reshape(8, 64).as_subclass(_OnDevice)[:, ::4]
+    h = engine.offload(t, stream=side.cuda_stream)
+    assert h is not None and h._mode == 1  # compacted
+    assert ("contiguous", "side") in _OnDevice.log, _OnDevice.log
+    assert impl.calls == [("offload", side.cuda_stream)]
+
+
+def test_a_prefetch_allocates_on_the_reload_stream_and_waits_for_no_compute(stream_world):
+    """Issue #58, 3: reload_async's destination belongs to the reload stream, so the engine is
+    not asked to wait for the compute stream (the copy starts at once); the consumer waits at
+    wait() and records the tensor. A reload the consumer waits for at once stays on it."""
+    engine, impl, compute, side = stream_world
+    t = torch.arange(64, dtype=torch.float32).as_subclass(_OnDevice)
+    h = engine.offload(t)
+    _OnDevice.log.clear()
+    prefetch = engine.reload_async(h)
+    assert _OnDevice.log[0] == ("allocate", "h2d"), _OnDevice.log
+    assert impl.calls[-1] == ("reload", engine._h2d.cuda_stream, False)
+    assert prefetch._allocated_on is engine._h2d
+    _OnDevice.log.clear()
+    engine.reload(h)
+    assert _OnDevice.log[0] == ("allocate", "compute") and impl.calls[-1] == ("reload", compute.cuda_stream, True)
+
+
+def test_the_provisioners_arena_is_on_the_models_device(monkeypatch):
+    """Issue #58, 1: make_engine puts the arena (which pins, grows and frees with its device's
+    context bound) on the model's device, not torch's current one (GPU 0 for every torchrun
+    rank that never called set_device)."""
+    import bagualu2.offload as offload
+    from bagualu2.provision.copy_engine import make_engine
+
+    made: dict = {}
+
+    class Arena:
+        def __init__(self, capacity, backend, max_capacity=None, device=None):
+            made["arena_device"] = device
+
+    class Engine:
+        def __init__(self, arena, backend, device):
+            made["engine_device"] = device
+
+    monkeypatch.setattr(offload, "HostArena", Arena)
+    monkeypatch.setattr(offload, "CopyEngine", Engine)
+    monkeypatch.setattr(offload, "backend_for_device", lambda device: "cuda")
+    model_device = torch.device("cuda", 3)
+    make_engine(model_device, 1 << 20, 1 << 21)
+    assert made == {"arena_device": model_device, "engine_device": model_device}

@@ -299,17 +299,19 @@ class CopyEngine:
             raise ValueError(f"the cpu backend cannot copy a tensor on {t.device}")
         if on_device:
             self._check_device(t.device, "offload of a tensor")
+        # The producer: a torch stream of t's device (None for a host tensor).
+        producer_stream = self._torch_stream(stream, t.device) if on_device else None
+        producer = producer_stream.cuda_stream if on_device else _stream_handle(stream)
         if t.is_contiguous():
             src = t
             mode = _SPAN
             span = t.numel()
         else:
-            src, mode, span = self._layout(t)
+            # Compacted on the producer stream: t is complete there, and the copy below waits
+            # for that stream only (on the current one it could read the buffer unwritten).
+            with torch.cuda.stream(producer_stream):  # None (a host tensor): no-op
+                src, mode, span = self._layout(t)
         nbytes = span * t.element_size() if mode == _SPAN else t.numel() * t.element_size()
-        if stream is None:
-            producer = torch.cuda.current_stream(t.device).cuda_stream if on_device else 0
-        else:
-            producer = _stream_handle(stream)
         ticket = self._impl.offload(src.data_ptr() if nbytes else 0, nbytes, producer)
         if ticket is None:
             return None
@@ -337,7 +339,7 @@ class CopyEngine:
                device: Union[str, torch.device, None] = None, stream: Any = None) -> torch.Tensor:
         """Copy ``h``'s bytes back; the consumer ``stream`` (default: current) waits for them
         (on cpu the call returns when the data is there)."""
-        ticket, result, staging, consumer = self._start_reload(h, out, device, stream, waits=True)
+        ticket, result, staging, consumer, _ = self._start_reload(h, out, device, stream, waits=True)
         if not result.is_cuda:
             ticket.wait()  # a host consumer is the calling thread
         if staging is not None:
@@ -348,14 +350,16 @@ class CopyEngine:
                      device: Union[str, torch.device, None] = None,
                      stream: Any = None) -> ReloadHandle:
         """Start copying ``h``'s bytes back (prefetch); ``wait()`` on the result hands the
-        tensor to the consumer."""
-        ticket, result, staging, consumer = self._start_reload(h, out, device, stream, waits=False)
+        tensor to the consumer. Without ``out=`` the destination is allocated on the reload
+        stream, so the copy starts at once instead of after the work already queued on the
+        consumer stream."""
+        ticket, result, staging, _, allocated_on = self._start_reload(h, out, device, stream, waits=False)
         target = staging if staging is not None else result
         if target.is_cuda:
             target.record_stream(self._h2d)  # the allocator may not reuse it before the copy ends
         elif ticket.nbytes:
             self._inflight.append((ticket, target))  # freeing it mid-copy would corrupt the heap
-        return ReloadHandle(self, ticket, result, staging, consumer)
+        return ReloadHandle(self, ticket, result, staging, allocated_on)
 
     def _start_reload(self, h, out, device, stream, waits):
         if not isinstance(h, OffloadHandle):
@@ -389,19 +393,25 @@ class CopyEngine:
             result = dst = out
         target_device = out.device if out is not None else dev
         # The consumer: a torch stream on the destination's device (None for a host consumer).
-        consumer = self._consumer_stream(stream, target_device) if target_device.type == "cuda" else None
+        consumer = self._torch_stream(stream, target_device) if target_device.type == "cuda" else None
+        # The stream the destination belongs to, which the copy orders itself after: the
+        # consumer's for out= (its earlier work may still read it) and for a reload the
+        # consumer waits for at once; the reload stream's own for a prefetch, which then waits
+        # for nothing queued on the consumer (the consumer waits at wait(), and records it).
+        allocated_on = consumer
+        if out is None and consumer is not None and not waits:
+            allocated_on = self._h2d
         if out is None:
-            # Allocated on the consumer stream, which the copy orders itself against.
-            with torch.cuda.stream(consumer):  # None (a host consumer): no-op
+            with torch.cuda.stream(allocated_on):  # None (a host consumer): no-op
                 if h._mode == _SPAN:
                     result = dst = torch.empty_strided(h.shape, h.stride, dtype=h.dtype, device=dev)
                 else:
                     staging = dst = torch.empty(h.shape, dtype=h.dtype, device=dev)
                     result = torch.empty_strided(h.shape, h.stride, dtype=h.dtype, device=dev)
             cap = h.nbytes
-        handle = consumer.cuda_stream if consumer is not None else _stream_handle(stream)
+        handle = allocated_on.cuda_stream if allocated_on is not None else _stream_handle(stream)
         ticket = self._impl.reload(h._ticket, dst.data_ptr() if h.nbytes else 0, cap, handle, waits)
-        return ticket, result, staging, consumer
+        return ticket, result, staging, consumer, allocated_on
 
     def _check_device(self, device: torch.device, what: str) -> None:
         # torch's stream handle 0 means every device's default stream, and the engine's copies
@@ -411,14 +421,14 @@ class CopyEngine:
             raise ValueError(f"{what} {device} on the CopyEngine of {self.device}: use an engine "
                              f"(and its arena) created with device={device.index}")
 
-    def _consumer_stream(self, stream: Any, device: torch.device):
-        """The torch stream a gpu consumer reads on: ``stream`` (a torch stream, or a raw handle
-        of ``device``) or the current stream of ``device``."""
+    def _torch_stream(self, stream: Any, device: torch.device):
+        """The torch stream a gpu producer writes or consumer reads on: ``stream`` (a torch
+        stream, or a raw handle of ``device``) or the current stream of ``device``."""
         if stream is None:
             return torch.cuda.current_stream(device)
         if isinstance(stream, torch.cuda.Stream):
             if stream.device != device:
-                raise ValueError(f"consumer stream on {stream.device}, destination on {device}")
+                raise ValueError(f"stream on {stream.device}, tensor on {device}")
             return stream
         handle = _stream_handle(stream)
         if handle == 0:
@@ -428,7 +438,7 @@ class CopyEngine:
     def _consume(self, ticket: Any, result: torch.Tensor, stream: Any):
         """Makes the consumer wait for the copy; returns its torch stream (None on the host)."""
         if result.is_cuda:
-            consumer = self._consumer_stream(stream, result.device)
+            consumer = self._torch_stream(stream, result.device)
             self._impl.wait_on(ticket, consumer.cuda_stream)
             return consumer
         ticket.wait()
@@ -457,8 +467,9 @@ class CopyEngine:
 
     def stats(self) -> dict:
         """Per direction (d2h_*, h2d_*): bytes, copies, busy_s, bytes_submitted, failed (copies
-        that failed, counted in nothing else), GBps; plus in_flight (host tensors still held for
-        running copies)."""
+        that failed, counted in nothing else), untimed (copies that ended but whose time the
+        runtime could not give, counted in nothing else), GBps; plus in_flight (host tensors
+        still held for running copies)."""
         s = self._impl.stats()
         s["in_flight"] = len(self._inflight)
         return s

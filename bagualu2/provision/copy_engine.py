@@ -1,8 +1,8 @@
 """The copy engine a provisioner makes: its host arena, what its copies cost, and the arena's
 room reserved for offloads.
 
-Owns ``make_engine`` (the ``CopyEngine`` and ``HostArena`` for the model's device, unless the user
-brings one), ``measure_copy_costs`` (the copy path timed as the runtime uses it, for the cost
+Owns ``make_engine`` (the ``CopyEngine`` and its ``HostArena``, both on the model's device,
+never the current one, unless the user brings one), ``measure_copy_costs`` (the copy path timed as the runtime uses it, for the cost
 model) and ``reserve_arena`` (the arena grown in one step to what offloading may need: ``arena_need``).
 
 Invariants: the arena starts small (room for the copy-cost probes and the first offloads) and
@@ -43,8 +43,12 @@ def make_engine(device: torch.device, arena_bytes: Optional[int], arena_max_byte
         arena_bytes = _ARENA_START_BYTES
     if arena_max_bytes is None:
         arena_max_bytes = max(arena_bytes, host_memory_bytes() // (2 * local_processes()))
-    gpu = device if backend != "cpu" else None  # the model's GPU, not the current one
-    return CopyEngine(HostArena(arena_bytes, backend, max_capacity=arena_max_bytes), backend, gpu)
+    # The model's GPU, not the current one, for both: the arena pins, grows and frees its
+    # memory with its device's context bound, and under torchrun without set_device every
+    # rank's current device is GPU 0.
+    gpu = device if backend != "cpu" else None
+    arena = HostArena(arena_bytes, backend, max_capacity=arena_max_bytes, device=gpu)
+    return CopyEngine(arena, backend, gpu)
 
 
 def measure_copy_costs(engine: Any, device: torch.device, in_place: bool) -> Tuple[float, float, Tuple[float, float]]:
