@@ -11,9 +11,17 @@ Environment:
   MAX_JOBS          parallel build jobs
   BAGUALU2_SANITIZE=1  ASan + UBSan build
 
-bagualu2._saves, the save path's C++ part (csrc/saves), links against torch: it is built against
-the torch of the build environment (pyproject.toml pins it; `pip install --no-build-isolation`
-builds against the torch already installed), and the package then asks for that torch release.
+  BAGUALU2_SAVES=auto|1|0  build bagualu2._saves: auto (default) where torch imports, 1 always
+                    (an error where torch does not import), 0 never
+
+bagualu2._saves, the save path's C++ part (csrc/saves), links against torch's C++ API, whose ABI
+holds within a release: it is built against the torch the build sees, and loads only under that
+release. `pip install --no-build-isolation` builds against the torch already installed (the way
+README "Install" gives). An isolated build (plain `pip install .`) cannot import torch, since
+pyproject.toml does not list it among the build requirements, so that no build ever brings a torch
+of its own: it builds the package without _saves, and the save path runs in its Python form
+(bagualu2.runtime.saves_python, one warning at import saying how to rebuild). The package asks for
+a torch range (pyproject.toml), never the build's release: installing it never replaces torch.
 """
 
 import os
@@ -21,7 +29,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Tuple
+from typing import Optional
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -55,7 +63,18 @@ class CMakeBuild(build_ext):
 
     def build_extension(self, ext: Extension) -> None:
         if not isinstance(ext, CMakeExtension):  # bagualu2._saves: setuptools builds it
+            # Built against one torch release: a build left by another torch (the same checkout,
+            # torch upgraded since) is rebuilt, never reused because its sources are older.
+            import torch
+
+            built = Path(self.get_ext_fullpath(ext.name))
+            stamp = Path(self.build_temp) / "_saves.torch"
+            against = f"{torch.__version__} {Path(torch.__file__).parent}"
+            if built.exists() and (not stamp.exists() or stamp.read_text() != against):
+                built.unlink()
             super().build_extension(ext)
+            stamp.parent.mkdir(parents=True, exist_ok=True)
+            stamp.write_text(against)
             return
         import pybind11
 
@@ -99,14 +118,29 @@ class CMakeBuild(build_ext):
         subprocess.run(["cmake", "--build", ".", *build_args], cwd=build_temp, check=True)
 
 
-def torch_extension() -> Tuple[Extension, str]:
-    """bagualu2._saves, and the torch requirement it brings (the build's torch release)."""
-    import torch
-    from torch.utils import cpp_extension
+def torch_extension() -> Optional[Extension]:
+    """bagualu2._saves, built against the torch this build imports; None where it imports none
+    (BAGUALU2_SAVES=auto) or where it is not wanted (BAGUALU2_SAVES=0)."""
+    wanted = os.environ.get("BAGUALU2_SAVES", "auto")
+    if wanted not in ("auto", "1", "0"):
+        raise SystemExit(f"BAGUALU2_SAVES={wanted!r}: expected auto, 1 or 0")
+    if wanted == "0":
+        return None
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError as e:
+        if wanted == "1":
+            raise SystemExit(f"BAGUALU2_SAVES=1 and torch does not import in this build ({e}): install torch, then "
+                             "build with pip install --no-build-isolation") from e
+        print(f"bagualu2: torch does not import in this build environment ({e}): bagualu2._saves is not built, and "
+              "the save path will run in Python. To build it against your torch: pip install --no-build-isolation .",
+              file=sys.stderr)
+        return None
+    print(f"bagualu2: building bagualu2._saves against torch {torch.__version__}", file=sys.stderr)
 
     isystem = [arg for path in cpp_extension.include_paths() for arg in ("-isystem", path)]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
     extension = Extension(
         "bagualu2._saves",
         sources=["csrc/saves/ledger.cpp", "csrc/saves/hooks.cpp", "csrc/saves/module.cpp"],
@@ -123,12 +157,11 @@ def torch_extension() -> Tuple[Extension, str]:
         sanitize = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined"]
         extension.extra_compile_args += sanitize
         extension.extra_link_args = sanitize
-    return extension, f"torch=={major}.{minor}.*"
+    return extension
 
 
-SAVES, TORCH_REQUIREMENT = torch_extension()
+SAVES = torch_extension()
 setup(
-    ext_modules=[CMakeExtension("bagualu2._C"), SAVES],
+    ext_modules=[CMakeExtension("bagualu2._C")] + ([SAVES] if SAVES is not None else []),
     cmdclass={"build_ext": CMakeBuild},
-    install_requires=[TORCH_REQUIREMENT, "numpy", "tqdm", "matplotlib"],
 )

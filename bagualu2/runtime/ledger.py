@@ -1,9 +1,14 @@
 """Residency ledger: the device bytes the activation runtime holds, counted once per storage.
 
-``ResidencyLedger`` and the kept-save record (``Kept``) are C++ (``bagualu2._saves``,
-csrc/saves/ledger.h, whose design note states their invariants): a step counts and
-gives back one count per saved tensor, and in C++ neither runs Python code nor can be cut short
-by an interrupt. Here: ``Pin`` (the handle that holds one count for any other holder) and
+``ResidencyLedger`` and the kept-save record (``Kept``), with the hooks' common cases
+(``CalmPack``, ``KeptUnpack``), are C++ (``bagualu2._saves``, csrc/saves/ledger.h, whose design
+note states their invariants): a step counts and gives back one count per saved tensor, and in
+C++ neither runs Python code nor can be cut short by an interrupt. ``_saves`` links against
+torch's C++ API and loads only under the torch release it was built against; under any other
+(or where it was not built: a build that could not import torch) the same types come from
+``bagualu2.runtime.saves_python``, their Python form (same results, bit for bit; the host cost
+and the interrupt guarantees differ, as its note says), with one ``SavePathWarning`` that says
+what it costs and how to rebuild. Here: ``Pin`` (the handle that holds one count for any other holder) and
 ``_drain_failed_backward``, which frees what a failed backward pass left holding counts inside
 autograd. Everything else in the runtime that holds a storage on the device (an offload's source
 while its copy runs, a leaf a recipe pins, a copy backward reloads or rebuilds for more readers)
@@ -18,23 +23,67 @@ the ledger's), and a pin has no finalizer to be cut short.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import threading
+import warnings
+from types import ModuleType
 from typing import Optional, Tuple
 
 import torch
 
-_REBUILD = ("bagualu2's save path (bagualu2._saves) links against torch and is built against the torch "
-            "of its build environment: reinstall bagualu2 with this torch (pip install --force-reinstall "
-            "--no-build-isolation bagualu2, or from a checkout: pip install --no-build-isolation .)")
-try:
-    from bagualu2._saves import CalmPack, Kept, KeptUnpack, Ledger as ResidencyLedger, torch_release
-except ImportError as e:  # built against another torch release than this process runs
-    raise ImportError(f"bagualu2: bagualu2._saves does not load with torch {torch.__version__}: {e}. {_REBUILD}") from e
-if tuple(int(v) for v in torch.__version__.split(".")[:2]) != tuple(torch_release):
-    raise ImportError(f"bagualu2: bagualu2._saves was built against torch {'.'.join(map(str, torch_release))} and this "
-                      f"process runs torch {torch.__version__}. {_REBUILD}")
+# The command that builds the compiled save path against the torch installed here (its build
+# requirements first: no build isolation, so that it sees this torch; --no-deps: torch stays as it is).
+REBUILD = ("pip install setuptools wheel pybind11 cmake ninja && pip install --no-build-isolation --no-deps "
+           "--force-reinstall --no-binary bagualu2 bagualu2 (from a checkout: pip install --no-build-isolation "
+           "--no-deps --force-reinstall .)")
 
-__all__ = ["CalmPack", "Kept", "KeptUnpack", "Pin", "ResidencyLedger"]
+
+class SavePathWarning(UserWarning):
+    """The save path runs in its Python form: the compiled one (``bagualu2._saves``) is missing or
+    was built for another torch release."""
+
+
+def _compiled() -> Tuple[Optional[ModuleType], str]:
+    """``bagualu2._saves`` where it loads with this torch, else None and why not."""
+    if importlib.util.find_spec("bagualu2._saves") is None:
+        return None, "was not built (the build that installed bagualu2 did not see torch: an isolated build)"
+    try:
+        from bagualu2 import _saves
+    except ImportError as e:  # another torch's symbols
+        return None, f"does not load with torch {torch.__version__} ({e})"
+    built = tuple(_saves.torch_release)
+    if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) != built:
+        return None, f"was built against torch {'.'.join(map(str, built))} and this process runs torch {torch.__version__}"
+    return _saves, ""
+
+
+# BAGUALU2_SAVE_PATH: auto (the compiled form where it loads, else the Python form with one
+# warning), python (the Python form, no warning: the tests run both), compiled (the compiled form
+# or an ImportError: what CI checks a build by).
+_CHOICE = os.environ.get("BAGUALU2_SAVE_PATH", "auto")
+if _CHOICE not in ("auto", "python", "compiled"):
+    raise ImportError(f"bagualu2: BAGUALU2_SAVE_PATH={_CHOICE!r}: expected auto, python or compiled")
+_saves, _why = (None, "was not asked for (BAGUALU2_SAVE_PATH=python)") if _CHOICE == "python" else _compiled()
+if _saves is not None:
+    from bagualu2._saves import CalmPack, Kept, KeptUnpack, Ledger as ResidencyLedger
+    SAVE_PATH = "compiled"
+else:
+    if _CHOICE == "compiled":
+        raise ImportError(f"bagualu2: the compiled save path bagualu2._saves {_why} (BAGUALU2_SAVE_PATH=compiled). "
+                          f"To build it against this torch: {REBUILD}")
+    from bagualu2.runtime.saves_python import CalmPack, Kept, KeptUnpack, Ledger as ResidencyLedger
+    SAVE_PATH = "python"
+    if _CHOICE == "auto":
+        warnings.warn(
+            f"bagualu2: the compiled save path (bagualu2._saves) {_why}; the save path runs in Python instead: "
+            f"the same results, bit for bit, at about 7 times the save hooks' host cost (some 2 microseconds more "
+            f"per saved tensor on a desktop CPU). To build it against this torch: {REBUILD}",
+            SavePathWarning, stacklevel=2)
+# Which form runs (compiled or python), and why not the compiled one ("" when it runs).
+SAVE_PATH_REASON = _why
+
+__all__ = ["CalmPack", "Kept", "KeptUnpack", "Pin", "REBUILD", "ResidencyLedger", "SAVE_PATH", "SavePathWarning"]
 
 
 class Pin:
