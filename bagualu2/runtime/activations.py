@@ -201,7 +201,6 @@ class ActivationRuntime:
                     if frame.runtime_state.calm_block is not None:
                         calm_blocks.leave(frame, self.mode)
                     self.mode.place(False)
-                    calm_blocks.watched_written(frame, self.mode)  # what untraced code wrote after the last traced block
             if frame.strict:
                 check_keys(frame, self.mode.nodes.values())
         finally:
@@ -243,7 +242,6 @@ class ActivationRuntime:
         frame.runtime_state.recomputed = set()
         frame.runtime_state.rerun = None
         frame.runtime_state.calm_block = None
-        frame.runtime_state.watched = []
         frame.runtime_state.region = None
         self.mode.reset()  # the frame's nodes, and the anchors they pin
         self._clear_left_scopes()
@@ -365,6 +363,7 @@ class ActivationRuntime:
                         return  # runs untraced
                     self._traced_blocks.add(_name)
                     frame.stats.traced_blocks += 1
+                    self.mode.block_begins(_name, tree_flatten((args, kwargs))[0] if kwargs else list(args))
                 self.mode.push_module(_name)
                 if _block and args and isinstance(args[0], torch.Tensor):
                     self._anchor(args[0], outermost=_block == 2)
@@ -385,9 +384,10 @@ class ActivationRuntime:
                     return
                 self.mode.pop_module()
                 if _block == 2:
+                    self.mode.block_ends()
                     frame.runtime_state.past_blocks = True
                     if frame.runtime_state.scope is not None:
-                        calm_blocks.traced_ends(frame, self.mode, out)
+                        calm_blocks.traced_ends(frame, self.mode)
 
             hooks.append((module, AttachedHook(enter), AttachedHook(leave), outer_block(name)))
         attachment = _Attachment(self, hooks, calls)
@@ -440,9 +440,11 @@ class ActivationRuntime:
         if node is not None and node.anchor is None and self.residency.frame is not None:
             if self.residency.over_budget(t.untyped_storage()):
                 return  # no room: recompute chains reach further back instead
+            if t._version != node.version:
+                self.mode.seen(node, t)
             with self.residency.untraced():
-                held = t.detach()  # holding t's autograd graph would be a reference cycle
-            node.anchor = (held, node.state, Pin(self.ledger, t.untyped_storage()))
+                held = t.detach()  # shares t's version counter; holding t's graph would be a reference cycle
+            node.anchor = (held, node.state, Pin(self.ledger, t.untyped_storage()), held._version)
             self.residency.frame.anchors.append(node)
             anchors = node.cache.anchors
             if outermost and (not anchors or anchors[-1] < node.position):
@@ -488,13 +490,12 @@ class ActivationRuntime:
             return Kept(t)
         storage = t.untyped_storage()
         node = self.mode.nodes.get(storage._cdata)
-        run = frame.runtime_state
-        if run.calm:
-            if node is None:
-                return self._pack_untraced(frame, t, storage)
-            # A storage a traced op made, saved by untraced code: its plan decides, once what
-            # untraced code wrote of it is seen (its state then is the one saved).
-            calm_blocks.watched_written(frame, self.mode)
+        if node is None and frame.runtime_state.calm:
+            return self._pack_untraced(frame, t, storage)
+        # A traced storage (saved by traced or untraced code: its plan decides) is saved in the
+        # state it is in now: what code the mode did not see wrote of it since is seen first.
+        if node is not None and t._version != node.version:
+            self.mode.seen(node, t)
         if node is None:
             # From outside the traced forward: no recipe, and not this frame's to release. It is
             # what the pin headroom is left for, so only the target itself bounds it.

@@ -20,33 +20,35 @@ only as far as those modules need (``TraceScope``):
 What a traced op reads of a storage made untraced it holds as it holds the forward's inputs
 (``Leaf``s, version-checked at replay).
 
-Invariants (tests/test_calm_blocks.py):
+Invariants (tests/test_calm_blocks.py, tests/test_aliasing.py):
 
-* Exactness: a traced storage that untraced code writes in place ends its node's replayable
-  states (``TracingMode.untraced_write``), so no rebuild reproduces it as it was before the write
-  for a read made after it. The writes are seen through what the traced blocks return (checked
-  as each traced block begins, as the forward ends, and before untraced code's save of a traced
-  storage) and through a calm block's tensor arguments (checked as it returns), while those
-  tensors live (held weakly: watching extends no activation's life); a write through another
-  tensor of the storage after they died is not seen. A calm block called with an argument that
-  is neither a tensor nor a plain value (a KV cache), or entered while another dispatch mode runs
-  above the tracing mode, is traced instead.
+* Exactness: a traced storage that untraced code writes in place is never rebuilt as it was
+  before the write for a read made after it. Each traced storage's node knows the version its
+  tensors' counter reads after the last op the tracing mode saw on it (``StorageNode.version``);
+  every traced read of it (a recorded op's argument, an in-place op's target, a save, a block
+  input anchored) compares the tensor's counter first, and a counter that moved ends the
+  node's replayable states (``TracingMode.seen``). Every tensor that aliases a storage through
+  torch's view machinery shares one counter (views, ``detach()``, and so module attributes,
+  buffers, closures and containers holding them), so the write is seen whoever made it, through
+  whichever tensor, and however long after the tensors the traced blocks returned died. A
+  write that moves no counter (through ``.data``, a NumPy or DLPack alias) is outside what
+  autograd itself checks, and outside this: ``enable(verify=...)`` catches what it corrupts.
+  A calm block called with an argument that is neither a tensor nor a plain value (a KV
+  cache), or entered while another dispatch mode runs above the tracing mode, is traced instead.
 * A storage a traced op made is saved as the plan says wherever it is saved: untraced code's
-  saves of it take the full way, after the writes above are seen.
+  saves of it take the full way, where the same check runs.
 * Nothing untraced is planned: it has no node and its operators no key seen. Profiled and
   ``strict`` frames, and frames whose first saves an overlap driver follows, are traced whole.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, AbstractSet, Any, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten
 
-from bagualu2.runtime.recipes import StorageNode, is_plain
 from bagualu2.runtime.rerun import unrestorable
 
 if TYPE_CHECKING:
@@ -54,12 +56,7 @@ if TYPE_CHECKING:
     from bagualu2.runtime.tracing import TracingMode
 
 __all__ = ["CalmBlock", "Scopes", "TraceScope", "begins", "enter", "enter_traced", "leave", "leave_traced",
-           "trace_scope", "traced_ends", "watch_written", "watched_written"]
-
-# A traced storage a tensor handed to or from untraced code views: (node, that tensor, held
-# weakly, its version counter then)
-_Watched = Tuple[StorageNode, "weakref.ref[torch.Tensor]", int]
-
+           "trace_scope", "traced_ends"]
 
 class TraceScope(NamedTuple):
     """What a frame with ``released_modules`` traces (see the module note)."""
@@ -118,54 +115,14 @@ def _flat(args: tuple, kwargs: Dict[str, Any]) -> List[Any]:
     return tree_flatten((args, kwargs))[0]
 
 
-def _watch(xs: List[Any], nodes: Dict[int, StorageNode]) -> List[_Watched]:
-    out: List[_Watched] = []
-    for x in xs:
-        if isinstance(x, torch.Tensor) and is_plain(x):
-            node = nodes.get(x.untyped_storage()._cdata)
-            if node is not None:
-                out.append((node, weakref.ref(x), x._version))
-    return out
-
-
-def watch_written(watched: List[_Watched], mode: "TracingMode", why: str) -> None:
-    """End the replayable states of the watched traced storages written in place since they
-    were watched (their version counters moved), once per write seen: ``watched`` is updated,
-    and loses what died (a tensor is held weakly: watching extends no activation's life)."""
-    alive: List[_Watched] = []
-    for node, ref, version in watched:
-        x = ref()
-        if x is None:
-            continue
-        if x._version != version:
-            mode.untraced_write(node, why)
-        alive.append((node, ref, x._version))
-    watched[:] = alive
-
-
-def _written_by(block: str) -> str:
-    return f"{block} wrote it in place, untraced (a block the plan keeps)"
-
-
-def watched_written(frame: "Frame", mode: "TracingMode") -> None:
-    """``watch_written`` over all ``frame`` watches now: the traced blocks' outputs and the
-    running calm block's arguments."""
-    run = frame.runtime_state
-    watch_written(run.watched, mode, "written in place untraced (outside the blocks the plan releases from)")
-    if run.calm_block is not None:
-        watch_written(run.calm_block.watched, mode, _written_by(run.calm_block.name))
-
-
 class CalmBlock:
-    """One call of an outermost block running untraced in a forward traced otherwise: the
-    module, its path, and the traced storages among its tensor arguments with their versions."""
+    """One call of an outermost block running untraced in a forward traced otherwise."""
 
-    __slots__ = ("module", "name", "watched")
+    __slots__ = ("module", "name")
 
-    def __init__(self, module: torch.nn.Module, name: str, watched: List[_Watched]) -> None:
+    def __init__(self, module: torch.nn.Module, name: str) -> None:
         self.module = module
         self.name = name
-        self.watched = watched
 
 
 def begins(frame: "Frame", mode: "TracingMode", module: torch.nn.Module, name: str, args: tuple,
@@ -177,59 +134,51 @@ def begins(frame: "Frame", mode: "TracingMode", module: torch.nn.Module, name: s
     if name not in scope.blocks:
         return enter(frame, mode, module, name, args, kwargs)
     if not scope.whole:
-        enter_traced(frame, mode, name)
+        enter_traced(frame, mode)
     return False
 
 
-def traced_ends(frame: "Frame", mode: "TracingMode", out: Any) -> None:
-    """A traced outermost block of ``frame``, which has a scope, returned ``out``."""
+def traced_ends(frame: "Frame", mode: "TracingMode") -> None:
+    """A traced outermost block of ``frame``, which has a scope, returned."""
     if not frame.runtime_state.scope.whole:
-        leave_traced(frame, mode, out)
+        leave_traced(frame, mode)
 
 
 def enter(frame: "Frame", mode: "TracingMode", module: torch.nn.Module, name: str, args: tuple,
           kwargs: Dict[str, Any]) -> bool:
     """Run this call of outermost block ``name``, which ``frame``'s plan releases nothing from,
     untraced (the module hooks' call as it begins); False (trace it) when another dispatch mode
-    was entered inside ``mode``, or when an argument is an object the block may write into
-    unseen (``unrestorable``)."""
+    was entered inside ``mode``, or when an argument is an object the block may change unseen
+    (``unrestorable``)."""
     if _get_current_dispatch_mode() is not mode:
         return False
     flat = _flat(args, kwargs)
     if unrestorable(flat) is not None:
         return False
     run = frame.runtime_state
-    run.calm_block = CalmBlock(module, name, _watch(flat, mode.nodes))
+    run.calm_block = CalmBlock(module, name)
     mode.place(False)  # off torch's dispatch stack: the block's ops skip Python
     run.calm = True
     return True
 
 
 def leave(frame: "Frame", mode: "TracingMode") -> None:
-    """End ``frame``'s calm block call (as it returns, or as an error leaves it): what it wrote
-    of the traced storages it was given ends their replayable states, and tracing resumes."""
+    """End ``frame``'s calm block call (as it returns, or as an error leaves it): tracing
+    resumes."""
     run = frame.runtime_state
-    block, run.calm_block = run.calm_block, None
+    run.calm_block = None
     run.calm = False
-    if block is not None:
-        watch_written(block.watched, mode, _written_by(block.name))
     mode.place(True)
 
 
-def enter_traced(frame: "Frame", mode: "TracingMode", name: str) -> None:
+def enter_traced(frame: "Frame", mode: "TracingMode") -> None:
     """A block the plan may release from begins in a frame that traces only such blocks:
-    what untraced code wrote of the earlier traced blocks' outputs is seen, then tracing
-    starts."""
-    run = frame.runtime_state
-    watch_written(run.watched, mode, f"written in place untraced before {name} (outside the blocks the plan "
-                                     f"releases from)")
+    tracing starts."""
     mode.place(True)
-    run.calm = False
+    frame.runtime_state.calm = False
 
 
-def leave_traced(frame: "Frame", mode: "TracingMode", out: Any) -> None:
-    """Such a block returned ``out``: its traced storages are watched, and tracing stops."""
-    run = frame.runtime_state
-    run.watched.extend(_watch(tree_flatten(out)[0] if not isinstance(out, torch.Tensor) else [out], mode.nodes))
-    run.calm = True
+def leave_traced(frame: "Frame", mode: "TracingMode") -> None:
+    """Such a block returned: tracing stops."""
+    frame.runtime_state.calm = True
     mode.place(False)

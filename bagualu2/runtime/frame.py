@@ -77,7 +77,7 @@ class FrameRun:
     storages released by recompute). Written and read by ``bagualu2.runtime`` only; the
     provisioner asks through ``Frame``'s fields and reads what the forward reports."""
 
-    __slots__ = ("past_blocks", "scope", "calm", "calm_block", "watched", "rerun", "region", "offloads",
+    __slots__ = ("past_blocks", "scope", "calm", "calm_block", "rerun", "region", "offloads",
                  "prefetch_cursor", "prefetch_task", "prefetch_pending", "recomputes", "untraced_offloads",
                  "recomputed")
 
@@ -89,8 +89,6 @@ class FrameRun:
         # untraced frame's, what a traced one runs untraced (``scope``). The C++ pack hook reads it.
         self.calm = False  # set as the frame starts
         self.calm_block: Optional[CalmBlock] = None  # the block of a traced frame running calm now
-        # Traced storages that traced blocks returned, with their versions then (``scope``)
-        self.watched: List[Tuple[StorageNode, "weakref.ref[torch.Tensor]", int]] = []
         self.rerun: Optional[BlockRerun] = None  # the block running untraced now, to be rerun
         self.region: Optional["RegionState"] = None  # the compiled region call running now
         self.offloads: List["weakref.ref[OffloadStore]"] = []  # in pack (forward) order

@@ -191,7 +191,7 @@ class StorageNode:
 
     __slots__ = (
         "key", "position", "nbytes", "device", "_weak", "creator", "mutations", "recomputable",
-        "replayable", "why_not", "owners", "offloaded", "kept", "anchor", "cache", "__weakref__",
+        "replayable", "why_not", "owners", "offloaded", "kept", "anchor", "cache", "version", "__weakref__",
     )
 
     def __init__(self, key: str, position: int, storage: torch.UntypedStorage, creator: Step,
@@ -212,8 +212,11 @@ class StorageNode:
         # Data holders registered by the saved-tensor runtime, by state.
         self.offloaded: Dict[int, Any] = {}
         self.kept: Dict[int, Tuple["weakref.ref[torch.Tensor]", int]] = {}  # state -> (tensor, version)
-        self.anchor: Optional[Tuple[torch.Tensor, int, Any]] = None  # (block input, state, pin)
+        self.anchor: Optional[Tuple[torch.Tensor, int, Any, int]] = None  # (block input, state, pin, version)
         self.cache = cache
+        # The version counter the storage's tensors read once the last op the tracing mode saw
+        # on it has returned (``TracingMode.seen``); -1: none (an inference tensor).
+        self.version = 0
 
     @property
     def state(self) -> int:

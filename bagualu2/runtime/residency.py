@@ -442,9 +442,11 @@ class Residency:
 
     def available(self, node: StorageNode, state: int) -> Optional[torch.UntypedStorage]:
         # An anchor holds the storage as it is now: in the state it was anchored in only if no
-        # in-place op has written it since.
-        if node.anchor is not None and node.anchor[1] == state == node.state:
-            return node.anchor[0].untyped_storage()
+        # in-place op has written it since, traced (the node's state moved) or not (its
+        # version counter did).
+        anchor = node.anchor
+        if anchor is not None and anchor[1] == state == node.state and anchor[0]._version == anchor[3]:
+            return anchor[0].untyped_storage()
         kept = kept_tensor(node, state)
         if kept is not None:
             return kept.untyped_storage()

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -112,17 +112,22 @@ class TracingMode(TorchDispatchMode):
         self.profile = False
         self.suspended = 0
         self._pin_leaf = pin_leaf
-        self._calls: List[Tuple[str, Dict[str, int]]] = [("", {})]
+        # The module calls running now: (path, op counts inside it, how many nodes existed as it began)
+        self._calls: List[Tuple[str, Dict[str, int], int]] = [("", {}, 0)]
         self._call_counts: Dict[str, int] = {}
         # Paths of the modules whose calls, in any frame, had an effect a rerun would repeat:
         # a collective, or a write into a storage from outside the traced forward (a buffer, a
-        # counter, a parameter an FSDP2 unshard fills). They are never rerun whole in backward
+        # counter, a parameter an FSDP2 unshard fills) or from before the call began (its input:
+        # a rerun would start from the written input). They are never rerun whole in backward
         # (``ActivationRuntime``'s rerun blocks).
         self.side_effect_modules: Set[str] = set()
         # Storages from outside the traced forward that an op inside it wrote, with the path of
         # the module whose call wrote them (see _record_mutation and StorageNode.owners).
         self.written_outside: Dict[int, Tuple[StorageWeakRef, str]] = {}
         self._owners: Set[str] = set()
+        # The outermost block call running now, traced: (its path, how many nodes existed as it
+        # began, the storages of its tensor arguments); see ``block_begins``.
+        self._block: Optional[Tuple[str, int, FrozenSet[int]]] = None
 
     # -- module path ------------------------------------------------------------------------
     def reset(self) -> None:
@@ -130,13 +135,27 @@ class TracingMode(TorchDispatchMode):
         self.nodes = {}
         self.written_outside = {}
         self.cache = RecomputeCache(self._charge)
-        self._calls = [("", {})]
+        self._calls = [("", {}, 0)]
         self._call_counts = {}
+        self._block = None
 
     def push_module(self, path: str) -> None:
         n = self._call_counts.get(path, 0)
         self._call_counts[path] = n + 1
-        self._calls.append((path if n == 0 else f"{path}#{n}", {}))
+        self._calls.append((path if n == 0 else f"{path}#{n}", {}, len(self.nodes)))
+
+    def block_begins(self, path: str, args: List[Any]) -> None:
+        """Outermost block ``path`` begins, traced, with the flattened arguments ``args``. A
+        rerun of the block in backward passes it these arguments again (held) and reads all
+        else as it is then: so a block whose call reads a storage made before it began through
+        anything but its arguments (a tensor another block left in a module attribute or a
+        container, which the forward may replace by the time backward reruns it) is never rerun
+        whole (``side_effect_modules``); see ``_encode``."""
+        self._block = (path, len(self.nodes), frozenset(
+            a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor) and is_plain(a)))
+
+    def block_ends(self) -> None:
+        self._block = None
 
     def pop_module(self) -> None:
         if len(self._calls) > 1:
@@ -183,16 +202,32 @@ class TracingMode(TorchDispatchMode):
         if on:
             mode.__enter__()
 
+    def seen(self, node: StorageNode, x: torch.Tensor) -> None:
+        """``x``, a tensor of ``node``'s storage, is read or written now: if its version counter
+        moved since the last op this mode saw on the storage returned, code the mode did not see
+        wrote it in place (an untraced block, an untraced frame's gate, a hook), through whichever
+        tensor shares the counter (a view, a ``detach()``, a module attribute, a tensor in a
+        container). Its states from that write on cannot be replayed, so what reads it from now
+        on holds it as it is (``untraced_write``). Callers compare ``x._version`` with
+        ``node.version`` first: this is the rare path."""
+        try:
+            version = x._version
+        except RuntimeError:  # an inference tensor has no version counter, and no autograd reads it
+            return
+        if version != node.version:
+            self.untraced_write(node, f"written in place where bagualu2 did not trace it (its version counter "
+                                      f"moved from {node.version} to {version})")
+            node.version = version
+
     def untraced_write(self, node: StorageNode, why: str) -> None:
-        """``node``'s storage was written in place by ops this mode did not see (a calm block's,
-        ``runtime.calm_blocks``): its states from now on cannot be replayed, so what reads it
-        later holds it as it is."""
+        """``node``'s storage was written in place by ops this mode did not see: its states from
+        now on cannot be replayed, so what reads it later holds it as it is."""
         node.why_not = why
         node.mutations += (Step(None, (), {}, None),)
 
     def _side_effect(self) -> None:
         """The running op has an effect a rerun would repeat: mark every module call it is in."""
-        for path, _ in self._calls[1:]:
+        for path, _, _ in self._calls[1:]:
             self.side_effect_modules.add(path.partition("#")[0])
 
     def module_path(self) -> str:
@@ -221,6 +256,12 @@ class TracingMode(TorchDispatchMode):
                 return Leaf(x, None)
             cdata = x.untyped_storage()._cdata
             node = self.nodes.get(cdata)
+            if node is not None and node is not mutated:
+                if x._version != node.version:
+                    self.seen(node, x)
+                block = self._block
+                if block is not None and node.position < block[1] and cdata not in block[2]:
+                    self.side_effect_modules.add(block[0])
             if node is None or (node is not mutated and not node.rebuildable(len(node.mutations))):
                 if node is None and cdata in self.written_outside:
                     self._owners.add(self.written_outside[cdata][1])
@@ -287,7 +328,7 @@ class TracingMode(TorchDispatchMode):
                 self._owners = set()
                 encoded = (self._encode(args, None), self._encode(kwargs, None)) if replayable else ((), {})
                 owners = frozenset(self._owners) if self._owners else None
-                path, counts = self._calls[-1]
+                path, counts, _ = self._calls[-1]
                 n = counts.get(info.name, 0)
                 counts[info.name] = n + 1
                 key = f"{path}:{info.name}:{n}"
@@ -297,6 +338,7 @@ class TracingMode(TorchDispatchMode):
                 key if index == 0 else f"{key}.{index}", len(self.nodes), storage, step, replayable,
                 why_not, self.cache,
             )
+            node.version = o._version
             node.owners = owners
             self.nodes[storage._cdata] = node
             if several:
@@ -328,6 +370,11 @@ class TracingMode(TorchDispatchMode):
                 elif all(node is not n for n, _ in targets):
                     targets.append((node, t))
         for node, t in targets:
+            if t._version != node.version:  # written unseen before this write
+                self.seen(node, t)
+            for path, _, start in self._calls[1:]:
+                if node.position < start:
+                    self.side_effect_modules.add(path.partition("#")[0])
             if node.replayable == len(node.mutations):
                 self._owners = set(node.owners or ())
                 # Pinned only if the step is kept: a pin counts as bytes the frame holds, even
@@ -348,4 +395,7 @@ class TracingMode(TorchDispatchMode):
             if len(node.mutations) >= node.replayable:
                 step = Step(func, (), {}, None, 0, seconds)  # not replayable: keep no references
             node.mutations += (step,)
+            # Autograd bumps the counter by one per written argument after this mode returns
+            # (ADInplaceOrView sits above the Python dispatch key).
+            node.version = t._version + 1
         return written
