@@ -72,6 +72,25 @@ from bagualu2.runtime.recipes import StorageNode, ViewMeta, is_plain, recipe_ref
 __all__ = ["ActivationRuntime", "AttachedHook"]
 
 
+def _refuse_outer_hooks() -> None:
+    """Raise when the provisioned forward is about to run inside saved-tensor hooks of someone
+    else's (``torch.autograd.graph.save_on_cpu``, a framework's activation offloading): only the
+    innermost pair applies, so bagualu2's would hide every save of the forward from them, and
+    the two would each count on deciding what stays on the device."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if hooks is None:
+        return
+    pack = hooks[0]
+    name = f"{getattr(pack, '__module__', None) or type(pack).__module__}." \
+           f"{getattr(pack, '__qualname__', None) or type(pack).__qualname__}"
+    raise RuntimeError(
+        f"bagualu2: the provisioned forward runs inside other saved-tensor hooks (pack hook {name}, e.g. "
+        f"torch.autograd.graph.save_on_cpu or a training framework's activation offloading). Only the "
+        f"innermost hooks apply, so bagualu2's would take every save of this forward from them: turn the "
+        f"outer offloading off for the model bagualu2 provisions (bagualu2 offloads per operator itself), or "
+        f"use those hooks inside a block instead (hooks inside bagualu2's apply there, exactly)")
+
+
 class ActivationRuntime:
     """Applies per-operator KEEP / OFFLOAD / RECOMPUTE choices to saved activations: picks each
     save's choice here; the ``Residency`` it owns (``residency``) holds, counts and serves back
@@ -155,6 +174,7 @@ class ActivationRuntime:
                 "the outer module only"
             )
         self._clear_left_scopes()
+        _refuse_outer_hooks()
         self.collect()
         _drain_graph()  # made before this frame's graph: see _drain_failed_backward
         self.mode.reset()
