@@ -62,7 +62,8 @@
 //     ended); any other failure of theirs is a plain RuntimeError and says nothing about the
 //     work (offload/fence.h keeps such a block pending).
 //   * Raw handles are opaque integers-as-pointers. Whatever this library creates is owned by
-//     a UniqueStream or UniqueEvent (below), never by a bare handle, so a constructor that
+//     a UniqueStream or UniqueEvent (below), or an EventPool (offload/fence.h: the copies'
+//     timing events, destroyed with the pool), never by a bare handle, so a constructor that
 //     throws half-way leaks nothing, except the process-wide copy streams, which are never
 //     destroyed on purpose. Runtime failures throw bagualu2::RuntimeError.
 #pragma once
