@@ -500,8 +500,10 @@ def test_the_python_form_passes_the_save_path_tests_and_is_exact_end_to_end() ->
     this file's tests, and the steps above, run under it (BAGUALU2_SAVE_PATH=python)."""
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "BAGUALU2_SAVE_PATH": "python"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *PYTHON_FORM_TESTS],
-                         cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+    # From this process's directory, so that the same bagualu2 is imported (an installed one, or the checkout's).
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(root),
+                          "-c", str(root / "pyproject.toml"), *(str(root / test) for test in PYTHON_FORM_TESTS)],
+                         env=env, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert " passed" in run.stdout and "failed" not in run.stdout
 
