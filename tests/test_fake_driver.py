@@ -57,10 +57,11 @@ def test_the_loader_took_the_versioned_entry_points(observed: dict) -> None:
 
 def test_nothing_is_left_after_teardown(observed: dict) -> None:
     """Every event, pinned and device allocation the scenarios made is gone once their objects
-    are; the only streams left are the process-wide copy streams, two per device used."""
+    are; what is left is what lives as long as the process on purpose: the primary contexts of
+    the devices used (1 and 2) and their process-wide copy streams, two per device."""
     live = observed["live_after_teardown"]
     assert live["events"] == 0 and live["host"] == 0 and live["device"] == 0, live
-    assert live["streams"] == [0, 2, 2], live
+    assert live["contexts"] == 2 and live["streams"] == [0, 2, 2], live
 
 
 def test_a_fence_the_driver_cannot_answer_keeps_its_block(observed: dict) -> None:

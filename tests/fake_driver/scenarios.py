@@ -35,6 +35,7 @@ DRIVER.fake_cuda_device_free.argtypes = [ctypes.c_ulonglong]
 DRIVER.fake_cuda_calls_in_child.restype = ctypes.c_long
 DRIVER.cuEventCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
 DRIVER.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+DRIVER.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
 DRIVER.cuEventDestroy_v2.argtypes = [ctypes.c_void_p]
 DRIVER.cuEventDestroy.argtypes = [ctypes.c_void_p]
 DEVICE = 2
@@ -55,9 +56,10 @@ def driver_state() -> dict:
 
 
 def live() -> dict:
-    """What the driver holds now: live events, pinned and device allocations, and streams per
-    device (default streams apart)."""
-    return {"events": DRIVER.fake_cuda_live(b"events", -1), "host": DRIVER.fake_cuda_live(b"host", -1),
+    """What the driver holds now: retained primary contexts, live events, pinned and device
+    allocations, and streams per device (default streams apart)."""
+    return {"contexts": DRIVER.fake_cuda_live(b"contexts", -1),
+            "events": DRIVER.fake_cuda_live(b"events", -1), "host": DRIVER.fake_cuda_live(b"host", -1),
             "device": DRIVER.fake_cuda_live(b"device", -1),
             "streams": [DRIVER.fake_cuda_live(b"streams", d) for d in range(3)]}
 
@@ -307,17 +309,21 @@ def fence_errors() -> dict:
     for name, call, code in cases:
         producer, gate = hooks.Stream("cuda", DEVICE), hooks.HostFence()
         producer.wait_fence(gate)
-        ticket = engine.offload(src.ptr, N, producer.handle)
-        fail(call, code)
-        o = {"done": error(ticket.done)}
-        ticket.release()
-        block = arena.allocate(N)
-        o["handed_out_while_copy_held"] = block is not None
-        fail(call, code, 0)
+        try:
+            ticket = engine.offload(src.ptr, N, producer.handle)
+            fail(call, code)
+            o = {"done": error(ticket.done)}
+            ticket.release()
+            block = arena.allocate(N)
+            o["handed_out_while_copy_held"] = block is not None
+        finally:
+            fail("*", 0, 0)
+            gate.signal()  # never left held: the stream's destructor would wait for it
         if block is not None:
             arena.free(block)
-        gate.signal()
-        producer.synchronize()
+        # The copy behind the producer ends (a real driver aborts the work of a context that
+        # reported ILLEGAL_ADDRESS; the stand-in, which only reported it, runs it to the end).
+        assert in_thread(lambda: DRIVER.cuStreamSynchronize(engine.d2h_stream), bind=DEVICE)["result"] == 0
         block = arena.allocate(N)
         o["handed_out_after_copy_ended"] = block is not None
         if block is not None:
@@ -369,17 +375,19 @@ def shared_streams() -> dict:
         worker.join(60)  # a deadlock guard, not a timing: the gate opens only below
         return not worker.is_alive()
 
-    obs["a_synchronize_returned_while_b_held"] = returns_while_held(a.synchronize)
-    holder = [a]
-    del a
+    try:
+        obs["a_synchronize_returned_while_b_held"] = returns_while_held(a.synchronize)
+        holder = [a]
+        del a
 
-    def destroy() -> None:
-        holder.clear()
-        gc.collect()
+        def destroy() -> None:
+            holder.clear()
+            gc.collect()
 
-    obs["a_destroyed_while_b_held"] = returns_while_held(destroy)
-    obs["b_done_while_held"] = held.done()
-    gate.signal()
+        obs["a_destroyed_while_b_held"] = returns_while_held(destroy)
+        obs["b_done_while_held"] = held.done()
+    finally:
+        gate.signal()
     held.wait()
     b.synchronize()
     return obs
