@@ -7,7 +7,9 @@ each measured so that it can only pass for the reason it names.
                 up; target 95% in both directions at every size
   overlap       copies and matmuls sized to take about the same GPU time; from event times,
                 the copies' and the matmuls' intervals must overlap by half the shorter phase,
-                and the step with both must save half the shorter phase against the two alone
+                and the step with both must save half the shorter phase against the two alone.
+                The matmuls are queued first: a copy that waited for the compute stream's
+                queued work (a prefetch ordered after it) could not overlap them
   oom-allocator the caching allocator's limit (set_per_process_memory_fraction) between what
                 recompute_all and keep_all's forward need: the safety net reruns, exact
   oom-driver    the same limit made real: the rest of the device is taken by one tensor, so the
@@ -104,7 +106,7 @@ def measure_bandwidth(device: torch.device, max_copy: Optional[str], reps: int =
 
 def check_overlap(device: torch.device) -> Tuple[bool, str, Dict[str, Any]]:
     """Copies (offloads and reloads, 256 MiB each way) against matmuls sized to the same GPU
-    time; verdict from event times on the streams."""
+    time, queued after the matmuls; verdict from event times on the streams."""
     from bagualu2.offload import CopyEngine, HostArena
 
     n, count = 64 * MiB, 4
@@ -115,6 +117,10 @@ def check_overlap(device: torch.device) -> Tuple[bool, str, Dict[str, Any]]:
         h.wait()
     a = torch.randn(4096, 4096, device=device)
     compute = torch.cuda.current_stream(device)
+    # The sources are complete (synchronized below) before any offload: their producer is an
+    # idle stream, so the offloads wait for nothing the compute stream queued, as a prefetch
+    # must not either.
+    producer = torch.cuda.Stream(device)
 
     def event(stream: torch.cuda.Stream) -> torch.cuda.Event:
         e = torch.cuda.Event(enable_timing=True)
@@ -123,7 +129,7 @@ def check_overlap(device: torch.device) -> Tuple[bool, str, Dict[str, Any]]:
 
     def copies() -> Tuple[List, Dict[str, torch.cuda.Event]]:
         ev = {"d2h0": event(engine.d2h_stream), "h2d0": event(engine.h2d_stream)}
-        keep = [engine.offload(t) for t in srcs[count:]] + [engine.reload_async(h) for h in back]
+        keep = [engine.offload(t, stream=producer) for t in srcs[count:]] + [engine.reload_async(h) for h in back]
         ev.update(d2h1=event(engine.d2h_stream), h2d1=event(engine.h2d_stream))
         return keep, ev
 
@@ -158,8 +164,8 @@ def check_overlap(device: torch.device) -> Tuple[bool, str, Dict[str, Any]]:
 
     torch.cuda.synchronize(device)
     ref = event(compute)
-    keep, ev = copies()  # enqueued first: they wait only for what compute queued before
-    mm = matmuls(k)
+    mm = matmuls(k)  # queued first: the copies after it must not wait for them
+    keep, ev = copies()
     engine.synchronize()
     torch.cuda.synchronize(device)
     x0, x1 = copy_window(ev, ref)
