@@ -18,12 +18,14 @@ each measured so that it can only pass for the reason it names.
                 first, runs offload_all exactly and an engine round trip there, and then asks
                 the driver itself whether device 0's primary context is active in that process
                 (cuDevicePrimaryCtxGetState: exact, where NVML's process list matched against
-                os.getpid() reports host pids or nothing in a container): it must not be
+                os.getpid() reports host pids or nothing in a container): it must not be;
+                NVML's list is recorded beside it, for information
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from typing import Any, Dict, List, Optional, Tuple
@@ -216,6 +218,41 @@ def primary_context_active(device: int) -> bool:
     return bool(active.value)
 
 
+def _nvml_context_pids(uuid: str) -> Optional[List[int]]:
+    """PIDs holding a context on the GPU of `uuid` (NVML's compute processes), or None when
+    neither pynvml nor nvidia-smi can tell. Information only: in a container NVML lists host
+    pids or nothing, so the device>0 verdict is the driver's (primary_context_active)."""
+    want = uuid.lower().removeprefix("gpu-")
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                h = pynvml.nvmlDeviceGetHandleByIndex(i)
+                got = pynvml.nvmlDeviceGetUUID(h)
+                got = got.decode() if isinstance(got, bytes) else got
+                if got.lower().removeprefix("gpu-") == want:
+                    return [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)]
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no pynvml, or an NVML it cannot drive: ask nvidia-smi
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    out = subprocess.run([smi, "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        return None
+    pids = []
+    for line in out.stdout.splitlines():
+        pid, _, gpu = line.partition(",")
+        if gpu.strip().lower().removeprefix("gpu-") == want:
+            pids.append(int(pid))
+    return pids
+
+
 def device_probe(seed: int) -> Dict[str, Any]:
     """The fresh process of the device>0 row: last device set first, as a torchrun rank does."""
     import gc
@@ -241,10 +278,12 @@ def device_probe(seed: int) -> Dict[str, Any]:
     del engine
     gc.collect()  # finalizers of everything above, on whatever thread collects
     torch.cuda.synchronize(dev)
+    active = primary_context_active(0)  # the verdict, read before anything below asks about GPU 0
+    pids = _nvml_context_pids(str(torch.cuda.get_device_properties(0).uuid))
     return {"device": index, "offload_all_exact": _same(ref, got),
             "round_trip_exact": bool(back.device == dev and torch.equal(back, t)),
             "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "context_on_device0": primary_context_active(0)}
+            "context_on_device0": active, "pid": os.getpid(), "nvml_device0_pids": pids}
 
 
 def check_other_device(seed: int) -> Tuple[bool, str, Dict[str, Any]]:
