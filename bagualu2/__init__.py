@@ -13,7 +13,7 @@ prov.disable()
 from bagualu2 import _C
 from bagualu2.runtime import is_recomputing
 from bagualu2.plan.cost_model import CostModel
-from bagualu2.errors import BudgetExceededError, InfeasibleBudgetError
+from bagualu2.errors import BudgetExceededError, ExactnessError, InfeasibleBudgetError
 from bagualu2.offload import CopyEngine, HostArena
 from bagualu2.plan.planner import Candidate, Choice, Plan, Planner
 from bagualu2.api import enable, on_gating
@@ -31,6 +31,7 @@ __all__ = [
     "Choice",
     "CopyEngine",
     "CostModel",
+    "ExactnessError",
     "HostArena",
     "InfeasibleBudgetError",
     "POLICIES",

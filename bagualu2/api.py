@@ -55,6 +55,12 @@ def enable(model: torch.nn.Module, budget: Union[str, int, float, None] = "auto"
             last call)``; the budget is then on the whole memory it counts, and each micro-batch's
             activations get the budget less what it learned lies outside them at the peak, at
             that micro-batch's routing; default None: the budget is on the activations alone),
+            ``verify`` (the exactness check of what is released, ``bagualu2.runtime.verify``:
+            ``"off"``, ``"sample"`` (one released save in eight fingerprinted as it is saved and
+            compared when backward gets it back) or ``"all"``; default ``"off"``, or what the
+            ``BAGUALU2_VERIFY`` environment variable says), ``on_mismatch`` (``"raise"``:
+            ``bagualu2.ExactnessError``; ``"fallback"``: counted in ``report()["verify"]`` and
+            that operator kept from then on),
             ``margin``, ``telemetry_path`` (JSON lines), ``gates`` (a list of
             ``bagualu2.runtime.gates.GateSpec`` instead of discovery; ``[]`` when the model reports its
             routing through ``bagualu2.on_gating``).

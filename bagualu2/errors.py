@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["BudgetExceededError", "InfeasibleBudgetError", "exceed_hint", "recorded_memory_violation",
+from typing import Any, Optional
+
+__all__ = ["BudgetExceededError", "ExactnessError", "InfeasibleBudgetError", "exceed_hint", "recorded_memory_violation",
            "recorded_violation"]
 
 
@@ -69,3 +71,30 @@ class InfeasibleBudgetError(ValueError):
             f"offloaded or recomputed, {floor:,} bytes stay resident; raise the budget to at least "
             f"{floor:,} bytes or shrink the micro-batch"
         )
+
+
+class ExactnessError(RuntimeError):
+    """A released activation came back to backward different from what autograd saved
+    (``enable(verify=...)``): the gradients of that backward pass are not the model's.
+
+    ``key`` is the operator whose saved tensor differs, ``micro_batch`` the provisioned forward
+    that saved it (counted from 1 since ``enable``), ``how`` the way it was released
+    (``"offloaded"``, ``"recomputed"``, ``"rerun"``), and ``index`` the flat index of the first
+    sampled element that differs, with its ``expected`` and ``got`` values (all None when only
+    the checksum over every element differs).
+    """
+
+    def __init__(self, key: str, micro_batch: int, how: str, index: Optional[int], expected: Any, got: Any) -> None:
+        self.key = key
+        self.micro_batch = micro_batch
+        self.how = how
+        self.index = index
+        self.expected = expected
+        self.got = got
+        where = (f"element {index} was {expected!r} and came back {got!r}" if index is not None
+                 else "the checksum over its elements differs (no sampled element does)")
+        super().__init__(
+            f"bagualu2: the activation of {key} from micro-batch {micro_batch}, {how} in forward, came back "
+            f"different in backward: {where}. Something wrote it where bagualu2 could not see (through .data, "
+            f"a NumPy or DLPack alias), a block read state its rerun no longer finds, or this is a bagualu2 "
+            f"bug: keep that operator (a fixed plan) and report it")

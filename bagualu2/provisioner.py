@@ -48,6 +48,7 @@ stack of running provisioners (``provision/forward.py``).
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from pathlib import Path
@@ -104,7 +105,8 @@ class Provisioner:
                  profile_frames: int = 2, calibrate_frames: int = 3, recalibrate_every: int = 0,
                  margin: float = 0.02,
                  telemetry_path: Union[str, Path, None] = None, gates: Optional[Sequence[GateSpec]] = None,
-                 engine: Any = None, allocator: Union[None, str, Callable[[], Any]] = None) -> None:
+                 engine: Any = None, allocator: Union[None, str, Callable[[], Any]] = None,
+                 verify: Optional[str] = None, on_mismatch: str = "raise") -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"enable() needs a torch.nn.Module, got {type(model).__name__}")
         self._compiled_root, model = unwrap_compiled(model)  # torch.compile(model): the wrapper, what it wraps
@@ -116,7 +118,8 @@ class Provisioner:
             check_compile_config()
             # A gate's region hook is traced into the graph that calls its gate; run as a frame of
             # its own (its gate's call fell back to eager), it runs eagerly, as no graph of its own.
-            hide_from_dynamo(ActivationRuntime._pack, Residency.unpack,
+            hide_from_dynamo(ActivationRuntime._pack, ActivationRuntime._pack_checked, ActivationRuntime._unpack_checked,
+                             Residency.unpack,
                              RegionGates._report, RegionGates._traced, AttachedHook.__call__, RerunCapture.__call__,
                              GateHook.__call__)
         check_options(policy, POLICIES, on_exceed, margin, profile_frames, calibrate_frames, recalibrate_every,
@@ -143,6 +146,7 @@ class Provisioner:
         self.runtime = ActivationRuntime(
             self.engine, min_bytes=min_bytes, budget_bytes=budget, enforce_budget=self._policy.adaptive,
             on_exceed=self._exceeded if on_exceed == "raise" else None,
+            verify=verify if verify is not None else os.environ.get("BAGUALU2_VERIFY", "off"), on_mismatch=on_mismatch,
         )
         # Learning from what each backward measured; ``unsubscribe()`` it to read the runtime's
         # measurements (``take_replay_times``, ``take_copy_times``) yourself.
@@ -348,6 +352,7 @@ class Provisioner:
             "gates": [g.name for g in self.gates],
             "unplanned_keys": len(self.unplanned),
             "overlap": self.overlap.report() if self.overlap is not None else None,
+            "verify": self.runtime.verifier.report(),
         }
 
     # -- checkpoint state (torch's Stateful convention; bagualu2/provision/state.py) ----------

@@ -24,7 +24,10 @@ Compares, in one run and on the same model and batches:
   recomputes (every operator inside the blocks but their outputs, the rest kept), and the plan
   that recomputes every operator, the head's too.
 
-The last row pairs checkpoint with itself: how far from 1.000x the machine's noise alone puts a
+The exactness check (``enable(verify=...)``) is priced against the same policy without it:
+all-offload with ``verify="sample"`` and ``"all"``, all-recompute with ``"sample"``.
+
+The row pairing checkpoint with itself says how far from 1.000x the machine's noise alone puts a
 ratio in this run.
 
 bagualu2's variants also report their activation high-water mark (``report()["peak_bytes"]``,
@@ -359,9 +362,10 @@ def main() -> None:
 
     provisioners: Dict[str, bagualu2.Provisioner] = {}
 
-    def provisioned(name: str, policy: Union[str, dict], budget: Optional[int] = None) -> Callable[[], None]:
+    def provisioned(name: str, policy: Union[str, dict], budget: Optional[int] = None,
+                    verify: str = "off") -> Callable[[], None]:
         own = copy.deepcopy(model)  # enabled once, outside the timed steps
-        provisioners[name] = bagualu2.enable(own, budget=budget, policy=policy)
+        provisioners[name] = bagualu2.enable(own, budget=budget, policy=policy, verify=verify)
 
         def run() -> None:
             own.zero_grad(set_to_none=True)
@@ -407,9 +411,15 @@ def main() -> None:
         "torch save_on_cpu": save_on_cpu(torch.cuda.is_available()),
         **({} if torch.cuda.is_available() else {"torch save_on_cpu, pinned": save_on_cpu(True)}),
         "bagualu2 offload_all": provisioned("bagualu2 offload_all", "offload_all"),
+        "bagualu2 offload_all, verify sample": provisioned("bagualu2 offload_all, verify sample", "offload_all",
+                                                           verify="sample"),
+        "bagualu2 offload_all, verify all": provisioned("bagualu2 offload_all, verify all", "offload_all",
+                                                        verify="all"),
         "torch checkpoint": torch_checkpoint,
         "torch checkpoint, again": torch_checkpoint,
         "bagualu2 recompute_all": provisioned("bagualu2 recompute_all", "recompute_all"),
+        "bagualu2 recompute_all, verify sample": provisioned("bagualu2 recompute_all, verify sample",
+                                                             "recompute_all", verify="sample"),
         "bagualu2 checkpoint's set": provisioned("bagualu2 checkpoint's set", checkpoint_set),
         "bagualu2 every op recomputed": provisioned("bagualu2 every op recomputed", dict.fromkeys(keys, RECOMPUTE)),
     }
@@ -447,7 +457,10 @@ def main() -> None:
              ("bagualu2 traced, tiny release", "plain pytorch"),
              ("bagualu2 offload_all", "torch save_on_cpu"), ("bagualu2 offload_all", "torch save_on_cpu, pinned"),
              ("bagualu2 recompute_all", "torch checkpoint"), ("bagualu2 checkpoint's set", "torch checkpoint"),
-             ("bagualu2 every op recomputed", "torch checkpoint"), ("torch checkpoint, again", "torch checkpoint")]
+             ("bagualu2 every op recomputed", "torch checkpoint"), ("torch checkpoint, again", "torch checkpoint"),
+             ("bagualu2 offload_all, verify sample", "bagualu2 offload_all"),
+             ("bagualu2 offload_all, verify all", "bagualu2 offload_all"),
+             ("bagualu2 recompute_all, verify sample", "bagualu2 recompute_all")]
     pairs = [(ours, baseline) for ours, baseline in pairs if baseline in variants]
     # Paired: the ratio within each round (the two ran seconds apart), then the median.
     paired = {(ours, baseline): statistics.median(a / b for a, b in zip(times[ours], times[baseline]))

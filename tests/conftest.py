@@ -5,8 +5,11 @@
 * ``device`` fixture: the torch device the chosen backend copies from (cpu or cuda).
 * ``@pytest.mark.cuda_only``: skipped unless torch sees a CUDA/ROCm device and the matching
   backend is usable (compiled in, its runtime library loaded; ``bagualu2.backend_status()``).
+* ``BAGUALU2_VERIFY=sample`` for every provisioner the suite makes (``enable(verify=...)``).
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -21,6 +24,10 @@ def _gpu_backends() -> list[str]:
     want = "hip" if getattr(torch.version, "hip", None) else "cuda"
     return [want] if backend_status()[want]["usable"] else []  # compiled, loaded, sees a device
 
+
+# The exactness check runs sampled in every provisioner the tests make (and the processes they
+# start) unless a test asks otherwise: what a released activation brings back is checked suite-wide.
+os.environ.setdefault("BAGUALU2_VERIFY", "sample")
 
 GPU_BACKENDS = _gpu_backends()
 BACKENDS = ["cpu"] + GPU_BACKENDS

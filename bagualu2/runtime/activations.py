@@ -64,12 +64,23 @@ from bagualu2.runtime.compiled import CompiledRegions
 from bagualu2.runtime.frame import Frame, check_keys, profile_saves
 from bagualu2.runtime.ledger import _drain_failed_backward, _drain_graph, CalmPack, Kept, KeptUnpack, Pin
 from bagualu2.runtime.residency import Residency
-from bagualu2.runtime.rerun import BlockRerun, unrestorable
+from bagualu2.runtime.rerun import BlockRerun, RerunSaved, unrestorable
 from bagualu2.runtime.regions import compiled_regions, holds_collectives
 from bagualu2.runtime.stores import _Offloaded, _Recomputed, observed_hook, regeneration_source
+from bagualu2.runtime.verify import Fingerprint, Verifier
 from bagualu2.runtime.recipes import StorageNode, ViewMeta, is_plain, recipe_refs, view_meta
 
 __all__ = ["ActivationRuntime", "AttachedHook"]
+
+
+class _Checked:
+    """A released save with the fingerprint ``enable(verify=...)`` took of it."""
+
+    __slots__ = ("packed", "fingerprint")
+
+    def __init__(self, packed: Any, fingerprint: Fingerprint) -> None:
+        self.packed = packed
+        self.fingerprint = fingerprint
 
 
 def _refuse_outer_hooks() -> None:
@@ -109,12 +120,15 @@ class ActivationRuntime:
         reload_in_place: backward reads an offloaded cpu storage where it lies in the host arena
             instead of copying it back (see ``OffloadStore``); False copies it back as on a
             device (the way to exercise reloads and prefetches on a cpu-only machine).
+        verify, on_mismatch: the exactness check of what is released (``bagualu2.runtime.verify``):
+            ``"off"``, ``"sample"`` or ``"all"``; ``"raise"`` or ``"fallback"``.
     """
 
     def __init__(self, engine: Any = None, *, min_bytes: int = 0, budget_bytes: Optional[int] = None,
                  enforce_budget: bool = True,
                  on_exceed: Optional[Callable[[int, int, str], None]] = None,
-                 prefetch_bytes: int = 64 << 20, reload_in_place: bool = True) -> None:
+                 prefetch_bytes: int = 64 << 20, reload_in_place: bool = True, verify: str = "off",
+                 on_mismatch: str = "raise") -> None:
         if min_bytes < 0:
             raise ValueError(f"min_bytes={min_bytes} must be >= 0")
         # What is held, within which budget, and how backward gets it back: the runtime's own.
@@ -137,6 +151,8 @@ class ActivationRuntime:
         # was packed or unpacked (``_record``). Without one the hooks run unwrapped: no cost.
         self.on_hook = Event("hook")
         self._told_unrestorable = False  # a block call that could not be rerun was warned of
+        # The exactness check (``enable(verify=...)``): off, the hooks are the plain ones.
+        self.verifier = Verifier(verify, on_mismatch)
         self._traced_blocks: Set[str] = set()  # outermost blocks seen traced: whether they issue collectives is known
         self._attachments: List["_Attachment"] = []  # module trees attached (``attach``)
         self._scopes = calm_blocks.Scopes()  # their outermost blocks, and what a frame traces of them
@@ -202,8 +218,11 @@ class ActivationRuntime:
             # the runtime, they would hold it in a cycle the garbage collector cannot see into.
             traced_outside = frame.traced and (scope is None or scope.whole)  # the mode is on outside the blocks
             frame.runtime_state.calm = not traced_outside
-            pack = calm = CalmPack(self.ledger, self.residency, frame, self._pack)
-            unpack = KeptUnpack(self.residency.unpack)
+            checked = self.verifier.every != 0
+            if checked:
+                self.verifier.micro_batch += 1
+            pack = calm = CalmPack(self.ledger, self.residency, frame, self._pack_checked if checked else self._pack)
+            unpack = KeptUnpack(self._unpack_checked if checked else self.residency.unpack)
             if self.on_hook.subscribers:
                 pack, unpack = observed_hook("pack", pack, self.on_hook.emit), observed_hook("unpack", unpack, self.on_hook.emit)
             # The tracing mode goes on and off by state (``TracingMode.place``), not as a ``with``: a rerun
@@ -460,6 +479,7 @@ class ActivationRuntime:
         if node is not None and node.anchor is None and self.residency.frame is not None:
             if self.residency.over_budget(t.untyped_storage()):
                 return  # no room: recompute chains reach further back instead
+            self.mode.settle()
             if t._version != node.version:
                 self.mode.seen(node, t)
             with self.residency.untraced():
@@ -497,6 +517,29 @@ class ActivationRuntime:
         finally:
             self.mode.suspended -= 1
 
+    def _pack_checked(self, t: torch.Tensor) -> Any:
+        """``_pack``, and a fingerprint of what it released (``runtime.verify``)."""
+        packed = self._pack(t)
+        kind = type(packed)
+        if kind is _Offloaded:
+            key, how = packed.store.key, "offloaded"
+        elif kind is _Recomputed:
+            key, how = packed.node.key, "recomputed"
+        elif kind is RerunSaved:
+            key, how = f"{packed.record.name} (its saved tensor {packed.index})", "rerun"
+        else:
+            return packed
+        fp = self.verifier.saved(t, key, how)
+        return packed if fp is None else _Checked(packed, fp)
+
+    def _unpack_checked(self, packed: Any) -> torch.Tensor:
+        """The residency's unpack, and the check of a fingerprinted save against what it got."""
+        if type(packed) is not _Checked:
+            return self.residency.unpack(packed)
+        out = self.residency.unpack(packed.packed)
+        self.verifier.unpacked(packed.fingerprint, out)
+        return out
+
     def _pack_in(self, frame: Frame, t: torch.Tensor) -> Any:
         stats = frame.stats
         stats.packed += 1
@@ -514,8 +557,10 @@ class ActivationRuntime:
             return self._pack_untraced(frame, t, storage)
         # A traced storage (saved by traced or untraced code: its plan decides) is saved in the
         # state it is in now: what code the mode did not see wrote of it since is seen first.
-        if node is not None and t._version != node.version:
-            self.mode.seen(node, t)
+        if node is not None:
+            self.mode.settle()
+            if t._version != node.version:
+                self.mode.seen(node, t)
         if node is None:
             # From outside the traced forward: no recipe, and not this frame's to release. It is
             # what the pin headroom is left for, so only the target itself bounds it.
@@ -544,6 +589,10 @@ class ActivationRuntime:
         if frame.runtime_state.past_blocks and frame.after_blocks is not None:
             frame.choices.setdefault(node.key, frame.after_blocks)
         choice = frame.choice(node.key)
+        if self.verifier.distrusted and choice != Choice.KEEP and node.key in self.verifier.distrusted:
+            stats.fallbacks.append(f"{node.key}: {choice.name.lower()} -> keep (came back different in an "
+                                   f"earlier backward: enable(verify=...))")
+            choice = Choice.KEEP
         if choice == Choice.KEEP and self.residency.over_budget(storage):
             self.residency.settle(wait=True)
             if self.residency.over_budget(storage):

@@ -128,6 +128,11 @@ class TracingMode(TorchDispatchMode):
         # The outermost block call running now, traced: (its path, how many nodes existed as it
         # began, the storages of its tensor arguments); see ``block_begins``.
         self._block: Optional[Tuple[str, int, FrozenSet[int]]] = None
+        # The traced storages the last in-place op wrote, with the tensor it wrote each through:
+        # their counters move after this mode returns (ADInplaceOrView sits above the Python
+        # dispatch key; under a dispatch mode a foreach op moves none), so each node's version
+        # is read at the next op, or as the mode turns off, or at the next save (``settle``).
+        self._written: List[Tuple[StorageNode, torch.Tensor]] = []
 
     # -- module path ------------------------------------------------------------------------
     def reset(self) -> None:
@@ -138,6 +143,7 @@ class TracingMode(TorchDispatchMode):
         self._calls = [("", {}, 0)]
         self._call_counts = {}
         self._block = None
+        self._written = []
 
     def push_module(self, path: str) -> None:
         n = self._call_counts.get(path, 0)
@@ -171,6 +177,8 @@ class TracingMode(TorchDispatchMode):
         on, a half-done entry or exit is undone that way first. Every line leaves a state this
         handles, so a call an interrupt stopped can be made again."""
         mode = self
+        if not on and self._written:
+            self.settle()
         saved = [getattr(mode, attr, None) for _, attr in _MODE_FLAGS]
         depth = torch._C._len_torch_dispatch_stack()
         top = depth > 0 and torch._C._get_dispatch_stack_at(depth - 1) is mode
@@ -202,6 +210,15 @@ class TracingMode(TorchDispatchMode):
         if on:
             mode.__enter__()
 
+    def settle(self) -> None:
+        """Read the version counters the last traced in-place op moved (see ``_written``)."""
+        written, self._written = self._written, []
+        for node, t in written:
+            try:
+                node.version = t._version
+            except RuntimeError:  # an inference tensor
+                node.version = -1
+
     def seen(self, node: StorageNode, x: torch.Tensor) -> None:
         """``x``, a tensor of ``node``'s storage, is read or written now: if its version counter
         moved since the last op this mode saw on the storage returned, code the mode did not see
@@ -222,7 +239,8 @@ class TracingMode(TorchDispatchMode):
     def untraced_write(self, node: StorageNode, why: str) -> None:
         """``node``'s storage was written in place by ops this mode did not see: its states from
         now on cannot be replayed, so what reads it later holds it as it is."""
-        node.why_not = why
+        if node.rebuildable(node.state):  # else the reason it already cannot be rebuilt stands
+            node.why_not = why
         node.mutations += (Step(None, (), {}, None),)
 
     def _side_effect(self) -> None:
@@ -282,6 +300,8 @@ class TracingMode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         if not kwargs:
             kwargs = _NO_KWARGS
+        if self._written:
+            self.settle()
         if self.suspended:
             return func(*args, **kwargs)
         info = OpInfo.of(func)
@@ -395,7 +415,5 @@ class TracingMode(TorchDispatchMode):
             if len(node.mutations) >= node.replayable:
                 step = Step(func, (), {}, None, 0, seconds)  # not replayable: keep no references
             node.mutations += (step,)
-            # Autograd bumps the counter by one per written argument after this mode returns
-            # (ADInplaceOrView sits above the Python dispatch key).
-            node.version = t._version + 1
+            self._written.append((node, t))
         return written
