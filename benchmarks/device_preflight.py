@@ -204,6 +204,9 @@ def check_build_tools() -> Dict[str, Any]:
 
 
 def check_saves(after_build: bool) -> Dict[str, Any]:
+    built = {name: sorted(p.name for p in (ROOT / "bagualu2").glob(f"{name}.*.so")) for name in ("_C", "_saves")}
+    if not after_build and not built["_C"]:
+        return _result("ok", "not built yet: the build step builds _C and _saves in place", built=built)
     got = subprocess.run([sys.executable, "-c", SAVES_PROBE, str(ROOT)], capture_output=True, text=True, timeout=300,
                          cwd=tempfile.gettempdir(), env={**os.environ, "PYTHONWARNINGS": "ignore"})
     try:
