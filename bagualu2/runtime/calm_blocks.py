@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 __all__ = ["CalmBlock", "Scopes", "TraceScope", "begins", "enter", "enter_traced", "leave", "leave_traced",
            "trace_scope", "traced_ends"]
 
+
 class TraceScope(NamedTuple):
     """What a frame with ``released_modules`` traces (see the module note)."""
 
