@@ -6,7 +6,7 @@ from typing import Dict, Optional, Union
 
 import torch
 
-from bagualu2 import _C
+from bagualu2._C import backend_status as native_backend_status, backends as native_backends
 
 __all__ = ["backend_for_device", "backend_status", "resolve_backend", "torch_gpu_backend"]
 
@@ -26,7 +26,7 @@ def backend_status() -> Dict[str, dict]:
     loading each library once per process) and it is the one this process's torch drives: a
     backend copies torch's tensors on torch's streams, so it must match torch's build and torch
     must see a device."""
-    status = {name: dict(entry) for name, entry in _C.backend_status().items()}
+    status = {name: dict(entry) for name, entry in native_backend_status().items()}
     want = torch_gpu_backend()
     for name in ("cuda", "hip"):
         entry = status[name]
@@ -49,7 +49,7 @@ def resolve_backend(backend: str) -> str:
     a device (else ``"cpu"``). A name not compiled in raises ValueError; a compiled GPU backend
     that cannot run here raises RuntimeError with the reason (missing library, no device,
     torch without a GPU or of the other vendor)."""
-    compiled = list(_C.backends())
+    compiled = list(native_backends())
     if backend == "auto":
         want = torch_gpu_backend()
         if want is None or want not in compiled:

@@ -8,7 +8,7 @@ from typing import Any, List, Optional, Sequence, Union
 
 import torch
 
-from bagualu2 import _C
+from bagualu2._C import CopyEngine as NativeCopyEngine, HostArena as NativeHostArena, Ticket as NativeTicket
 from bagualu2.offload.backends import resolve_backend
 
 __all__ = ["HostArena", "CopyEngine", "OffloadHandle", "ReloadHandle"]
@@ -76,7 +76,7 @@ class HostArena:
                                  f"pass at least capacity_bytes, or None for an arena that does not grow")
         backend = resolve_backend(backend)
         index = _device_index(device) if backend != "cpu" else -1
-        self._impl = _C.HostArena(capacity_bytes, backend, max_capacity, index)
+        self._impl = NativeHostArena(capacity_bytes, backend, max_capacity, index)
 
     @property
     def capacity(self) -> int:
@@ -99,7 +99,7 @@ class HostArena:
 
     @property
     def alignment(self) -> int:
-        return _C.HostArena.alignment
+        return NativeHostArena.alignment
 
     def allocate(self, nbytes: int) -> Optional[int]:
         """Address of a new block of at least ``nbytes`` bytes, or None when none fits."""
@@ -113,7 +113,7 @@ class HostArena:
 
     def free(self, ptr: int, after: Sequence[Any] = ()) -> None:
         """Free a block; it is reused only once every fence (or ticket) in ``after`` is ready."""
-        fences = [f.fence if isinstance(f, _C.Ticket) else f for f in after]
+        fences = [f.fence if isinstance(f, NativeTicket) else f for f in after]
         self._impl.free(ptr, [f for f in fences if f is not None])
 
     def stats(self) -> dict:
@@ -267,7 +267,7 @@ class CopyEngine:
             if device is not None and torch.device(device).type != "cpu":
                 raise ValueError(f"the cpu backend copies cpu tensors only, got device={device}")
             self.device = torch.device("cpu")
-        self._impl = _C.CopyEngine(arena._impl, backend, index, chunk_bytes)
+        self._impl = NativeCopyEngine(arena._impl, backend, index, chunk_bytes)
         self.chunk_bytes: int = self._impl.chunk_bytes
         self._inflight: collections.deque = collections.deque()  # (ticket, host tensor kept alive)
         if self._gpu:

@@ -34,7 +34,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from bagualu2 import _C
+from bagualu2._C import OverlapScheduler as NativeOverlapScheduler
 
 __all__ = ["TaskKind", "OverlapOp", "OverlapTask", "Schedule", "OverlapScheduler", "simulate",
            "PairProblem"]
@@ -123,7 +123,7 @@ class OverlapScheduler:
     """
 
     def __init__(self, cache_capacity: int = 256, merge: bool = True) -> None:
-        self._impl = _C.OverlapScheduler(int(cache_capacity), bool(merge))
+        self._impl = NativeOverlapScheduler(int(cache_capacity), bool(merge))
 
     def schedule(
         self,

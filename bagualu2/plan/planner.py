@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
-from bagualu2 import _C
+from bagualu2._C import Planner as NativePlanner
 from bagualu2.shared import Choice
 
 __all__ = ["Choice", "Candidate", "Plan", "Planner"]
@@ -135,7 +135,7 @@ class Planner:
         time_quantum_s: Optional[float] = None,
         max_cells: Optional[int] = None,
     ) -> None:
-        self._impl = _C.Planner(
+        self._impl = NativePlanner(
             int(quantum_bytes or 0), float(time_quantum_s or 0.0), int(max_cells or 0)
         )
         self._max_cells = int(max_cells or 0)

@@ -49,13 +49,13 @@ def _compiled() -> Tuple[Optional[ModuleType], str]:
     if importlib.util.find_spec("bagualu2._saves") is None:
         return None, "was not built (the build that installed bagualu2 did not see torch: an isolated build)"
     try:
-        from bagualu2 import _saves
+        from bagualu2._saves import torch_release
     except ImportError as e:  # another torch's symbols
         return None, f"does not load with torch {torch.__version__} ({e})"
-    built = tuple(_saves.torch_release)
+    built = tuple(torch_release)
     if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) != built:
         return None, f"was built against torch {'.'.join(map(str, built))} and this process runs torch {torch.__version__}"
-    return _saves, ""
+    return importlib.import_module("bagualu2._saves"), ""
 
 
 # BAGUALU2_SAVE_PATH: auto (the compiled form where it loads, else the Python form with one

@@ -39,7 +39,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Set, Tu
 
 import torch
 
-from bagualu2 import _C
+from bagualu2._C import RuntimeError as NativeRuntimeError
 from bagualu2.shared import CopyTimes, Event, Measurements, OpReplayTimes, ReplayTimes
 from bagualu2.runtime.frame import Frame
 from bagualu2.runtime.ledger import Kept, ResidencyLedger, Pin
@@ -320,7 +320,7 @@ class Residency:
             if self.over_budget(storage):
                 try:
                     handle.wait()  # no room even while the copy runs: copy synchronously
-                except _C.RuntimeError as e:  # the copy failed: the caller falls back
+                except NativeRuntimeError as e:  # the copy failed: the caller falls back
                     frame.stats.fallbacks.append(f"{key}: offload failed ({e})")
                     handle.release()
                     return None

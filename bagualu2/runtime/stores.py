@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 
-from bagualu2 import _C
+from bagualu2._C import RuntimeError as NativeRuntimeError
 from bagualu2.shared import CopyTimes
 from bagualu2.runtime.frame import Frame
 from bagualu2.runtime.ledger import Kept, ResidencyLedger, Pin
@@ -131,7 +131,7 @@ class OffloadStore:
                 self.handle.wait()
             elif not self.handle.done():
                 return False
-        except _C.RuntimeError as e:  # the copy failed after it was submitted
+        except NativeRuntimeError as e:  # the copy failed after it was submitted
             self._keep_source(e)
             return True
         self.pin.drop()
@@ -163,7 +163,7 @@ class OffloadStore:
             return False
         try:
             self.prefetched = self.engine.reload_async(self.handle, device=self.device)
-        except _C.RuntimeError as e:
+        except NativeRuntimeError as e:
             self.frame.stats.fallbacks.append(f"{self.key}: prefetch failed ({e}); reloaded when used")
             return False
         self.prefetch_pin = Pin(ledger, self.prefetched.destination.untyped_storage())
@@ -239,7 +239,7 @@ class OffloadStore:
                 buffer = self._in_place()
             else:
                 buffer = self.engine.reload(self.handle, device=self.device)
-        except _C.RuntimeError as e:
+        except NativeRuntimeError as e:
             # Issued while the offload ran, a reload fails with it: which of the two failed?
             if self.pin is not None:
                 self.settle(wait=True)
@@ -272,7 +272,7 @@ class OffloadStore:
                 self.frame.runtime_state.prefetch_pending -= self.nbytes
                 try:
                     self.prefetched.wait()
-                except _C.RuntimeError:  # a failed reload: it ended all the same
+                except NativeRuntimeError:  # a failed reload: it ended all the same
                     pass
             if not self.handle.released:  # a cycle's collector may have finalized the handle first
                 self.handle.release()
