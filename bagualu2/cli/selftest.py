@@ -23,7 +23,8 @@ writes ``selftest.json`` and ``selftest.png`` under ``--out``:
                context inactive there (the driver's cuDevicePrimaryCtxGetState); when more
                than one device is present
 
-The device rows are in bagualu2/cli/selftest_device.py. selftest.json is written before each
+The device rows are in bagualu2/cli/selftest_device.py, the reference model both run in
+bagualu2/cli/selftest_model.py. selftest.json is written before each
 row (with the row in progress named) and after it, so a row that aborts the process leaves
 the rows before it on disk.
 Without an accelerator it runs its CPU form end to end (the cpu backend, the provisioner's
@@ -33,8 +34,6 @@ Exit status: 0 when no row failed, 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
 import json
 import os
 import platform
@@ -47,6 +46,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+
+from bagualu2.cli.selftest_model import Bench, same
 
 PASS, FAIL, NOT_RUN, INFO = "pass", "FAIL", "not run", "info"
 POLICIES = ("keep_all", "offload_all", "recompute_all", "adaptive", "random_plan")
@@ -77,52 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-# -- the model and one step of it ----------------------------------------------------------------
-class _Bench:
-    """The reference model and its batches, on the device under test."""
-
-    def __init__(self, device: torch.device, gpu: bool, seed: int, batch: Tuple[int, int]) -> None:
-        from bagualu2.models import MoEConfig, MoETransformer
-
-        self.device = device
-        torch.manual_seed(seed)
-        cfg = MoEConfig.small(dropout=0.1) if gpu else MoEConfig.tiny(dropout=0.1)
-        self.model = MoETransformer(cfg).to(device)
-        self.batch = batch
-        self.seed = seed
-
-    def tokens(self, i: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(1000 * self.seed + i)
-        return torch.randint(0, self.model.cfg.vocab_size, self.batch, generator=g).to(self.device)
-
-    def fresh(self) -> torch.nn.Module:
-        return copy.deepcopy(self.model)
-
-    def step(self, model: torch.nn.Module, i: int, spike: float, dtype: str = "fp32",
-             after_forward: Optional[Callable[[], None]] = None) -> Tuple[torch.Tensor, List]:
-        """Forward and backward of micro-batch i: the loss and every gradient (on the cpu)."""
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(i)  # dropout: same masks for every run of micro-batch i
-        cast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if dtype == "bf16"
-                else contextlib.nullcontext())
-        spiked = model.routing_spike(spike, experts=(0,)) if spike else contextlib.nullcontext()
-        with spiked:
-            with cast:
-                loss = model(self.tokens(i))
-            if after_forward is not None:
-                after_forward()
-            loss.float().backward()
-        return loss.detach().cpu(), [None if p.grad is None else p.grad.detach().cpu()
-                                     for p in model.parameters()]
-
-
-def _same(a: Tuple[torch.Tensor, List], b: Tuple[torch.Tensor, List]) -> bool:
-    return torch.equal(a[0], b[0]) and all(
-        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
-        for x, y in zip(a[1], b[1]))
-
-
-def _keep_all_peak(bench: _Bench, spike: float = 0.0) -> int:
+def _keep_all_peak(bench: Bench, spike: float = 0.0) -> int:
     """The ledger's all-keep activation peak of one micro-batch."""
     import bagualu2
 
@@ -134,7 +90,7 @@ def _keep_all_peak(bench: _Bench, spike: float = 0.0) -> int:
     return int(peak)
 
 
-def _random_plan(bench: _Bench, seed: int) -> Dict[str, Any]:
+def _random_plan(bench: Bench, seed: int) -> Dict[str, Any]:
     """A random KEEP/OFFLOAD/RECOMPUTE choice for every operator the provisioner profiles."""
     import bagualu2
 
@@ -150,7 +106,7 @@ def _random_plan(bench: _Bench, seed: int) -> Dict[str, Any]:
 
 
 # -- rows ----------------------------------------------------------------------------------------
-def check_exact(bench: _Bench, gpu: bool) -> Row:
+def check_exact(bench: Bench, gpu: bool) -> Row:
     import bagualu2
 
     mismatches: List[str] = []
@@ -169,7 +125,7 @@ def check_exact(bench: _Bench, gpu: bool) -> Row:
                 kind = plan if policy == "random_plan" else policy
                 prov = bagualu2.enable(model, budget=budget if policy == "adaptive" else None,
                                        policy=kind, min_bytes=0)
-                ok = all(_same(refs[i], bench.step(model, i, s, dtype)) for i, s in enumerate(SPIKES))
+                ok = all(same(refs[i], bench.step(model, i, s, dtype)) for i, s in enumerate(SPIKES))
                 mix = prov.report()["saved_bytes_by_choice"]
                 prov.disable()
                 data[f"{policy}/{dtype}"] = {"bit_exact": ok, "saved_bytes_by_choice": dict(mix)}
@@ -184,7 +140,7 @@ def check_exact(bench: _Bench, gpu: bool) -> Row:
                               f"with spikes) bitwise equal to plain PyTorch", data)
 
 
-def check_budget(bench: _Bench, gpu: bool) -> Row:
+def check_budget(bench: Bench, gpu: bool) -> Row:
     """Adaptive under a budget of 70% of the calm all-keep peak, against keep_all, through
     spikes. On a device the peak is read from the caching allocator over each forward (where
     saved activations peak), and keep_all's excess over its own ledger on the same micro-batch
@@ -289,7 +245,7 @@ def check_other_device(seed: int) -> Row:
     return Row("device>0", PASS if ok else FAIL, line, data)
 
 
-def check_oom(bench: _Bench, driver: bool) -> Row:
+def check_oom(bench: Bench, driver: bool) -> Row:
     """A memory limit between what recompute_all needs and what keep_all's forward needs: the
     all-keep attempt runs out of memory, the safety net reruns the micro-batch releasing what it
     can, and the result is exact. The limit is the caching allocator's (driver=False:
@@ -354,14 +310,14 @@ def check_oom(bench: _Bench, driver: bool) -> Row:
     finally:
         torch.use_deterministic_algorithms(deterministic)
     data.update(limit_bytes=limit, oom_recoveries=report["oom_recoveries"])
-    exact = _same(ref, got)
+    exact = same(ref, got)
     line = (f"{'device' if driver else 'allocator'} limit {limit / MiB:.0f} MiB (keep_all forward "
             f"needs {keep_fwd / MiB:.0f}): {report['oom_recoveries']} OOM caught and rerun, "
             f"{'exact' if exact else 'NOT exact'}")
     return Row(name, PASS if exact and report["oom_recoveries"] >= 1 else FAIL, line, data)
 
 
-def check_growth(bench: _Bench, gpu: bool, micro_batches: int) -> Row:
+def check_growth(bench: Bench, gpu: bool, micro_batches: int) -> Row:
     """Adaptive training (SGD) through spikes for many micro-batches: after warm-up, device
     memory, pinned memory (torch's and the arena's) and the arena's use stay flat."""
     import bagualu2
@@ -416,16 +372,16 @@ def run(args: argparse.Namespace) -> int:
     env = environment(device)
     print(f"bagualu2 selftest on {env['device_name']} ({'device' if gpu else 'CPU'} form), torch "
           f"{env['torch']}, backends {env['backend_status_line']}")
-    bench = _Bench(device, gpu, args.seed, (8, 128) if gpu else (2, 32))
+    bench = Bench(device, gpu, args.seed, (8, 128) if gpu else (2, 32))
     rows: List[Row] = []
     steps: List[Tuple[str, Callable[[], Row]]] = [
         ("exact", lambda: check_exact(bench, gpu)),
         ("budget", lambda: check_budget(bench, gpu)),
         ("bandwidth", lambda: check_bandwidth(args.out, gpu, args.max_copy)),
         ("overlap", (lambda: check_overlap(device)) if gpu else None),
-        ("oom-allocator", (lambda: check_oom(_Bench(device, True, args.seed, (32, 128)), False))
+        ("oom-allocator", (lambda: check_oom(Bench(device, True, args.seed, (32, 128)), False))
          if gpu else None),
-        ("oom-driver", (lambda: check_oom(_Bench(device, True, args.seed, (32, 128)), True))
+        ("oom-driver", (lambda: check_oom(Bench(device, True, args.seed, (32, 128)), True))
          if gpu else None),
         ("growth", lambda: check_growth(bench, gpu, args.micro_batches)),
         ("device>0", (lambda: check_other_device(args.seed))

@@ -258,13 +258,13 @@ def device_probe(seed: int) -> Dict[str, Any]:
     import gc
 
     import bagualu2
-    from bagualu2.cli.selftest import _Bench, _same
+    from bagualu2.cli.selftest_model import Bench, same
     from bagualu2.offload import CopyEngine, HostArena
 
     index = torch.cuda.device_count() - 1
     torch.cuda.set_device(index)
     dev = torch.device("cuda", index)
-    bench = _Bench(dev, True, seed, (4, 64))
+    bench = Bench(dev, True, seed, (4, 64))
     torch.use_deterministic_algorithms(True)
     ref = bench.step(bench.fresh(), 0, 2.6)
     model = bench.fresh()
@@ -280,7 +280,7 @@ def device_probe(seed: int) -> Dict[str, Any]:
     torch.cuda.synchronize(dev)
     active = primary_context_active(0)  # the verdict, read before anything below asks about GPU 0
     pids = _nvml_context_pids(str(torch.cuda.get_device_properties(0).uuid))
-    return {"device": index, "offload_all_exact": _same(ref, got),
+    return {"device": index, "offload_all_exact": same(ref, got),
             "round_trip_exact": bool(back.device == dev and torch.equal(back, t)),
             "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "context_on_device0": active, "pid": os.getpid(), "nvml_device0_pids": pids}

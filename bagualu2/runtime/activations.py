@@ -429,7 +429,7 @@ class ActivationRuntime:
                         calm_blocks.traced_ends(frame, self.mode)
 
             hooks.append((module, AttachedHook(enter), AttachedHook(leave), outer_block(name)))
-        attachment = _Attachment(self, hooks, calls)
+        attachment = _Attachment(self._attachments, hooks, calls)
         self._attachments.append(attachment)
         return [attachment]
 

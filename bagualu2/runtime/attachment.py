@@ -8,14 +8,11 @@ module hooks, which Dynamo would trace).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, FrozenSet, List, Optional, Tuple
+from typing import Any, Callable, FrozenSet, List, Optional, Tuple
 
 import torch
 
 from bagualu2.runtime.regions import RegionCall
-
-if TYPE_CHECKING:
-    from bagualu2.runtime.activations import ActivationRuntime
 
 __all__ = ["AttachedHook"]
 
@@ -58,10 +55,11 @@ Hooks = Tuple[torch.nn.Module, Callable[..., Any], Callable[..., Any], Optional[
 class _Attachment:
     """One module tree's hooks (``ActivationRuntime.attach``): installed while traced frames
     run (those inside the given outermost blocks only, when a frame traces only those), and
-    ``remove()`` takes them off for good."""
+    ``remove()`` takes them off for good, and out of ``attached``, the list of its runtime's
+    attachments it was added to."""
 
-    def __init__(self, runtime: "ActivationRuntime", hooks: List[Hooks], calls: List[Hooks]) -> None:
-        self._runtime = runtime
+    def __init__(self, attached: List["_Attachment"], hooks: List[Hooks], calls: List[Hooks]) -> None:
+        self._attached = attached
         self._hooks = hooks
         self._calls = calls  # module.compile()d regions: their hooks go around _compiled_call_impl
         self._handles: List[Any] = []
@@ -98,5 +96,5 @@ class _Attachment:
 
     def remove(self) -> None:
         self.install(False)
-        if self in self._runtime._attachments:
-            self._runtime._attachments.remove(self)
+        if self in self._attached:
+            self._attached.remove(self)

@@ -43,31 +43,20 @@ Invariants (tests/test_calm_blocks.py, tests/test_aliasing.py):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, AbstractSet, Any, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Set, Tuple
+from typing import TYPE_CHECKING, AbstractSet, Any, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten
 
+from bagualu2.runtime.frame import CalmBlock, Frame, TraceScope
 from bagualu2.runtime.rerun import unrestorable
 
 if TYPE_CHECKING:
-    from bagualu2.runtime.frame import Frame
     from bagualu2.runtime.tracing import TracingMode
 
 __all__ = ["CalmBlock", "Scopes", "TraceScope", "begins", "enter", "enter_traced", "leave", "leave_traced",
            "trace_scope", "traced_ends"]
-
-
-class TraceScope(NamedTuple):
-    """What a frame with ``released_modules`` traces (see the module note)."""
-
-    blocks: FrozenSet[str]
-    """The outermost blocks holding a module it may release from: traced."""
-    whole: bool
-    """An operator outside every such block may be released, or one in a block not yet seen
-    called inside a frame: the forward is traced but for the other outermost blocks (calm
-    blocks); else only ``blocks`` are."""
 
 
 def trace_scope(released: Iterable[str], outermost: AbstractSet[str], framed: AbstractSet[str]) -> TraceScope:
@@ -96,7 +85,7 @@ class Scopes:
         # The scope last computed: (released_modules, len(outermost), len(framed), the scope)
         self._last: Optional[Tuple[FrozenSet[str], int, int, Optional[TraceScope]]] = None
 
-    def of(self, frame: "Frame") -> Optional[TraceScope]:
+    def of(self, frame: Frame) -> Optional[TraceScope]:
         """What ``frame`` traces; None: all of it (or, untraced, nothing)."""
         released = frame.released_modules
         if released is None or not frame.traced or frame.profile or frame.strict or frame.on_saved.subscribers:
@@ -116,17 +105,7 @@ def _flat(args: tuple, kwargs: Dict[str, Any]) -> List[Any]:
     return tree_flatten((args, kwargs))[0]
 
 
-class CalmBlock:
-    """One call of an outermost block running untraced in a forward traced otherwise."""
-
-    __slots__ = ("module", "name")
-
-    def __init__(self, module: torch.nn.Module, name: str) -> None:
-        self.module = module
-        self.name = name
-
-
-def begins(frame: "Frame", mode: "TracingMode", module: torch.nn.Module, name: str, args: tuple,
+def begins(frame: Frame, mode: "TracingMode", module: torch.nn.Module, name: str, args: tuple,
            kwargs: Dict[str, Any]) -> bool:
     """Outermost block ``name`` begins in ``frame``, which has a scope: True when it runs
     untraced (a calm block: ``enter``); else it is traced, the mode turned on first when the
@@ -139,13 +118,13 @@ def begins(frame: "Frame", mode: "TracingMode", module: torch.nn.Module, name: s
     return False
 
 
-def traced_ends(frame: "Frame", mode: "TracingMode") -> None:
+def traced_ends(frame: Frame, mode: "TracingMode") -> None:
     """A traced outermost block of ``frame``, which has a scope, returned."""
     if not frame.runtime_state.scope.whole:
         leave_traced(frame, mode)
 
 
-def enter(frame: "Frame", mode: "TracingMode", module: torch.nn.Module, name: str, args: tuple,
+def enter(frame: Frame, mode: "TracingMode", module: torch.nn.Module, name: str, args: tuple,
           kwargs: Dict[str, Any]) -> bool:
     """Run this call of outermost block ``name``, which ``frame``'s plan releases nothing from,
     untraced (the module hooks' call as it begins); False (trace it) when another dispatch mode
@@ -163,7 +142,7 @@ def enter(frame: "Frame", mode: "TracingMode", module: torch.nn.Module, name: st
     return True
 
 
-def leave(frame: "Frame", mode: "TracingMode") -> None:
+def leave(frame: Frame, mode: "TracingMode") -> None:
     """End ``frame``'s calm block call (as it returns, or as an error leaves it): tracing
     resumes."""
     run = frame.runtime_state
@@ -172,14 +151,14 @@ def leave(frame: "Frame", mode: "TracingMode") -> None:
     mode.place(True)
 
 
-def enter_traced(frame: "Frame", mode: "TracingMode") -> None:
+def enter_traced(frame: Frame, mode: "TracingMode") -> None:
     """A block the plan may release from begins in a frame that traces only such blocks:
     tracing starts."""
     mode.place(True)
     frame.runtime_state.calm = False
 
 
-def leave_traced(frame: "Frame", mode: "TracingMode") -> None:
+def leave_traced(frame: Frame, mode: "TracingMode") -> None:
     """Such a block returned: tracing stops."""
     frame.runtime_state.calm = True
     mode.place(False)

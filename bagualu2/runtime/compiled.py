@@ -1,8 +1,8 @@
 """The runtime's side of compiled regions: a region call is one plan unit of its frame.
 
-Owns ``RegionState`` (one region call while it runs) and ``CompiledRegions``, which the
-activation runtime owns (``runtime.regions``) to enter and leave a region call and pack what it
-saves. Which modules
+Owns ``CompiledRegions``, which the activation runtime owns (``runtime.regions``) to enter and
+leave a region call and pack what it saves; the record of one region call while it runs
+(``RegionState``) is a part of its frame's runtime state, in ``bagualu2.runtime.frame``. Which modules
 are regions and their keys are in ``bagualu2.runtime.regions``.
 
 Design note
@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from bagualu2.shared import Choice
-from bagualu2.runtime.frame import Frame
+from bagualu2.runtime.frame import Frame, RegionState
 from bagualu2.runtime.ledger import Kept, Pin
 from bagualu2.runtime.recipes import is_plain, is_recomputing, view_meta
 from bagualu2.runtime.regions import region_key
@@ -45,21 +45,6 @@ from bagualu2.runtime.residency import Residency
 from bagualu2.runtime.stores import _Offloaded
 
 __all__ = ["CompiledRegions", "RegionState"]
-
-
-class RegionState:
-    """One region call of a frame while it runs: its key, the rerun record that may recompute
-    it, whether the tracing mode was on the stack at its entry, and what it saved."""
-
-    __slots__ = ("key", "rerun", "tracing", "choice", "storages", "start")
-
-    def __init__(self, key: str, rerun: Optional[BlockRerun], tracing: bool) -> None:
-        self.key = key
-        self.rerun = rerun
-        self.tracing = tracing
-        self.choice: Optional[Choice] = None  # read at its first save
-        self.storages: Dict[int, int] = {}  # address -> bytes, counted saves
-        self.start = time.perf_counter()
 
 
 class CompiledRegions:

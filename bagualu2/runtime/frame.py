@@ -1,8 +1,9 @@
 """A frame: one micro-batch's forward through a provisioned module, and what it is held to.
 
 Owns ``Frame`` (the plan a forward runs under and what it reports), ``FrameRun`` (the state the
-runtime keeps of it while its activations live, its own), ``FrameStats`` (what the forward did
-with its saves), ``Budget`` (the bytes
+runtime keeps of it while its activations live, its own) with its parts (``TraceScope``,
+``CalmBlock``, ``RegionState``, and ``HostCopy``, what it reads of its host copies), ``FrameStats``
+(what the forward did with its saves), ``Budget`` (the bytes
 it is held to), ``checked_choices`` (the one check a plan's entries get wherever a plan
 enters), and what a forward's traced nodes say about its plan and saves once it ends
 (``check_keys``, ``profile_saves``). The runtime (``bagualu2.runtime.activations``) drives a
@@ -15,25 +16,21 @@ forward for as long as its host copies do, because backward prefetches from its 
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, FrozenSet, Iterable, List, Mapping, NamedTuple, Optional, Set, Tuple
+from typing import Dict, FrozenSet, Iterable, List, Mapping, NamedTuple, Optional, Protocol, Set, Tuple
 
+import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from bagualu2.shared import Budget, Choice, Event, SavedOp, module_of, region_key
-from bagualu2.runtime.calm_blocks import CalmBlock, TraceScope
+from bagualu2.runtime.ledger import ResidencyLedger
 from bagualu2.runtime.rerun import BlockRerun
 from bagualu2.runtime.recipes import StorageNode, step_inputs
 
-if TYPE_CHECKING:
-    import torch
-
-    from bagualu2.runtime.compiled import RegionState
-    from bagualu2.runtime.stores import OffloadStore
-
-__all__ = ["Budget", "Frame", "FrameRun", "FrameStats", "SavesProfile", "check_keys", "checked_choices",
-           "profile_saves", "released_modules"]
+__all__ = ["Budget", "CalmBlock", "Frame", "FrameRun", "FrameStats", "HostCopy", "RegionState", "SavesProfile",
+           "TraceScope", "check_keys", "checked_choices", "profile_saves", "released_modules"]
 
 
 @dataclass
@@ -55,6 +52,58 @@ class FrameStats:
     rerun_blocks: int = 0       # block calls run untraced, to be rerun whole in backward
     traced_blocks: int = 0      # outermost block calls traced
     start_resident: int = 0
+
+
+class TraceScope(NamedTuple):
+    """What a frame with ``released_modules`` traces (``bagualu2.runtime.calm_blocks``' note)."""
+
+    blocks: FrozenSet[str]
+    """The outermost blocks holding a module it may release from: traced."""
+    whole: bool
+    """An operator outside every such block may be released, or one in a block not yet seen
+    called inside a frame: the forward is traced but for the other outermost blocks (calm
+    blocks); else only ``blocks`` are."""
+
+
+class CalmBlock:
+    """One call of an outermost block running untraced in a forward traced otherwise."""
+
+    __slots__ = ("module", "name")
+
+    def __init__(self, module: torch.nn.Module, name: str) -> None:
+        self.module = module
+        self.name = name
+
+
+class RegionState:
+    """One compiled region call of a frame while it runs (``bagualu2.runtime.compiled``): its key,
+    the rerun record that may recompute it, whether the tracing mode was on the stack at its
+    entry, and what it saved."""
+
+    __slots__ = ("key", "rerun", "tracing", "choice", "storages", "start")
+
+    def __init__(self, key: str, rerun: Optional[BlockRerun], tracing: bool) -> None:
+        self.key = key
+        self.rerun = rerun
+        self.tracing = tracing
+        self.choice: Optional[Choice] = None  # read at its first save
+        self.storages: Dict[int, int] = {}  # address -> bytes, counted saves
+        self.start = time.perf_counter()
+
+
+class HostCopy(Protocol):
+    """What a frame and its readers read of one of its host copies: the runtime's
+    ``bagualu2.runtime.stores.OffloadStore``, which holds its frame (for its list of copies, its
+    fallbacks and its prefetched bytes). The frame names what it reads, not the class, so that
+    this module needs nothing of the module that imports it."""
+
+    key: str  # the operator key it was saved under
+    nbytes: int  # the storage's bytes
+    index: int  # its place in the frame's list of copies (pack order)
+
+    def prefetch(self, ledger: ResidencyLedger) -> bool:
+        """Start reloading it now (charged to ``ledger`` until backward uses it); False when one
+        is pending already."""
 
 
 ROOT_REGION = region_key("")  # torch.compile(model): the whole forward is one region
@@ -90,8 +139,8 @@ class FrameRun:
         self.calm = False  # set as the frame starts
         self.calm_block: Optional[CalmBlock] = None  # the block of a traced frame running calm now
         self.rerun: Optional[BlockRerun] = None  # the block running untraced now, to be rerun
-        self.region: Optional["RegionState"] = None  # the compiled region call running now
-        self.offloads: List["weakref.ref[OffloadStore]"] = []  # in pack (forward) order
+        self.region: Optional[RegionState] = None  # the compiled region call running now
+        self.offloads: List["weakref.ref[HostCopy]"] = []  # in pack (forward) order
         self.prefetch_cursor = 1 << 62  # next store index backward may prefetch (lazy issue)
         self.prefetch_task = -1  # the backward pass the cursor belongs to
         self.prefetch_pending = 0  # bytes prefetched and not used yet
@@ -99,16 +148,16 @@ class FrameRun:
         self.recomputes: List[Tuple[str, "weakref.ref[StorageNode]", int]] = []
         # Calm saves (``calm``), while the forward runs: storages offloaded without a node
         # (address -> the storage's weak ref, its version, the store's weak ref)
-        self.untraced_offloads: Dict[int, Tuple[StorageWeakRef, int, "weakref.ref[OffloadStore]"]] = {}
+        self.untraced_offloads: Dict[int, Tuple[StorageWeakRef, int, "weakref.ref[HostCopy]"]] = {}
         self.recomputed: Set[Tuple[int, int]] = set()  # (id(node), state) of storages released by recompute
 
-    def offloaded(self, storage: "torch.UntypedStorage", version: int) -> Optional["OffloadStore"]:
+    def offloaded(self, storage: "torch.UntypedStorage", version: int) -> Optional[HostCopy]:
         """The host copy this untraced forward made of ``storage`` while it is unchanged (at
         ``version``), for another saved view of it; else None."""
         found = self.untraced_offloads.get(storage._cdata) if self.untraced_offloads else None
         return found[2]() if found is not None and not found[0].expired() and found[1] == version else None
 
-    def note_offload(self, storage: "torch.UntypedStorage", version: int, store: "OffloadStore") -> None:
+    def note_offload(self, storage: "torch.UntypedStorage", version: int, store: HostCopy) -> None:
         """``storage`` (at ``version``) was offloaded to ``store`` without a node: ``offloaded``
         finds it."""
         self.untraced_offloads[storage._cdata] = (StorageWeakRef(storage), version, weakref.ref(store))
@@ -206,7 +255,7 @@ class Frame:
         (charged to the ledger meanwhile; at most the runtime's ``prefetch_bytes``)."""
         return self.runtime_state.prefetch_pending
 
-    def offload_stores(self) -> List["OffloadStore"]:
+    def offload_stores(self) -> List[HostCopy]:
         """This frame's host copies still alive, in pack (forward) order."""
         return [s for s in (ref() for ref in self.runtime_state.offloads) if s is not None]
 
