@@ -466,6 +466,65 @@ def test_1f1b_warmup_depth_matches_stage_position(runs4):
 
 
 # ---------------------------------------------------------------------------------------------
+# The budget set mid-run: the overlap driver plans the next pair for the new one
+# ---------------------------------------------------------------------------------------------
+
+BUDGETS = (1 << 30, 1 << 29)  # before and after ``prov.budget`` is set; both far above the step's needs
+
+
+def _budget_change_rank(rank: int, world_size: int, out_path: str) -> None:
+    """One 1F1B step under offload_all with the overlap driver; as the first backward on this
+    rank ends, ``prov.budget`` changes. Records, in order, the change and the budget each
+    schedule the driver asked for was made for."""
+    model, tokens, targets = _model_and_batch("1f1b", world_size, 4)
+    pipe = pp.build_pipeline(model, "1f1b", n_microbatches=4, microbatch_example=tokens[:MICROBATCH])
+    prov = pp.enable_bagualu2(pipe, policy="offload_all", budget=BUDGETS[0], arena_bytes=16 << 20, min_bytes=0,
+                              overlap=True)
+    prov.runtime.residency.reload_in_place = False  # reloads copy, as on a device: something to schedule
+    events: list = []
+    scheduler = prov.overlap.scheduler
+    solve = scheduler.schedule
+
+    def recording(ops, tasks, budget_bytes, *args, **kwargs):
+        events.append(("planned", int(budget_bytes)))
+        return solve(ops, tasks, budget_bytes, *args, **kwargs)
+
+    scheduler.schedule = recording
+
+    def on_event(event, state):
+        if event == "action_end" and state.action == "B" and not any(e[0] == "set" for e in events):
+            prov.budget = BUDGETS[1]
+            events.append(("set", prov.budget))
+
+    pipe.tracker.subscribe(on_event)
+    torch.manual_seed(SEED + 1)
+    pipe.train_step(tokens, targets)
+    events.append(("report", prov.report()["budget_bytes"]))
+    prov.disable()
+    pipe.close()
+    torch.save(events, f"{out_path}.{rank}")
+
+
+@pytest.mark.slow
+def test_a_budget_set_mid_run_holds_the_next_schedule(tmp_path):
+    out = str(tmp_path / "events")
+    harness.launch(_budget_change_rank, 2, out, timeout_s=LAUNCH_TIMEOUT_S)
+    planned_after = 0
+    for rank in range(2):
+        events = torch.load(f"{out}.{rank}", weights_only=True)
+        kinds = [e[0] for e in events]
+        assert kinds.count("set") == 1 and events[-1] == ("report", BUDGETS[1]), (rank, events)
+        at = kinds.index("set")
+        assert events[at] == ("set", BUDGETS[1])
+        before = [b for k, b in events[:at] if k == "planned"]
+        after = [b for k, b in events[at:] if k == "planned"]
+        assert all(b == BUDGETS[0] for b in before), (rank, events)
+        assert all(b == BUDGETS[1] for b in after), f"rank {rank} planned for a stale budget: {events}"
+        planned_after += len(after)
+    assert planned_after, "no pair was planned after the budget changed: the test shows nothing"
+
+
+# ---------------------------------------------------------------------------------------------
 # In-process: stage layout and splitting
 # ---------------------------------------------------------------------------------------------
 

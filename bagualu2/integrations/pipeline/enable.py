@@ -90,7 +90,8 @@ def enable_bagualu2(pipe: Pipeline, overlap: bool = False, **kwargs: Any):
     if overlap:
         from bagualu2.integrations.pipeline.overlap_driver import OverlapDriver
 
-        driver = OverlapDriver(prov.runtime, prov.cost, prov.budget, counts=prov.mean_counts)
+        # the budget read as each pair is planned: ``prov.budget`` may change it between pairs
+        driver = OverlapDriver(prov.runtime, prov.cost, lambda: prov.budget, counts=prov.mean_counts)
         prov.overlap = driver
         prov.on_disable(pipe.tracker.subscribe(driver.on_event))
         prov.on_disable(driver.close)

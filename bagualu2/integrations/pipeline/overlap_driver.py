@@ -45,7 +45,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -87,7 +87,10 @@ class OverlapDriver:
         runtime: the ``ActivationRuntime`` to drive (``Provisioner.runtime``).
         cost: the provisioner's ``CostModel`` (op times, copy bandwidths); without profiled
             times every op counts as equally long.
-        budget_bytes: activation budget the schedules must hold (None: no limit).
+        budget_bytes: activation budget the schedules must hold (None: no limit), or where to
+            read it: a callable asked as each pair is planned (a provisioner's budget, which
+            ``Provisioner.budget`` may change between pairs: ``pipeline.enable_bagualu2`` passes
+            it so; a number taken here would go stale).
         scheduler: an ``OverlapScheduler`` (its cache is shared by every pair).
         min_bubble_s: idle gaps shorter than this are not offered to early recomputes.
         counts: callable returning MoE layer -> tokens per expert to price ops with.
@@ -97,10 +100,11 @@ class OverlapDriver:
     with :meth:`pair`, :meth:`forward_end`, :meth:`backward_begin`, :meth:`backward_end`.
     """
 
-    def __init__(self, runtime: Any, cost: Any = None, budget_bytes: Optional[int] = None,
+    def __init__(self, runtime: Any, cost: Any = None,
+                 budget_bytes: Union[int, None, Callable[[], Optional[int]]] = None,
                  scheduler: Optional[OverlapScheduler] = None, min_bubble_s: float = 1e-3,
                  counts: Any = None, segments: int = 16) -> None:
-        if budget_bytes is not None and budget_bytes < 0:
+        if budget_bytes is not None and not callable(budget_bytes) and budget_bytes < 0:
             raise ValueError(f"budget_bytes={budget_bytes} must be >= 0 or None")
         if segments < 1:
             raise ValueError(f"segments={segments} must be >= 1")
@@ -109,7 +113,7 @@ class OverlapDriver:
             raise ValueError(f"min_bubble_s={min_bubble_s} must be >= 0")
         self.runtime = runtime
         self.cost = cost
-        self.budget_bytes = budget_bytes
+        self._budget = budget_bytes
         self.scheduler = scheduler or OverlapScheduler()
         self.min_bubble_s = min_bubble_s
         self._counts = counts or (lambda: {})
@@ -125,6 +129,11 @@ class OverlapDriver:
             "infeasible": 0,
         }
         self._frames_heard = runtime.on_frame_start.subscribe(self._on_frame)
+
+    @property
+    def budget_bytes(self) -> Optional[int]:
+        """The budget the next pair's schedule will hold, read now from where it lives."""
+        return self._budget() if callable(self._budget) else self._budget
 
     def close(self) -> None:
         """Finish any pair in progress and detach from the runtime (its other subscribers stay)."""
@@ -211,8 +220,9 @@ class OverlapDriver:
                                      sum(x[0].nbytes for x in group)))
             targets.append([(node, state) for node, state, _ in group])
         problem = PairProblem(ops, tasks, bubble, backward_op, targets, 0, segment_of, segment_end)
-        if self.budget_bytes is not None:
-            problem.budget_bytes = int(self.budget_bytes)
+        budget = self.budget_bytes
+        if budget is not None:
+            problem.budget_bytes = int(budget)
         else:  # no budget: overlap without raising the peak that lazy issue has
             problem.budget_bytes = simulate(ops, tasks, problem.lazy(), 1 << 62)[2]
         return problem
