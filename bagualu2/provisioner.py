@@ -144,7 +144,8 @@ class Provisioner:
         self.engine = engine if engine is not None else make_engine(self.device, arena_bytes, arena_max_bytes)
         self._arena_chosen = engine is not None or arena_bytes is not None  # _reserve_arena leaves it
         self.runtime = ActivationRuntime(
-            self.engine, min_bytes=min_bytes, budget_bytes=budget, enforce_budget=self._policy.adaptive,
+            # its ``budget_bytes`` is written by ``self.limits`` below, the budget's one home
+            self.engine, min_bytes=min_bytes, enforce_budget=self._policy.adaptive,
             on_exceed=self._exceeded if on_exceed == "raise" else None,
             verify=verify if verify is not None else os.environ.get("BAGUALU2_VERIFY", "off"), on_mismatch=on_mismatch,
         )

@@ -142,6 +142,20 @@ def test_the_budget_has_one_owner_and_each_forward_carries_its_share() -> None:
         prov.budget = -1
     prov.budget = budget // 2
     assert prov.runtime.residency.budget_bytes == budget // 2
+    # Set while a forward runs: that forward is held to the new one from then on, as backward is.
+    prov.budget = budget
+    held = []
+
+    def set_during(module: torch.nn.Module, args: Any) -> None:
+        prov.budget = budget + budget // 2
+        held.append((prov.runtime.active_frame.budget.limit, prov.runtime.residency.budget_bytes))
+
+    handle = model.layers[-1].register_forward_pre_hook(set_during)
+    try:
+        accumulate(model, 2, [0.0])
+    finally:
+        handle.remove()
+    assert held == [(budget + budget // 2, budget + budget // 2)]
 
 
 @pytest.mark.parametrize("limit_over_bytes, reserve_over_bytes, violations",

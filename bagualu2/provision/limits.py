@@ -3,15 +3,18 @@
 The budget is the user's (``Provisioner.budget``); with an allocator view it is on the whole
 memory the view counts, and the activations get what the predicted excess leaves
 (``provision/excess.py``). Everything that turns the budget into a number a forward, a gate or
-backward is held to lives here, so the provisioner only says when.
+backward is held to lives here, so the provisioner only says when. This is the budget's one
+home: ``Provisioner.budget`` reads and sets it here, a pipeline's overlap driver reads it here
+as it plans each pair, and the runtime's two numbers (below), which its save hooks read on
+every save, are written from here alone.
 
 Invariants:
 
 * ``limit = max(0, budget - excess)``, the excess being the allocator view's prediction for this
   micro-batch (0 without a view); ``target = limit * (1 - margin) - reserve``, the reserve being
   what the micro-batches stacking behind this one hold that no plan releases.
-* Each time the excess is set, backward (the runtime's ``budget_bytes``) and the running frame's
-  ``Budget`` follow it at once; without a budget nothing here is called.
+* Each time the budget or the excess is set, backward (the runtime's ``budget_bytes``) and the
+  running frame's ``Budget`` follow it at once; without a budget the excess is never set.
 """
 from __future__ import annotations
 
@@ -30,16 +33,19 @@ class Limits:
 
     def __init__(self, budget: Optional[int], margin: float, runtime: Any, footprint: Footprint,
                  stacking: Stacking, memory: Optional[AllocatorView]) -> None:
-        self.budget = budget
         self.margin = margin
         self.runtime = runtime
         self.footprint = footprint
         self.stacking = stacking
         self.memory = memory  # the allocator view, or None
+        self.budget: Optional[int] = None
+        self.set_budget(budget)
 
     def set_budget(self, budget: Optional[int]) -> None:
-        """A new budget for the micro-batches to come, and for backward from now on."""
-        self.budget = self.runtime.residency.budget_bytes = budget
+        """A new budget for the micro-batches to come, and for backward and the forward running
+        (if any) from now on."""
+        self.budget = budget
+        self._follow()
 
     def limit(self, excess: Optional[int] = None) -> int:
         """What this micro-batch's activations are held to: the budget less the excess the
@@ -100,7 +106,13 @@ class Limits:
         """Hold this micro-batch's activations to the budget less ``excess``: its frame (once it
         has one) and backward (the runtime's ``budget_bytes``)."""
         self.memory.now = excess
-        self.runtime.residency.budget_bytes = self.limit()
+        self._follow()
+
+    def _follow(self) -> None:
+        """Backward (the runtime's ``budget_bytes``) and the running frame's ``Budget`` (once it
+        has one) take the limit now: the numbers the save hooks read, written here alone."""
+        limit = None if self.budget is None else self.limit()
+        self.runtime.residency.budget_bytes = limit
         frame = self.runtime.active_frame
         if frame is not None and frame.budget is not None:
-            frame.budget = Budget(self.limit(), frame.budget.reserve, frame.budget.pin_headroom)
+            frame.budget = None if limit is None else Budget(limit, frame.budget.reserve, frame.budget.pin_headroom)
