@@ -5,7 +5,8 @@ The models here stash aliases of their activations (views, ``detach()``, module 
 buffers, closures, containers), write them in place traced and untraced, with and without grad,
 and read them in later blocks. Every step is compared bit for bit with the same model run by
 plain PyTorch: loss and every gradient. The adversary at the end generates such models and runs
-them under every policy, random fixed plans, adaptive under a tight budget, eager and compiled.
+them under every policy, random fixed plans and adaptive under a tight budget (its compiled form,
+every block ``block.compile()``d, is in tests/test_compile.py).
 """
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ class Block(torch.nn.Module):
                 self._set(action[1], t)
             elif kind == "write":
                 t = self._get(action[1])
-                if t is None:
+                if t is None or self._root[0].writes_from > self._root[0].steps:
                     continue
                 with torch.set_grad_enabled(action[3] and torch.is_grad_enabled()):
                     {"mul": lambda: t.mul_(1.5), "add": lambda: t.add_(0.25),
@@ -111,6 +112,8 @@ class Program(torch.nn.Module):
         super().__init__()
         self.slots: Dict[int, torch.Tensor] = {}
         self.closure: Dict[int, torch.Tensor] = {}
+        self.steps = 0  # forwards run so far
+        self.writes_from = 0  # the first forward whose "write" actions run (a write that starts late)
         self.blocks = torch.nn.ModuleList()
         for i, actions in enumerate(blocks):
             self.blocks.append(Block(actions, self, i))
@@ -123,6 +126,7 @@ class Program(torch.nn.Module):
         x = torch.sin(x)
         for block in self.blocks:
             x = block(x)
+        self.steps += 1
         return x.square().mean()
 
 
@@ -188,13 +192,17 @@ def the_issue_model(slot: str, alias: str) -> Program:
 @pytest.mark.parametrize("alias", ALIASES)
 @pytest.mark.parametrize("slot", SLOTS)
 def test_an_alias_written_untraced_in_a_kept_block_is_never_rebuilt_as_it_was(slot: str, alias: str) -> None:
-    """A fixed plan recomputing blocks 0 and 2 traces only those blocks from the third step on;
-    the write in block 1 is seen through the storage's version counter as block 2 reads it,
-    so what block 2 saves of it is held, not rebuilt, and every step matches plain PyTorch."""
+    """A fixed plan recomputing blocks 0 and 2 traces only those blocks from the third step on.
+    Block 1 starts writing only then (had a traced forward seen it write across blocks, every
+    forward would be traced whole): the write is seen through the storage's version counter as
+    block 2 reads it, so what block 2 saves of it is held, not rebuilt, and every step matches
+    plain PyTorch."""
     model, x = the_issue_model(slot, alias), torch.randn(B, W)
+    model.writes_from = 3
     keys, _ = keys_of(model, x)
     plan = {k: Choice.RECOMPUTE for k in keys if k.startswith(("blocks.0", "blocks.2"))}
     frames: List[Any] = []
+    model.steps = 0
     plain = copy.deepcopy(model)
     prov = bagualu2.enable(model, budget=None, policy=plan, gates=[], min_bytes=0)
     prov.runtime.on_frame_end.subscribe(frames.append)
@@ -202,11 +210,37 @@ def test_an_alias_written_untraced_in_a_kept_block_is_never_rebuilt_as_it_was(sl
         assert_bitwise(step(plain, x), step(model, x), f"step {i}")
     prov.disable()
     scoped = [f for f in frames if f.runtime_state.scope is not None and not f.runtime_state.scope.whole]
-    assert scoped, "no step traced only the releasing blocks"
+    assert len(scoped) >= 2, "no step traced only the releasing blocks"
     if alias == "half":  # read through a cat, which saves nothing: its rebuild holds the written storage
         return
-    assert all(any("did not trace it" in why for why in f.stats.fallbacks) for f in scoped), \
+    written = [f for f in scoped if model.writes_from <= frames.index(f)]
+    assert written and all(any("did not trace it" in why for why in f.stats.fallbacks) for f in written), \
         [f.stats.fallbacks for f in scoped]
+
+
+def test_a_write_across_blocks_seen_traced_traces_every_later_forward_whole() -> None:
+    """Block 1 reads its input (block 0 stashed a view of it) into a storage block 2 saves, and
+    block 2 then writes the input through the stash: the profiled (traced) forwards see a
+    storage written after another block read it, and every later forward is traced whole.
+    Traced only in block 1, the input (made untraced) would be a leaf of the recipe block 2's
+    save is rebuilt from, written by the time backward rebuilds it."""
+    torch.manual_seed(0)
+    model = Program([[("stash", "attr", "view", True)],
+                     [("stash", "dict", "view", False), ("inplace", False)],
+                     [("read", "dict", "mul"), ("write", "attr", "mul", False), ("lin", "tanh")]])
+    x = torch.randn(B, W)
+    keys, _ = keys_of(model, x)
+    plan = {k: Choice.RECOMPUTE for k in keys if k.startswith("blocks.1")}
+    frames: List[Any] = []
+    model.steps = 0
+    plain = copy.deepcopy(model)
+    prov = bagualu2.enable(model, budget=None, policy=plan, gates=[], min_bytes=0)
+    prov.runtime.on_frame_end.subscribe(frames.append)
+    for i in range(4):
+        assert_bitwise(step(plain, x), step(model, x), f"step {i}")
+    prov.disable()
+    assert prov.runtime.mode.writes_across_blocks
+    assert all(f.runtime_state.scope is None for f in frames)
 
 
 def test_a_write_through_data_moves_no_counter_and_is_documented_as_such() -> None:
@@ -268,7 +302,10 @@ def _adversary(data: st.DataObject, blocks: List[List[tuple]], policy: str, comp
         plan = policy
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # budget crossings under adaptive are counted, not judged, here
-        run_against_plain(model, x, plan, budget=budget, compile_blocks=compile_blocks)
+        try:
+            run_against_plain(model, x, plan, budget=budget, compile_blocks=compile_blocks)
+        except bagualu2.InfeasibleBudgetError:
+            reject()  # a budget no plan meets is refused before anything is allocated: nothing to compare
     gc.collect()
 
 
@@ -284,11 +321,3 @@ def test_adversary_aliases_written_anywhere_are_exact_under_every_policy(data: s
 @given(data=st.data(), blocks=_program(), policy=st.sampled_from(_POLICIES))
 def test_adversary_at_length(data: st.DataObject, blocks: List[List[tuple]], policy: str) -> None:
     _adversary(data, blocks, policy, compile_blocks=False)
-
-
-@pytest.mark.slow
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-@given(data=st.data(), blocks=_program(), policy=st.sampled_from(_POLICIES))
-def test_adversary_with_compiled_blocks(data: st.DataObject, blocks: List[List[tuple]], policy: str) -> None:
-    torch._dynamo.reset()
-    _adversary(data, blocks, policy, compile_blocks=True)

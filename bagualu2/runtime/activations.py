@@ -196,7 +196,9 @@ class ActivationRuntime:
         self.mode.reset()
         self.mode.suspended = 0  # what an interrupt between a suspension's step and its ``try`` left
         self.mode.profile = frame.profile
-        scope = frame.runtime_state.scope = self._scopes.of(frame)
+        # A model whose forward writes storages across blocks is traced whole (see
+        # ``TracingMode.writes_across_blocks``).
+        scope = frame.runtime_state.scope = None if self.mode.writes_across_blocks else self._scopes.of(frame)
         self._module_hooks(frame.traced, scope.blocks if scope is not None and not scope.whole else None)
         # The caller of ``with``: this generator's caller is contextlib's __enter__.
         self._frame_owner = (threading.get_ident(), sys._getframe(2), holder[0])

@@ -33,8 +33,12 @@ Invariants (tests/test_calm_blocks.py, tests/test_aliasing.py):
   whichever tensor, and however long after the tensors the traced blocks returned died. A
   write that moves no counter (through ``.data``, a NumPy or DLPack alias) is outside what
   autograd itself checks, and outside this: ``enable(verify=...)`` catches what it corrupts.
-  A calm block called with an argument that is neither a tensor nor a plain value (a KV
-  cache), or entered while another dispatch mode runs above the tracing mode, is traced instead.
+  What a traced op reads of a storage made untraced is a leaf, version-checked when a rebuild
+  reads it: so a model whose traced forwards wrote a storage after another stretch of the
+  forward (another block, or the code between blocks) read it is traced whole from then on
+  (``TracingMode.writes_across_blocks``). A calm block called with an argument that is neither
+  a tensor nor a plain value (a KV cache), or entered while another dispatch mode runs above
+  the tracing mode, is traced instead.
 * A storage a traced op made is saved as the plan says wherever it is saved: untraced code's
   saves of it take the full way, where the same check runs.
 * Nothing untraced is planned: it has no node and its operators no key seen. Profiled and

@@ -20,8 +20,10 @@ exit the tracing mode is back on the stack, and the region's saved bytes (and, i
 frame, its forward seconds) are recorded under its key for the cost model.
 
 Invariants: bit-exactness as for blocks (``rerun.py``); a region that may issue collectives
-(``regions.holds_collectives``) or is called with an object its forward may change
-(``rerun.unrestorable``) is never recomputed (offloaded instead): nothing bagualu2 does in
+(``regions.holds_collectives``), is called with an object its forward may change
+(``rerun.unrestorable``) or was seen writing its own inputs in place is never recomputed
+(offloaded instead; its first call reruns from copies of its inputs, taken as it begins, since
+a region split by graph breaks packs its first saves before the rest of it runs): nothing bagualu2 does in
 backward issues a collective; nothing
 of bagualu2 runs inside the compiled code but ``report_gate``.
 """
@@ -29,7 +31,7 @@ of bagualu2 runs inside the compiled code but ``report_gate``.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -56,6 +58,10 @@ class CompiledRegions:
         self.residency = residency
         self.mode = residency.mode
         self.ledger = residency.ledger
+        # Region keys whose calls were seen to leave their inputs as they found them, and those
+        # seen writing them in place (never rerun: a rerun would start from the written inputs).
+        self._vetted: Set[str] = set()
+        self._write_inputs: Set[str] = set()
 
     def hooks(self, name: str, block: bool, rerunnable: bool = True
                       ) -> Tuple[Callable[..., None], Callable[..., None]]:
@@ -95,11 +101,14 @@ class CompiledRegions:
         key = region_key(path)
         rerun = None
         enforced = self.residency.enforce_budget
-        if rerunnable and (frame.choice(key) == Choice.RECOMPUTE or enforced or key in frame.choices):
+        if rerunnable and key not in self._write_inputs and (
+                frame.choice(key) == Choice.RECOMPUTE or enforced or key in frame.choices):
             flat, spec = tree_flatten((args, kwargs))
             if unrestorable(flat) is None:
                 rerun = BlockRerun(module, path or "the compiled model", flat, spec, self.residency.pin_leaf,
                                    lambda s: Pin(self.ledger, s))
+                if key not in self._vetted:  # its first call: it may write its inputs (see ``leave``)
+                    rerun.hold_copies(self.residency.pin_leaf)
         frame.runtime_state.region = RegionState(key, rerun, tracing)
 
     def running(self) -> Optional[Tuple[str, Choice, int]]:
@@ -125,6 +134,15 @@ class CompiledRegions:
             self.mode.__enter__()
         nbytes = sum(state.storages.values())
         frame.keys_seen.setdefault(state.key, nbytes)
+        if state.rerun is not None and state.key not in self._vetted:
+            # A region's first call reruns from copies of its inputs: its first saves were packed
+            # before the rest of its code ran (a graph break ends a graph), so whether it writes
+            # its inputs is known only now. One that does keeps its copies and is never rerun again.
+            if state.rerun.inputs_written():
+                self._write_inputs.add(state.key)
+            else:
+                state.rerun.drop_copies()
+                self._vetted.add(state.key)
         if state.choice == Choice.RECOMPUTE and state.rerun is not None:
             frame.stats.rerun_blocks += 1
             frame.stats.bytes_by_choice["recompute"] += nbytes
@@ -138,8 +156,9 @@ class CompiledRegions:
         if state.choice is None:
             choice = frame.choice(state.key)
             if choice == Choice.RECOMPUTE and state.rerun is None:
-                frame.stats.fallbacks.append(f"{state.key}: recompute -> offload (it issues collectives, or is "
-                                             f"called with an object its forward may change)")
+                frame.stats.fallbacks.append(f"{state.key}: recompute -> offload (it issues collectives, is "
+                                             f"called with an object its forward may change, or writes its "
+                                             f"own inputs in place)")
                 choice = Choice.OFFLOAD
             state.choice = choice
             if choice != Choice.RECOMPUTE:

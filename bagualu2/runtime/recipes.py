@@ -191,7 +191,8 @@ class StorageNode:
 
     __slots__ = (
         "key", "position", "nbytes", "device", "_weak", "creator", "mutations", "recomputable",
-        "replayable", "why_not", "owners", "offloaded", "kept", "anchor", "cache", "version", "__weakref__",
+        "replayable", "why_not", "owners", "offloaded", "kept", "anchor", "cache", "version", "read_in",
+        "__weakref__",
     )
 
     def __init__(self, key: str, position: int, storage: torch.UntypedStorage, creator: Step,
@@ -217,6 +218,7 @@ class StorageNode:
         # The version counter the storage's tensors read once the last op the tracing mode saw
         # on it has returned (``TracingMode.seen``); -1: none (an inference tensor).
         self.version = 0
+        self.read_in = -1  # the stretch of the forward that last read it (``TracingMode._segment``)
 
     @property
     def state(self) -> int:

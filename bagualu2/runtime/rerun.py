@@ -78,7 +78,7 @@ class BlockRerun:
 
     __slots__ = ("module", "name", "_flat", "_spec", "_grad", "_versions", "_rng", "_device", "_device_rng",
                  "_autocast", "_pins", "_metas", "storages", "_task", "_captured", "_charge", "_charges",
-                 "__weakref__")
+                 "_held", "__weakref__")
 
     def __init__(self, module: torch.nn.Module, name: str, flat: List[Any], spec: Any,
                  pin: Callable[[torch.Tensor], Any], charge: Callable[[torch.UntypedStorage], Any]) -> None:
@@ -111,6 +111,30 @@ class BlockRerun:
         self._captured: Dict[int, torch.Tensor] = {}
         self._charge = charge
         self._charges: Dict[int, List[Any]] = {}  # address -> [captured tensors of it not taken, charge]
+        self._held: Optional[Tuple[List[Any], List[int], List[Any]]] = None  # the inputs while copies stand in
+
+    def hold_copies(self, pin: Callable[[torch.Tensor], Any]) -> None:
+        """Rerun from copies of the tensor inputs, taken now (charged by ``pin``), until
+        ``drop_copies``: for a call that may write its own inputs in place, which a rerun from
+        the inputs themselves would then refuse."""
+        self._held = (self._flat, self._versions, self._pins)
+        with torch.no_grad():
+            self._flat = [x.clone() if isinstance(x, torch.Tensor) else x for x in self._flat]
+        self._versions = [x._version for x in self._flat if isinstance(x, torch.Tensor)]
+        self._pins = self._pins + [p for p in (pin(x) for x in self._flat if isinstance(x, torch.Tensor))
+                                   if p is not None]
+
+    def drop_copies(self) -> None:
+        """Rerun from the inputs themselves again: the call left them as they were."""
+        if self._held is not None:
+            self._flat, self._versions, self._pins = self._held
+            self._held = None
+
+    def inputs_written(self) -> bool:
+        """Whether the call wrote an input in place (its version moved since the call began)."""
+        held = self._held[0] if self._held is not None else self._flat
+        versions = self._held[1] if self._held is not None else self._versions
+        return any(x._version != v for x, v in zip((x for x in held if isinstance(x, torch.Tensor)), versions))
 
     def save(self, t: torch.Tensor, counted: bool) -> "RerunSaved":
         """Pack one tensor the block saves (``counted``: a plain activation, whose storage

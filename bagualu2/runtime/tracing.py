@@ -128,6 +128,18 @@ class TracingMode(TorchDispatchMode):
         # The outermost block call running now, traced: (its path, how many nodes existed as it
         # began, the storages of its tensor arguments); see ``block_begins``.
         self._block: Optional[Tuple[str, int, FrozenSet[int]]] = None
+        # This frame's outermost block calls so far: the paths of those each storage was an
+        # argument of, and how many nodes existed as the last one began.
+        self._block_args: Dict[int, Set[str]] = {}
+        # Numbers the stretches of a forward: each outermost block call, and the code between
+        # them (``StorageNode.read_in``).
+        self._segment = 0
+        # Whether any traced forward wrote in place a storage that code of another stretch read
+        # before (another block, or the code between blocks): a frame tracing only some blocks
+        # would hold such a storage, made untraced, as a leaf in the reader's recipes, which a
+        # rebuild would then find written. Frames of a model that does this are traced whole
+        # (``ActivationRuntime``'s frame scope).
+        self.writes_across_blocks = False
         # The traced storages the last in-place op wrote, with the tensor it wrote each through:
         # their counters move after this mode returns (ADInplaceOrView sits above the Python
         # dispatch key; under a dispatch mode a foreach op moves none), so each node's version
@@ -143,6 +155,8 @@ class TracingMode(TorchDispatchMode):
         self._calls = [("", {}, 0)]
         self._call_counts = {}
         self._block = None
+        self._block_args = {}
+        self._segment = 0
         self._written = []
 
     def push_module(self, path: str) -> None:
@@ -157,11 +171,15 @@ class TracingMode(TorchDispatchMode):
         anything but its arguments (a tensor another block left in a module attribute or a
         container, which the forward may replace by the time backward reruns it) is never rerun
         whole (``side_effect_modules``); see ``_encode``."""
-        self._block = (path, len(self.nodes), frozenset(
-            a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor) and is_plain(a)))
+        storages = frozenset(a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor) and is_plain(a))
+        self._block = (path, len(self.nodes), storages)
+        self._segment += 1
+        for cdata in storages:
+            self._block_args.setdefault(cdata, set()).add(path)
 
     def block_ends(self) -> None:
         self._block = None
+        self._segment += 1
 
     def pop_module(self) -> None:
         if len(self._calls) > 1:
@@ -275,6 +293,7 @@ class TracingMode(TorchDispatchMode):
             cdata = x.untyped_storage()._cdata
             node = self.nodes.get(cdata)
             if node is not None and node is not mutated:
+                node.read_in = self._segment
                 if x._version != node.version:
                     self.seen(node, x)
                 block = self._block
@@ -395,6 +414,8 @@ class TracingMode(TorchDispatchMode):
             for path, _, start in self._calls[1:]:
                 if node.position < start:
                     self.side_effect_modules.add(path.partition("#")[0])
+            if node.read_in not in (-1, self._segment):
+                self.writes_across_blocks = True
             if node.replayable == len(node.mutations):
                 self._owners = set(node.owners or ())
                 # Pinned only if the step is kept: a pin counts as bytes the frame holds, even
@@ -416,4 +437,9 @@ class TracingMode(TorchDispatchMode):
                 step = Step(func, (), {}, None, 0, seconds)  # not replayable: keep no references
             node.mutations += (step,)
             self._written.append((node, t))
+        # A block an earlier call gave this storage to would be rerun from it as written.
+        for cdata in written:
+            for path in self._block_args.get(cdata, ()):
+                if self._block is None or path != self._block[0]:
+                    self.side_effect_modules.add(path)
         return written
