@@ -328,6 +328,9 @@ def main() -> None:
     parser.add_argument("--peak-repeats", type=int, default=3,
                         help="steps per variant whose memory high-water mark is read (the median is shown)")
     parser.add_argument("--out", default="step_overhead.json")
+    parser.add_argument("--only", default="",
+                        help="comma-separated words: run only the variants whose names contain one of them "
+                             "(and the baselines they are paired with), e.g. --only verify")
     parser.add_argument("--host-cost", action="store_true",
                         help="measure the host cost per aten op on a chain of tiny ops instead (see above)")
     parser.add_argument("--links", type=int, default=50, help="--host-cost: links in the chain (4 aten ops each)")
@@ -423,6 +426,20 @@ def main() -> None:
         "bagualu2 checkpoint's set": provisioned("bagualu2 checkpoint's set", checkpoint_set),
         "bagualu2 every op recomputed": provisioned("bagualu2 every op recomputed", dict.fromkeys(keys, RECOMPUTE)),
     }
+    pairs = [("bagualu2 adaptive, ample", "plain pytorch"), ("bagualu2 keep_all", "plain pytorch"),
+             ("bagualu2 traced, tiny release", "plain pytorch"),
+             ("bagualu2 offload_all", "torch save_on_cpu"), ("bagualu2 offload_all", "torch save_on_cpu, pinned"),
+             ("bagualu2 recompute_all", "torch checkpoint"), ("bagualu2 checkpoint's set", "torch checkpoint"),
+             ("bagualu2 every op recomputed", "torch checkpoint"), ("torch checkpoint, again", "torch checkpoint"),
+             ("bagualu2 offload_all, verify sample", "bagualu2 offload_all"),
+             ("bagualu2 offload_all, verify all", "bagualu2 offload_all"),
+             ("bagualu2 recompute_all, verify sample", "bagualu2 recompute_all")]
+    if args.only:
+        words = [w for w in args.only.split(",") if w]
+        wanted = {n for n in variants if any(w in n for w in words)}
+        wanted |= {baseline for ours, baseline in pairs if ours in wanted}
+        variants = {n: fn for n, fn in variants.items() if n in wanted}
+    pairs = [(ours, baseline) for ours, baseline in pairs if ours in variants and baseline in variants]
     times: Dict[str, List[float]] = {name: [] for name in variants}
     names = list(variants)
     order = random.Random(0)
@@ -441,8 +458,8 @@ def main() -> None:
                 times[name].append(elapsed)
             print(f"step {i} {name:<28} {elapsed * 1000:8.1f} ms", flush=True)
 
-    peaks = {name: prov.report()["peak_bytes"] for name, prov in provisioners.items()}
-    traced = {name: prov.report()["traced_micro_batches"] for name, prov in provisioners.items()}
+    peaks = {name: prov.report()["peak_bytes"] for name, prov in provisioners.items() if name in variants}
+    traced = {name: prov.report()["traced_micro_batches"] for name, prov in provisioners.items() if name in variants}
     step_peak = StepPeak()
     measured: Dict[str, List[int]] = {name: [] for name in variants}
     for _ in range(args.peak_repeats):
@@ -453,15 +470,6 @@ def main() -> None:
 
     median = {name: statistics.median(v) for name, v in times.items()}
     best = {name: min(v) for name, v in times.items()}
-    pairs = [("bagualu2 adaptive, ample", "plain pytorch"), ("bagualu2 keep_all", "plain pytorch"),
-             ("bagualu2 traced, tiny release", "plain pytorch"),
-             ("bagualu2 offload_all", "torch save_on_cpu"), ("bagualu2 offload_all", "torch save_on_cpu, pinned"),
-             ("bagualu2 recompute_all", "torch checkpoint"), ("bagualu2 checkpoint's set", "torch checkpoint"),
-             ("bagualu2 every op recomputed", "torch checkpoint"), ("torch checkpoint, again", "torch checkpoint"),
-             ("bagualu2 offload_all, verify sample", "bagualu2 offload_all"),
-             ("bagualu2 offload_all, verify all", "bagualu2 offload_all"),
-             ("bagualu2 recompute_all, verify sample", "bagualu2 recompute_all")]
-    pairs = [(ours, baseline) for ours, baseline in pairs if baseline in variants]
     # Paired: the ratio within each round (the two ran seconds apart), then the median.
     paired = {(ours, baseline): statistics.median(a / b for a, b in zip(times[ours], times[baseline]))
               for ours, baseline in pairs}

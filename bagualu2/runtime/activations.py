@@ -462,7 +462,7 @@ class ActivationRuntime:
                 warnings.warn(f"bagualu2: {why} (slower; a Hugging Face model passes its KV cache: set "
                               f"model.config.use_cache = False for training)", stacklevel=2)
             return False
-        if name not in self._traced_blocks or name in self.mode.side_effect_modules:
+        if name not in self._traced_blocks or name in self.mode.side_effect_modules or self.mode.writes_across_blocks:
             return False
         self.mode.place(False)  # off torch's dispatch stack: the block's ops skip Python
         frame.runtime_state.rerun = BlockRerun(module, name, flat, spec, self.residency.pin_leaf,

@@ -149,7 +149,10 @@ class Leaf:
     A tensor with autograd history is held detached: the graph holds this recipe through its
     saved tensors, so holding the graph back would make a reference cycle. ``source`` is what
     carries the version counter checked at replay (the tensor itself, or the parameter a view
-    was taken of); None when that would mean holding the graph, and then nothing is checked.
+    was taken of); None when that would mean holding the graph, and then nothing is checked (a
+    detach made below autograd, where the tracing mode runs, shares no version counter): the
+    tracing mode's ``writes_across_blocks`` keeps such leaves from being written after they
+    were read in a model that does so.
     """
 
     __slots__ = ("tensor", "version", "pin", "source")
@@ -192,7 +195,7 @@ class StorageNode:
     __slots__ = (
         "key", "position", "nbytes", "device", "_weak", "creator", "mutations", "recomputable",
         "replayable", "why_not", "owners", "offloaded", "kept", "anchor", "cache", "version", "read_in",
-        "__weakref__",
+        "made_in", "__weakref__",
     )
 
     def __init__(self, key: str, position: int, storage: torch.UntypedStorage, creator: Step,
@@ -219,6 +222,7 @@ class StorageNode:
         # on it has returned (``TracingMode.seen``); -1: none (an inference tensor).
         self.version = 0
         self.read_in = -1  # the stretch of the forward that last read it (``TracingMode._segment``)
+        self.made_in = -1  # the stretch that made it
 
     @property
     def state(self) -> int:

@@ -134,11 +134,12 @@ class TracingMode(TorchDispatchMode):
         # Numbers the stretches of a forward: each outermost block call, and the code between
         # them (``StorageNode.read_in``).
         self._segment = 0
-        # Whether any traced forward wrote in place a storage that code of another stretch read
-        # before (another block, or the code between blocks): a frame tracing only some blocks
-        # would hold such a storage, made untraced, as a leaf in the reader's recipes, which a
-        # rebuild would then find written. Frames of a model that does this are traced whole
-        # (``ActivationRuntime``'s frame scope).
+        # Whether any traced forward wrote in place a storage that was read before and made in
+        # another stretch (another block, or the code between blocks): a frame running that
+        # stretch untraced (a calm block, a block rerun whole) would hold the storage as a leaf
+        # in the readers' recipes, which a rebuild would then find written. Frames of a model
+        # that does this are traced whole, and none of its blocks is rerun whole
+        # (``ActivationRuntime``).
         self.writes_across_blocks = False
         # The traced storages the last in-place op wrote, with the tensor it wrote each through:
         # their counters move after this mode returns (ADInplaceOrView sits above the Python
@@ -378,6 +379,7 @@ class TracingMode(TorchDispatchMode):
                 why_not, self.cache,
             )
             node.version = o._version
+            node.made_in = self._segment
             node.owners = owners
             self.nodes[storage._cdata] = node
             if several:
@@ -414,7 +416,7 @@ class TracingMode(TorchDispatchMode):
             for path, _, start in self._calls[1:]:
                 if node.position < start:
                     self.side_effect_modules.add(path.partition("#")[0])
-            if node.read_in not in (-1, self._segment):
+            if node.read_in != -1 and not node.read_in == node.made_in == self._segment:
                 self.writes_across_blocks = True
             if node.replayable == len(node.mutations):
                 self._owners = set(node.owners or ())
