@@ -34,8 +34,8 @@ Invariants (tests/test_calm_blocks.py, tests/test_aliasing.py):
   write that moves no counter (through ``.data``, a NumPy or DLPack alias) is outside what
   autograd itself checks, and outside this: ``enable(verify=...)`` catches what it corrupts.
   What a traced op reads of a storage made untraced is a leaf, version-checked when a rebuild
-  reads it: so a model whose traced forwards wrote a storage after another stretch of the
-  forward (another block, or the code between blocks) read it is traced whole from then on
+  reads it: so a model whose traced forwards read a storage and then wrote it in place where it
+  was not made (another block, or the code between blocks) is traced whole from then on
   (``TracingMode.writes_across_blocks``). A calm block called with an argument that is neither
   a tensor nor a plain value (a KV cache), or entered while another dispatch mode runs above
   the tracing mode, is traced instead.
