@@ -193,10 +193,13 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.in
 
 @settings(max_examples=60, deadline=None)
 @given(dtype=st.sampled_from(_DTYPES), shape=st.lists(st.integers(1, 5), min_size=0, max_size=3),
-       transpose=st.booleans(), data=st.data())
+       transpose=st.booleans(), offset=st.integers(0, 3), data=st.data())
 def test_a_fingerprint_sees_any_one_element_changed(dtype: torch.dtype, shape: List[int], transpose: bool,
-                                                    data: st.DataObject) -> None:
-    t = (torch.randn(shape) * 10).to(dtype)
+                                                    offset: int, data: st.DataObject) -> None:
+    numel = 1
+    for n in shape:
+        numel *= n
+    t = (torch.randn(numel + offset) * 10).to(dtype)[offset:].view(shape)  # a view at any storage offset
     if transpose and t.dim() >= 2:
         t = t.transpose(0, -1)  # a strided view
     fp = fingerprint(t, "k", 1, "offloaded")
