@@ -5,8 +5,9 @@ The models here stash aliases of their activations (views, ``detach()``, module 
 buffers, closures, containers), write them in place traced and untraced, with and without grad,
 and read them in later blocks. Every step is compared bit for bit with the same model run by
 plain PyTorch: loss and every gradient. The adversary at the end generates such models and runs
-them under every policy, random fixed plans and adaptive under a tight budget (its compiled form,
-every block ``block.compile()``d, is in tests/test_compile.py).
+them under every policy, random fixed plans and adaptive under a tight budget, eager (a compiled
+block rerun whole reads Python-side state as backward finds it, which no tracer sees inside
+compiled code: ``enable(verify=...)`` is what catches that).
 """
 from __future__ import annotations
 

@@ -21,8 +21,6 @@ from typing import Any, Dict, List
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 import bagualu2
@@ -32,8 +30,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from compile_models import (  # noqa: E402
     compile_model, dense, inner, mismatches, random_plan, reference, run_steps,
 )
-from test_aliasing import _POLICIES as ALIASING_POLICIES, _adversary as aliasing_adversary  # noqa: E402
-from test_aliasing import _program as aliasing_program  # noqa: E402
 
 # Dynamo reads ``.grad`` of non-leaf inputs as it builds their fakes (torch's own filter for that
 # warning does not hold under "error"); inductor imports torch.utils.mkldnn, which warns that
@@ -456,12 +452,3 @@ def test_hugging_face_qwen3_moe_with_compiled_layers_is_bit_exact(policy: str) -
     if policy == "adaptive":
         assert report["violations"] == 0, report
 
-
-@pytest.mark.slow
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-@given(data=st.data(), blocks=aliasing_program(), policy=st.sampled_from(ALIASING_POLICIES))
-def test_adversary_with_compiled_blocks(data: st.DataObject, blocks: List[List[tuple]], policy: str) -> None:
-    """tests/test_aliasing.py's adversary with every block compiled (``block.compile()``):
-    aliases written anywhere, every policy, loss and gradients bit for bit."""
-    torch._dynamo.reset()
-    aliasing_adversary(data, blocks, policy, compile_blocks=True)

@@ -22,8 +22,9 @@ frame, its forward seconds) are recorded under its key for the cost model.
 Invariants: bit-exactness as for blocks (``rerun.py``); a region that may issue collectives
 (``regions.holds_collectives``), is called with an object its forward may change
 (``rerun.unrestorable``) or was seen writing its own inputs in place is never recomputed
-(offloaded instead; its first call reruns from copies of its inputs, taken as it begins, since
-a region split by graph breaks packs its first saves before the rest of it runs): nothing bagualu2 does in
+(offloaded instead; its first call planned to be rerun reruns from copies of its inputs, taken
+as it begins, since a region split by graph breaks packs its first saves before the rest of it
+runs): nothing bagualu2 does in
 backward issues a collective; nothing
 of bagualu2 runs inside the compiled code but ``report_gate``.
 """
@@ -107,8 +108,9 @@ class CompiledRegions:
             if unrestorable(flat) is None:
                 rerun = BlockRerun(module, path or "the compiled model", flat, spec, self.residency.pin_leaf,
                                    lambda s: Pin(self.ledger, s))
-                if key not in self._vetted:  # its first call: it may write its inputs (see ``leave``)
-                    rerun.hold_copies(self.residency.pin_leaf)
+                if key not in self._vetted and frame.choice(key) == Choice.RECOMPUTE:
+                    # Its first call planned to be rerun: it may write its inputs (see ``leave``).
+                    rerun.hold_copies()
         frame.runtime_state.region = RegionState(key, rerun, tracing)
 
     def running(self) -> Optional[Tuple[str, Choice, int]]:
@@ -134,7 +136,7 @@ class CompiledRegions:
             self.mode.__enter__()
         nbytes = sum(state.storages.values())
         frame.keys_seen.setdefault(state.key, nbytes)
-        if state.rerun is not None and state.key not in self._vetted:
+        if state.rerun is not None and state.rerun.holds_copies:
             # A region's first call reruns from copies of its inputs: its first saves were packed
             # before the rest of its code ran (a graph break ends a graph), so whether it writes
             # its inputs is known only now. One that does keeps its copies and is never rerun again.

@@ -113,16 +113,21 @@ class BlockRerun:
         self._charges: Dict[int, List[Any]] = {}  # address -> [captured tensors of it not taken, charge]
         self._held: Optional[Tuple[List[Any], List[int], List[Any]]] = None  # the inputs while copies stand in
 
-    def hold_copies(self, pin: Callable[[torch.Tensor], Any]) -> None:
-        """Rerun from copies of the tensor inputs, taken now (charged by ``pin``), until
-        ``drop_copies``: for a call that may write its own inputs in place, which a rerun from
-        the inputs themselves would then refuse."""
+    def hold_copies(self) -> None:
+        """Rerun from copies of the tensor inputs, taken now, until ``drop_copies``: for a call
+        that may write its own inputs in place, which a rerun from the inputs themselves would
+        then refuse. The copies are not charged to the ledger: they stand for the call's inputs
+        once per region (``CompiledRegions``), and what the budget learns from a frame must not
+        count them."""
         self._held = (self._flat, self._versions, self._pins)
         with torch.no_grad():
             self._flat = [x.clone() if isinstance(x, torch.Tensor) else x for x in self._flat]
         self._versions = [x._version for x in self._flat if isinstance(x, torch.Tensor)]
-        self._pins = self._pins + [p for p in (pin(x) for x in self._flat if isinstance(x, torch.Tensor))
-                                   if p is not None]
+
+    @property
+    def holds_copies(self) -> bool:
+        """Whether copies of the inputs stand in for them (``hold_copies``)."""
+        return self._held is not None
 
     def drop_copies(self) -> None:
         """Rerun from the inputs themselves again: the call left them as they were."""
