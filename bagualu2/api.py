@@ -56,7 +56,7 @@ def enable(model: torch.nn.Module, budget: Union[str, int, float, None] = "auto"
             activations get the budget less what it learned lies outside them at the peak, at
             that micro-batch's routing; default None: the budget is on the activations alone),
             ``verify`` (the exactness check of what is released, ``bagualu2.runtime.verify``:
-            ``"off"``, ``"sample"`` (one released save in eight fingerprinted as it is saved and
+            ``"off"``, ``"sample"`` (one released save in 32 fingerprinted as it is saved and
             compared when backward gets it back) or ``"all"``; default ``"off"``, or what the
             ``BAGUALU2_VERIFY`` environment variable says), ``on_mismatch`` (``"raise"``:
             ``bagualu2.ExactnessError``; ``"fallback"``: counted in ``report()["verify"]`` and

@@ -90,10 +90,10 @@ def test_off_takes_no_fingerprint() -> None:
     prov.disable()
 
 
-def test_sample_checks_one_released_save_in_eight() -> None:
+def test_sample_checks_one_released_save_in_every_sample_every() -> None:
     model, x = net()
     prov = bagualu2.enable(model, budget=None, policy="offload_all", gates=[], min_bytes=0, verify="sample")
-    for _ in range(6):
+    while prov.runtime.verifier._released < 2 * SAMPLE_EVERY + 3:
         step(model, x)
     released = prov.runtime.verifier._released
     assert released >= 2 * SAMPLE_EVERY

@@ -43,7 +43,7 @@ __all__ = ["MODES", "ON_MISMATCH", "SAMPLE_EVERY", "Fingerprint", "Verifier", "f
 
 MODES = ("off", "sample", "all")
 ON_MISMATCH = ("raise", "fallback")
-SAMPLE_EVERY = 8  # "sample": one released save in this many is fingerprinted
+SAMPLE_EVERY = 32  # "sample": one released save in this many is fingerprinted
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SAMPLES = 4
