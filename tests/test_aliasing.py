@@ -190,6 +190,23 @@ def the_issue_model(slot: str, alias: str) -> Program:
     ])
 
 
+def run_plan_against_plain(model: Program, x: torch.Tensor, released: Tuple[str, ...], steps: int
+                           ) -> Tuple[bagualu2.Provisioner, List[Any]]:
+    """``steps`` steps of ``model`` under a fixed plan recomputing every key of the blocks
+    ``released`` names, each compared with a plain copy's; the provisioner and its frames."""
+    keys, _ = keys_of(model, x)
+    plan = {k: Choice.RECOMPUTE for k in keys if k.startswith(released)}
+    frames: List[Any] = []
+    model.steps = 0
+    plain = copy.deepcopy(model)
+    prov = bagualu2.enable(model, budget=None, policy=plan, gates=[], min_bytes=0)
+    prov.runtime.on_frame_end.subscribe(frames.append)
+    for i in range(steps):
+        assert_bitwise(step(plain, x), step(model, x), f"step {i}")
+    prov.disable()
+    return prov, frames
+
+
 @pytest.mark.parametrize("alias", ALIASES)
 @pytest.mark.parametrize("slot", SLOTS)
 def test_an_alias_written_untraced_in_a_kept_block_is_never_rebuilt_as_it_was(slot: str, alias: str) -> None:
@@ -200,16 +217,7 @@ def test_an_alias_written_untraced_in_a_kept_block_is_never_rebuilt_as_it_was(sl
     plain PyTorch."""
     model, x = the_issue_model(slot, alias), torch.randn(B, W)
     model.writes_from = 3
-    keys, _ = keys_of(model, x)
-    plan = {k: Choice.RECOMPUTE for k in keys if k.startswith(("blocks.0", "blocks.2"))}
-    frames: List[Any] = []
-    model.steps = 0
-    plain = copy.deepcopy(model)
-    prov = bagualu2.enable(model, budget=None, policy=plan, gates=[], min_bytes=0)
-    prov.runtime.on_frame_end.subscribe(frames.append)
-    for i in range(5):
-        assert_bitwise(step(plain, x), step(model, x), f"step {i}")
-    prov.disable()
+    _, frames = run_plan_against_plain(model, x, ("blocks.0", "blocks.2"), steps=5)
     scoped = [f for f in frames if f.runtime_state.scope is not None and not f.runtime_state.scope.whole]
     assert len(scoped) >= 2, "no step traced only the releasing blocks"
     if alias == "half":  # read through a cat, which saves nothing: its rebuild holds the written storage
@@ -229,17 +237,7 @@ def test_a_write_across_blocks_seen_traced_traces_every_later_forward_whole() ->
     model = Program([[("stash", "attr", "view", True)],
                      [("stash", "dict", "view", False), ("inplace", False)],
                      [("read", "dict", "mul"), ("write", "attr", "mul", False), ("lin", "tanh")]])
-    x = torch.randn(B, W)
-    keys, _ = keys_of(model, x)
-    plan = {k: Choice.RECOMPUTE for k in keys if k.startswith("blocks.1")}
-    frames: List[Any] = []
-    model.steps = 0
-    plain = copy.deepcopy(model)
-    prov = bagualu2.enable(model, budget=None, policy=plan, gates=[], min_bytes=0)
-    prov.runtime.on_frame_end.subscribe(frames.append)
-    for i in range(4):
-        assert_bitwise(step(plain, x), step(model, x), f"step {i}")
-    prov.disable()
+    prov, frames = run_plan_against_plain(model, torch.randn(B, W), ("blocks.1",), steps=4)
     assert prov.runtime.mode.writes_across_blocks
     assert all(f.runtime_state.scope is None for f in frames)
 
