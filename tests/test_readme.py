@@ -1,5 +1,6 @@
-"""The README tells the truth: its snippet runs as written and shows what it says, its list of
-``report()`` keys is the code's, and what it says of budgets and gate discovery is what happens."""
+"""The README tells the truth: its snippet runs as written and shows what it says; and so does
+docs/usage.md, where the README sends its reader for the rest: its list of ``report()`` keys is
+the code's, and what it says of budgets and gate discovery is what happens."""
 from __future__ import annotations
 
 import contextlib
@@ -14,16 +15,17 @@ import bagualu2
 from bagualu2.models import MoEConfig, MoETransformer
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+USAGE = (Path(__file__).resolve().parent.parent / "docs" / "usage.md").read_text()
 
 
 def _python_blocks() -> list:
     return re.findall(r"```python\n(.*?)```", README, flags=re.S)
 
 
-def _section(title: str) -> str:
-    start = README.index(title)
-    end = README.find("\n#", start + len(title))
-    return README[start:end if end >= 0 else None]
+def _section(title: str, text: str = USAGE) -> str:
+    start = text.index(title)
+    end = text.find("\n#", start + len(title))
+    return text[start:end if end >= 0 else None]
 
 
 def test_readme_snippet_runs_as_written_and_prints_what_the_readme_says() -> None:
@@ -49,18 +51,18 @@ def test_readme_snippet_runs_as_written_and_prints_what_the_readme_says() -> Non
 
 
 def test_every_report_key_is_documented_and_every_documented_key_exists() -> None:
-    table = _section("### What `report()` holds")
+    table = _section("## What `report()` holds")
     documented = set()
     for row in table.splitlines():
         if row.startswith("| `"):
             documented.update(re.findall(r"`([a-z_]+)`", row.split("|")[1]))
     model = MoETransformer(MoEConfig.tiny())
     prov = bagualu2.enable(model, budget=None)
-    assert documented == set(prov.report()), "README's report() table and Provisioner.report() differ"
+    assert documented == set(prov.report()), "docs/usage.md's report() table and Provisioner.report() differ"
 
 
 def test_budget_forms_mean_what_the_readme_table_says_on_cpu() -> None:
-    table = _section("### Budgets")
+    table = _section("## Budgets")
     assert "**no limit**" in table and "fraction of the host's RAM" in table
     model = MoETransformer(MoEConfig.tiny())
     for budget, want in (("auto", None), (None, None), (12345, 12345)):
@@ -76,7 +78,7 @@ def test_budget_forms_mean_what_the_readme_table_says_on_cpu() -> None:
 
 
 def test_the_unfound_gate_warning_is_the_one_the_readme_quotes() -> None:
-    quoted = " ".join(re.search(r"`enable` warns `([^`]+)`", _section("### MoE gates")).group(1).split())
+    quoted = " ".join(re.search(r"`enable` warns `([^`]+)`", _section("## MoE gates")).group(1).split())
     dense = torch.nn.Sequential(torch.nn.Linear(8, 8))
     with pytest.warns(UserWarning) as seen:
         bagualu2.enable(dense, budget=1 << 20)
