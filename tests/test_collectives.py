@@ -301,6 +301,11 @@ def test_fsdp2_sharded_parameters_count_as_parameters_not_activations() -> None:
     assert calm and all(mb[3]["offload"] == 0 and mb[3]["recompute"] == 0 for mb in calm), adaptive
 
 
+# torch 2.13 renamed all_gather_into_tensor (deprecated there: a FutureWarning, an error here)
+# to all_gather_single; torch 2.11 knows only the old name: the same collective.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class FirstUnshard(torch.nn.Module):
     """FSDP2's unshard as its first forward in a process runs it: the all-gather's output, made
     in the forward and written by a collective, is copied into the unsharded parameters'
@@ -314,7 +319,7 @@ class FirstUnshard(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gathered = torch.empty(self.shard.numel())  # one rank's world
-        dist.all_gather_single(gathered, self.shard.detach())
+        all_gather_single(gathered, self.shard.detach())
         if not self.unsharded:
             self.unsharded = [torch.empty(1, 3072), torch.empty(1, 1024)]
         with torch.no_grad():
