@@ -5,9 +5,8 @@ The models here stash aliases of their activations (views, ``detach()``, module 
 buffers, closures, containers), write them in place traced and untraced, with and without grad,
 and read them in later blocks. Every step is compared bit for bit with the same model run by
 plain PyTorch: loss and every gradient. The adversary at the end generates such models and runs
-them under every policy, random fixed plans and adaptive under a tight budget, eager (a compiled
-block rerun whole reads Python-side state as backward finds it, which no tracer sees inside
-compiled code: ``enable(verify=...)`` is what catches that).
+them under every policy, random fixed plans and adaptive under a tight budget, eager (with every
+block compiled: tests/test_compile.py, whose process is its own in CI).
 """
 from __future__ import annotations
 
@@ -32,6 +31,7 @@ B, W = 4, 16
 #   ("stash", slot, alias, main) slot <- an alias of x (main) or of x * 1.0 (no op on x)
 #   ("write", slot, how, grad)   the slot's tensor written in place       (under no_grad unless grad)
 #   ("read", slot, how)          x = x * slot's tensor, or x + slot @ w    (saves the alias)
+#                                or x + slot's tensor ("add": saves nothing of it)
 #   ("inplace", grad)            x written in place                        (under no_grad unless grad)
 SLOTS = ("attr", "dict", "closure", "buffer")
 ALIASES = ("view", "detach", "whole", "reshape", "half")
@@ -100,7 +100,7 @@ class Block(torch.nn.Module):
                     continue
                 if t.shape[-1] != W:
                     t = torch.cat([t, t], dim=-1)
-                x = x * t if action[2] == "mul" else x + t @ self.v
+                x = x * t if action[2] == "mul" else x + t if action[2] == "add" else x + t @ self.v
             elif kind == "inplace":
                 x = x * 1.0
                 with torch.set_grad_enabled(action[1] and torch.is_grad_enabled()):

@@ -21,6 +21,8 @@ from typing import Any, Dict, List
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 import bagualu2
@@ -30,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from compile_models import (  # noqa: E402
     compile_model, dense, inner, mismatches, random_plan, reference, run_steps,
 )
+from test_aliasing import _POLICIES as ALIASING_POLICIES, _adversary as aliasing_adversary  # noqa: E402
+from test_aliasing import _program as aliasing_program, ALIASES, SLOTS as ALIASING_SLOTS  # noqa: E402
 
 # Dynamo reads ``.grad`` of non-leaf inputs as it builds their fakes (torch's own filter for that
 # warning does not hold under "error"); inductor imports torch.utils.mkldnn, which warns that
@@ -452,3 +456,192 @@ def test_hugging_face_qwen3_moe_with_compiled_layers_is_bit_exact(policy: str) -
     if policy == "adaptive":
         assert report["violations"] == 0, report
 
+
+
+# -- Python-side state a compiled block reads (issue #61) ---------------------------------------------------------
+# A compiled block rerun whole in backward runs its compiled code again, which reads what it reads
+# besides its arguments (a module attribute, a container, a buffer) as backward finds it. No tracer
+# sees those reads inside compiled code; Dynamo's guards name them (``regions.CompiledReads``).
+SW = 8
+
+
+class _Stash(torch.nn.Module):
+    """Stashes an activation of its own on itself (``kept``: a storage nothing saves)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(SW, SW) / SW ** 0.5)
+        self.kept: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(x @ self.w)
+        self.kept = y * 1.0
+        return y
+
+
+class _Reader(torch.nn.Module):
+    """Reads the stash of another block (held in a list: not a submodule) into what it saves."""
+
+    def __init__(self, source: _Stash) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(SW, SW) / SW ** 0.5)
+        self.source = [source]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh((x + self.source[0].kept) @ self.w)
+
+
+class _Counted(torch.nn.Module):
+    """Reads a buffer of its own in its forward, and writes it there (``counts``: a running
+    statistic) or not."""
+
+    def __init__(self, counts: bool) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(SW, SW) / SW ** 0.5)
+        self.register_buffer("level", torch.ones(SW))
+        self.counts = counts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.sigmoid((x + self.level) @ self.w)
+        if self.counts:
+            self.level.mul_(1.25)
+        return y
+
+
+class _StateModel(torch.nn.Module):
+    def __init__(self, counted: Any = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        stash = _Stash()
+        self.blocks = torch.nn.ModuleList([stash, _Reader(stash)] + ([_Counted(counted)] if counted is not None else []))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def _state_step(model: _StateModel, x: torch.Tensor, write: Any) -> List[torch.Tensor]:
+    """Loss and every gradient of one step, ``write(model)`` run between forward and backward."""
+    model.zero_grad(set_to_none=True)
+    loss = model(x)
+    with torch.no_grad():
+        write(model)
+    loss.backward()
+    return [loss.detach().clone()] + [p.grad.clone() for p in model.parameters()]
+
+
+def _run_state_model(policy: Any, write: Any, counted: Any = None, steps: int = 3) -> List[Any]:
+    """``steps`` steps of ``_StateModel`` with blocks compiled under ``policy``, each compared bit
+    for bit with the same compiled model without bagualu2; its frames."""
+    plain, model = _StateModel(counted), _StateModel(counted)
+    for m in (plain, model):
+        for block in m.blocks:
+            block.compile(backend="aot_eager")
+    x = torch.randn(4, SW)
+    frames: List[Any] = []
+    prov = bagualu2.enable(model, budget=None, policy=policy, gates=[], min_bytes=0)
+    prov.runtime.on_frame_end.subscribe(frames.append)
+    try:
+        for i in range(steps):
+            expected, got = _state_step(plain, x, write), _state_step(model, x, write)
+            for j, (a, b) in enumerate(zip(expected, got)):
+                assert torch.equal(a, b), f"step {i}: {'loss' if j == 0 else f'gradient {j - 1}'} differs"
+        for a, b in zip(plain.buffers(), model.buffers()):
+            assert torch.equal(a, b), "a buffer differs from plain PyTorch's"
+    finally:
+        prov.disable()
+    return frames
+
+
+def _write_the_stash(model: _StateModel) -> None:
+    model.blocks[0].kept.mul_(1.5)
+
+
+@pytest.mark.parametrize("policy", ["recompute_all", "plan"])
+def test_a_compiled_block_reading_a_module_attribute_written_after_forward_is_exact(policy: str) -> None:
+    """The issue's shape: compiled block 1 reads block 0's stash through a module attribute, and
+    the stash is written in place between forward and backward. Rerun whole, block 1 would read
+    the written stash (gradients off, no error from plain PyTorch's autograd: nothing saved it):
+    its guards name the read, so it is offloaded, counted as a fallback naming the source, and
+    block 0 (which reads only its argument and parameter) is still rerun."""
+    plan: Any = "recompute_all" if policy == "recompute_all" else bagualu2.Plan(
+        {"blocks.0:compiled": Choice.RECOMPUTE, "blocks.1:compiled": Choice.RECOMPUTE})
+    frames = _run_state_model(plan, _write_the_stash)
+    for frame in frames:
+        assert any(f.startswith("blocks.1:compiled: recompute -> offload (it reads L['self'].source[0].kept")
+                   for f in frame.stats.fallbacks), frame.stats.fallbacks
+        assert not any(f.startswith("blocks.0:") for f in frame.stats.fallbacks), frame.stats.fallbacks
+        assert frame.stats.rerun_blocks == 1
+
+
+def test_a_compiled_block_writing_its_own_buffer_reruns_from_what_it_read() -> None:
+    """Block 2 reads a buffer of its own and then writes it in its forward: its first call
+    planned to be rerun reruns from a copy of the buffer as it read it (and writes the copy,
+    not the buffer, again); its later calls are not rerun. Loss, gradients and the buffer match
+    plain PyTorch's."""
+    frames = _run_state_model("recompute_all", lambda m: None, counted=True)
+    assert frames[0].stats.rerun_blocks == 2  # blocks 0 and 2 (block 1 reads block 0's stash)
+    assert not any(f.startswith("blocks.2:") for f in frames[0].stats.fallbacks), frames[0].stats.fallbacks
+    for frame in frames[1:]:
+        assert frame.stats.rerun_blocks == 1
+        assert any(f.startswith("blocks.2:compiled: recompute -> offload") for f in frame.stats.fallbacks)
+
+
+def test_a_buffer_a_rerun_block_reads_written_after_forward_is_refused() -> None:
+    """A buffer a compiled block reads, written in place between forward and backward after the
+    block was seen leaving it as it was: its rerun would read the written buffer, and refuses
+    instead, naming it (as autograd refuses a saved tensor written in place)."""
+    model = _StateModel(counted=False)
+    for block in model.blocks:
+        block.compile(backend="aot_eager")
+    prov = bagualu2.enable(model, budget=None, policy="recompute_all", gates=[], min_bytes=0)
+    x = torch.randn(4, SW)
+    try:
+        _state_step(model, x, lambda m: None)
+        with pytest.raises(RuntimeError, match=r"level of block blocks\.2, which its compiled code reads"):
+            _state_step(model, x, lambda m: m.blocks[2].level.add_(1.0))
+    finally:
+        prov.disable()
+
+
+# tests/test_aliasing.py's adversary with every block compiled (``block.compile()``): generated
+# blocks stash aliases of their activations on modules, buffers and containers, write them in
+# place with and without grad, and read them in later blocks; under every policy, random fixed
+# plans and adaptive under a tight budget; loss and every gradient bit for bit with the same
+# compiled model without bagualu2, at every step.
+# Each program also stashes an alias of a fresh activation in block 0, reads it by adding it
+# (``("read", slot, "add")``: nothing saves it, so plain PyTorch's autograd lets a write of it
+# pass) and writes it in place after that read, in the same block or a later one: a rerun of the
+# reading block that read it as backward finds it would differ.
+_ADVERSARY = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+@st.composite
+def _compiled_program(draw: Any) -> List[List[tuple]]:
+    slot = draw(st.sampled_from(ALIASING_SLOTS))
+    # Every read of that slot adds (a read that saved it would make plain PyTorch refuse the write).
+    blocks = [[("read", a[1], "add") if a[0] == "read" and a[1] == slot else a for a in block]
+              for block in draw(aliasing_program())]
+    blocks[0].append(("stash", slot, draw(st.sampled_from(ALIASES)), False))
+    c = draw(st.integers(1, len(blocks) - 1))
+    blocks[c].insert(draw(st.integers(0, len(blocks[c]))), ("read", slot, "add"))
+    d = draw(st.integers(c, len(blocks) - 1))
+    at = len(blocks[d]) if d == c else draw(st.integers(0, len(blocks[d])))
+    blocks[d].insert(at, ("write", slot, draw(st.sampled_from(("mul", "add", "part"))), draw(st.booleans())))
+    return blocks
+
+
+@settings(max_examples=8, **_ADVERSARY)
+@given(data=st.data(), blocks=_compiled_program(), policy=st.sampled_from(ALIASING_POLICIES))
+def test_adversary_with_compiled_blocks(data: st.DataObject, blocks: List[List[tuple]], policy: str) -> None:
+    torch._dynamo.reset()
+    aliasing_adversary(data, blocks, policy, compile_blocks=True)
+
+
+@pytest.mark.slow
+@settings(max_examples=60, **_ADVERSARY)
+@given(data=st.data(), blocks=_compiled_program(), policy=st.sampled_from(ALIASING_POLICIES))
+def test_adversary_with_compiled_blocks_at_length(data: st.DataObject, blocks: List[List[tuple]], policy: str) -> None:
+    torch._dynamo.reset()
+    aliasing_adversary(data, blocks, policy, compile_blocks=True)

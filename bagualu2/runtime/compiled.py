@@ -21,12 +21,22 @@ frame, its forward seconds) are recorded under its key for the cost model.
 
 Invariants: bit-exactness as for blocks (``rerun.py``); a region that may issue collectives
 (``regions.holds_collectives``), is called with an object its forward may change
-(``rerun.unrestorable``) or was seen writing its own inputs in place is never recomputed
-(offloaded instead; its first call planned to be rerun reruns from copies of its inputs, taken
-as it begins, since a region split by graph breaks packs its first saves before the rest of it
-runs): nothing bagualu2 does in
-backward issues a collective; nothing
-of bagualu2 runs inside the compiled code but ``report_gate``.
+(``rerun.unrestorable``) or was seen writing its own inputs, parameters or buffers in place is
+never recomputed (offloaded instead; its first call planned to be rerun reruns from copies of
+its inputs and buffers, taken as it begins, since a region split by graph breaks packs its first
+saves before the rest of it runs, and compiled code writes a buffer after its saves): nothing
+bagualu2 does in backward issues a collective; nothing of bagualu2 runs inside the compiled
+code but ``report_gate``.
+
+A rerun reads, besides the inputs it holds, whatever the region's code reads as backward finds
+it, and no tracer sees those reads inside compiled code (issue #61). So a call is recomputed
+only if what its compiled code reads is known to be its arguments and parameters and buffers of
+the region's own modules (``regions.CompiledReads``, read off Dynamo's guards as the call
+begins); any other read (a tensor an earlier block stashed on a module or in a container, a
+global), a graph break, or code that could not be inspected offloads the call instead, counted
+as a fallback naming why. The parameters and buffers it reads are held with their versions as
+the call began (``BlockRerun.snapshot``, ``watch``): its rerun refuses, naming the tensor, if
+one was written in place or rebound since, as autograd refuses a saved tensor written in place.
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ from bagualu2.shared import Choice
 from bagualu2.runtime.frame import Frame, RegionState
 from bagualu2.runtime.ledger import Kept, Pin
 from bagualu2.runtime.recipes import is_plain, is_recomputing, view_meta
-from bagualu2.runtime.regions import region_key
+from bagualu2.runtime.regions import CompiledReads, region_key
 from bagualu2.runtime.rerun import BlockRerun, unrestorable
 from bagualu2.runtime.residency import Residency
 from bagualu2.runtime.stores import _Offloaded
@@ -63,6 +73,8 @@ class CompiledRegions:
         # seen writing them in place (never rerun: a rerun would start from the written inputs).
         self._vetted: Set[str] = set()
         self._write_inputs: Set[str] = set()
+        # What the compiled code of the region call running now reads (when it may be rerun).
+        self._reads: Optional[CompiledReads] = None
 
     def hooks(self, name: str, block: bool, rerunnable: bool = True
                       ) -> Tuple[Callable[..., None], Callable[..., None]]:
@@ -111,6 +123,10 @@ class CompiledRegions:
                 if key not in self._vetted and frame.choice(key) == Choice.RECOMPUTE:
                     # Its first call planned to be rerun: it may write its inputs (see ``leave``).
                     rerun.hold_copies()
+        # Read off Dynamo's guards as the call begins (see ``regions.CompiledReads``).
+        self._reads = CompiledReads(module, args, kwargs) if rerun is not None else None
+        if rerun is not None and self._reads.module is not None:
+            rerun.snapshot(self._reads.module)
         frame.runtime_state.region = RegionState(key, rerun, tracing)
 
     def running(self) -> Optional[Tuple[str, Choice, int]]:
@@ -132,6 +148,7 @@ class CompiledRegions:
         if state is None:
             return
         frame.runtime_state.region = None
+        self._reads = None
         if state.tracing:
             self.mode.__enter__()
         nbytes = sum(state.storages.values())
@@ -140,11 +157,15 @@ class CompiledRegions:
             # A region's first call reruns from copies of its inputs: its first saves were packed
             # before the rest of its code ran (a graph break ends a graph), so whether it writes
             # its inputs is known only now. One that does keeps its copies and is never rerun again.
-            if state.rerun.inputs_written():
+            if state.rerun.inputs_written() or state.rerun.state_written():
                 self._write_inputs.add(state.key)
             else:
                 state.rerun.drop_copies()
                 self._vetted.add(state.key)
+        elif state.rerun is not None and state.rerun.state_written():
+            # It wrote a parameter or buffer it reads, seen only now: its rerun refuses (the
+            # error names it); its later calls are not rerun.
+            self._write_inputs.add(state.key)
         if state.choice == Choice.RECOMPUTE and state.rerun is not None:
             frame.stats.rerun_blocks += 1
             frame.stats.bytes_by_choice["recompute"] += nbytes
@@ -160,8 +181,15 @@ class CompiledRegions:
             if choice == Choice.RECOMPUTE and state.rerun is None:
                 frame.stats.fallbacks.append(f"{state.key}: recompute -> offload (it issues collectives, is "
                                              f"called with an object its forward may change, or writes its "
-                                             f"own inputs in place)")
+                                             f"own inputs or state in place)")
                 choice = Choice.OFFLOAD
+            elif choice == Choice.RECOMPUTE:
+                why, read = self._reads.result() if self._reads is not None else ("its reads are unknown", [])
+                if why is not None:
+                    frame.stats.fallbacks.append(f"{state.key}: recompute -> offload ({why})")
+                    choice = Choice.OFFLOAD
+                else:
+                    state.rerun.watch(read)
             state.choice = choice
             if choice != Choice.RECOMPUTE:
                 state.rerun = None  # its inputs need not be held

@@ -32,6 +32,21 @@ Invariants:
 * ``report_gate`` is a ``torch.library.custom_op`` that declares a write to its ``sink``
   argument: the compilers keep it in the graph and run its Python body on every call, with the
   real tensors, after the router ran and before the region's saved tensors are packed.
+* A region call is rerun whole in backward only if what its compiled code reads is known and
+  is the call's arguments or parameters and buffers of the region's own modules
+  (``CompiledReads``): the tensors Dynamo's guards check (every tensor a compiled graph takes
+  as an input has a ``TENSOR_MATCH`` guard naming its source, ``L['x']``,
+  ``L['self']._modules['mlp']._parameters['w']``; ``report_gate``'s sink, which nothing reads, is
+  the one other tensor allowed), of every cache entry of the region's
+  ``forward`` whose guards pass for the call as it begins (or, where none does, of those the
+  call compiles). Guards are checked as the call begins, not at its saves: inside the compiled
+  autograd function grad mode is off, which a guard checks. A tensor read from anywhere else (a module
+  attribute an earlier block stashed, a container, a global, a closure) may be written or
+  rebound before backward, which a rerun would read as it finds it: such a call is not rerun
+  (offloaded, counted as a fallback naming the source). So is a region with a graph break
+  (eager Python runs between its graphs and may read anything), one whose code could not be
+  inspected (no cache entry that may run it, a torch without these internals), and
+  one compiled with a ``guard_filter_fn`` (it may drop the guards that name the reads).
 * Options whose compiled code keeps its own copies of activations (CUDA graphs:
   ``mode="reduce-overhead"`` or ``"max-autotune"``, ``options={"triton.cudagraphs": True}``,
   ``backend="cudagraphs"``) are refused at ``enable``, naming the option.
@@ -39,7 +54,9 @@ Invariants:
 
 from __future__ import annotations
 
+import inspect
 import itertools
+import re
 import sys
 import types
 import weakref
@@ -50,7 +67,7 @@ from torch import Tensor
 
 from bagualu2.shared import region_key
 
-__all__ = ["RegionCall", "check_compile_config", "check_compile_options", "compiled_regions", "hide_from_dynamo", "is_compiled", "region_key",
+__all__ = ["CompiledReads", "RegionCall", "check_compile_config", "check_compile_options", "compiled_regions", "hide_from_dynamo", "is_compiled", "region_key",
            "report_gate",
            "register_gate_report", "unregister_gate_report"]
 
@@ -180,6 +197,188 @@ def check_compile_config() -> None:
         raise ValueError(
             f"bagualu2: torch._functorch.config.activation_memory_budget={budget} makes the compiler decide "
             f"what compiled regions recompute; bagualu2 plans each region itself: reset it to 1.0")
+
+
+# -- what a region's compiled code reads -----------------------------------------------------------
+# Each verdict is memoized per transformed code object of a cache entry (the entry holds it):
+# (that code, None or why it is not rerun, the parameter and buffer sources it reads).
+_ENTRY_READS: Dict[int, Tuple[Any, Optional[str], Tuple[Tuple[Tuple[str, ...], str, str], ...]]] = {}
+_OWN_STATE = re.compile(r"^((?:(?:\._modules|\.__dict__\['_modules'\])\['[^']*'\])*)"
+                        r"(?:\.|\.__dict__\[')(_parameters|_buffers)'?\]?\['([^']*)'\]$")
+_SUBSCRIPTS = re.compile(r"^(?:\[(?:'[^']*'|-?\d+)\])*$")
+_LOCAL = re.compile(r"^L\['([^']*)'\](.*)$")
+# What ``report_gate`` declares it writes (and nothing reads): the one tensor of bagualu2's own a region reads.
+_OUR_SINK = "G['__import_bagualu2_dot_runtime_dot_regions']._SINK"
+
+
+def _tensor_sources(manager: Any, out: List[str]) -> List[str]:
+    """The sources of the tensors a guard tree checks with ``TENSOR_MATCH``."""
+    if any(type(g).__name__ == "TENSOR_MATCH" for g in manager.get_leaf_guards()):
+        out.append(manager.get_source())
+    for child in manager.get_child_managers():
+        _tensor_sources(child, out)
+    return out
+
+
+def _entry_reads(entry: Any, self_name: str, arg_names: Tuple[str, ...]
+                 ) -> Tuple[Optional[str], Tuple[Tuple[Tuple[str, ...], str, str], ...]]:
+    """What one cache entry's compiled code reads: (why a call of it may not be rerun, or None;
+    the parameters and buffers of the region it reads, as (submodule names, "_parameters" or
+    "_buffers", name))."""
+    memo = _ENTRY_READS.get(id(entry.code))
+    if memo is not None and memo[0] is entry.code:
+        return memo[1], memo[2]
+    names = entry.code.co_names
+    graphs = [n for n in names if n.startswith("__compiled_fn")]
+    why: Optional[str] = None
+    state: List[Tuple[Tuple[str, ...], str, str]] = []
+    if any(n.startswith("__resume_at") for n in names) or len(graphs) != 1:
+        why = "it has a graph break: eager code between its graphs may read any state"
+    else:
+        for source in _tensor_sources(entry.guard_manager.root, []):
+            if source == _OUR_SINK:
+                continue
+            local = _LOCAL.match(source)
+            if local is not None and local.group(1) in arg_names and _SUBSCRIPTS.match(local.group(2)):
+                continue  # a tensor among the call's arguments: held and version-checked
+            own = _OWN_STATE.match(local.group(2)) if local is not None and local.group(1) == self_name else None
+            if own is not None:
+                path = tuple(p for p in re.findall(r"\['([^']*)'\]", own.group(1)) if p != "_modules")
+                state.append((path, own.group(2), own.group(3)))
+                continue
+            why = (f"it reads {source}, neither an argument nor a parameter or buffer of the region: "
+                   f"a rerun in backward would read it as it is then")
+            break
+    _ENTRY_READS[id(entry.code)] = (entry.code, why, tuple(state))
+    return why, tuple(state)
+
+
+_FILTERS: Dict[int, Tuple[Any, Optional[str]]] = {}  # id(compiled code) -> (it, why it is not inspected)
+
+
+def _find_hooks(obj: Any, depth: int, seen: set) -> Any:
+    """Dynamo's ``Hooks`` of compiled code ``obj`` (in its wrappers' closures and attributes)."""
+    from torch._dynamo.hooks import Hooks
+
+    if depth < 0 or id(obj) in seen or isinstance(obj, (torch.nn.Module, Tensor, type, types.ModuleType)):
+        return None
+    seen.add(id(obj))
+    if isinstance(obj, Hooks):
+        return obj
+    inner = [c.cell_contents for c in (getattr(obj, "__closure__", None) or ())]
+    attrs = getattr(obj, "__dict__", None)
+    if isinstance(attrs, dict):
+        inner.extend(attrs.values())
+    for value in inner:
+        found = _find_hooks(value, depth - 1, seen)
+        if found is not None:
+            return found
+    return None
+
+
+def _filters_guards(module: torch.nn.Module) -> Optional[str]:
+    """Why a region's guards may not name all it reads (a ``guard_filter_fn`` drops guards, or
+    its compile options could not be found), or None."""
+    compiled = _compiled_fn(module)
+    if isinstance(compiled, RegionCall):
+        compiled = compiled.compiled
+    if isinstance(compiled, _optimized_module()):
+        compiled = compiled.dynamo_ctx
+    memo = _FILTERS.get(id(compiled))
+    if memo is None or memo[0] is not compiled:
+        hooks = _find_hooks(compiled, 6, set())
+        why = ("its compile options could not be found" if hooks is None else
+               "it is compiled with a guard_filter_fn, which may drop the guards that name its reads"
+               if hooks.guard_filter_fn is not None else None)
+        memo = _FILTERS[id(compiled)] = (compiled, why)
+    return memo[1]
+
+
+Reads = Tuple[Optional[str], List[Tuple[str, Dict[str, Tensor], str]]]
+
+
+class CompiledReads:
+    """What the compiled code of one region call reads (see the module note): taken as the call
+    begins (``begin``), from the cache entries of the region's ``forward`` whose guards pass
+    for it, or, where none passes (the call compiles its code), from the entries it compiled,
+    once it has (``result``, at its first save)."""
+
+    __slots__ = ("module", "_fn", "_names", "_pending", "_result")
+
+    def __init__(self, module: torch.nn.Module, args: tuple, kwargs: Dict[str, Any]) -> None:
+        self.module: Optional[torch.nn.Module] = None  # the module whose forward it runs
+        self._pending: Optional[set] = None
+        self._result: Optional[Reads] = None
+        try:
+            self.module = _region_module(module)
+            filtered = _filters_guards(module)
+            if filtered is not None:
+                self._result = (filtered, [])
+                return
+            forward = self.module.forward
+            self._fn = getattr(forward, "__func__", forward)
+            signature = inspect.signature(self._fn)
+            bound = signature.bind(self.module, *args, **kwargs)
+            bound.apply_defaults()
+            self._names = tuple(signature.parameters)
+            local = dict(bound.arguments)
+            entries = _cache_entries(self._fn)
+            passing = [e for e in entries if e.guard_manager.check(local)]
+            if passing:
+                self._result = self._verdict(passing)
+            else:  # this call compiles its code: what it reads is read off the entries it adds
+                self._pending = {id(e.code) for e in entries}
+        except Exception as e:  # noqa: BLE001 - a torch without these internals: never rerun
+            self._result = (f"its compiled code could not be inspected ({type(e).__name__}: {e})", [])
+
+    def result(self) -> Reads:
+        """(why the call may not be rerun whole, or None; the parameters and buffers of the
+        region it reads, each as (its name, the dict that holds it, its key))."""
+        if self._result is None:
+            try:
+                added = [e for e in _cache_entries(self._fn) if id(e.code) not in self._pending]
+                self._result = (self._verdict(added) if added else
+                                (f"its compiled code could not be matched to this call (no cache entry of "
+                                 f"{self._fn.__qualname__} passes its guards)", []))
+            except Exception as e:  # noqa: BLE001
+                self._result = (f"its compiled code could not be inspected ({type(e).__name__}: {e})", [])
+        return self._result
+
+    def _verdict(self, entries: List[Any]) -> Reads:
+        """Every entry that may run this call (Dynamo runs the first whose guards pass) must
+        read nothing but the call's arguments and the region's parameters and buffers."""
+        found: List[Tuple[str, Dict[str, Tensor], str]] = []
+        for entry in entries:
+            why, state = _entry_reads(entry, self._names[0], self._names[1:])
+            if why is not None:
+                return why, []
+            for path, kind, key in state:
+                owner: Any = self.module
+                for part in path:
+                    owner = owner._modules[part]
+                found.append((".".join(path + (key,)), getattr(owner, kind), key))
+        return None, found
+
+
+def _region_module(region: Any) -> torch.nn.Module:
+    """The module whose ``forward`` a region's compiled code runs: a ``module.compile()``d
+    module itself, a ``torch.compile(module)`` wrapper's module, or, for a compiled model's
+    forward (what the provisioner calls for the whole-model region), the module it calls."""
+    if isinstance(region, _optimized_module()):
+        return region._orig_mod
+    if isinstance(region, torch.nn.Module):
+        return region
+    for cell in getattr(region, "__closure__", None) or ():
+        owner = getattr(cell.cell_contents, "__self__", None)
+        if isinstance(owner, torch.nn.Module):
+            return owner
+    raise TypeError(f"no module found behind {region!r}")
+
+
+def _cache_entries(fn: Any) -> List[Any]:
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return list(_debug_get_cache_entry_list(fn.__code__))
 
 
 class RegionCall:

@@ -21,6 +21,10 @@ Invariants:
   have the size, strides and dtype of the one packed at its index, and the rerun must save as
   many, or the unpack fails naming the block and the first tensor that differs (a module whose
   state changed between forward and backward). The rerun stops right after the last save.
+* A compiled region's rerun also checks the parameters and buffers its code reads besides its
+  inputs (``watch``: ``compiled.py`` learns which from Dynamo's guards): the same tensors, at the
+  versions they had as the call began, or it raises naming the tensor; a buffer the call wrote
+  itself on its first call planned to be rerun is read from a copy taken as it began.
 * Nothing lost: the inputs are held, and charged to the ledger (``pin``), while a packed
   object of the block lives; a backward pass that unpacks reruns the block once for itself, so
   several passes (``retain_graph``) work, and a graph dropped without backward frees it all.
@@ -78,7 +82,7 @@ class BlockRerun:
 
     __slots__ = ("module", "name", "_flat", "_spec", "_grad", "_versions", "_rng", "_device", "_device_rng",
                  "_autocast", "_pins", "_metas", "storages", "_task", "_captured", "_charge", "_charges",
-                 "_held", "__weakref__")
+                 "_held", "_state", "_before", "__weakref__")
 
     def __init__(self, module: torch.nn.Module, name: str, flat: List[Any], spec: Any,
                  pin: Callable[[torch.Tensor], Any], charge: Callable[[torch.UntypedStorage], Any]) -> None:
@@ -112,6 +116,11 @@ class BlockRerun:
         self._charge = charge
         self._charges: Dict[int, List[Any]] = {}  # address -> [captured tensors of it not taken, charge]
         self._held: Optional[Tuple[List[Any], List[int], List[Any]]] = None  # the inputs while copies stand in
+        # The parameters and buffers the block's code reads besides its arguments, as watched
+        # (``watch``): (name, the dict holding it, key, the tensor, its version, a copy or None).
+        self._state: List[Tuple[str, Dict[str, torch.Tensor], str, torch.Tensor, int, Optional[torch.Tensor]]] = []
+        # The block's parameters and buffers as the call began (``snapshot``), until ``watch``.
+        self._before: Dict[int, Tuple[torch.Tensor, int, Optional[torch.Tensor]]] = {}
 
     def hold_copies(self) -> None:
         """Rerun from copies of the tensor inputs, taken now, until ``drop_copies``: for a call
@@ -134,6 +143,33 @@ class BlockRerun:
         if self._held is not None:
             self._flat, self._versions, self._pins = self._held
             self._held = None
+        self._state = [entry[:5] + (None,) for entry in self._state]
+
+    def snapshot(self, module: torch.nn.Module) -> None:
+        """The versions of ``module``'s parameters and buffers as the call begins (before it
+        may write them), and, while copies of the inputs stand in (``hold_copies``), copies of
+        its buffers: a call that writes a buffer it reads (a running statistic) is rerun from
+        the copy, and writes that. What the call reads of them is known later (``watch``)."""
+        with torch.no_grad():
+            for t in module.parameters():
+                self._before[id(t)] = (t, t._version, None)
+            for t in module.buffers():
+                self._before[id(t)] = (t, t._version, t.clone() if self._held is not None else None)
+
+    def watch(self, state: List[Tuple[str, Dict[str, torch.Tensor], str]]) -> None:
+        """Check at the rerun that the parameters and buffers ``state`` names (name, the dict
+        that holds it, its key: what a compiled region reads besides its arguments) are the
+        tensors and versions ``snapshot`` saw (any other: the version it has now)."""
+        for name, owner, key in state:
+            t = owner[key]
+            before = self._before.get(id(t))
+            version, copy = (before[1], before[2]) if before is not None and before[0] is t else (t._version, None)
+            self._state.append((name, owner, key, t, version, copy))
+        self._before = {}
+
+    def state_written(self) -> bool:
+        """Whether a watched parameter or buffer was written in place or rebound since ``watch``."""
+        return any(owner.get(key) is not t or t._version != v for _, owner, key, t, v, _ in self._state)
 
     def inputs_written(self) -> bool:
         """Whether the call wrote an input in place (its version moved since the call began)."""
@@ -184,6 +220,27 @@ class BlockRerun:
                     f"one of the variables needed for gradient computation has been modified by an inplace "
                     f"operation: input {i} of block {self.name} (shape {tuple(x.shape)}) was saved at version "
                     f"{version} and is now at version {x._version}")
+        swapped: List[Tuple[Dict[str, torch.Tensor], str, torch.Tensor, torch.Tensor]] = []
+        for name, owner, key, t, version, copy in self._state:
+            if owner.get(key) is t and t._version != version and copy is not None:
+                swapped.append((owner, key, t, copy))  # written since (by the call itself): rerun from the copy
+                continue
+            if owner.get(key) is not t or t._version != version:
+                now = "another tensor" if owner.get(key) is not t else f"version {t._version}"
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: {name} of block {self.name}, which its compiled code reads, was at version "
+                    f"{version} in its forward and is now {now}: bagualu2 would rerun the block from it in "
+                    f"backward; write it after backward, or plan the block to be kept or offloaded")
+        try:
+            for owner, key, _, copy in swapped:
+                owner[key] = copy
+            return self._rerun_from()
+        finally:
+            for owner, key, t, _ in swapped:
+                owner[key] = t
+
+    def _rerun_from(self) -> Dict[int, torch.Tensor]:
         grads = iter(self._grad)
         flat = [x.detach().requires_grad_(next(grads)) if isinstance(x, torch.Tensor) else x for x in self._flat]
         args, kwargs = tree_unflatten(flat, self._spec)
