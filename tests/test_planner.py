@@ -137,6 +137,14 @@ def test_dp_is_exactly_optimal_when_sizes_and_times_are_multiples_of_the_quanta(
     assert plan.bound_s == pytest.approx(best, abs=1e-9)  # no quantization loss at all
 
 
+def test_a_window_too_small_to_cut_into_quanta_counts_as_none() -> None:
+    """A reload window so small that a quantum of it would be subnormal made the DP find no
+    feasible state: all-keep, called feasible, freeing nothing (hypothesis found it)."""
+    plan = Planner(None).solve([Candidate("op0", 1, 0.0, 1.0, 1.1125e-308, True, False)], 1, 0.5, 5.56e-309)
+    assert plan.feasible and plan.freed_bytes == 1 and plan.choices["op0"] == Choice.OFFLOAD
+    assert math.isfinite(plan.bound_s)
+
+
 @SETTINGS
 @given(real_instances(), st.sampled_from([None, 256, 4096]), st.sampled_from([None, 1, 1000]))
 def test_dp_gap_is_within_the_proven_quantization_bound(inst, max_cells, quantum_bytes):

@@ -206,12 +206,15 @@ Planner::Direction Planner::make_direction(const std::vector<double>& times, dou
         dir.hidden = true;
         return dir;
     }
-    if (window <= total * 1e-12) {  // zero or negligible window: every copy exposed, exactly
-        dir.quantum = window;          // (overestimates by at most the window itself)
+    const double max_slots = static_cast<double>(slots);
+    // Zero or negligible window: every copy exposed, exactly (overestimates by at most the
+    // window itself). A window whose quantum would be subnormal is negligible too: quanta of
+    // it would not be finite.
+    if (window <= total * 1e-12 || window / max_slots < std::numeric_limits<double>::min()) {
+        dir.quantum = window;
         return dir;
     }
     dir.windowed = true;
-    const double max_slots = static_cast<double>(slots);
     dir.quantum = time_quantum_s_ > 0 ? time_quantum_s_ : window / max_slots;
     double wq = quanta_down(window, dir.quantum);
     if (wq > max_slots) {  // requested quantum too fine for the state budget
@@ -367,9 +370,12 @@ Plan Planner::solve(const std::vector<Candidate>& candidates, std::int64_t must_
     // 3. state budget: bytes axis first (exact when the sizes allow), the rest to the windows
     const std::int64_t cells = max_cells_ > 0 ? max_cells_ : default_cells(candidates.size());
     BAGUALU2_CHECK(cells <= (std::int64_t{1} << 24), "max_cells must be <= 2^24, got ", cells);
+    // A window needs an axis unless its copies fit in it, or it is negligible: at most 1e-12 of
+    // them, or so small that a quantum of it (at most `cells` slots) would be subnormal.
     auto windows_needed = [&](double w, const std::vector<double>& t) {
         const double total = std::accumulate(t.begin(), t.end(), 0.0);
-        return (total > w && w > total * 1e-12) ? 1 : 0;
+        return (total > w && w > total * 1e-12 &&
+                w / static_cast<double>(cells) >= std::numeric_limits<double>::min()) ? 1 : 0;
     };
     int nt = windows_needed(offload_window_s, off_times) +
              windows_needed(reload_window_s, rel_times);
