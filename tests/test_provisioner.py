@@ -238,7 +238,12 @@ def test_a_compiled_model_is_provisioned_exactly(order: str) -> None:
     for i in range(2):
         ref, got = step(plain, i), step(compiled, i)
         assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
-    assert prov.report()["saved_bytes_by_choice"]["recompute"] > 0
+    released = prov.report()["saved_bytes_by_choice"]
+    if order == "enable, then compile":
+        assert released["recompute"] > 0
+    else:  # the compiled model's graph break: Python between its graphs may read anything, so
+        # its region is offloaded, not rerun (a fallback; tests/test_compile.py)
+        assert released["offload"] > 0 and prov.report()["fallbacks"] > 0
     compiled_frames = sum(torch._dynamo.utils.counters["frames"].values())
     assert (compiled_frames == 0) == (order == "enable, then compile"), compiled_frames
     torch._dynamo.reset()
