@@ -61,6 +61,11 @@ def enable(model: torch.nn.Module, budget: Union[str, int, float, None] = "auto"
             ``BAGUALU2_VERIFY`` environment variable says), ``on_mismatch`` (``"raise"``:
             ``bagualu2.ExactnessError``; ``"fallback"``: counted in ``report()["verify"]`` and
             that operator kept from then on),
+            ``releases`` (how an adaptive micro-batch that is not calm releases:
+            ``"operators"``, the default, traces it and plans operator by operator;
+            ``"reruns"`` reruns whole blocks in backward, untraced, where the model has blocks a
+            rerun may repeat, and plans operator by operator elsewhere: a block's forward must
+            then run the same way in backward, as under ``torch.utils.checkpoint``),
             ``margin``, ``telemetry_path`` (JSON lines), ``gates`` (a list of
             ``bagualu2.runtime.gates.GateSpec`` instead of discovery; ``[]`` when the model reports its
             routing through ``bagualu2.on_gating``).

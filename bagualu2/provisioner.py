@@ -24,6 +24,14 @@ micro-batches after it are traced, ready to plan, until one routes within the bu
 The runtime independently holds the ledger under the budget at every save (offloading or
 recomputing a storage that would cross it), so a misprediction costs time, never the budget.
 
+With ``releases="reruns"``, where the model has blocks a rerun may repeat (its layers, or,
+where a layer issues collectives, its experts), a micro-batch that is not calm is not traced either: it releases by
+rerunning whole blocks in backward, chosen as its forward begins (at the last routing) and at
+each gate (at its own, among the blocks not begun, its own layer's experts included), where
+that costs less than offloading (``provision/block_reruns.py``). Steps 1-4 above, operator by
+operator, are what a model with no such blocks does, and what a pipeline's overlap scheduler
+and compiled regions plan with.
+
 The first ``profile_frames`` micro-batches time every op to build the cost model; after them,
 some of those a plan may have to release from (their worst routing would not fit) calibrate:
 they release all they can, so that their backward passes measure what releases cost before
@@ -52,7 +60,7 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -66,6 +74,7 @@ from bagualu2.errors import BudgetExceededError, recorded_memory_violation, reco
 from bagualu2.inputs import (
     check_materialized, check_options, device_of, input_bytes, resolve_budget,
 )
+from bagualu2.provision.block_reruns import BlockReruns
 from bagualu2.provision.calibration import Calibration, learn
 from bagualu2.provision.copy_engine import arena_need, make_engine, measure_copy_costs, reserve_arena
 from bagualu2.provision.decisions import GateDecisions
@@ -91,6 +100,9 @@ from bagualu2.telemetry import MicroBatch, Telemetry
 __all__ = ["Provisioner", "POLICIES"]
 
 
+RELEASES = ("reruns", "operators")  # how adaptive releases (enable's ``releases``)
+
+
 class Provisioner:
     """Keeps a model's saved activations under a device budget, one micro-batch at a time.
 
@@ -106,7 +118,7 @@ class Provisioner:
                  margin: float = 0.02,
                  telemetry_path: Union[str, Path, None] = None, gates: Optional[Sequence[GateSpec]] = None,
                  engine: Any = None, allocator: Union[None, str, Callable[[], Any]] = None,
-                 verify: Optional[str] = None, on_mismatch: str = "raise") -> None:
+                 verify: Optional[str] = None, on_mismatch: str = "raise", releases: str = "operators") -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"enable() needs a torch.nn.Module, got {type(model).__name__}")
         self._compiled_root, model = unwrap_compiled(model)  # torch.compile(model): the wrapper, what it wraps
@@ -124,6 +136,10 @@ class Provisioner:
                              GateHook.__call__)
         check_options(policy, POLICIES, on_exceed, margin, profile_frames, calibrate_frames, recalibrate_every,
                       min_bytes, reserve_bytes, arena_bytes, arena_max_bytes)
+        if releases not in RELEASES:
+            raise ValueError(f"releases={releases!r}: use 'reruns' (rerun whole blocks where the model has them, "
+                             f"untraced) or 'operators' (trace, and plan operator by operator)")
+        self._reruns = releases == "reruns"
         check_materialized(model)
         if "forward" in model.__dict__ and not plain_forward(model):
             raise RuntimeError(f"{type(model).__name__} already has bagualu2 (or another forward wrapper) enabled; "
@@ -188,6 +204,9 @@ class Provisioner:
         self.limits = Limits(budget, margin, self.runtime, self.footprint, self.stacking, self.memory)
         # what each gate decides, and the planner it solves with
         self.decisions = GateDecisions(self.cost, self.runtime, self.routing, self.stacking, self.gates, min_bytes)
+        self.reruns = BlockReruns(self.cost)  # which blocks a micro-batch reruns whole, untraced
+        self._module_index = {name: i for i, (name, _) in enumerate(model.named_modules())}  # model order
+        self._copies_failed = False  # an offload failed: releases are not left to offloads (_offload_seconds)
         self._frames = 0
         self._step = 0
         self._oom_recoveries = 0
@@ -430,13 +449,55 @@ class Provisioner:
         # is not traced (its recipes would never be used): keep_all's, a fixed plan's that
         # keeps everything, and adaptive's when calm (``Limits.calm``).
         frame.traced = frame.profile or not (self._policy.keeps_all or (self._policy.adaptive and self.limits.calm(self.engine is not None)))
+        if not frame.profile and self._reruns_blocks():
+            self._choose_reruns(frame)
         return frame
+
+    def _choose_reruns(self, frame: Frame) -> None:
+        """Blocks rerun whole in backward need no trace: where rerunning some costs less than
+        offloading what the last routing would overflow, the forward reruns them and is traced
+        nowhere (``provision/block_reruns.py``)."""
+        counts = self.routing.counts or self.routing.mean()
+        room = self.limits.target() - self.runtime.ledger.resident - self.footprint.outside_held
+        last = self.footprint.last_bytes  # None where no gate routed (a model with none)
+        saves = last if last is not None else self.cost.predict_total(self.cost.order, counts)
+        want = self.reruns.choose(saves - room, self.runtime.rerunnable_blocks(), counts, self.runtime.block_outputs,
+                                  self._offload_seconds)
+        if want or frame.traced:
+            frame.traced = True
+            frame.rerun_chosen = set(want)
+
+    def _offload_seconds(self, nbytes: int) -> float:
+        """What offloading ``nbytes`` of a forward's last saves costs the step (the runtime's
+        offloads where they would cross the budget): no window hides them. An untraced forward
+        that leaves a release to offloads has nothing to fall back on if one fails (it keeps,
+        over the budget), so releases are planned onto offloads only where copies run beside
+        the compute (a GPU's copy engines; the cpu backend's threads take the compute's cores)
+        and until one fails (the engine refused it, its arena was full)."""
+        if nbytes <= 0:
+            return 0.0
+        if self.engine is None or self._copies_failed or not self.cost.copies.copies_overlap:
+            return float("inf")
+        cost = self.cost
+        out, back = cost.windows(0.0)
+        return (cost.copies.copy_frame_s + max(0.0, cost.copies.offload_seconds(nbytes) - out)
+                + max(0.0, cost.copies.reload_seconds(nbytes) - back))
+
+    def _reruns_blocks(self) -> bool:
+        """Whether an adaptive micro-batch may release by rerunning whole blocks untraced
+        (``Frame.rerun_chosen``): under a budget, profiled, with plain blocks to rerun, and no
+        pipeline schedule or compiled region that plans per operator."""
+        return (self._reruns and self._policy.adaptive and self.budget is not None and self.cost.ready
+                and self.overlap is None
+                and not self._region_paths and bool(self.runtime.rerunnable_blocks()))
 
     def _calibrates(self) -> bool:
         """Whether this micro-batch may be one that recomputes all it can (``_new_frame``):
         only where a plan may have to release, an adaptive policy under a budget that the worst
         routing of the profiled micro-batches would not fit."""
         worst = self.footprint.worst_bytes
+        if self._reruns_blocks():
+            return False  # releases rerun whole blocks, measured as they run: no op replays to measure
         return self._policy.adaptive and self.budget is not None and worst is not None and worst > self.limits.limit()
 
     def _reserve_arena(self) -> None:
@@ -486,12 +547,13 @@ class Provisioner:
         self._note_peak()
         self._learn()  # what no backward's end learned (a forward's offloads, in a pipeline)
         frame = self._new_frame(conservative)
-        self.limits.framed(frame.traced)
+        traced = frame.traced and frame.rerun_chosen is None  # a frame that only reruns traces nothing
+        self.limits.framed(traced)
         self.routing.begin()
         self.decisions.begin()
         start = time.perf_counter()
         adaptive = self.budget is not None and self._policy.adaptive
-        inputs = input_bytes(args, kwargs) if adaptive or frame.traced else 0
+        inputs = input_bytes(args, kwargs) if adaptive or traced else 0
         if adaptive:
             # Leave room for the floor of each micro-batch that stacks on this rank before its
             # next backward (pipeline warm-up), so the last of them still fits, and, in a traced
@@ -499,7 +561,7 @@ class Provisioner:
             # at the very end): it is charged when pinned. An untraced forward has no recipes and
             # pins nothing: held to the headroom, it would offload for pins that never come.
             limit = self.limits.limit()
-            headroom = self.footprint.pin_headroom(inputs, limit, self.limits.margin) if frame.traced else 0
+            headroom = self.footprint.pin_headroom(inputs, limit, self.limits.margin) if traced else 0
             frame.budget = Budget(limit, self.limits.reserve(), headroom)
         running = active()
         try:
@@ -519,16 +581,20 @@ class Provisioner:
                 running.pop()
         seconds = time.perf_counter() - start
         self._frames += 1
+        if not traced and not frame.profile and not frame.calibrating:
+            self.reruns.observe_forward(seconds)
+        if frame.stats.offload_failures:
+            self._copies_failed = True
         self.gate_hooks.regions.check_heard()
         counts = self.routing.counts
-        if frame.traced:
+        if traced:
             stats = frame.stats
             self.footprint.observe_held(stats.leaf_bytes + stats.outside_bytes, stats.outside_bytes, inputs,
                                         stats.traced_pin_bytes)
         if frame.profile:
             self.cost.observe(frame.saved_profile, counts, seconds, frame.unsaved_seconds)
             self.unplanned.profiled(self.model.training)
-        elif frame.traced and self.cost.ready:
+        elif traced and self.cost.ready:
             self.unplanned.note(frame, self.cost, self.model.training)
         self.footprint.observe_routed(anchored, counts, self.min_bytes, self.engine is not None)
         if frame.profile and self.cost.frames >= self.profile_frames:
@@ -543,14 +609,38 @@ class Provisioner:
             predicted_peak_bytes=self.decisions.predicted, budget_bytes=self.budget,
             imbalance=imbalance, bytes_by_choice=dict(frame.stats.bytes_by_choice),
             violations=frame.stats.violations, fallbacks=len(frame.stats.fallbacks),
-            forward_seconds=seconds, oom_recovered=conservative, traced=frame.traced,
+            forward_seconds=seconds, oom_recovered=conservative, traced=traced,
             calibrating=frame.calibrating, room_made_bytes=frame.stats.room_made_bytes,
         ))
-        if self._policy.adaptive and frame.traced and not frame.profile and not frame.calibrating:
+        if self._policy.adaptive and traced and not frame.profile and not frame.calibrating:
             self._last_choices = frame.choices  # the frame's, which its forward is done with
         if frame.stats.violations and not self._told_violation:
             self._tell_violation(frame)
         return out
+
+    def _rerun_more(self, frame: Frame, layer: int, values: List[int]) -> None:
+        """A gate of a micro-batch that only reruns blocks (``Frame.rerun_chosen``): at its own
+        routing, rerun more of the blocks still to begin where those chosen free too little and
+        that costs less than offloading, and offload the rest of what it saved so far, as an
+        untraced forward's gate does (``make_room``)."""
+        self.decisions.predict(frame, values, self.footprint.outside_held)
+        counts = self.decisions.counts_at(layer, values)
+        blocks = self.runtime.rerunnable_blocks()
+        gate = self._module_index.get(next((g.name for g in self.gates if g.layer == layer), ""), -1)
+        chosen = frozenset(frame.rerun_chosen)
+        sizes = self.reruns.sizes([b for b in blocks if b in chosen], counts, self.runtime.block_outputs)
+        saves = frame.stats.start_resident + self.footprint.outside_held + self.cost.predict_total(self.cost.order, counts)
+        need = saves - sum(n for n, _ in sizes.values()) - self.limits.target()
+        # the blocks still to begin: after the gate in the model (its own layer's experts too)
+        later = [b for b in blocks if b not in chosen and self._module_index.get(b, -1) > gate]
+        more = self.reruns.choose(need, later, counts, self.runtime.block_outputs, self._offload_seconds)
+        frame.rerun_chosen.update(more)
+        freed = sum(n for n, _ in self.reruns.sizes(list(more), counts, self.runtime.block_outputs).values())
+        if need > freed and self.memory is not None and frame.budget is not None:
+            # The rest is offloaded: what was saved before this gate, which the forward no
+            # longer reads (the saves still to come are what it will read at its peak).
+            to_come = saves - sum(n for n, _ in sizes.values()) - freed - self.runtime.ledger.resident
+            self.runtime.residency.make_room(max(0, to_come))
 
     def _tell_violation(self, frame: Frame) -> None:
         """The first violation under ``on_exceed="record"``, told once: on a device it would have
@@ -586,6 +676,9 @@ class Provisioner:
             return
         if frame.calibrating:
             return  # it releases all it can already
+        if frame.rerun_chosen is not None:
+            self._rerun_more(frame, layer, values)
+            return
         if not frame.traced:  # no recipes to plan from: only its high-water mark is predicted
             first = not self.decisions.predicted
             self.decisions.predict(frame, values, self.footprint.outside_held)

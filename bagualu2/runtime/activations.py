@@ -61,7 +61,7 @@ from bagualu2.shared import Choice, Event
 from bagualu2.runtime.attachment import AttachedHook, Hooks, _Attachment
 from bagualu2.runtime import calm_blocks
 from bagualu2.runtime.compiled import CompiledRegions
-from bagualu2.runtime.frame import Frame, check_keys, profile_saves
+from bagualu2.runtime.frame import Frame, TraceScope, check_keys, profile_saves
 from bagualu2.runtime.ledger import _drain_failed_backward, _drain_graph, CalmPack, Kept, KeptUnpack, Pin
 from bagualu2.runtime.residency import Residency
 from bagualu2.runtime.rerun import BlockRerun, RerunSaved, unrestorable
@@ -154,6 +154,16 @@ class ActivationRuntime:
         # The exactness check (``enable(verify=...)``): off, the hooks are the plain ones.
         self.verifier = Verifier(verify, on_mismatch)
         self._traced_blocks: Set[str] = set()  # outermost blocks seen traced: whether they issue collectives is known
+        # Plain outermost blocks in the order the model holds them, and those no state of theirs
+        # (running statistics) keeps from being rerun
+        # Blocks (outermost, and those nested in them: experts) in the order the model holds
+        # them, and those no state of theirs (running statistics) keeps from being rerun
+        self.blocks: List[str] = []
+        self._rerunnable: Set[str] = set()
+        self._called_with_objects: Set[str] = set()  # blocks a traced call passed an object (a KV cache)
+        # Bytes of what each block's last traced call returned (its own, not its storage's),
+        # which what follows the block saves whether or not the block is rerun
+        self.block_outputs: Dict[str, int] = {}
         self._attachments: List["_Attachment"] = []  # module trees attached (``attach``)
         self._scopes = calm_blocks.Scopes()  # their outermost blocks, and what a frame traces of them
         # The thread and the Python frame of the ``with frame(...)`` running now: a frame whose
@@ -198,8 +208,15 @@ class ActivationRuntime:
         self.mode.profile = frame.profile
         # A model whose forward writes storages across blocks is traced whole (see
         # ``TracingMode.writes_across_blocks``).
-        scope = frame.runtime_state.scope = None if self.mode.writes_across_blocks else self._scopes.of(frame)
-        self._module_hooks(frame.traced, scope.blocks if scope is not None and not scope.whole else None)
+        if frame.rerun_chosen is not None:
+            # Reruns blocks, traces nothing: the hooks of the blocks alone, each block's to
+            # open its rerun if it is chosen when it begins.
+            scope = frame.runtime_state.scope = TraceScope(frozenset(), False)
+            for attachment in self._attachments:
+                attachment.install(True, blocks_only=True)
+        else:
+            scope = frame.runtime_state.scope = None if self.mode.writes_across_blocks else self._scopes.of(frame)
+            self._module_hooks(frame.traced, scope.blocks if scope is not None and not scope.whole else None)
         # The caller of ``with``: this generator's caller is contextlib's __enter__.
         self._frame_owner = (threading.get_ident(), sys._getframe(2), holder[0])
         self.residency.frame = frame
@@ -233,6 +250,7 @@ class ActivationRuntime:
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 try:
                     self.mode.place(traced_outside)
+                    frame.runtime_state.outer_mode = torch.utils._python_dispatch._get_current_dispatch_mode()
                     yield frame
                 finally:
                     if frame.runtime_state.region is not None:  # the region raised: its exit did not run
@@ -377,16 +395,20 @@ class ActivationRuntime:
             if name in regions:
                 enter, leave = self.regions.hooks(name, id(module) in blocks, not holds_collectives(module))
                 if isinstance(module, torch.nn.Module) and getattr(module, "_compiled_call_impl", None) is not None:
-                    calls.append((module, enter, leave, outer_block(name)))
+                    calls.append((module, enter, leave, outer_block(name), False))
                 else:  # torch.compile(module): its own hooks run outside Dynamo
-                    hooks.append((module, AttachedHook(enter), AttachedHook(leave), outer_block(name)))
+                    hooks.append((module, AttachedHook(enter), AttachedHook(leave), outer_block(name), False))
                 continue
             block = 0
             if id(module) in blocks:
                 nested = any(name.startswith(p + ".") for p in block_paths)
                 block = 1 if nested else 2
-            rerunnable = block == 2 and not any(
+            rerunnable = block != 0 and not any(
                 isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats for m in module.modules())
+            if block:
+                self.blocks.append(name)
+            if rerunnable:
+                self._rerunnable.add(name)
 
             def enter(mod: torch.nn.Module, args: tuple, kwargs: Dict[str, Any], _name: str = name,
                       _block: int = block, _rerunnable: bool = rerunnable) -> None:
@@ -395,6 +417,12 @@ class ActivationRuntime:
                 if (run is None or not frame.traced or self.mode.suspended or run.rerun is not None
                         or run.calm_block is not None):
                     return
+                if frame.rerun_chosen is not None:  # rerun if chosen, else untraced
+                    if _block == 2:
+                        run.past_blocks = False
+                    if _name in frame.rerun_chosen and _rerunnable:
+                        self._open_rerun(frame, mod, _name, args, kwargs)
+                    return
                 if _block == 2:
                     run.past_blocks = False
                     self._scopes.framed.add(_name)
@@ -402,38 +430,62 @@ class ActivationRuntime:
                         return
                     if run.scope is not None and calm_blocks.begins(frame, self.mode, mod, _name, args, kwargs):
                         return  # runs untraced
-                    self._traced_blocks.add(_name)
                     frame.stats.traced_blocks += 1
                     self.mode.block_begins(_name, tree_flatten((args, kwargs))[0] if kwargs else list(args))
+                if _block:  # traced: whether it has effects a rerun would repeat is seen
+                    self._traced_blocks.add(_name)
+                    if unrestorable(tree_flatten((args, kwargs))[0] if kwargs else list(args)) is not None:
+                        self._called_with_objects.add(_name)
                 self.mode.push_module(_name)
                 if _block and args and isinstance(args[0], torch.Tensor):
                     self._anchor(args[0], outermost=_block == 2)
 
-            def leave(mod: torch.nn.Module, args: tuple, out: Any, _block: int = block) -> None:
+            def leave(mod: torch.nn.Module, args: tuple, out: Any, _name: str = name, _block: int = block) -> None:
                 frame = self.residency.frame
                 if frame is None or not frame.traced or self.mode.suspended:
                     return
                 if frame.runtime_state.rerun is not None:
                     if frame.runtime_state.rerun.module is mod:
                         self._close_rerun(frame)
-                        frame.runtime_state.past_blocks = True
+                        frame.runtime_state.past_blocks = _block == 2
                     return
                 if frame.runtime_state.calm_block is not None:
                     if frame.runtime_state.calm_block.module is mod:
                         calm_blocks.leave(frame, self.mode)
                         frame.runtime_state.past_blocks = True
                     return
+                if frame.rerun_chosen is not None:  # a block that ran untraced
+                    frame.runtime_state.past_blocks = frame.runtime_state.past_blocks or _block == 2
+                    return
                 self.mode.pop_module()
+                if _block and isinstance(out, torch.Tensor):
+                    self.block_outputs[_name] = out.nelement() * out.element_size()
                 if _block == 2:
                     self.mode.block_ends()
                     frame.runtime_state.past_blocks = True
                     if frame.runtime_state.scope is not None:
                         calm_blocks.traced_ends(frame, self.mode)
 
-            hooks.append((module, AttachedHook(enter), AttachedHook(leave), outer_block(name)))
+            hooks.append((module, AttachedHook(enter), AttachedHook(leave), outer_block(name), block != 0))
         attachment = _Attachment(self._attachments, hooks, calls)
         self._attachments.append(attachment)
         return [attachment]
+
+    def rerunnable_blocks(self) -> List[str]:
+        """The blocks a frame may rerun whole (``Frame.rerun_chosen``), in the order the model
+        holds them: seen traced, holding no running statistics, with no effect a rerun would
+        repeat (a collective, which backward must not issue: expert parallelism's token
+        exchange), in a model that writes no storage across blocks; a block nested in one so
+        listed is not (rerunning the outer one reruns it). A block a traced call passed an
+        object that is neither a tensor nor a plain value (a KV cache) is not either."""
+        if self.mode.writes_across_blocks:
+            return []
+        out: List[str] = []
+        for b in self.blocks:
+            if (b in self._rerunnable and b in self._traced_blocks and b not in self.mode.side_effect_modules
+                    and b not in self._called_with_objects and not any(b.startswith(o + ".") for o in out)):
+                out.append(b)
+        return out
 
     def _module_hooks(self, on: bool, blocks: Optional[FrozenSet[str]] = None) -> None:
         """Install (``on``; only those inside the outermost ``blocks`` unless None) or remove
@@ -449,10 +501,15 @@ class ActivationRuntime:
         yet been traced to tell (a rerun in backward would do it again: a collective on one rank
         only, ranks out of step or waiting for one another; a counter counted twice), or when an
         argument is an object the forward may change (``unrestorable``; told once)."""
-        if torch.utils._python_dispatch._get_current_dispatch_mode() is not self.mode:
+        top = torch.utils._python_dispatch._get_current_dispatch_mode()
+        if top is not (self.mode if frame.rerun_chosen is None else frame.runtime_state.outer_mode):
             return False
         flat, spec = tree_flatten((args, kwargs))
         other = unrestorable(flat)
+        if other is not None and frame.rerun_chosen is not None:
+            frame.stats.fallbacks.append(f"{name} is called with a {type(other).__name__}: not rerun")
+            self._called_with_objects.add(name)
+            return False
         if other is not None:
             why = (f"{name} is called with a {type(other).__name__}, which its forward may change: traced "
                    f"and recomputed op by op, not rerun")
@@ -465,6 +522,7 @@ class ActivationRuntime:
         if name not in self._traced_blocks or name in self.mode.side_effect_modules or self.mode.writes_across_blocks:
             return False
         self.mode.place(False)  # off torch's dispatch stack: the block's ops skip Python
+        frame.runtime_state.calm = False  # its saves are the rerun's, not kept (``_pack``)
         frame.runtime_state.rerun = BlockRerun(module, name, flat, spec, self.residency.pin_leaf,
                                                lambda s: Pin(self.ledger, s))
         frame.stats.rerun_blocks += 1
@@ -474,7 +532,9 @@ class ActivationRuntime:
         record, frame.runtime_state.rerun = frame.runtime_state.rerun, None
         frame.stats.bytes_by_choice["recompute"] += sum(record.storages.values())
         record.storages.clear()  # counted: the graph need not hold the addresses
-        self.mode.place(True)
+        only_reruns = frame.rerun_chosen is not None  # a frame that only reruns traces nothing
+        frame.runtime_state.calm = only_reruns
+        self.mode.place(not only_reruns)
 
     def _anchor(self, t: torch.Tensor, outermost: bool) -> None:
         node = self.mode.nodes.get(t.untyped_storage()._cdata)

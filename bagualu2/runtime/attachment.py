@@ -48,14 +48,15 @@ class AttachedHook:
         return _detached, ()
 
 
-# One module's hooks: (module, enter, leave, the path of the outermost block it is in or None)
-Hooks = Tuple[torch.nn.Module, Callable[..., Any], Callable[..., Any], Optional[str]]
+# One module's hooks: (module, enter, leave, the path of the outermost block it is in or None,
+# whether it is a block: held in a ModuleList)
+Hooks = Tuple[torch.nn.Module, Callable[..., Any], Callable[..., Any], Optional[str], bool]
 
 
 class _Attachment:
     """One module tree's hooks (``ActivationRuntime.attach``): installed while traced frames
-    run (those inside the given outermost blocks only, when a frame traces only those), and
-    ``remove()`` takes them off for good, and out of ``attached``, the list of its runtime's
+    run (those inside the given outermost blocks only, when a frame traces only those; or those
+    of the blocks themselves, when a frame only reruns blocks), and ``remove()`` takes them off for good, and out of ``attached``, the list of its runtime's
     attachments it was added to."""
 
     def __init__(self, attached: List["_Attachment"], hooks: List[Hooks], calls: List[Hooks]) -> None:
@@ -64,22 +65,23 @@ class _Attachment:
         self._calls = calls  # module.compile()d regions: their hooks go around _compiled_call_impl
         self._handles: List[Any] = []
         self._swapped: List[Tuple[torch.nn.Module, Any]] = []
-        self._blocks: Optional[FrozenSet[str]] = None  # the blocks the installed hooks are limited to
+        # the blocks the installed hooks are limited to, and whether to the blocks' own
+        self._blocks: Tuple[Optional[FrozenSet[str]], bool] = (None, False)
 
-    def install(self, on: bool, blocks: Optional[FrozenSet[str]] = None) -> None:
-        """Put the hooks on (``on``; only those inside the outermost ``blocks`` unless None) or
-        take them all off."""
-        if on and (self._handles or self._swapped) and blocks != self._blocks:
+    def install(self, on: bool, blocks: Optional[FrozenSet[str]] = None, blocks_only: bool = False) -> None:
+        """Put the hooks on (``on``; only those inside the outermost ``blocks`` unless None;
+        only the blocks' own with ``blocks_only``) or take them all off."""
+        if on and (self._handles or self._swapped) and (blocks, blocks_only) != self._blocks:
             self.install(False)
         if on and not self._handles and not self._swapped:
-            self._blocks = blocks
-            for module, enter, leave, block in self._hooks:
-                if blocks is not None and block not in blocks:
+            self._blocks = (blocks, blocks_only)
+            for module, enter, leave, block, is_block in self._hooks:
+                if (blocks is not None and block not in blocks) or (blocks_only and not is_block):
                     continue
                 self._handles.append(module.register_forward_pre_hook(enter, with_kwargs=True, prepend=True))
                 self._handles.append(module.register_forward_hook(leave))
-            for module, enter, leave, block in self._calls:
-                if blocks is not None and block not in blocks:
+            for module, enter, leave, block, _ in self._calls:
+                if blocks is not None and block not in blocks or blocks_only:
                     continue
                 compiled = module._compiled_call_impl
                 if isinstance(compiled, RegionCall):  # another runtime's, left on: not ours to wrap

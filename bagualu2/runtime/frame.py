@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, Iterable, List, Mapping, NamedTuple, Optional, Protocol, Set, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, NamedTuple, Optional, Protocol, Set, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -40,6 +40,7 @@ class FrameStats:
     packed: int = 0
     bytes_by_choice: Dict[str, int] = field(default_factory=lambda: {"keep": 0, "offload": 0, "recompute": 0})
     offloaded_storages: int = 0
+    offload_failures: int = 0   # offloads the copy engine refused or had no arena room for
     shared_bytes: int = 0       # re-saves of a storage already held: stored once
     regenerated_bytes: int = 0  # casts/copies of a stored activation, rebuilt from it
     fallbacks: List[str] = field(default_factory=list)
@@ -128,7 +129,7 @@ class FrameRun:
 
     __slots__ = ("past_blocks", "scope", "calm", "calm_block", "rerun", "region", "offloads",
                  "prefetch_cursor", "prefetch_task", "prefetch_pending", "recomputes", "untraced_offloads",
-                 "recomputed")
+                 "recomputed", "outer_mode")
 
     def __init__(self) -> None:
         self.past_blocks = False  # an outermost block ended, and none has begun since
@@ -150,6 +151,9 @@ class FrameRun:
         # (address -> the storage's weak ref, its version, the store's weak ref)
         self.untraced_offloads: Dict[int, Tuple[StorageWeakRef, int, "weakref.ref[HostCopy]"]] = {}
         self.recomputed: Set[Tuple[int, int]] = set()  # (id(node), state) of storages released by recompute
+        # The dispatch mode on top as the forward began (a frame that traces nothing: another
+        # mode on top when a block begins was entered inside the forward, and must see its ops)
+        self.outer_mode: Any = None
 
     def offloaded(self, storage: "torch.UntypedStorage", version: int) -> Optional[HostCopy]:
         """The host copy this untraced forward made of ``storage`` while it is unchanged (at
@@ -190,6 +194,11 @@ class Frame:
         # recomputed op by op (``default``) instead, and so are block calls with an argument
         # that is neither a tensor nor a plain value (a KV cache the forward appends to).
         self.rerun_blocks = False
+        # Not None: an adaptive forward that releases only by rerunning the outermost blocks
+        # named here whole (``BlockRerun``) and is traced nowhere: every other block and the
+        # code between them save as an untraced frame does. A gate may add blocks that have not
+        # begun yet; a block is rerun if it is named when it begins.
+        self.rerun_chosen: Optional[Set[str]] = None
         # None: a traced forward is traced whole. Otherwise the module paths of the operators
         # the plan may release (``released_modules``): the forward is traced only as far as
         # they need (``bagualu2.runtime.calm_blocks``), the rest saving as an untraced frame

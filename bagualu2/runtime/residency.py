@@ -311,8 +311,10 @@ class Residency:
                 handle = self.engine.offload(source)
             except RuntimeError as e:  # the copy could not be submitted: the caller falls back
                 frame.stats.fallbacks.append(f"{key}: offload failed ({e})")
+                frame.stats.offload_failures += 1
                 return None
             if handle is None:
+                frame.stats.offload_failures += 1
                 return None
             pin: Optional[Pin] = None
             if self.over_budget(storage):
@@ -322,6 +324,7 @@ class Residency:
                     handle.wait()  # no room even while the copy runs: copy synchronously
                 except NativeRuntimeError as e:  # the copy failed: the caller falls back
                     frame.stats.fallbacks.append(f"{key}: offload failed ({e})")
+                    frame.stats.offload_failures += 1
                     handle.release()
                     return None
             else:
