@@ -64,11 +64,12 @@ import functools
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -87,6 +88,7 @@ from pipeline_harness import launch  # noqa: E402
 
 SEED = 0
 ENGINES = ("pytorch", "torchtitan", "megatron")
+REGIMES = {"default": 0.05, "tight": -0.35, "paper": 0.05}  # the budget above the calm keep-all peak
 
 # ---------------------------------------------------------------------------------------------
 # The trace and the meter
@@ -95,21 +97,40 @@ ENGINES = ("pytorch", "torchtitan", "megatron")
 
 @dataclass(frozen=True)
 class Trace:
-    """Which micro-batches spike, and onto which expert (global index)."""
+    """Which micro-batches spike, and onto which expert (global index); in the ``paper`` regime
+    also the mild imbalance of every other micro-batch after the warm-up (``skew``)."""
 
     micro_batches: int
     spikes: Dict[int, int]
     imbalance: float
+    skew: Dict[int, Tuple[int, float]] = field(default_factory=dict)  # i -> (expert, imbalance)
 
     @classmethod
-    def make(cls, n: int, rate: float, imbalance: float, num_experts: int, warmup: int) -> "Trace":
+    def make(cls, n: int, rate: float, imbalance: float, num_experts: int, warmup: int,
+             paper: bool = False) -> "Trace":
         count = max(2, round(rate * n))
         if count > n - warmup:
             raise SystemExit(f"--micro-batches {n} leaves no room for {count} spikes after {warmup} calm ones")
         step = (n - warmup) / count
         where = [warmup + int(step * (k + 0.5)) for k in range(count)]
         # Alternately an expert of rank 0 and one of the last rank (the last expert).
-        return cls(n, {i: (0 if k % 2 == 0 else num_experts - 1) for k, i in enumerate(where)}, imbalance)
+        spikes = {i: (0 if k % 2 == 0 else num_experts - 1) for k, i in enumerate(where)}
+        skew: Dict[int, Tuple[int, float]] = {}
+        if paper:
+            # The BaGuaLu-2 paper's load: every micro-batch after the warm-up at an imbalance
+            # drawn up to 1.2x on an expert drawn at random, the spikes drawn from 1.2x to
+            # ``imbalance`` (the warm-up balanced: the budget is set on a balanced micro-batch).
+            g = random.Random(SEED)
+            for i in range(warmup, n):
+                skew[i] = (spikes[i], g.uniform(1.2, imbalance)) if i in spikes else \
+                    (g.randrange(num_experts), g.uniform(1.0, 1.2))
+        return cls(n, spikes, imbalance, skew)
+
+    def load(self, i: int) -> Tuple[Optional[int], float]:
+        """Micro-batch ``i``'s (expert lifted or None, imbalance it is lifted to)."""
+        if i in self.skew:
+            return self.skew[i]
+        return self.spikes.get(i), self.imbalance
 
     def probes(self) -> List[int]:
         """One calm micro-batch and the first spike aimed at each rank."""
@@ -335,7 +356,8 @@ def _peaks(cfg: Config, rank: int, trace: Trace, which: Sequence[int]) -> Dict[i
 
 def _rank_main(rank: int, world: int, args: argparse.Namespace, engine_name: str, out_path: str) -> None:
     eng = engine(engine_name, args)
-    trace = Trace.make(args.micro_batches, args.spike_rate, args.imbalance, eng.cfg.num_experts, args.warmup)
+    trace = Trace.make(args.micro_batches, args.spike_rate, args.imbalance, eng.cfg.num_experts, args.warmup,
+                       paper=args.regime == "paper")
     probes = trace.probes()
     calm = [i for i in range(args.warmup) if i not in trace.spikes]
     grid = eng.grid()
@@ -411,6 +433,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, engine_name: str
     peaks: Dict[str, List[int]] = {n: [] for n in contenders}
     excess: List[int] = []
     traced: List[bool] = []
+    released: List[Dict[str, int]] = []  # adaptive's bytes kept, offloaded and recomputed
     names = list(contenders)
     for i in range(trace.micro_batches):
         for k in range(len(names)):
@@ -423,9 +446,10 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, engine_name: str
                 prov = contenders[name].prov
                 excess.append(prov.report()["excess_bytes"])
                 traced.append(prov.telemetry.micro_batches[-1].traced)
+                released.append(dict(prov.telemetry.micro_batches[-1].bytes_by_choice))
     row["seconds"] = seconds
     row["trace_peaks"] = peaks
-    row["adaptive_excess"], row["adaptive_traced"] = excess, traced
+    row["adaptive_excess"], row["adaptive_traced"], row["adaptive_released"] = excess, traced, released
     row["losses_equal"] = {n: losses[n] == losses["keep_all"] for n in names}
 
     # Violations of the two that claim to hold the budget, in the run that was timed.
@@ -458,7 +482,7 @@ def _segments(values: Sequence[float], n: int) -> List[float]:
     return [sum(values[a:b]) for a, b in zip(cuts, cuts[1:] + [len(values)])]
 
 
-def summarize(ranks: List[Dict[str, Any]], segments: int) -> Dict[str, Any]:
+def summarize(ranks: List[Dict[str, Any]], segments: int, regime: str = "default") -> Dict[str, Any]:
     """Paired ratios (each run's time over adaptive's, per segment of the trace), violations
     across ranks, and whether every run's losses equal keep-all's."""
     r0 = ranks[0]
@@ -488,7 +512,7 @@ def summarize(ranks: List[Dict[str, Any]], segments: int) -> Dict[str, Any]:
     rows["keep_all"]["probe_peak_over_budget"] = keep_over
     rows["keep_all"]["violations"] = sum(
         1 for i in r0["probes"] if any(r["keep_all_probe_peaks"][str(i)] > r["budget_bytes"] for r in ranks))
-    return {"engine": r0["engine"], "fastest_static": r0["fastest_static"], "survivors": r0["survivors"],
+    return {"engine": r0["engine"], "regime": regime, "fastest_static": r0["fastest_static"], "survivors": r0["survivors"],
             "grid": r0["grid"], "left_out": r0["left_out"], "rows": rows,
             # every static configuration's losses at the probes equal keep-all's, on every rank
             "probe_losses_equal": {n: all(r["probe_losses_equal"][n] for r in ranks) for n in r0["grid"]}}
@@ -499,12 +523,12 @@ def closing_line(summary: Dict[str, Any]) -> str:
     adaptive = rows["adaptive"]
     static = rows.get("static")
     if static is None:
-        return (f"{engine}: no static configuration held the budget; adaptive held it with "
-                f"{adaptive['violations']} violations")
+        return (f"{engine} {summary['regime']} oracle: no static configuration held the budget; adaptive held it "
+                f"with {adaptive['violations']} violations")
     lo, hi = static["speedup_range"]
     verdict = "a tie within the spread" if lo <= 1.0 <= hi else ("faster" if lo > 1.0 else "slower")
-    return (f"{engine}: adaptive {static['speedup_median']:.2f}x over the fastest static configuration that held "
-            f"the budget ({static['config']}), {adaptive['violations']} violations "
+    return (f"{engine} {summary['regime']} oracle: adaptive {static['speedup_median']:.2f}x over {static['config']} "
+            f"(the fastest static configuration that held the budget), {adaptive['violations']} violations "
             f"(range {lo:.2f}-{hi:.2f} over {static['segments']} segments: {verdict}; "
             f"per micro-batch median {static['per_micro_batch_median']:.2f}x)")
 
@@ -580,13 +604,23 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     ap.add_argument("--warmup", type=int, default=8, help="calm micro-batches first (adaptive profiles, calibrates)")
     ap.add_argument("--spike-rate", type=float, default=0.03)
     ap.add_argument("--imbalance", type=float, default=2.6)
-    ap.add_argument("--headroom", type=float, default=0.05, help="budget above the calm keep-all peak")
+    ap.add_argument("--regime", default="default", choices=sorted(REGIMES),
+                    help="default: the trace above, the budget 5%% above the calm keep-all peak; tight: 35%% "
+                         "below it (no single block's checkpoint is enough); paper: the BaGuaLu-2 paper's load "
+                         "(every micro-batch up to 1.2x, 3%% spikes up to --imbalance), 5%% above a balanced "
+                         "micro-batch's keep-all peak")
+    ap.add_argument("--releases", default="operators", choices=("operators", "reruns"),
+                    help="how adaptive releases (enable's releases=)")
+    ap.add_argument("--headroom", type=float, default=None,
+                    help="budget above the calm keep-all peak (default: the regime's)")
     ap.add_argument("--pick-rounds", type=int, default=4, help="calm rounds that pick the fastest survivor")
     ap.add_argument("--segments", type=int, default=4, help="parts of the trace the paired ratios come from")
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--quick", action="store_true", help="a short trace (the slow lane's form)")
     ap.add_argument("--out", default="versus_static.json")
     args = ap.parse_args(argv)
+    if args.headroom is None:
+        args.headroom = REGIMES[args.regime]
     if args.quick:
         args.config, args.layers, args.batch, args.seq = "tiny", 2, 2, 32
         args.micro_batches, args.warmup, args.pick_rounds, args.segments = 16, 6, 2, 2
@@ -599,7 +633,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     lines = []
     for engine in engines:
         ranks = run_engine(engine, args)
-        summary = summarize(ranks, args.segments)
+        summary = summarize(ranks, args.segments, args.regime)
         results["engines"][engine] = {"summary": summary, "ranks": ranks}
         print_engine(summary, ranks)
         lines.append(closing_line(summary))

@@ -59,7 +59,7 @@ class _MegatronRun(Run):
         args = self.engine.args
         tokens = _tokens(self.engine.cfg.vocab_size, rank, i, args.batch, args.seq + 1)
         # Set for the whole micro-batch: a recomputed layer reruns its router in backward.
-        self.expert, self.imbalance = trace.spikes.get(i), trace.imbalance
+        self.expert, self.imbalance = trace.load(i)
         megatron_ranks.reseed("cpu", SEED + i)
         losses = self.forward_backward(
             forward_step_func=self._forward_step, data_iterator=iter([tokens]), model=[self.model],
@@ -140,7 +140,8 @@ class MegatronEngine(Engine):
 
         run = self._build(None)
         prov, forward_backward = adapter.enable_pipeline(run.chunks, run.forward_backward, budget=budget,
-                                                         policy=policy, min_bytes=0, allocator=allocator)
+                                                         policy=policy, min_bytes=0, allocator=allocator,
+                                                         releases=self.args.releases)
         prov.runtime.residency.reload_in_place = False  # backward copies offloads back, as on a device
         return _MegatronRun(self, run, forward_backward, prov)
 

@@ -23,8 +23,8 @@ class _PyTorchRun(Run):
 
     def step(self, rank: int, trace: Trace, i: int) -> float:
         model = self.model
-        expert = trace.spikes.get(i)
-        spike = model.routing_spike(trace.imbalance, experts=[expert]) if expert is not None \
+        expert, imbalance = trace.load(i)
+        spike = model.routing_spike(imbalance, experts=[expert]) if expert is not None \
             else contextlib.nullcontext()
         model.zero_grad(set_to_none=True)
         with spike:  # backward inside: checkpointed blocks rerun the router
@@ -80,6 +80,7 @@ class PyTorchEngine(Engine):
 
     def provisioned(self, policy: str, budget: Optional[int], allocator: Any = None) -> Run:
         model = self._model()
-        prov = bagualu2.enable(model, budget=budget, policy=policy, min_bytes=0, allocator=allocator)
+        prov = bagualu2.enable(model, budget=budget, policy=policy, min_bytes=0, allocator=allocator,
+                               releases=self.args.releases)
         prov.runtime.residency.reload_in_place = False  # backward copies offloads back, as on a device
         return _PyTorchRun(model, self.args, prov)

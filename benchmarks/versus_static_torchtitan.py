@@ -42,7 +42,7 @@ class _TorchtitanRun(Run):
         args = self.engine.args
         tokens = _tokens(self.engine.cfg.vocab_size, rank, i, args.batch, args.seq + 1)
         # Set for the whole micro-batch: a checkpointed block reruns its router in backward.
-        self.expert, self.imbalance = trace.spikes.get(i), trace.imbalance
+        self.expert, self.imbalance = trace.load(i)
         self.model.zero_grad(set_to_none=True)
         loss = torchtitan_ranks.loss_fn(self.model(tokens[:, :-1].contiguous()), tokens[:, 1:].contiguous())
         loss.backward()
@@ -122,7 +122,8 @@ class TorchtitanEngine(Engine):
 
     def provisioned(self, policy: str, budget: Optional[int], allocator: Any = None) -> Run:
         model = self._build()
-        prov = bagualu2.enable(model, budget=budget, policy=policy, min_bytes=0, allocator=allocator)
+        prov = bagualu2.enable(model, budget=budget, policy=policy, min_bytes=0, allocator=allocator,
+                               releases=self.args.releases)
         prov.runtime.residency.reload_in_place = False  # backward copies offloads back, as on a device
         return _TorchtitanRun(self, model, prov)
 

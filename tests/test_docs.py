@@ -6,7 +6,6 @@ import re
 from pathlib import Path
 from typing import Iterator, List, Tuple
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -54,24 +53,6 @@ def test_the_readme_is_under_200_lines() -> None:
     assert lines < 200, f"README.md has {lines} lines: move detail into docs/"
 
 
-# The README's comparison with tuned engine flags is being rewritten on its own (issue #59); its
-# paragraphs are checked by the xfail test below until that lands, then with the rest.
-REWRITTEN = "## Why not just tune my engine's recompute flags?"
-
-
-def split_section(text: str, heading: str) -> Tuple[str, str]:
-    """``text`` with the section under ``heading`` blanked (line numbers kept), and that section
-    alone (blank lines before it)."""
-    lines = text.splitlines()
-    if heading not in lines:
-        return text, ""
-    start = lines.index(heading)
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    rest = lines[:start] + [""] * (end - start) + lines[end:]
-    section = [""] * start + lines[start:end]
-    return "\n".join(rest), "\n".join(section)
-
-
 def long_paragraphs(path: Path, text: str) -> List[str]:
     return [f"{path.relative_to(ROOT)}:{number}: {len(words.split())} words"
             for number, words in paragraphs(text) if len(words.split()) > MAX_WORDS]
@@ -80,18 +61,7 @@ def long_paragraphs(path: Path, text: str) -> List[str]:
 def test_no_paragraph_is_over_150_words() -> None:
     long = []
     for path in DOCS:
-        text = path.read_text()
-        if path.name == "README.md":
-            text, _ = split_section(text, REWRITTEN)
-        long += long_paragraphs(path, text)
-    assert not long, "paragraphs over 150 words:\n" + "\n".join(long)
-
-
-@pytest.mark.xfail(strict=False, reason="the README's comparison with tuned flags is being rewritten")
-def test_no_paragraph_of_the_readme_comparison_is_over_150_words() -> None:
-    _, section = split_section((ROOT / "README.md").read_text(), REWRITTEN)
-    assert section, f"README.md has no section {REWRITTEN!r}"
-    long = long_paragraphs(ROOT / "README.md", section)
+        long += long_paragraphs(path, path.read_text())
     assert not long, "paragraphs over 150 words:\n" + "\n".join(long)
 
 
