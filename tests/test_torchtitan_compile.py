@@ -137,9 +137,10 @@ def test_torchtitan_compiled_blocks_are_regions() -> None:
 @pytest.mark.parametrize("policy, backend", [("recompute_all", "aot_eager"), ("offload_all", "aot_eager"),
                                              ("recompute_all", "inductor"), ("offload_all", "inductor")])
 def test_torchtitan_compiled_blocks_without_parallelism_rerun_exactly(policy: str, backend: str) -> None:
-    """One process, no parallelism: the compiled blocks hold no collective, so recompute_all
-    reruns them whole in backward; bit-exact, and no more graphs than without bagualu2, with
-    AOT autograd alone and with inductor's generated kernels."""
+    """One process, no parallelism: the compiled blocks hold no collective, but write their own
+    buffer (tokens per expert), so recompute_all offloads them rather than rerun them; bit-exact,
+    and no more graphs than without bagualu2, with AOT autograd alone and with inductor's
+    generated kernels."""
     import bagualu2
     from torch._dynamo.utils import counters
 
@@ -167,8 +168,13 @@ def test_torchtitan_compiled_blocks_without_parallelism_rerun_exactly(policy: st
         for i, ((la, ga), (lb, gb)) in enumerate(zip(expected, got)):
             assert torch.equal(la, lb) and all(torch.equal(a, b) for a, b in zip(ga, gb)), f"step {i} differs"
         report = prov.report()
-        assert report["fallbacks"] == 0, report
-        assert report["saved_bytes_by_choice"]["recompute" if policy == "recompute_all" else "offload"] > 0, report
+        if policy == "recompute_all":
+            # torchtitan's MoE counts tokens per expert in a buffer its forward writes in place
+            # (tokens_per_expert_E.add_): a rerun would count them twice, so its blocks are
+            # offloaded instead, a fallback each (tests/test_compile.py)
+            assert report["fallbacks"] > 0 and report["saved_bytes_by_choice"]["offload"] > 0, report
+        else:
+            assert report["fallbacks"] == 0 and report["saved_bytes_by_choice"]["offload"] > 0, report
         assert report["resident_bytes"] == 0
     finally:
         prov.disable()
