@@ -481,9 +481,9 @@ class ActivationRuntime:
         if self.mode.writes_across_blocks:
             return []
         out: List[str] = []
-        for b in self.blocks:
+        for b in self.blocks:  # in model order: the blocks nested in one follow it
             if (b in self._rerunnable and b in self._traced_blocks and b not in self.mode.side_effect_modules
-                    and b not in self._called_with_objects and not any(b.startswith(o + ".") for o in out)):
+                    and b not in self._called_with_objects and not (out and b.startswith(out[-1] + "."))):
                 out.append(b)
         return out
 
