@@ -160,7 +160,7 @@ class ActivationRuntime:
         # them, and those no state of theirs (running statistics) keeps from being rerun
         self.blocks: List[str] = []
         self._rerunnable: Set[str] = set()
-        self._called_with_objects: Set[str] = set()  # blocks a traced call passed an object (a KV cache)
+        self._called_with_objects: Set[str] = set()  # blocks a call chosen to rerun passed an object (a KV cache)
         # Bytes of what each block's last traced call returned (its own, not its storage's),
         # which what follows the block saves whether or not the block is rerun
         self.block_outputs: Dict[str, int] = {}
@@ -434,8 +434,6 @@ class ActivationRuntime:
                     self.mode.block_begins(_name, tree_flatten((args, kwargs))[0] if kwargs else list(args))
                 if _block:  # traced: whether it has effects a rerun would repeat is seen
                     self._traced_blocks.add(_name)
-                    if unrestorable(tree_flatten((args, kwargs))[0] if kwargs else list(args)) is not None:
-                        self._called_with_objects.add(_name)
                 self.mode.push_module(_name)
                 if _block and args and isinstance(args[0], torch.Tensor):
                     self._anchor(args[0], outermost=_block == 2)
@@ -476,8 +474,8 @@ class ActivationRuntime:
         holds them: seen traced, holding no running statistics, with no effect a rerun would
         repeat (a collective, which backward must not issue: expert parallelism's token
         exchange), in a model that writes no storage across blocks; a block nested in one so
-        listed is not (rerunning the outer one reruns it). A block a traced call passed an
-        object that is neither a tensor nor a plain value (a KV cache) is not either."""
+        listed is not (rerunning the outer one reruns it). A block a call chosen to rerun passed
+        an object that is neither a tensor nor a plain value (a KV cache) is not either."""
         if self.mode.writes_across_blocks:
             return []
         out: List[str] = []
