@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from versus_static import SEED, Engine, Run, Trace, _tokens, spike_logits
+from versus_static import KEEP, SEED, Engine, Run, Trace, _tokens, spike_logits
 
 # recompute_modules that apply to this model on this machine (the rest are in left_out).
 _SELECTIVE = ("core_attn", "moe")
@@ -81,6 +81,7 @@ class MegatronEngine(Engine):
 
     name = "megatron"
     full = "full, uniform, recompute_num_layers=1"
+    process_modules = ("megatron.core.models.gpt", "megatron.core.pipeline_parallel")
 
     def __init__(self, args: Any) -> None:
         super().__init__(args)
@@ -107,6 +108,25 @@ class MegatronEngine(Engine):
                 grid[f"selective, recompute_modules={'+'.join(modules)}"] = dict(
                     recompute_granularity="selective", recompute_modules=list(modules))
         return grid
+
+    def recomputes_superset(self, a: str, b: str) -> bool:
+        # Every full, uniform option recomputes every layer whole (chunks of N layers differ in
+        # what a rerun holds at once, not in what is recomputed: none is a superset of another);
+        # full, block, N recomputes the first N layers whole, so more layers recompute more; a
+        # selective set recomputes what its subsets do. Full over every layer recomputes all a
+        # selective set does; full over some layers does not (selective reaches every layer).
+        if a == b or a == KEEP:
+            return False
+        if b == KEEP:
+            return True
+        kind_a, kind_b = a.split(", ")[:2], b.split(", ")[:2]
+        if kind_a == ["full", "uniform"]:
+            return kind_b != ["full", "uniform"]
+        if kind_a == kind_b == ["full", "block"]:
+            return int(a.rsplit("=", 1)[1]) > int(b.rsplit("=", 1)[1])
+        if a.startswith("selective") and b.startswith("selective"):
+            return set(a.rsplit("=", 1)[1].split("+")) > set(b.rsplit("=", 1)[1].split("+"))
+        return False
 
     def left_out(self) -> Dict[str, str]:
         return {
@@ -141,7 +161,7 @@ class MegatronEngine(Engine):
         run = self._build(None)
         prov, forward_backward = adapter.enable_pipeline(run.chunks, run.forward_backward, budget=budget,
                                                          policy=policy, min_bytes=0, allocator=allocator,
-                                                         releases=self.args.releases)
+                                                         **self.releases_option())
         prov.runtime.residency.reload_in_place = False  # backward copies offloads back, as on a device
         return _MegatronRun(self, run, forward_backward, prov)
 

@@ -3,10 +3,11 @@
 op-list policies."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import itertools
-from typing import Any, Dict, Optional
+from typing import Any, Dict, FrozenSet, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -14,7 +15,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 import bagualu2
 from bagualu2.models import MoETransformer
-from versus_static import SEED, Engine, Run, Trace, _tokens
+from versus_static import KEEP, SEED, Engine, Run, Trace, _tokens
 
 
 class _PyTorchRun(Run):
@@ -47,6 +48,7 @@ class PyTorchEngine(Engine):
     saved; the rest is recomputed)."""
 
     name = "pytorch"
+    process_modules = ("torch.distributed", "bagualu2.models")  # the reference model's module
 
     @property
     def full(self) -> str:  # type: ignore[override]
@@ -63,6 +65,18 @@ class PyTorchEngine(Engine):
         grid["selective: save matmuls + attention"] = (everything, _MM + _ATTENTION)
         grid["selective: save attention"] = (everything, _ATTENTION)
         return grid
+
+    def _recomputed(self, name: str) -> Tuple[FrozenSet[int], FrozenSet[Any]]:
+        """The blocks an option checkpoints and the ops it saves in them (the rest recomputed)."""
+        blocks, saved = ((), None) if name == KEEP else self.grid()[name]
+        return frozenset(blocks), frozenset(saved or ())
+
+    def recomputes_superset(self, a: str, b: str) -> bool:
+        # In every block ``b`` checkpoints, ``a`` checkpoints it too and saves no op ``b`` does not:
+        # "checkpoint blocks 0,1" over "checkpoint blocks 0", a whole block over any op list, "save
+        # matmuls" over "save matmuls + attention".
+        (blocks_a, saved_a), (blocks_b, saved_b) = self._recomputed(a), self._recomputed(b)
+        return a != b and blocks_a >= blocks_b and (not blocks_b or saved_a <= saved_b)
 
     def _model(self) -> MoETransformer:
         torch.manual_seed(SEED)
@@ -81,6 +95,6 @@ class PyTorchEngine(Engine):
     def provisioned(self, policy: str, budget: Optional[int], allocator: Any = None) -> Run:
         model = self._model()
         prov = bagualu2.enable(model, budget=budget, policy=policy, min_bytes=0, allocator=allocator,
-                               releases=self.args.releases)
+                               **self.releases_option())
         prov.runtime.residency.reload_in_place = False  # backward copies offloads back, as on a device
         return _PyTorchRun(model, self.args, prov)

@@ -15,6 +15,7 @@ that also fires when a checkpointed block reruns it.
 from __future__ import annotations
 
 import itertools
+import os
 import warnings
 from typing import Any, Dict, List, Optional
 
@@ -63,6 +64,10 @@ class TorchtitanEngine(Engine):
 
     name = "torchtitan"
     full = "activation_checkpoint=full"
+    selective = "activation_checkpoint=selective (op list)"
+    selective_router_saved = "activation_checkpoint=selective (op list, router matmul saved too)"
+    process_modules = ("torchtitan.distributed", "torchtitan.models.qwen3")
+    checkpointing = "torch.distributed.checkpoint (DCP) save / load of the model's state_dict"
 
     def __init__(self, args: Any) -> None:
         super().__init__(args)
@@ -78,9 +83,8 @@ class TorchtitanEngine(Engine):
         layers = self.args.layers
         grid: Dict[str, Any] = {
             self.full: FullAC.Config(),
-            "activation_checkpoint=selective (op list)": SelectiveAC.Config(),
-            "activation_checkpoint=selective (op list, router matmul saved too)":
-                SelectiveAC.Config(force_recompute_mm_shapes_by_fqns=[]),
+            self.selective: SelectiveAC.Config(),
+            self.selective_router_saved: SelectiveAC.Config(force_recompute_mm_shapes_by_fqns=[]),
         }
         for k in range(1, layers):
             for blocks in itertools.combinations(range(layers), k):
@@ -93,6 +97,33 @@ class TorchtitanEngine(Engine):
             "model reads (eager runs it as keep-all); this grid runs torchtitan eager, and a like-for-like "
             "comparison needs every contender compiled (bagualu2 provisions torchtitan's compiled "
             "blocks: tests/test_torchtitan_compile.py)")}
+
+    def recomputes_superset(self, a: str, b: str) -> bool:
+        # Its default selective recompute forces the router's matmul into the recompute; FullAC on
+        # a set of blocks recomputes all it does on a subset of them (by name: no torchtitan needed).
+        prefix = "full AC on blocks "
+        if a.startswith(prefix) and b.startswith(prefix):
+            return a != b and set(a[len(prefix):].split(",")) >= set(b[len(prefix):].split(","))
+        return super().recomputes_superset(a, b) or (a, b) == (self.selective, self.selective_router_saved)
+
+    def save_checkpoint(self, run: Run, directory: str, rank: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        try:  # torchtitan's own checkpointing is DCP (its experts are DTensors sharded over the ranks)
+            dcp.save(run.model.state_dict(), checkpoint_id=os.path.join(directory, "dcp"))
+        except Exception as error:  # DCP raises on every rank alike (it gathers the ranks' errors)
+            self.checkpointing = (f"torch.save / torch.load of the model's state_dict (DCP failed here: "
+                                  f"{type(error).__name__}: {error})")
+            super().save_checkpoint(run, directory, rank)
+
+    def load_checkpoint(self, run: Run, directory: str, rank: int) -> None:
+        if not self.checkpointing.startswith("torch.distributed.checkpoint"):
+            return super().load_checkpoint(run, directory, rank)
+        import torch.distributed.checkpoint as dcp
+
+        state = run.model.state_dict()
+        dcp.load(state, checkpoint_id=os.path.join(directory, "dcp"))  # in place
+        run.model.load_state_dict(state)
 
     def _build(self, ac_config: Any = None) -> torch.nn.Module:
         import torch.distributed as dist
@@ -123,7 +154,7 @@ class TorchtitanEngine(Engine):
     def provisioned(self, policy: str, budget: Optional[int], allocator: Any = None) -> Run:
         model = self._build()
         prov = bagualu2.enable(model, budget=budget, policy=policy, min_bytes=0, allocator=allocator,
-                               releases=self.args.releases)
+                               **self.releases_option())
         prov.runtime.residency.reload_in_place = False  # backward copies offloads back, as on a device
         return _TorchtitanRun(self, model, prov)
 
