@@ -49,10 +49,11 @@ Two protocols pick the static configuration (``--protocol``; both by default):
 
 * ``oracle``: the fastest configuration that held the calm micro-batch and the first spike aimed
   at each rank: it knows the spikes in advance, which no user does.
-* ``tuned``: what a user does: the fastest configuration that held the calm micro-batch (no spike
-  seen), run through the trace. A micro-batch where it crosses the budget on some rank is an
-  out-of-memory crash: the user restarts with the fastest configuration that held the calm
-  micro-batch and every micro-batch that crashed so far, the crashing one included (a user
+* ``tuned``: what a user does: the fastest configuration that held the first calm micro-batches
+  (those the pick times it on, no spike seen; their peaks measured like the probes'), run
+  through the trace. A micro-batch where it crosses the budget on some rank is an
+  out-of-memory crash: the user restarts with the fastest configuration that held those calm
+  micro-batches and every micro-batch that crashed so far, the crashing one included (a user
   re-tunes on what failed; the micro-batches that ran fine gave no sign, and the new
   configuration is judged on them by the meter as the trace goes on: it may crash again). Where
   a configuration's peak at a crashing micro-batch was not measured yet (it was no probe), it is
@@ -75,7 +76,7 @@ The pick is robust: a configuration that recomputes a superset of what another r
 (``Engine.recomputes_superset``: checkpointing blocks 0 and 1 over block 0, full recompute over
 any, a selective set over its subsets) is never picked over it when both held, however the
 timings of the two fall. The oracle alone times only the undominated survivors; the tuned
-protocol times every configuration that held the calm micro-batch, since a re-pick after a crash
+protocol times every configuration that held the first calm micro-batches, since a re-pick after a crash
 chooses among those that held what crashed, where one dominated before may no longer be.
 
 Each micro-batch of the trace is a ``spike`` (one of the trace's spikes), ``after a spike`` (one of
@@ -475,7 +476,8 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, engine_name: str
     keep = static(None)
     setup_s = {KEEP: _timed(keep.ready)}  # building the model: what a restart redoes
     keep.step(rank, trace, calm[0])  # first-call allocations out of the measurement
-    calm_peak = max(_peaks(keep, rank, trace, calm).values())
+    calm_peaks = _peaks(keep, rank, trace, calm)
+    calm_peak = max(calm_peaks.values())
     budget = int(calm_peak * (1.0 + args.headroom))
     keep_probe = _peaks(keep, rank, trace, probes)
     # Keep-all's losses on the probes: every static configuration must compute the same.
@@ -492,13 +494,16 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, engine_name: str
 
     # 1. Every static configuration on the probes (keeping everything is one: a user's first);
     # whether each holds the budget on every rank at each micro-batch, agreed by every rank.
-    static_peaks: Dict[str, Dict[int, int]] = {KEEP: keep_probe}
+    # The tuned protocol's user watched memory on the calm micro-batches the pick times.
+    tune_on = calm[:max(1, min(args.pick_rounds, len(calm)))] if "tuned" in protocols else []
+    measure = probes + [i for i in tune_on if i not in probes]
+    static_peaks: Dict[str, Dict[int, int]] = {KEEP: {**{i: calm_peaks[i] for i in tune_on}, **keep_probe}}
     probe_losses_equal: Dict[str, bool] = {}
     for name in grid:
         c = static(name)
         setup_s[name] = _timed(c.ready)
         c.step(rank, trace, calm[0])
-        static_peaks[name] = _peaks(c, rank, trace, probes)
+        static_peaks[name] = _peaks(c, rank, trace, measure)
         probe_losses_equal[name] = all(c.step(rank, trace, i) == keep_losses[i] for i in probes)
         c.close()
     held: Dict[str, Dict[int, bool]] = {n: {i: _all_min(p <= budget) for i, p in peaks.items()}
@@ -517,18 +522,19 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, engine_name: str
 
     candidates = [KEEP, *grid]
     survivors = [n for n in candidates if all(holds(n, i) for i in probes)]  # the oracle's
-    calm_holders = [n for n in candidates if holds(n, calm[0])]  # the tuned protocol's
+    calm_holders = [n for n in candidates if all(holds(n, i) for i in tune_on)]  # the tuned protocol's
     row["static_peaks"] = static_peaks
     row["probe_losses_equal"] = probe_losses_equal
     row["keep_all_probe_peaks"] = keep_probe
     row["survivors"] = survivors
     row["survivors_undominated"] = undominated(survivors, eng.recomputes_superset)
     row["calm_holders"] = calm_holders
+    row["tuned_on"] = tune_on
     row["setup_s"] = setup_s
 
     # 2. The candidates on calm micro-batches, interleaved. The oracle alone times only the
     # survivors no other survivor is dominated by; the tuned protocol times every configuration
-    # that held the calm micro-batch, since after a crash it re-picks among those that held the
+    # that held the first calm micro-batches, since after a crash it re-picks among those that held the
     # crashing micro-batch too, and one dominated now may be the fastest undominated then.
     timed = calm_holders if "tuned" in protocols else row["survivors_undominated"]
     calm_s: Dict[str, List[float]] = {name: [] for name in timed}
@@ -629,7 +635,7 @@ def _tuned_step(tuned: Dict[str, Any], contenders: Dict[str, Config], meters: Di
                 losses: Dict[str, List[float]], peaks: Dict[str, List[int]]) -> None:
     """Micro-batch ``i`` of the tuned run. Where it crosses the budget on some rank it crashes:
     the user restarts with the fastest configuration (undominated) among those that held the
-    calm micro-batch it was tuned on and every micro-batch that crashed so far (this one
+    calm micro-batches it was tuned on and every micro-batch that crashed so far (this one
     included), and reruns it; the restart's cost is charged in the summary, from what was
     measured. The crashed attempt is not charged (out of memory strikes before the step ends)."""
     while True:
@@ -817,6 +823,7 @@ def summarize(ranks: List[Dict[str, Any]], segments: int, regime: str = "default
     return {"engine": r0["engine"], "regime": regime, "protocols": r0["protocols"],
             "fastest_static": r0["fastest_static"], "survivors": r0["survivors"],
             "survivors_undominated": r0["survivors_undominated"], "calm_holders": r0["calm_holders"],
+            "tuned_on": r0["tuned_on"],
             "grid": r0["grid"], "left_out": r0["left_out"], "rows": rows,
             "kinds": {"after_spike": AFTER_SPIKE, "counts": {k: kinds.count(k) for k in KINDS},
                       "adaptive_cost": by_kind},
@@ -835,12 +842,13 @@ def closing_lines(summary: Dict[str, Any]) -> List[str]:
         head = f"{engine} {regime} {protocol}: adaptive"
         row = rows.get("static" if protocol == "oracle" else "tuned")
         if row is None:
+            seen = "the calm micro-batch and the spikes" if protocol == "oracle" else "the first calm micro-batches"
             lines.append(f"{head} -x over none, {violations} violations (no static configuration held the "
-                         f"budget at the calm micro-batch and the spikes)")
+                         f"budget at {seen})")
             continue
         if protocol == "tuned" and row.get("gave_up_at") is not None:
-            lines.append(f"{head} -x over {row['config']}, {violations} violations (tuned on the calm micro-batch "
-                         f"alone; it crashed at micro-batch {row['gave_up_at']} and no configuration held what "
+            lines.append(f"{head} -x over {row['config']}, {violations} violations (tuned on the first calm "
+                         f"micro-batches alone; it crashed at micro-batch {row['gave_up_at']} and no configuration held what "
                          f"crashed: the run cannot finish)")
             continue
         lo, hi = row["speedup_range"]
@@ -854,7 +862,7 @@ def closing_lines(summary: Dict[str, Any]) -> List[str]:
         crashes = "; ".join(f"at {c['at']} -> {c['restart_with']}" for c in row["crashes"])
         parts = row["restart_breakdown_s"]
         lines.append(f"{head} {row['speedup_total']:.2f}x over {row['config']}, {violations} violations "
-                     f"(tuned on the calm micro-batch alone, it crashed {len(row['crashes'])} times"
+                     f"(tuned on the first calm micro-batches alone, it crashed {len(row['crashes'])} times"
                      f"{': ' + crashes if crashes else ''}; total time with {row['restart_s']:.2f} s of restarts: "
                      f"process {parts['process_s']:.2f}, set-up {parts['setup_s']:.2f}, checkpoint "
                      f"{parts['checkpoint_s']:.2f}, redo {parts['redo_s']:.2f}; {spread})")
@@ -875,6 +883,9 @@ def print_engine(summary: Dict[str, Any], ranks: List[Dict[str, Any]]) -> None:
         print(f"losses differ from keeping everything at the probes: {'; '.join(differ)}")
     print(f"held the budget on every rank at the calm micro-batch and the spikes: "
           f"{'; '.join(summary['survivors']) or 'none'}")
+    if "tuned" in summary["protocols"]:
+        print(f"held it at the first calm micro-batches {summary['tuned_on']} (the tuned protocol's candidates): "
+              f"{'; '.join(summary['calm_holders']) or 'none'}")
     head = (f"{'run':<15}{'configuration':<38}{'time s':>8}{'time / adaptive [range]':>26}"
             f"{'per micro-batch [IQR]':>24}{'violations':>12}{'losses':>8}")
     print(head)
@@ -896,7 +907,7 @@ def print_engine(summary: Dict[str, Any], ranks: List[Dict[str, Any]]) -> None:
               f"{'equal' if row['losses_equal_keep_all'] else 'DIFFER':>8}")
     tuned = summary["rows"].get("tuned")
     if tuned is not None:
-        print(f"tuned (on the calm micro-batch alone; its time includes each restart, checkpoint every "
+        print(f"tuned (on the first calm micro-batches alone, {summary['tuned_on']}; its time includes each restart, checkpoint every "
               f"{tuned['checkpoint_every']} micro-batches, {tuned['checkpointing']}):")
         for c in tuned["restarts"]:
             print(f"  crashed at {c['at']}, restarted with {c['restart_with']}: {c['total_s']:.2f} s = process "
@@ -982,7 +993,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     ap.add_argument("--protocol", default="both", choices=("oracle", "tuned", "both"),
                     help="how the static configuration is picked: oracle, the fastest that held the calm "
                          "micro-batch and the first spike on each rank (knowing them in advance); tuned, the "
-                         "fastest that held the calm micro-batch, run until it crashes, restarted (charged as "
+                         "fastest that held the first calm micro-batches, run until it crashes, restarted (charged as "
                          "measured) with the fastest that held what crashed. Both by default: the tuned run is "
                          "one more contender in the same interleaved trace, and needs every measurement the "
                          "oracle does")
