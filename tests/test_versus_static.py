@@ -343,3 +343,32 @@ def test_one_closing_line_per_protocol() -> None:
     oracle, tuned = _bench().closing_lines(summary)
     assert oracle.startswith("pytorch tight oracle: adaptive -x over none, 0 violations (")
     assert tuned.startswith("pytorch tight tuned: adaptive -x over keep_all, 0 violations (") and "40" in tuned
+
+
+def test_the_summary_charges_each_restart_where_the_tuned_run_crashed() -> None:
+    n = 6
+    rank = {"engine": "pytorch", "rank": 0, "grid": ["b0"], "left_out": {}, "spikes": [2],
+            "protocols": ["oracle", "tuned"], "probes": [0, 2], "budget_bytes": 100,
+            "keep_all_probe_peaks": {"0": 90, "2": 120},
+            "seconds": {"adaptive": [1.0] * n, "keep_all": [0.8] * n, "recompute_all": [1.3] * n,
+                        "static": [1.1] * n, "tuned": [0.8, 0.8] + [1.1] * 4},
+            "over_budget": {"adaptive": [], "static": [], "tuned": [2]},
+            "losses_equal": {name: True for name in ("adaptive", "keep_all", "recompute_all", "static", "tuned")},
+            "fastest_static": "b0", "survivors": ["b0"], "survivors_undominated": ["b0"],
+            "calm_holders": ["keep_all", "b0"], "tuned_on": [0, 1], "probe_losses_equal": {"b0": True},
+            "tuned": {"start": "keep_all", "config_at": ["keep_all"] * 2 + ["b0"] * 4, "gave_up_at": None,
+                      "crashes": [{"at": 2, "config": "keep_all", "restart_with": "b0", "attempt_s": 0.5}]},
+            "checkpoint": {"how": "torch.save", "save_s": 0.25, "load_s": 0.25}, "setup_s": {"keep_all": 0.5, "b0": 0.5}}
+    summary = _bench().summarize([rank], 2, "default", process_s=2.0, checkpoint_every=50)
+    tuned = summary["rows"]["tuned"]
+    charge = 2.0 + 0.5 + 0.5 + 2 * 1.1  # process, set-up, checkpoint save + load, redo of 2 at b0's seconds
+    assert tuned["restart_s"] == pytest.approx(charge) and tuned["violations"] == 1
+    assert tuned["total_s"] == pytest.approx(6.0 + charge) and tuned["speedup_total"] == pytest.approx((6.0 + charge) / 6)
+    assert tuned["speedup_range"] == pytest.approx([1.1, (2.7 + charge) / 3])  # the charge in its segment
+    cost = summary["kinds"]["adaptive_cost"]
+    assert summary["kinds"]["counts"] == {"calm": 3, "spike": 1, "after a spike": 2}
+    assert cost["over tuned"]["spike"]["median"] == pytest.approx(1.0 / (1.1 + charge))
+    assert cost["over keep_all"]["calm"]["median"] == pytest.approx(1.25)
+    assert summary["goals"]["over_tuned"]["met"] and summary["goals"]["violations"]["met"]
+    # static 1.1x over adaptive, keep-all 0.8x: of the ceiling 1.1 / 0.8 - 1, adaptive took 0.1
+    assert summary["goals"]["captured_share_of_ceiling"]["value"] == pytest.approx(0.1 / (1.1 / 0.8 - 1.0))
