@@ -643,9 +643,13 @@ def _tuned_step(tuned: Dict[str, Any], contenders: Dict[str, Config], meters: Di
         s, loss = _timed_step(current, rank, trace, i, meters["tuned"])
         if _all_min(meters["tuned"].peak <= budget):
             break
-        crashed = [c["at"] for c in tuned["crashes"]] + [i]
-        nxt = pick([n for n in calm_holders if all(holds(n, j) for j in crashed)])
-        tuned["crashes"].append({"at": i, "config": current.name, "restart_with": nxt, "attempt_s": s})
+        tuned["crashes"].append({"at": i, "config": current.name, "restart_with": None, "attempt_s": s})
+        crashed = [c["at"] for c in tuned["crashes"]]
+        # What crashed in the trace did not hold there, whatever its peak measured alone said
+        # (a probe's meter starts empty; the trace's carries what the last step left alive).
+        failed = {c["config"] for c in tuned["crashes"]}
+        nxt = pick([n for n in calm_holders if n not in failed and all(holds(n, j) for j in crashed)])
+        tuned["crashes"][-1]["restart_with"] = nxt
         current.close()
         if nxt is None:
             tuned["gave_up_at"] = i

@@ -372,3 +372,45 @@ def test_the_summary_charges_each_restart_where_the_tuned_run_crashed() -> None:
     assert summary["goals"]["over_tuned"]["met"] and summary["goals"]["violations"]["met"]
     # static 1.1x over adaptive, keep-all 0.8x: of the ceiling 1.1 / 0.8 - 1, adaptive took 0.1
     assert summary["goals"]["captured_share_of_ceiling"]["value"] == pytest.approx(0.1 / (1.1 / 0.8 - 1.0))
+
+
+def test_a_crash_restarts_with_the_fastest_that_held_what_crashed_and_never_with_what_crashed(monkeypatch) -> None:
+    bench = _bench()
+    trace_peaks = {("keep", 3): 120, ("a", 3): 120, ("b", 5): 120}  # over the budget of 100; else 50
+
+    class FakeConfig:
+        def __init__(self, name: str) -> None:
+            self.name, self.closed = name, False
+
+        def ready(self):
+            return self
+
+        def close(self) -> None:
+            self.closed = True
+
+    def timed_step(cfg, rank, trace, i, meter):
+        meter.peak = trace_peaks.get((cfg.name, i), 50)
+        return 1.0, 0.5
+
+    monkeypatch.setattr(bench, "_timed_step", timed_step)
+    monkeypatch.setattr(bench, "_all_min", lambda flag: flag)
+    # Measured alone, "a" held micro-batch 3 (its trace run says otherwise); nothing holds 5.
+    alone = {("a", 3): True, ("b", 3): True, ("c", 3): False}
+    asked = []
+
+    def holds(name: str, i: int) -> bool:
+        asked.append((name, i))
+        return alone.get((name, i), False)
+
+    tuned = {"start": "keep", "config_at": [], "crashes": [], "gave_up_at": None}
+    contenders = {"tuned": FakeConfig("keep")}
+    meters = {"tuned": bench.AllocationMeter()}
+    record = {"seconds": {"tuned": []}, "losses": {"tuned": []}, "peaks": {"tuned": []}}
+    for i in range(3, 7):
+        if tuned["gave_up_at"] is None:
+            bench._tuned_step(tuned, contenders, meters, 0, None, i, 100, ["keep", "a", "b", "c"], holds,
+                              lambda names: names[0] if names else None, FakeConfig, **record)
+    assert [(c["at"], c["config"], c["restart_with"]) for c in tuned["crashes"]] == [
+        (3, "keep", "a"), (3, "a", "b"), (5, "b", None)]
+    assert tuned["gave_up_at"] == 5 and tuned["config_at"] == ["b", "b"]  # micro-batches 3 and 4
+    assert record["peaks"]["tuned"] == [50, 50] and ("keep", 3) not in asked  # what crashed is never asked
