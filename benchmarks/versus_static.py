@@ -76,8 +76,9 @@ The pick is robust: a configuration that recomputes a superset of what another r
 (``Engine.recomputes_superset``: checkpointing blocks 0 and 1 over block 0, full recompute over
 any, a selective set over its subsets) is never picked over it when both held, however the
 timings of the two fall. The oracle alone times only the undominated survivors; the tuned
-protocol times every configuration that held the first calm micro-batches, since a re-pick after a crash
-chooses among those that held what crashed, where one dominated before may no longer be.
+protocol times every configuration that held the first calm micro-batches too, since a re-pick
+after a crash chooses among those that held what crashed, where one dominated before may no
+longer be.
 
 Each micro-batch of the trace is a ``spike`` (one of the trace's spikes), ``after a spike`` (one of
 the ``AFTER_SPIKE`` micro-batches that follow a spike) or ``calm``, and ``adaptive``'s seconds over
@@ -532,11 +533,14 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, engine_name: str
     row["tuned_on"] = tune_on
     row["setup_s"] = setup_s
 
-    # 2. The candidates on calm micro-batches, interleaved. The oracle alone times only the
-    # survivors no other survivor is dominated by; the tuned protocol times every configuration
-    # that held the first calm micro-batches, since after a crash it re-picks among those that held the
-    # crashing micro-batch too, and one dominated now may be the fastest undominated then.
-    timed = calm_holders if "tuned" in protocols else row["survivors_undominated"]
+    # 2. The candidates on calm micro-batches, interleaved. The oracle needs only the survivors
+    # that recompute no superset of another survivor's; the tuned protocol times every
+    # configuration that held the first calm micro-batches too (a survivor may not have: they are
+    # no probes), since after a crash it re-picks among those that held the crashing micro-batch
+    # as well, and one dominated now may be the fastest undominated then.
+    timed = list(row["survivors_undominated"])
+    if "tuned" in protocols:
+        timed += [n for n in calm_holders if n not in timed]
     calm_s: Dict[str, List[float]] = {name: [] for name in timed}
     configs = {name: static(name).ready() for name in timed}
     for r in range(args.pick_rounds):
@@ -699,7 +703,8 @@ def _spread(values: Sequence[float]) -> Optional[Dict[str, Any]]:
     return {"median": statistics.median(values), "quartiles": [q[0], q[2]], "n": len(values)}
 
 
-def per_kind(kinds: Sequence[str], cost: Sequence[float], other: Sequence[float]) -> Dict[str, Optional[Dict[str, Any]]]:
+def per_kind(kinds: Sequence[str], cost: Sequence[float],
+             other: Sequence[float]) -> Dict[str, Optional[Dict[str, Any]]]:
     """``cost / other`` per micro-batch (paired: one round), summarized per kind."""
     return {k: _spread([a / b for kind, a, b in zip(kinds, cost, other) if kind == k]) for k in KINDS}
 
@@ -852,8 +857,8 @@ def closing_lines(summary: Dict[str, Any]) -> List[str]:
             continue
         if protocol == "tuned" and row.get("gave_up_at") is not None:
             lines.append(f"{head} -x over {row['config']}, {violations} violations (tuned on the first calm "
-                         f"micro-batches alone; it crashed at micro-batch {row['gave_up_at']} and no configuration held what "
-                         f"crashed: the run cannot finish)")
+                         f"micro-batches alone; it crashed at micro-batch {row['gave_up_at']} and no "
+                         f"configuration held what crashed: the run cannot finish)")
             continue
         lo, hi = row["speedup_range"]
         spread = f"range {lo:.2f}-{hi:.2f} over {row['segments']} segments"
@@ -911,8 +916,8 @@ def print_engine(summary: Dict[str, Any], ranks: List[Dict[str, Any]]) -> None:
               f"{'equal' if row['losses_equal_keep_all'] else 'DIFFER':>8}")
     tuned = summary["rows"].get("tuned")
     if tuned is not None:
-        print(f"tuned (on the first calm micro-batches alone, {summary['tuned_on']}; its time includes each restart, checkpoint every "
-              f"{tuned['checkpoint_every']} micro-batches, {tuned['checkpointing']}):")
+        print(f"tuned (on the first calm micro-batches alone, {summary['tuned_on']}; its time includes each "
+              f"restart, checkpoint every {tuned['checkpoint_every']} micro-batches, {tuned['checkpointing']}):")
         for c in tuned["restarts"]:
             print(f"  crashed at {c['at']}, restarted with {c['restart_with']}: {c['total_s']:.2f} s = process "
                   f"{c['process_s']:.2f} + set-up {c['setup_s']:.2f} + checkpoint save and load "
