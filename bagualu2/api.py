@@ -62,10 +62,13 @@ def enable(model: torch.nn.Module, budget: Union[str, int, float, None] = "auto"
             ``bagualu2.ExactnessError``; ``"fallback"``: counted in ``report()["verify"]`` and
             that operator kept from then on),
             ``releases`` (how an adaptive micro-batch that is not calm releases:
-            ``"operators"``, the default, traces it and plans operator by operator;
-            ``"reruns"`` reruns whole blocks in backward, untraced, where the model has blocks a
-            rerun may repeat, and plans operator by operator elsewhere: a block's forward must
-            then run the same way in backward, as under ``torch.utils.checkpoint``),
+            ``"reruns"``, the default, reruns whole blocks in backward, untraced, where the
+            model has blocks a rerun may repeat and whose rerun fits, offloads what they leave,
+            and plans operator by operator elsewhere (pipeline schedules, compiled regions): a
+            block's forward must then run the same way in backward, as under
+            ``torch.utils.checkpoint`` (``verify="sample"`` checks it); ``"operators"`` traces
+            every such micro-batch and plans operator by operator, replaying recorded ops, for a
+            model that changes its modules' state between forward and backward),
             ``margin``, ``telemetry_path`` (JSON lines), ``gates`` (a list of
             ``bagualu2.runtime.gates.GateSpec`` instead of discovery; ``[]`` when the model reports its
             routing through ``bagualu2.on_gating``).

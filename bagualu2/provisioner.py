@@ -24,13 +24,14 @@ micro-batches after it are traced, ready to plan, until one routes within the bu
 The runtime independently holds the ledger under the budget at every save (offloading or
 recomputing a storage that would cross it), so a misprediction costs time, never the budget.
 
-With ``releases="reruns"``, where the model has blocks a rerun may repeat (its layers, or,
-where a layer issues collectives, its experts), a micro-batch that is not calm is not traced either: it releases by
-rerunning whole blocks in backward, chosen as its forward begins (at the last routing) and at
-each gate (at its own, among the blocks not begun, its own layer's experts included), where
-that costs less than offloading (``provision/block_reruns.py``). Steps 1-4 above, operator by
-operator, are what a model with no such blocks does, and what a pipeline's overlap scheduler
-and compiled regions plan with.
+By default (``releases="reruns"``), where the model has blocks a rerun may repeat (its layers,
+or, where a layer issues collectives, its experts), a micro-batch that is not calm is not
+traced either: it releases by rerunning whole blocks in backward, chosen as its forward begins
+(at the last routing) and at each gate (at its own, among the blocks not begun, its own layer's
+experts included), where that costs less than offloading and the rerun fits the budget
+(``provision/block_reruns.py``). Steps 1-4 above, operator by operator, are what
+``releases="operators"`` and a model with no such blocks do, and what a pipeline's overlap
+scheduler and compiled regions plan with.
 
 The first ``profile_frames`` micro-batches time every op to build the cost model; after them,
 some of those a plan may have to release from (their worst routing would not fit) calibrate:
@@ -118,7 +119,7 @@ class Provisioner:
                  margin: float = 0.02,
                  telemetry_path: Union[str, Path, None] = None, gates: Optional[Sequence[GateSpec]] = None,
                  engine: Any = None, allocator: Union[None, str, Callable[[], Any]] = None,
-                 verify: Optional[str] = None, on_mismatch: str = "raise", releases: str = "operators") -> None:
+                 verify: Optional[str] = None, on_mismatch: str = "raise", releases: str = "reruns") -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"enable() needs a torch.nn.Module, got {type(model).__name__}")
         self._compiled_root, model = unwrap_compiled(model)  # torch.compile(model): the wrapper, what it wraps
@@ -462,7 +463,7 @@ class Provisioner:
         last = self.footprint.last_bytes  # None where no gate routed (a model with none)
         saves = last if last is not None else self.cost.predict_total(self.cost.order, counts)
         want = self.reruns.choose(saves - room, self.runtime.rerunnable_blocks(), counts, self.runtime.block_outputs,
-                                  self._offload_seconds)
+                                  self._offload_seconds, room)
         if want or frame.traced:
             frame.traced = True
             frame.rerun_chosen = set(want)
@@ -633,7 +634,9 @@ class Provisioner:
         need = saves - sum(n for n, _ in sizes.values()) - self.limits.target()
         # the blocks still to begin: after the gate in the model (its own layer's experts too)
         later = [b for b in blocks if b not in chosen and self._module_index.get(b, -1) > gate]
-        more = self.reruns.choose(need, later, counts, self.runtime.block_outputs, self._offload_seconds)
+        room = self.limits.target() - frame.stats.start_resident - self.footprint.outside_held
+        more = self.reruns.choose(need, later, counts, self.runtime.block_outputs, self._offload_seconds, room,
+                                  sorted(chosen))
         frame.rerun_chosen.update(more)
         freed = sum(n for n, _ in self.reruns.sizes(list(more), counts, self.runtime.block_outputs).values())
         if need > freed and self.memory is not None and frame.budget is not None:

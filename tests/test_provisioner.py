@@ -74,13 +74,14 @@ def test_adaptive_is_bit_exact_and_holds_the_budget_through_spikes() -> None:
     assert report["saved_bytes_by_choice"]["offload"] + report["saved_bytes_by_choice"]["recompute"] > 0
 
 
+@pytest.mark.parametrize("releases", ["operators", "reruns"])
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trace=st.lists(st.sampled_from([0.0, 0.0, 0.0, 1.8, 2.6]), min_size=3, max_size=6),
        fraction=st.floats(min_value=0.45, max_value=0.95))
-def test_budget_never_exceeded_on_random_spike_traces(trace: Sequence[float], fraction: float) -> None:
+def test_budget_never_exceeded_on_random_spike_traces(trace: Sequence[float], fraction: float, releases: str) -> None:
     model = make_model(ep_size=4)
     budget = int(keep_all_peak(model, spike=2.6) * fraction)
-    prov = bagualu2.enable(model, budget=budget, min_bytes=0)
+    prov = bagualu2.enable(model, budget=budget, min_bytes=0, releases=releases)
     for i, spike in enumerate(trace):
         step(model, i, spike)
         assert prov.runtime.ledger.peak <= budget, "through backward too"  # reset as each forward starts
@@ -91,32 +92,41 @@ def test_budget_never_exceeded_on_random_spike_traces(trace: Sequence[float], fr
     assert prov.report()["resident_bytes"] == 0
 
 
-def accumulate(model: MoETransformer, i: int, spikes: Sequence[float]) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+def accumulate(model: MoETransformer, i: int, spikes: Sequence[float],
+               through_backward: bool = False) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """One step of gradient accumulation: a forward per entry of ``spikes`` (its routing
-    spike, 0 for none), all of them before the backward."""
+    spike, 0 for none), all of them before the backward. ``through_backward``: one spike, the
+    largest, on every forward of the step and held through its backward, as a block rerun
+    needs (its forward must route the same way again in backward)."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(i)
     loss = torch.zeros(())
-    for j, spike in enumerate(spikes):
-        with model.routing_spike(spike, experts=(0,)) if spike else contextlib.nullcontext():
-            loss = loss + model(tokens_for(model, 10 * i + j))
-    loss.backward()
+    held = max(spikes) if through_backward else 0.0
+    with model.routing_spike(held, experts=(0,)) if held else contextlib.nullcontext():
+        for j, spike in enumerate(spikes):
+            with model.routing_spike(spike, experts=(0,)) if spike and not held else contextlib.nullcontext():
+                loss = loss + model(tokens_for(model, 10 * i + j))
+        loss.backward()
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
+@pytest.mark.parametrize("releases", ["operators", "reruns"])
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(steps=st.lists(st.lists(st.sampled_from([0.0, 0.0, 1.8, 2.6]), min_size=1, max_size=3), min_size=2, max_size=4),
        fraction=st.floats(min_value=0.45, max_value=0.95))
-def test_budget_never_exceeded_with_micro_batches_in_flight(steps: Sequence[Sequence[float]], fraction: float) -> None:
+def test_budget_never_exceeded_with_micro_batches_in_flight(steps: Sequence[Sequence[float]], fraction: float,
+                                                            releases: str) -> None:
     """Gradient accumulation of 1 to 3 micro-batches per step, with random spikes, under a
     budget that is a fraction of one spiked micro-batch's all-keep peak (what the micro-batches
-    cannot release fits many times over): bit-exact, and never over the budget."""
+    cannot release fits many times over): bit-exact, and never over the budget, releasing by
+    operators (each forward's own spike) or by block reruns (a spike held through backward)."""
     model = make_model(ep_size=4)
     plain = copy.deepcopy(model)
     budget = int(keep_all_peak(model, spike=2.6) * fraction)
-    prov = bagualu2.enable(model, budget=budget, min_bytes=0)
+    prov = bagualu2.enable(model, budget=budget, min_bytes=0, releases=releases)
+    held = releases == "reruns"
     for i, spikes in enumerate(steps):
-        ref, got = accumulate(plain, i, spikes), accumulate(model, i, spikes)
+        ref, got = accumulate(plain, i, spikes, held), accumulate(model, i, spikes, held)
         assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
         assert prov.runtime.ledger.peak <= budget, "the last forward and the backward"
     for mb in prov.telemetry.micro_batches:
@@ -130,7 +140,7 @@ def test_the_budget_has_one_owner_and_each_forward_carries_its_share() -> None:
     headroom), so nothing is restored after it, even when a forward raises."""
     model = make_model(ep_size=4)
     budget = int(keep_all_peak(model, spike=2.6) * 0.6)
-    prov = bagualu2.enable(model, budget=budget, min_bytes=0)
+    prov = bagualu2.enable(model, budget=budget, min_bytes=0, releases="operators")
     seen = []
     prov.runtime.on_frame_start.subscribe(lambda frame: seen.append((frame.budget, prov.runtime.residency.budget_bytes)))
     for i, spikes in enumerate([[0.0, 2.6, 0.0], [2.6]]):
@@ -202,7 +212,7 @@ def test_forwards_without_grad_are_not_provisioned_and_teach_the_cost_model_noth
     model = make_model(ep_size=4)
     plain = copy.deepcopy(model)
     budget = int(keep_all_peak(model) * 0.6)
-    prov = bagualu2.enable(model, budget=budget, min_bytes=0)
+    prov = bagualu2.enable(model, budget=budget, min_bytes=0, releases="operators")
     with torch.no_grad():  # validation before training
         model(tokens_for(model, 0))
     with torch.inference_mode():
@@ -625,7 +635,7 @@ def test_calm_micro_batches_count_the_inputs_they_save() -> None:
     one's predicted high-water mark includes them (exactly, with one MoE layer, whose gate
     knows all the routing), and one whose activations fit only without them is not calm."""
     model = make_model(num_layers=1)
-    prov = bagualu2.enable(model, budget=1 << 40, min_bytes=0)
+    prov = bagualu2.enable(model, budget=1 << 40, min_bytes=0, releases="operators")
     for i in range(4):
         step(model, i)
     calm = [m for m in prov.telemetry.micro_batches if not m.traced]
@@ -684,7 +694,7 @@ def test_telemetry_keeps_a_bounded_window_in_memory_and_totals_of_the_whole_run(
 def test_the_first_micro_batches_a_plan_may_release_from_measure_what_replays_cost() -> None:
     model = make_model(ep_size=4)
     plain = copy.deepcopy(model)
-    prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.7), min_bytes=0, recalibrate_every=2)
+    prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.7), min_bytes=0, recalibrate_every=2, releases="operators")
     frames: List[bagualu2.runtime.Frame] = []
     prov.runtime.on_frame_start.subscribe(frames.append)
     taken: Dict[int, Dict[str, Tuple[float, int, int, float, int]]] = {}  # micro-batch -> its backward's op replays
@@ -716,7 +726,7 @@ def test_the_first_micro_batches_a_plan_may_release_from_measure_what_replays_co
     assert offloading.bytes_by_choice["keep"] < 0.01 * offloading.bytes_by_choice["offload"]
     assert {d.micro_batch for d in prov.telemetry.decisions} == {1, 5, 6, 8}
     # With none asked for, none does: micro-batch 2 decides.
-    other = bagualu2.enable(make_model(ep_size=4), budget=prov.budget, min_bytes=0, calibrate_frames=0)
+    other = bagualu2.enable(make_model(ep_size=4), budget=prov.budget, min_bytes=0, calibrate_frames=0, releases="operators")
     for i in range(3):
         step(other.model, i)
     assert not any(m.calibrating for m in other.telemetry.micro_batches)
@@ -764,7 +774,7 @@ def recalibrating(calibrate_frames: int) -> Tuple[MoETransformer, MoETransformer
     model = make_model(ep_size=4)
     plain = copy.deepcopy(model)
     prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.7), min_bytes=0,
-                           calibrate_frames=calibrate_frames, recalibrate_every=1)
+                           calibrate_frames=calibrate_frames, recalibrate_every=1, releases="operators")
     frames: List[bagualu2.runtime.Frame] = []
     prov.runtime.on_frame_start.subscribe(frames.append)
     return plain, model, prov, frames
@@ -775,7 +785,7 @@ def test_a_calibrating_forward_that_fails_does_not_keep_the_next_one_from_decidi
     interrupt, an error the loop catches) leaves nothing that makes the next one, which takes
     its number, skip its gates."""
     model = make_model(ep_size=4)
-    prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.7), min_bytes=0, calibrate_frames=1)
+    prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.7), min_bytes=0, calibrate_frames=1, releases="operators")
     for i in range(prov.profile_frames):
         step(model, i)
 
@@ -852,7 +862,7 @@ def test_rebuilds_that_replayed_a_call_again_to_stay_under_the_budget_teach_the_
     per op) are not, the others are. Under 80% each op replays once per micro-batch and every
     rebuild is learned."""
     model = make_model(ep_size=4)
-    prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * fraction), min_bytes=0, calibrate_frames=2)
+    prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * fraction), min_bytes=0, calibrate_frames=2, releases="operators")
     cost = prov.cost
     observe_ops, observe_rebuilds = cost.observe_op_replays, cost.observe_replays
     backwards: List[Dict[str, Any]] = []  # what each backward replayed, and what was learned from it
@@ -899,7 +909,7 @@ def test_last_plan_is_what_the_last_planning_micro_batch_ran() -> None:
     runtime offloaded beyond the plan to stay under the budget (its fallbacks). Before any
     micro-batch planned (the profiling and calibrating ones do not), there is none."""
     model = make_model(ep_size=4)
-    prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.6), min_bytes=0, calibrate_frames=2)
+    prov = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.6), min_bytes=0, calibrate_frames=2, releases="operators")
     for i in range(prov.profile_frames + prov.calibrate_frames):
         step(model, i)
         assert prov.last_plan is None
@@ -1006,7 +1016,7 @@ def test_calm_forwards_go_untraced_and_an_unannounced_spike_is_offloaded_under_t
     plain = copy.deepcopy(model)
     calm, spiked = keep_all_peak(model), keep_all_peak(model, spike=2.6)
     budget = (calm + spiked) // 2  # calm fits; a spike, and the worst routing, do not
-    prov = bagualu2.enable(model, budget=budget, min_bytes=0, margin=0.0)
+    prov = bagualu2.enable(model, budget=budget, min_bytes=0, margin=0.0, releases="operators")
     frames: List[bagualu2.runtime.Frame] = []
     pre_hooks: List[int] = []  # on the model's modules as each forward starts
 
@@ -1051,7 +1061,7 @@ def test_a_run_of_spikes_is_planned_from_its_second_micro_batch_on() -> None:
     plain = copy.deepcopy(model)
     calm, spiked = keep_all_peak(model), keep_all_peak(model, spike=2.6)
     budget = (calm + spiked) // 2
-    prov = bagualu2.enable(model, budget=budget, min_bytes=0, margin=0.0)
+    prov = bagualu2.enable(model, budget=budget, min_bytes=0, margin=0.0, releases="operators")
     frames: List[bagualu2.runtime.Frame] = []
     prov.runtime.on_frame_start.subscribe(frames.append)
     trace = [0.0] * 6 + [2.6, 2.6, 0.0, 0.0]
@@ -1111,7 +1121,7 @@ def test_an_overflow_no_larger_than_what_tracing_pins_is_left_to_untraced_offloa
 def test_without_a_copy_engine_only_the_worst_routing_makes_a_forward_calm() -> None:
     model = make_model(ep_size=4)
     budget = int(keep_all_peak(model) * 1.05)
-    prov = bagualu2.enable(model, budget=budget, min_bytes=0, engine=None)
+    prov = bagualu2.enable(model, budget=budget, min_bytes=0, engine=None, releases="operators")
     prov.engine = None  # nothing could hold an untraced spike under the budget
     prov.runtime.residency.engine = None
     frames: List[bagualu2.runtime.Frame] = []
@@ -1147,7 +1157,7 @@ def test_plans_pay_the_cost_a_micro_batch_s_first_offload_adds_once() -> None:
     """Copies measured nearly free each, but 1 s per micro-batch that offloads anything: the
     whole-micro-batch plan and the plans decided at the gates recompute instead."""
     model = make_model()
-    prov = bagualu2.enable(model, budget=1 << 40, min_bytes=0)
+    prov = bagualu2.enable(model, budget=1 << 40, min_bytes=0, releases="operators")
     for i in range(prov.profile_frames):
         step(model, i)
     keep_peak = max(m.peak_bytes for m in prov.telemetry.micro_batches)
@@ -1230,7 +1240,8 @@ def test_runtime_measures_rebuilds_and_copies_and_the_provisioner_feeds_the_cost
     # rebuilding anything twice); as each backward ends, the provisioner hands the measured
     # rebuilds to the cost model.
     model = make_model()
-    adaptive = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.8), min_bytes=0)
+    adaptive = bagualu2.enable(model, budget=int(keep_all_peak(model) * 0.8), min_bytes=0,
+                               releases="operators")
     for i in range(adaptive.profile_frames + adaptive.calibrate_frames):
         step(model, i)
         assert adaptive.runtime.residency.take_replay_times() == {} and adaptive.runtime.residency.take_copy_times()[1] == 0

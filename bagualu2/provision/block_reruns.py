@@ -27,10 +27,16 @@ Invariants:
   beside the compute, an offload that failed), blocks cover all they can.
 * A block's rerun seconds are its operators' share of the profiled op time, of an untraced
   forward's measured seconds: profiled op times carry tracing's price, which a rerun does not.
+* A block is chosen only where its rerun fits (``rerun_peaks``): backward rebuilds all it saves
+  at once, beside what the forward kept before it (the operators outside the blocks chosen,
+  and the inputs of the reruns before it), so a block larger than the room that leaves would
+  cross the budget in backward however little the forward held. The blocks that fit are a
+  prefix of the candidates; what they leave is offloaded, as in any untraced forward.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
@@ -88,14 +94,41 @@ class BlockReruns:
         scale = forward / total if total > 0 else 0.0
         return {b: (max(0, int(v[0]) - outputs.get(b, 0)), v[1] * scale) for b, v in out.items()}
 
+    def rerun_peaks(self, blocks: Sequence[str], chosen: Sequence[str], counts: Mapping[int, Sequence[int]],
+                    outputs: Mapping[str, int]) -> Dict[str, int]:
+        """Each of ``blocks``' predicted bytes held while backward reruns it, at ``counts``, were it
+        and those of ``blocks`` before it rerun beside ``chosen``: all it saves, what the
+        operators before it that no rerun covers saved, and the outputs of the reruns before
+        it (each one's input, which its rerun holds)."""
+        rerun = set(blocks) | set(chosen)
+        owner = self._block_of(list(rerun))
+        held, outs = 0, 0
+        full: Dict[str, int] = {}
+        before: Dict[str, int] = {}
+        for key in self.cost.order:
+            block = owner.get(key)
+            nbytes = self.cost.predict_bytes(key, counts)
+            if block is None:
+                held += nbytes
+                continue
+            if block not in before:
+                before[block] = held + outs
+                outs += outputs.get(block, 0)
+            full[block] = full.get(block, 0) + nbytes
+        return {b: before.get(b, held + outs) + full.get(b, 0) for b in blocks}
+
     def choose(self, need: int, blocks: Sequence[str], counts: Mapping[int, Sequence[int]],
-               outputs: Mapping[str, int], offload_seconds: Callable[[int], float]) -> FrozenSet[str]:
+               outputs: Mapping[str, int], offload_seconds: Callable[[int], float], room: int,
+               chosen: Sequence[str] = ()) -> FrozenSet[str]:
         """The blocks of ``blocks`` (in model order) to rerun so that they and offloads free
         ``need`` bytes at ``counts`` (``outputs``: the bytes each one returns) at the least
-        predicted cost (``cheapest``)."""
+        predicted cost (``cheapest``), among those whose rerun fits ``room`` (the bytes this
+        micro-batch may hold; ``chosen``: blocks it reruns already)."""
         if need <= 0:
             return frozenset()
-        return cheapest(need, self.sizes(blocks, counts, outputs), blocks, offload_seconds)
+        peaks = self.rerun_peaks(blocks, chosen, counts, outputs)
+        fitting = list(itertools.takewhile(lambda b: peaks[b] <= room, blocks))
+        return cheapest(need, self.sizes(fitting, counts, outputs), fitting, offload_seconds)
 
 
 def cheapest(need: int, sizes: Mapping[str, Tuple[int, float]], blocks: Sequence[str],
