@@ -202,7 +202,8 @@ def test_the_short_head_to_head_searches_each_engines_own_options(engine: str, m
     assert len(summary["grid"]) >= 4 and summary["survivors"], summary
     for r in ranks:
         assert set(r["static_peaks"]) == {*summary["grid"], "keep_all"}
-        assert all(len(peaks) == len(r["probes"]) for peaks in r["static_peaks"].values())
+        # every probe, and the calm micro-batches the tuned protocol tunes on
+        assert all(set(map(str, r["probes"])) <= set(map(str, peaks)) for peaks in r["static_peaks"].values())
         for name in r["survivors"]:  # survivors held the budget under the meter, on every rank
             assert max(r["static_peaks"][name].values()) <= r["budget_bytes"], (name, r["static_peaks"][name])
         _check_adaptive_read_its_meter(r)
