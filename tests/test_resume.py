@@ -55,7 +55,9 @@ def _planned(prov: Any, micro_batch: int) -> bool:
 def _run(budget: int, resume: Optional[bytes], load_provisioner: bool = True):
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    prov = bagualu2.enable(model, budget=budget, min_bytes=0)
+    # The planner's learned state is what a resume restores; block reruns also need the blocks
+    # seen traced in this process (relearned by the first forward after a resume, not saved).
+    prov = bagualu2.enable(model, budget=budget, min_bytes=0, releases="operators")
     checkpoint = None
     if resume is None:
         _train(model, opt, range(CHECKPOINT_AFTER))

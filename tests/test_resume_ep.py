@@ -33,7 +33,9 @@ import pipeline_harness as harness  # noqa: E402
 SEED = 4321
 BATCH, SEQ = 2, 16
 CFG = MoEConfig.tiny(expert_hidden_size=128)
-OPTIONS = dict(min_bytes=0, arena_bytes=16 << 20, calibrate_frames=1)
+# releases="operators": what a resume restores is the planner's learned state (block reruns need
+# the blocks seen traced in this process, relearned by the first forward after a resume).
+OPTIONS = dict(min_bytes=0, arena_bytes=16 << 20, calibrate_frames=1, releases="operators")
 SPIKE = 4.0
 TRACE = (False, False, False, True, True, True, False, True, True, False)
 CHECKPOINT_AFTER = 5
