@@ -653,10 +653,15 @@ class Provisioner:
                                          self._policy.name), UserWarning, stacklevel=4)
 
     def _check_feasible(self) -> None:
-        """Refuse a micro-batch no plan can fit, before it allocates anything."""
+        """Refuse a micro-batch no plan can fit, before it allocates anything. With an allocator
+        view, what it shows allocated beyond the activations now counts, not the excess it
+        predicts at the peak: that is learned, at first from profiled forwards, whose records
+        an untraced forward does not hold, and refusing on it would end a run the budget holds
+        (the micro-batch releases all it can instead, and its window teaches the excess)."""
         if self.budget is None or not self._policy.adaptive or not self.cost.ready:
             return
-        self.footprint.check_feasible(self.limits.limit(), self.runtime.ledger.resident,
+        outside = self.memory.outside if self.memory is not None else None
+        self.footprint.check_feasible(self.limits.limit(outside), self.runtime.ledger.resident,
                                       self.runtime.residency.movable_bytes,
                                       f"micro-batch {self._frames}")
 

@@ -380,6 +380,33 @@ def test_impossible_budget_is_refused_before_the_micro_batch() -> None:
     assert prov.runtime.ledger.resident == resident_before
 
 
+def test_an_excess_predicted_from_profiled_forwards_does_not_refuse_a_budget_the_run_holds() -> None:
+    """Under an allocator view the profiled (traced) forwards' windows show far more beyond the
+    activations than untraced ones hold (here: a view whose peaks over the first windows are
+    twice the budget), so the excess they teach leaves the activations nothing. That is a
+    prediction, not what is allocated: the next micro-batch is not refused, it releases all it
+    can, and its own window teaches the excess (a torchtitan run under a tight budget was
+    refused at its first untraced micro-batch)."""
+    model = make_model(ep_size=4)
+    plain = copy.deepcopy(model)
+    budget = keep_all_peak(model) * 4
+    readings = []
+
+    def view() -> Tuple[int, int]:
+        readings.append(None)
+        resident = prov.runtime.ledger.resident
+        return resident, resident + (2 * budget if len(readings) <= 3 else budget // 8)
+
+    prov = bagualu2.enable(model, budget=budget, min_bytes=0, allocator=view)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the crossings the view shows are recorded and told
+        for i in range(6):
+            ref, got = step(plain, i), step(model, i)
+            assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+    assert prov.report()["memory_violations"] >= 1  # the profiled windows crossed, as the view said
+    assert prov.limits.limit() > 0, "the untraced windows did not teach the excess back down"
+
+
 def test_a_tight_budget_is_not_refused_while_releasing_small_activations_meets_it() -> None:
     """min_bytes is a preference: small activations are kept unless the budget needs their
     room, so a budget that only releasing them can meet is met, not refused."""
