@@ -143,8 +143,8 @@ def torch_extension() -> Optional[Extension]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     extension = Extension(
         "bagualu2._saves",
-        sources=["csrc/saves/ledger.cpp", "csrc/saves/hooks.cpp", "csrc/saves/module.cpp"],
-        depends=["csrc/saves/ledger.h", "csrc/saves/hooks.h", "csrc/common/check.h"],  # a change rebuilds it
+        sources=["csrc/saves/ledger.cpp", "csrc/saves/hooks.cpp", "csrc/meter/cpu_meter.cpp", "csrc/saves/module.cpp"],
+        depends=["csrc/saves/ledger.h", "csrc/saves/hooks.h", "csrc/meter/cpu_meter.h", "csrc/common/check.h"],  # a change rebuilds it
         include_dirs=["csrc"],
         library_dirs=cpp_extension.library_paths(),
         libraries=["c10", "torch", "torch_cpu", "torch_python"],

@@ -21,9 +21,11 @@ by the last rank, so the spike lands on either rank (every rank's router sends t
 tokens there: the reference model's ``routing_spike``, or ``spike_logits`` on an engine's router).
 
 Memory is measured the same way for every configuration, bagualu2 included, by
-``AllocationMeter``: every storage an aten op creates from the start of a micro-batch's forward
-to the end of its backward, while it lives (the stand-in on this machine for
-``torch.cuda.max_memory_allocated``: activations, temporaries and gradients).
+``AllocationMeter``: a counting CPU allocator (``bagualu2._saves``, csrc/meter/) charges every
+storage allocated from the start of a micro-batch's forward to the end of its backward to the
+configuration running, while it lives (the stand-in on this machine for
+``torch.cuda.max_memory_allocated``: activations, temporaries and gradients). It costs an atomic
+add per allocation and nothing per op, so the timings are those of the configurations alone.
 The per-rank budget is ``--headroom`` above the largest calm micro-batch's peak without any
 activation option (keep everything). ``adaptive`` gets that budget whole, and the meter as its
 allocator view (``enable(allocator=meter.read)``: the bytes the meter counts now and its peak since
@@ -42,7 +44,7 @@ For each engine the script:
 3. runs the whole trace once per configuration (the picks, ``adaptive``, keep-all and full
    recompute), one micro-batch of each per round in a rotating order, timing each micro-batch
    (the slowest rank's time, the ranks aligned by a barrier), each configuration under its own
-   meter (so every one pays the meter's cost per op, and ``adaptive`` reads it), and counts the
+   meter (``adaptive`` reads its own as its allocator view), and counts the
    micro-batches over the budget on any rank (violations) in that same run.
 
 Two protocols pick the static configuration (``--protocol``; both by default):
@@ -115,15 +117,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
 
+from bagualu2 import _saves
 from bagualu2.models import MoEConfig
 
 # The tests' multi-process harness (spawned gloo ranks on 127.0.0.1, a free port, hard timeouts);
@@ -199,66 +200,68 @@ def _tokens(vocab: int, rank: int, i: int, batch: int, seq: int) -> torch.Tensor
     return torch.randint(0, vocab, (batch, seq), generator=g)
 
 
-class AllocationMeter(TorchDispatchMode):
-    """The bytes of the storages that ops create while it is on and that are still alive, and
-    their high-water mark.
+class AllocationMeter:
+    """What the CPU storages allocated while it is on hold now, and their high-water mark: an
+    account of ``bagualu2._saves``' CPU allocation meter (csrc/meter/cpu_meter.h), a counting
+    allocator that is torch's CPU allocator once any meter exists.
 
-    The outermost dispatch mode sees every aten op below it, bagualu2's tracing mode, selective
-    checkpointing's modes and backward's recomputations included, so every configuration is
-    measured alike. What no op creates (bagualu2's pinned host arena, filled by its copy engine)
-    is host memory and is not counted. A storage is counted from the op that creates it until it
-    dies (checked at each op), at its full size. A wrapper subclass (a functional collective's
-    result, a ``DTensor``) owns no memory of its own: the tensors it wraps are counted instead.
+    It counts as a GPU's caching allocator does, at the allocator: every storage allocated while
+    the meter is on (``with meter:``) is charged to it, whatever allocates it (an aten op, a
+    backward pass rebuilding what it saved, a process group's thread, bagualu2's runtime), from
+    its allocation until it dies, whenever that is and whichever meter is on then. What the
+    allocator does not hand out is not counted: bagualu2's pinned host arena, which its copy
+    engine fills (host memory). A wrapper subclass (a functional collective's result, a
+    ``DTensor``) allocates nothing of its own; the tensors it wraps are counted. Counting costs
+    an atomic add per allocation and nothing per op, so it leaves each configuration's speed as
+    it is (a meter written as a dispatch mode costs every op a Python call, a tax heaviest on
+    whatever issues the most ops).
     """
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: Dict[int, Tuple[StorageWeakRef, int]] = {}
-        self.bytes = 0
-        self.peak = 0
-        self.window_peak = 0  # the peak since the last ``read``
+    _taken: Set[int] = set()  # accounts of the meters alive
 
-    def _sweep(self) -> None:
-        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
-            self.bytes -= self.live.pop(key)[1]
+    def __init__(self) -> None:
+        _saves.meter_install()
+        # An account no live meter holds and none of whose storages is alive: a fresh one.
+        free = [a for a in range(1, _METER_ACCOUNTS) if a not in self._taken and _saves.meter_bytes(a) == 0]
+        if not free:
+            raise RuntimeError(f"every one of the CPU meter's {_METER_ACCOUNTS - 1} accounts is taken")
+        self.account = free[0]
+        self._taken.add(self.account)
+        weakref.finalize(self, self._taken.discard, self.account)
+        self.start()
+        _saves.meter_reset_mark(self.account, _WINDOW)
+        self._outer: List[int] = []
+
+    def __enter__(self) -> "AllocationMeter":
+        self._outer.append(_saves.meter_charge_to(self.account))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _saves.meter_charge_to(self._outer.pop())
+
+    @property
+    def bytes(self) -> int:
+        """The bytes of its storages alive now."""
+        return _saves.meter_bytes(self.account)
+
+    @property
+    def peak(self) -> int:
+        """The most they held at once since ``start``."""
+        return _saves.meter_high_water(self.account, _STEP)
+
+    def start(self) -> None:
+        """Begin a new ``peak`` (at what is held now)."""
+        _saves.meter_reset_mark(self.account, _STEP)
 
     def read(self) -> Tuple[int, int]:
         """An allocator view for ``bagualu2.enable(allocator=...)``: the bytes held now and the
         peak since the last call (then reset to what is held)."""
-        self._sweep()
-        now, peak = self.bytes, max(self.window_peak, self.bytes)
-        self.window_peak = self.bytes
-        return now, peak
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        self._sweep()
-        # A view of an older storage (a weight's transpose) is not a new storage.
-        inputs = {t.untyped_storage()._cdata for t in _plain_tensors((args, kwargs))}
-        for t in _plain_tensors(out):
-            storage = t.untyped_storage()
-            if storage._cdata not in self.live and storage._cdata not in inputs:
-                self.live[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
-                self.bytes += storage.nbytes()
-        self.peak = max(self.peak, self.bytes)
-        self.window_peak = max(self.window_peak, self.bytes)
-        return out
+        now = self.bytes
+        return now, max(now, _saves.meter_reset_mark(self.account, _WINDOW))
 
 
-def _plain_tensors(tree: Any) -> List[torch.Tensor]:
-    """The tensors in ``tree`` that own memory: a wrapper subclass (a functional collective's
-    ``AsyncCollectiveTensor``, a ``DTensor``) has a storage with a size but no data, so it
-    stands for the tensors it wraps."""
-    out: List[torch.Tensor] = []
-    stack = [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
-    while stack:
-        t = stack.pop()
-        if is_traceable_wrapper_subclass(t):
-            inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
-            stack.extend(x for x in inner if isinstance(x, torch.Tensor))
-        else:
-            out.append(t)
-    return out
+_METER_ACCOUNTS = 64  # the meter's accounts (csrc/meter/cpu_meter.h); 0 is charged outside every meter
+_STEP, _WINDOW = 0, 1  # an account's two high-water marks: the step's peak, the allocator view's window
 
 
 def allocation_peak(fn: Callable[[], Any]) -> Tuple[Any, int]:
@@ -415,7 +418,7 @@ def _timed_step(cfg: Config, rank: int, trace: Trace, i: int,
     if meter is None:
         loss = cfg.step(rank, trace, i)
     else:
-        meter.peak = meter.bytes
+        meter.start()
         with meter:
             loss = cfg.step(rank, trace, i)
     elapsed = torch.tensor([time.perf_counter() - t0])

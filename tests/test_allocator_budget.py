@@ -1,8 +1,8 @@
 """``enable(allocator=...)``: a budget on the whole memory an allocator counts, held by learning
 what lies outside the activations at each micro-batch's peak (bagualu2/provision/excess.py).
 
-The meter is benchmarks/versus_static.py's ``AllocationMeter`` (every storage an aten op creates,
-while it lives: activations, temporaries, gradients), the CPU's stand-in for
+The meter is benchmarks/versus_static.py's ``AllocationMeter`` (every CPU storage allocated while
+it is on, while it lives: activations, temporaries, gradients), the CPU's stand-in for
 ``torch.cuda.memory_allocated`` / ``max_memory_allocated``, read as an allocator view.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _step(model: MoETransformer, i: int) -> None:
 
 def _peak(model: MoETransformer, meter: Any, i: int) -> int:
     """The meter's peak of micro-batch ``i``, forward and backward."""
-    meter.peak = meter.bytes
+    meter.start()
     with meter:
         _step(model, i)
     return meter.peak
