@@ -238,6 +238,20 @@ def test_a_miss_at_a_heavier_load_steepens_the_slope_so_lighter_loads_keep_their
     assert excess.predict(200) == 300
 
 
+def test_a_spike_that_held_before_is_left_what_it_found_enough_not_a_calm_window_plus_the_slope() -> None:
+    """The windows of a versus_static rank that crossed (abridged): a spike held once with 83,268
+    bytes outside its activations; a lighter calm window's 39,916 plus the slope's share of the
+    load between them is 67,052, less than the spike needed when it came again."""
+    excess = Excess()
+    budget = 495_440
+    excess.observe(43_008, 457_080, 373_812, budget)  # the spike, held: 83,268 outside
+    excess.observe(18_944, 473_248, 424_052, budget)  # calm: 49,196
+    excess.observe(15_872, 427_888, 387_972, budget)  # a light one: 39,916
+    assert excess.predict(43_008) == 83_268
+    assert excess.predict(18_944) == 49_196 and excess.predict(15_872) == 39_916  # calm loads keep theirs
+    assert excess.predict(50_000) == 83_268 + int(PRIOR_SLOPE * (50_000 - 43_008))  # above it: the slope
+
+
 def test_a_cold_start_leaves_room_for_the_gradients_backward_will_allocate() -> None:
     model = _model()
     grads = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -259,8 +273,9 @@ def test_an_untraced_spike_heavier_than_any_untraced_forward_is_left_what_traced
     memory.observe(True, 300, 9_900, 8_900, budget)        # a spike, traced, held: 1000 outside
     assert memory.predict(False, 100) == 50                # calm untraced: its own
     assert memory.predict(True, 100) == 150
-    # The spike's load in an untraced forward: what traced ones say there (their calm window's
-    # 150 plus the slope's 200 is the least they found enough), not the untraced calm 50 + 200.
-    assert memory.predict(True, 300) == 350
-    assert memory.predict(False, 300) == 350
+    # The spike's load in an untraced forward: what traced ones found enough there (1000), not
+    # the untraced calm 50 + the slope's 200, nor the traced calm 150 + 200: a window at the
+    # spike's own load shows what it needs, a lighter one's plus the slope only guesses.
+    assert memory.predict(True, 300) == 1000
+    assert memory.predict(False, 300) == 1000
     assert memory.predict(False, 100) == 50                # and calm untraced forwards keep theirs

@@ -26,8 +26,11 @@ activations peaking at ``l``) shows that ``budget - excess`` (``>= l``) would st
 its excess is *enough* at its load. A window that crossed shows that no limit above
 ``budget - excess`` holds: its excess is *needed* at its load. ``Excess.predict(load)`` is the
 larger of what the misses need (a miss at a load no heavier than this one, or at a heavier one
-less the slope's share of the difference) and the least that recent held windows found enough
-(each from its own load up, plus the slope times the difference). The slope, bytes of excess per
+less the slope's share of the difference) and the least that recent held windows at this load or
+a heavier one found enough (above every held load, the heaviest ones' plus the slope times the
+difference). A lighter window's excess plus the slope is a guess, not a bound: a spike's excess
+grows with what its rank computes, not only with its heaviest expert, and the guess from a calm
+window left a spike that had held before less than it needed again. The slope, bytes of excess per
 byte of the most loaded expert's saves, starts at ``PRIOR_SLOPE`` (a spike's temporaries are
 about as large as what its expert saves) and rises when a miss at a heavier load shows it must.
 
@@ -188,10 +191,15 @@ class Excess:
 
     def predict(self, load: int) -> int:
         """The excess to leave at ``load``: at least what every miss needs there, and the least
-        that a recent held window found enough (0 before any window)."""
+        that a recent held window at this load or a heavier one found enough (0 before any
+        window); above every held window's load, the heaviest ones' plus the slope's share."""
         load = max(0, int(load))
         needed = max((x - self.slope * max(0, m - load) for m, x in self.missed), default=0.0)
-        enough = min((x + self.slope * max(0, load - m) for m, x in self.held), default=needed)
+        # A window at a lighter load says what is enough here only through the slope, a guess
+        # until a miss steepens it: where a window at this load or above shows what was enough,
+        # that is what is left (a spike's excess is not a calm one's plus the slope's share).
+        floor = min(load * (1.0 - _SAME_LOAD), max((m for m, _ in self.held), default=0))
+        enough = min((x + self.slope * max(0, load - m) for m, x in self.held if m >= floor), default=needed)
         return max(0, int(max(needed, enough)))
 
 
