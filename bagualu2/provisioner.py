@@ -73,7 +73,7 @@ from bagualu2.runtime.residency import Residency
 from bagualu2.plan.cost_model import CostModel
 from bagualu2.errors import BudgetExceededError, recorded_memory_violation, recorded_violation
 from bagualu2.inputs import (
-    check_materialized, check_options, device_of, input_bytes, resolve_budget,
+    Options, check_materialized, check_policy, device_of, input_bytes, resolve_budget,
 )
 from bagualu2.provision.block_reruns import BlockReruns
 from bagualu2.provision.calibration import Calibration, learn
@@ -101,9 +101,6 @@ from bagualu2.telemetry import MicroBatch, Telemetry
 __all__ = ["Provisioner", "POLICIES"]
 
 
-RELEASES = ("reruns", "operators")  # how adaptive releases (enable's ``releases``)
-
-
 class Provisioner:
     """Keeps a model's saved activations under a device budget, one micro-batch at a time.
 
@@ -112,14 +109,10 @@ class Provisioner:
 
     def __init__(self, model: torch.nn.Module, budget: Union[str, int, float, None] = "auto",
                  policy: Union[str, Mapping[str, Choice]] = "adaptive", *,
-                 on_exceed: str = "record", min_bytes: int = 64 << 10,
-                 arena_bytes: Optional[int] = None, arena_max_bytes: Optional[int] = None,
-                 reserve_bytes: int = 1 << 30,
-                 profile_frames: int = 2, calibrate_frames: int = 3, recalibrate_every: int = 0,
-                 margin: float = 0.02,
                  telemetry_path: Union[str, Path, None] = None, gates: Optional[Sequence[GateSpec]] = None,
                  engine: Any = None, allocator: Union[None, str, Callable[[], Any]] = None,
-                 verify: Optional[str] = None, on_mismatch: str = "raise", releases: str = "reruns") -> None:
+                 **settings: Any) -> None:
+        """See :func:`bagualu2.enable`; ``settings`` are its ``Options``."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"enable() needs a torch.nn.Module, got {type(model).__name__}")
         self._compiled_root, model = unwrap_compiled(model)  # torch.compile(model): the wrapper, what it wraps
@@ -135,12 +128,8 @@ class Provisioner:
                              Residency.unpack,
                              RegionGates._report, RegionGates._traced, AttachedHook.__call__, RerunCapture.__call__,
                              GateHook.__call__)
-        check_options(policy, POLICIES, on_exceed, margin, profile_frames, calibrate_frames, recalibrate_every,
-                      min_bytes, reserve_bytes, arena_bytes, arena_max_bytes)
-        if releases not in RELEASES:
-            raise ValueError(f"releases={releases!r}: use 'reruns' (rerun whole blocks where the model has them, "
-                             f"untraced) or 'operators' (trace, and plan operator by operator)")
-        self._reruns = releases == "reruns"
+        check_policy(policy, POLICIES)
+        self.options = options = Options(**settings)
         check_materialized(model)
         if "forward" in model.__dict__ and not plain_forward(model):
             raise RuntimeError(f"{type(model).__name__} already has bagualu2 (or another forward wrapper) enabled; "
@@ -150,21 +139,18 @@ class Provisioner:
         # A view of the allocator: the budget is then on the whole memory it counts, and the
         # activations get what the excess it shows leaves (provision/excess.py).
         read = checked_allocator(allocator, self.device)
-        budget = resolve_budget(budget, self.device, reserve_bytes, whole=read is not None)
+        budget = resolve_budget(budget, self.device, options.reserve_bytes, whole=read is not None)
         self._policy = Policy(policy, model, compiled=self._compiled_root is not None)
-        self.on_exceed = on_exceed
-        self.min_bytes = min_bytes
-        self.profile_frames = profile_frames
-        self.calibrate_frames = calibrate_frames
-        self.recalibrate_every = recalibrate_every
         self.telemetry = Telemetry(Path(telemetry_path) if telemetry_path else None)
-        self.engine = engine if engine is not None else make_engine(self.device, arena_bytes, arena_max_bytes)
-        self._arena_chosen = engine is not None or arena_bytes is not None  # _reserve_arena leaves it
+        self.engine = engine if engine is not None else make_engine(self.device, options.arena_bytes,
+                                                                         options.arena_max_bytes)
+        self._arena_chosen = engine is not None or options.arena_bytes is not None  # _reserve_arena leaves it
         self.runtime = ActivationRuntime(
             # its ``budget_bytes`` is written by ``self.limits`` below, the budget's one home
-            self.engine, min_bytes=min_bytes, enforce_budget=self._policy.adaptive,
-            on_exceed=self._exceeded if on_exceed == "raise" else None,
-            verify=verify if verify is not None else os.environ.get("BAGUALU2_VERIFY", "off"), on_mismatch=on_mismatch,
+            self.engine, min_bytes=options.min_bytes, enforce_budget=self._policy.adaptive,
+            on_exceed=self._exceeded if options.on_exceed == "raise" else None,
+            verify=options.verify if options.verify is not None else os.environ.get("BAGUALU2_VERIFY", "off"),
+            on_mismatch=options.on_mismatch,
         )
         # Learning from what each backward measured; ``unsubscribe()`` it to read the runtime's
         # measurements (``take_replay_times``, ``take_copy_times``) yourself.
@@ -202,9 +188,10 @@ class Provisioner:
         self.excess = WholeMemory()  # what the allocator shows beyond the activations at a peak, by load
         self.memory = AllocatorView(read, self.excess, self.cost, model) if read is not None else None
         # what the budget leaves each micro-batch's activations, and its saves are planned to
-        self.limits = Limits(budget, margin, self.runtime, self.footprint, self.stacking, self.memory)
+        self.limits = Limits(budget, options.margin, self.runtime, self.footprint, self.stacking, self.memory)
         # what each gate decides, and the planner it solves with
-        self.decisions = GateDecisions(self.cost, self.runtime, self.routing, self.stacking, self.gates, min_bytes)
+        self.decisions = GateDecisions(self.cost, self.runtime, self.routing, self.stacking, self.gates,
+                                       options.min_bytes)
         self.reruns = BlockReruns(self.cost)  # which blocks a micro-batch reruns whole, untraced
         self._module_index = {name: i for i, (name, _) in enumerate(model.named_modules())}  # model order
         self._copies_failed = False  # an offload failed: releases are not left to offloads (_offload_seconds)
@@ -279,7 +266,7 @@ class Provisioner:
             raise RuntimeError("plan_for needs the cost model: run at least one micro-batch first")
         if self.budget is None:
             return Plan.keep_all(self.cost.order)
-        candidates, floor = self.cost.candidates(self.cost.order, counts, self.min_bytes, self.engine is not None)
+        candidates, floor = self.cost.candidates(self.cost.order, counts, self.options.min_bytes, self.engine is not None)
         total = self.cost.predict_total(self.cost.order, counts)
         offload_window, reload_window = self.cost.windows(1.0, self.stacking.declared)
         return self.decisions.planner.solve(candidates, total - int(self.limits.limit() * (1.0 - self.limits.margin)),
@@ -337,6 +324,16 @@ class Provisioner:
     @budget.setter
     def budget(self, value: Union[str, int, float, None]) -> None:
         self.limits.set_budget(resolve_budget(value, self.device, 0, whole=self.memory is not None))
+
+    @property
+    def profile_frames(self) -> int:
+        """Micro-batches profiled before any plan (``enable``'s ``profile_frames``)."""
+        return self.options.profile_frames
+
+    @property
+    def calibrate_frames(self) -> int:
+        """Micro-batches that release all they can once profiled (``enable``'s ``calibrate_frames``)."""
+        return self.options.calibrate_frames
 
     @property
     def margin(self) -> float:
@@ -442,9 +439,10 @@ class Provisioner:
         frame, final = self._policy.frame(self._frames, rerun_blocks=self.overlap is None)
         if final:
             return frame
-        frame.profile = self.cost.frames < self.profile_frames
+        frame.profile = self.cost.frames < self.options.profile_frames
         if not frame.profile and self._calibrates() and self.calibration.begin(
-                frame, self.cost, self.engine is not None, self.calibrate_frames, self.recalibrate_every):
+                frame, self.cost, self.engine is not None, self.options.calibrate_frames,
+                self.options.recalibrate_every):
             return frame
         # Stable phases cost nothing: a forward whose plan is not expected to release anything
         # is not traced (its recipes would never be used): keep_all's, a fixed plan's that
@@ -488,7 +486,7 @@ class Provisioner:
         """Whether an adaptive micro-batch may release by rerunning whole blocks untraced
         (``Frame.rerun_chosen``): under a budget, profiled, with plain blocks to rerun, and no
         pipeline schedule or compiled region that plans per operator."""
-        return (self._reruns and self._policy.adaptive and self.budget is not None and self.cost.ready
+        return (self.options.releases == "reruns" and self._policy.adaptive and self.budget is not None and self.cost.ready
                 and self.overlap is None
                 and not self._region_paths and bool(self.runtime.rerunnable_blocks()))
 
@@ -597,8 +595,8 @@ class Provisioner:
             self.unplanned.profiled(self.model.training)
         elif traced and self.cost.ready:
             self.unplanned.note(frame, self.cost, self.model.training)
-        self.footprint.observe_routed(anchored, counts, self.min_bytes, self.engine is not None)
-        if frame.profile and self.cost.frames >= self.profile_frames:
+        self.footprint.observe_routed(anchored, counts, self.options.min_bytes, self.engine is not None)
+        if frame.profile and self.cost.frames >= self.options.profile_frames:
             worst = self.routing.worst(self.gates)
             self.footprint.observe_worst(worst, counts)
             if self.memory is not None:
