@@ -63,7 +63,7 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -99,6 +99,25 @@ from bagualu2.plan.planner import Choice, Plan
 from bagualu2.telemetry import MicroBatch, Telemetry
 
 __all__ = ["Provisioner", "POLICIES"]
+
+
+def _traces(frame: Frame) -> bool:
+    """Whether ``frame``'s forward is traced: one that only reruns blocks traces nothing."""
+    return frame.traced and frame.rerun_chosen is None
+
+
+def _rng_rewinder(device: torch.device) -> Callable[[], None]:
+    """What puts the RNG back as it is now (and, on a GPU, the cached memory a failed try left),
+    so a micro-batch run again draws what its first try drew."""
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def rewind() -> None:
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.empty_cache()
+            torch.cuda.set_rng_state(cuda_rng, device)
+    return rewind
 
 
 def _piece(name: str, doc: str) -> property:
@@ -145,12 +164,13 @@ class Provisioner:
             raise RuntimeError(f"{type(model).__name__} already has bagualu2 (or another forward wrapper) enabled; "
                                f"call disable() on the existing Provisioner first")
         self.model = model
+        self.wrapping = Wrapping(model, root, list(regions), root is None or not holds_collectives(model))
         self.device = device_of(model)
         # A view of the allocator: the budget is then on the whole memory it counts, and the
         # activations get what the excess it shows leaves (provision/excess.py).
         read = checked_allocator(allocator, self.device)
         budget = resolve_budget(budget, self.device, options.reserve_bytes, whole=read is not None)
-        self._policy = Policy(policy, model, compiled=root is not None)
+        self._policy = Policy(policy, model, compiled=self.wrapping.compiled)
         self.telemetry = Telemetry(Path(telemetry_path) if telemetry_path else None)
         self.engine = engine if engine is not None else make_engine(self.device, options.arena_bytes,
                                                                          options.arena_max_bytes)
@@ -178,11 +198,10 @@ class Provisioner:
         # What decisions are made from, each piece the one owner of its state.
         self.learned = Learned(cost)
         self._teardown = Teardown()  # what disable() undoes, last first (on_disable)
-        for handle in self.runtime.attach(model, root_compiled=root is not None):
+        for handle in self.runtime.attach(model, root_compiled=self.wrapping.compiled):
             self.on_disable(handle.remove)
         self.gate_hooks = GateHooks(self.runtime, self.on_gate)
         self.on_disable(self.gate_hooks.regions.close)
-        self.wrapping = Wrapping(model, root, list(regions), root is None or not holds_collectives(model))
         for spec in self.gates:
             self.on_disable(self.gate_hooks.install(spec, self.wrapping.regions).remove)
         self.on_disable(self.wrapping.install(self._provisioned_forward))
@@ -422,7 +441,73 @@ class Provisioner:
             self.runtime.residency.set_parameters(())
 
     # -- forward ----------------------------------------------------------------------------
-    def _new_frame(self, conservative: bool) -> Frame:
+    def _provisioned_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """One micro-batch: the model's forward, provisioned. Its steps: begin (count it, learn
+        the window that ended, refuse it if nothing can fit), then run it; if the device runs
+        out of memory, the partial micro-batch is dropped (its graph and saved activations died
+        with the exception), the RNG rewound, and it runs again recomputing everything."""
+        if not self._provisions():
+            return self.wrapping.forward(*args, **kwargs)
+        self._begin()
+        rewind = _rng_rewinder(self.device)
+        try:
+            return self._micro_batch(args, kwargs, conservative=False)
+        except torch.OutOfMemoryError:
+            self.counters.oom_recoveries += 1
+            rewind()
+            return self._micro_batch(args, kwargs, conservative=True)
+
+    def _micro_batch(self, args: tuple, kwargs: dict, conservative: bool) -> Any:
+        """One try at a micro-batch's forward, as its steps: catch up with what changed since the
+        last, choose its frame, open it (the pieces readied, the budget it is held to), run the
+        forward in it, learn from it, and record it (``conservative``: the try after running out
+        of memory, recomputing everything)."""
+        self._catch_up()
+        frame = self._choose_frame(conservative)
+        inputs = self._open(frame, args, kwargs)
+        out, seconds, anchored = self._run_forward(frame, args, kwargs)
+        self._learn_from(frame, inputs, seconds, anchored)
+        self._record(frame, seconds, conservative)
+        return out
+
+    def _provisions(self) -> bool:
+        """Whether this forward is provisioned. Without grad (evaluation, inference mode)
+        autograd saves nothing: there is nothing to provision, and such a forward must not
+        count as one the cost model learned from; nor does a rerun in backward, or a forward
+        once disabled."""
+        if torch._C._current_graph_task_id() == -1:
+            reset_replay_depth()  # no replay runs outside a backward pass: an interrupt left it
+        return not is_recomputing() and self.enabled and torch.is_grad_enabled()
+
+    def _begin(self) -> None:
+        """As a micro-batch begins: count it in the stacking, learn what the allocator showed
+        in the window that ended (told once if it crossed the budget), and refuse it if no
+        plan can fit it."""
+        self.stacking.count_forward(self.runtime.residency.backward_passes)
+        crossed = self.limits.begin(not self.counters.frames, self.routing.counts)
+        if crossed is not None and self.counters.first_violation():  # the first crossing, told once
+            warnings.warn(recorded_memory_violation(self.counters.frames - 1, self.budget, crossed), UserWarning,
+                          stacklevel=4)
+        self._check_feasible()
+
+    def _learn(self) -> None:
+        """Learn what the runtime measured (``provision.calibration.learn``). Called as each
+        backward pass ends (``learning``: where the step pays for it) and as each
+        forward begins."""
+        learn(self.cost, self.runtime, self.routing.counts or self.routing.mean())
+
+    def _catch_up(self) -> None:
+        """What a try reads first: the model's parameters now, not at enable (a wrapper applied
+        since, FSDP2's fully_shard, replaced them, and their old addresses may hold activations
+        by now), the run's peak, and what no backward's end learned (a forward's offloads, in a
+        pipeline)."""
+        self.runtime.residency.set_parameters_of(self.model)
+        self._note_peak()
+        self._learn()
+
+    def _choose_frame(self, conservative: bool) -> Frame:
+        """The frame this micro-batch runs in: what it profiles, calibrates, traces or reruns.
+        ``conservative``: the rerun after an out-of-memory error, recomputing everything."""
         if conservative:
             return Frame(default=Choice.RECOMPUTE, index=self.counters.frames)
         # recompute_all's blocks recompute all they save: rerun whole in backward, they need no
@@ -483,7 +568,7 @@ class Provisioner:
                 and not self.wrapping.regions and bool(self.runtime.rerunnable_blocks()))
 
     def _calibrates(self) -> bool:
-        """Whether this micro-batch may be one that recomputes all it can (``_new_frame``):
+        """Whether this micro-batch may be one that recomputes all it can (``_choose_frame``):
         only where a plan may have to release, an adaptive policy under a budget that the worst
         routing of the profiled micro-batches would not fit."""
         worst = self.footprint.worst_bytes
@@ -499,49 +584,13 @@ class Provisioner:
             reserve_arena(self.engine, arena_need(self.footprint.worst_bytes, self.stacking.deepest(), self.budget,
                                                   self._policy.adaptive, self._policy.offloads))
 
-    def _provisioned_forward(self, *args: Any, **kwargs: Any) -> Any:
-        # Without grad (evaluation, inference mode) autograd saves nothing: there is nothing to
-        # provision, and such a forward must not count as one the cost model learned from.
-        if torch._C._current_graph_task_id() == -1:
-            reset_replay_depth()  # no replay runs outside a backward pass: an interrupt left it
-        if is_recomputing() or not self.enabled or not torch.is_grad_enabled():
-            return self.wrapping.forward(*args, **kwargs)
-        self.stacking.count_forward(self.runtime.residency.backward_passes)
-        crossed = self.limits.begin(not self.counters.frames, self.routing.counts)
-        if crossed is not None and self.counters.first_violation():  # the first crossing, told once
-            warnings.warn(recorded_memory_violation(self.counters.frames - 1, self.budget, crossed), UserWarning, stacklevel=3)
-        self._check_feasible()
-        rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        try:
-            return self._run_frame(args, kwargs, conservative=False)
-        except torch.OutOfMemoryError:
-            # The failed attempt's graph and saved activations died with the exception.
-            self.counters.oom_recoveries += 1
-            torch.set_rng_state(rng)
-            if cuda_rng is not None:
-                torch.cuda.empty_cache()
-                torch.cuda.set_rng_state(cuda_rng, self.device)
-            return self._run_frame(args, kwargs, conservative=True)
-
-    def _learn(self) -> None:
-        """Learn what the runtime measured (``provision.calibration.learn``). Called as each
-        backward pass ends (``learning``: where the step pays for it) and as each
-        forward begins."""
-        learn(self.cost, self.runtime, self.routing.counts or self.routing.mean())
-
-    def _run_frame(self, args: tuple, kwargs: dict, conservative: bool) -> Any:
-        # The model's parameters now, not at enable: a wrapper applied since (FSDP2's
-        # fully_shard) replaced them, and their old addresses may hold activations by now.
-        self.runtime.residency.set_parameters_of(self.model)
-        self._note_peak()
-        self._learn()  # what no backward's end learned (a forward's offloads, in a pipeline)
-        frame = self._new_frame(conservative)
-        traced = frame.traced and frame.rerun_chosen is None  # a frame that only reruns traces nothing
+    def _open(self, frame: Frame, args: tuple, kwargs: dict) -> int:
+        """Ready the pieces for ``frame`` and hold it to the budget; returns the bytes of the
+        forward's inputs (0 where nothing reads them)."""
+        traced = _traces(frame)
         self.limits.framed(traced)
         self.routing.begin()
         self.decisions.begin()
-        start = time.perf_counter()
         adaptive = self.budget is not None and self._policy.adaptive
         inputs = input_bytes(args, kwargs) if adaptive or traced else 0
         if adaptive:
@@ -553,7 +602,14 @@ class Provisioner:
             limit = self.limits.limit()
             headroom = self.footprint.pin_headroom(inputs, limit, self.limits.margin) if traced else 0
             frame.budget = Budget(limit, self.limits.reserve(), headroom)
+        return inputs
+
+    def _run_forward(self, frame: Frame, args: tuple, kwargs: dict) -> Tuple[Any, float, int]:
+        """Run the model's forward in ``frame``, this provisioner on the thread's stack (where
+        ``on_gating`` finds it); returns its output, its seconds, and the bytes its anchors held
+        (read before the frame closes and lets them go)."""
         running = active()
+        start = time.perf_counter()
         try:
             running.append(self)
             with self.runtime.frame(frame):
@@ -564,11 +620,18 @@ class Provisioner:
                 running.pop()
         seconds = time.perf_counter() - start
         self.counters.frames += 1
-        if not traced and not frame.profile and not frame.calibrating:
-            self.reruns.observe_forward(seconds)
         if frame.stats.offload_failures:
             self.counters.copies_failed = True
         self.gate_hooks.regions.check_heard()
+        return out, seconds, anchored
+
+    def _learn_from(self, frame: Frame, inputs: int, seconds: float, anchored: int) -> None:
+        """What the forward just run teaches: an untraced one's seconds (what a rerun costs),
+        what a traced one held, a profiled one's costs, the routing's footprint, the worst
+        routing once profiled, and an adaptive plan's choices (``last_plan``)."""
+        traced = _traces(frame)
+        if not traced and not frame.profile and not frame.calibrating:
+            self.reruns.observe_forward(seconds)
         counts = self.routing.counts
         if traced:
             stats = frame.stats
@@ -586,20 +649,23 @@ class Provisioner:
             if self.memory is not None:
                 self.memory.profiled(worst)
             self._reserve_arena()
+        if self._policy.adaptive and traced and not frame.profile and not frame.calibrating:
+            self.counters.last_choices = frame.choices  # the frame's, which its forward is done with
+
+    def _record(self, frame: Frame, seconds: float, conservative: bool) -> None:
+        """The micro-batch's telemetry record, and the run's first violation told."""
+        counts = self.routing.counts
         imbalance = max((max(c) * len(c) / max(1, sum(c)) for c in counts.values()), default=1.0)
         self.telemetry.add(MicroBatch(
             step=self.counters.step, micro_batch=frame.index, peak_bytes=frame.stats.peak_resident,
             predicted_peak_bytes=self.decisions.predicted, budget_bytes=self.budget,
             imbalance=imbalance, bytes_by_choice=dict(frame.stats.bytes_by_choice),
             violations=frame.stats.violations, fallbacks=len(frame.stats.fallbacks),
-            forward_seconds=seconds, oom_recovered=conservative, traced=traced,
+            forward_seconds=seconds, oom_recovered=conservative, traced=_traces(frame),
             calibrating=frame.calibrating, room_made_bytes=frame.stats.room_made_bytes,
         ))
-        if self._policy.adaptive and traced and not frame.profile and not frame.calibrating:
-            self.counters.last_choices = frame.choices  # the frame's, which its forward is done with
         if frame.stats.violations and self.counters.first_violation():
             self._tell_violation(frame)
-        return out
 
     def _rerun_more(self, frame: Frame, layer: int, values: List[int]) -> None:
         """A gate of a micro-batch that only reruns blocks (``Frame.rerun_chosen``): at its own
@@ -632,7 +698,7 @@ class Provisioner:
         """The first violation under ``on_exceed="record"``, told once: on a device it would have
         been an out-of-memory crash, and a recorded count alone goes unread."""
         warnings.warn(recorded_violation(frame.index, self.budget, frame.stats.peak_resident, frame.stats.violations,
-                                         self._policy.name), UserWarning, stacklevel=4)
+                                         self._policy.name), UserWarning, stacklevel=5)
 
     def _check_feasible(self) -> None:
         """Refuse a micro-batch no plan can fit, before it allocates anything. With an allocator
