@@ -1,9 +1,10 @@
-"""What users hand bagualu2, checked where it enters: numeric options, models, fixed plans, the
-tokens per expert gates report, and budgets (resolved to bytes). Every error names the argument,
-the gate or the callback, and the bad value."""
+"""What users hand bagualu2, checked where it enters: ``enable``'s settings (``Options``, checked
+once), models, fixed plans, the tokens per expert gates report, and budgets (resolved to bytes).
+Every error names the argument, the gate or the callback, and the bad value."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
@@ -38,28 +39,57 @@ def check_int(name: str, value: Any, low: int, also: str = "") -> None:
         raise ValueError(f"{name}={value} must be >= {low}{also}")
 
 
-def check_options(policy: Any, policies: Sequence[str], on_exceed: str, margin: Any, profile_frames: Any,
-                  calibrate_frames: Any, recalibrate_every: Any, min_bytes: Any, reserve_bytes: Any,
-                  arena_bytes: Any, arena_max_bytes: Any) -> None:
-    """``enable``'s options (``policies``: the policies by name)."""
+def check_policy(policy: Any, policies: Sequence[str]) -> None:
+    """``enable``'s ``policy``: one of ``policies`` by name, a ``Plan`` or a mapping of keys to ``Choice``."""
     if isinstance(policy, str) and policy not in policies:
         raise ValueError(f"policy={policy!r}: use one of {policies} or a fixed Plan / mapping of keys to Choice")
     if not isinstance(policy, (str, Plan, Mapping)):
         raise TypeError(f"policy={policy!r}: use one of {policies} or a fixed Plan / mapping of keys to Choice")
-    if on_exceed not in ("record", "raise"):
-        raise ValueError(f"on_exceed={on_exceed!r}: use 'record' or 'raise'")
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0.0 <= margin < 0.5:
-        raise ValueError(f"margin={margin!r} must be a number in [0, 0.5)")
-    check_int("profile_frames", profile_frames, 1)
-    check_int("calibrate_frames", calibrate_frames, 0)
-    check_int("recalibrate_every", recalibrate_every, 0, " (0: never)")
-    check_int("min_bytes", min_bytes, 0)
-    check_int("reserve_bytes", reserve_bytes, 0)
-    for name, value in (("arena_bytes", arena_bytes), ("arena_max_bytes", arena_max_bytes)):
-        if value is not None:
-            check_int(name, value, 1, " or None")
-    if arena_bytes is not None and arena_max_bytes is not None and arena_max_bytes < arena_bytes:
-        raise ValueError(f"arena_max_bytes={arena_max_bytes} must be >= arena_bytes={arena_bytes}")
+
+
+RELEASES = ("reruns", "operators")  # how adaptive releases (``Options.releases``)
+
+
+@dataclass(frozen=True)
+class Options:
+    """``enable``'s settings (its ``**options`` but the objects it wires: ``telemetry_path``,
+    ``gates``, ``engine``, ``allocator``), as ``enable`` documents them. Checked once, as made:
+    an error names the option and its value. Frozen: a provisioner decides with what it was
+    enabled with (the budget and a fixed plan are what change, through ``Provisioner``)."""
+
+    on_exceed: str = "record"
+    min_bytes: int = 64 << 10
+    arena_bytes: Optional[int] = None
+    arena_max_bytes: Optional[int] = None
+    reserve_bytes: int = 1 << 30
+    profile_frames: int = 2
+    calibrate_frames: int = 3
+    recalibrate_every: int = 0
+    margin: float = 0.02
+    verify: Optional[str] = None  # None: what ``BAGUALU2_VERIFY`` says, else "off"
+    on_mismatch: str = "raise"
+    releases: str = "reruns"
+
+    def __post_init__(self) -> None:
+        if self.on_exceed not in ("record", "raise"):
+            raise ValueError(f"on_exceed={self.on_exceed!r}: use 'record' or 'raise'")
+        margin = self.margin
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0.0 <= margin < 0.5:
+            raise ValueError(f"margin={margin!r} must be a number in [0, 0.5)")
+        check_int("profile_frames", self.profile_frames, 1)
+        check_int("calibrate_frames", self.calibrate_frames, 0)
+        check_int("recalibrate_every", self.recalibrate_every, 0, " (0: never)")
+        check_int("min_bytes", self.min_bytes, 0)
+        check_int("reserve_bytes", self.reserve_bytes, 0)
+        arena, most = self.arena_bytes, self.arena_max_bytes
+        for name, value in (("arena_bytes", arena), ("arena_max_bytes", most)):
+            if value is not None:
+                check_int(name, value, 1, " or None")
+        if arena is not None and most is not None and most < arena:
+            raise ValueError(f"arena_max_bytes={most} must be >= arena_bytes={arena}")
+        if self.releases not in RELEASES:
+            raise ValueError(f"releases={self.releases!r}: use 'reruns' (rerun whole blocks where the model has "
+                             f"them, untraced) or 'operators' (trace, and plan operator by operator)")
 
 
 def check_materialized(model: torch.nn.Module) -> None:

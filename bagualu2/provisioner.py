@@ -45,14 +45,16 @@ micro-batch is dropped (its graph and saved activations with it), the RNG is rew
 forward reruns with a recompute-everything plan; the step goes on.
 
 The ``Provisioner`` says when these decisions are made; what is decided, and what with, are
-small objects it holds, each owning its own state (``bagualu2/provision/``): what a gate decides
-and the planner it solves with (``GateDecisions``), the micro-batches in flight (``Stacking``), what
-one holds that no plan releases and the room that leaves (``Footprint``), the routing seen
-(``RoutingRecord``), what the budget leaves each micro-batch's activations (``Limits``), the
-calibrating micro-batches (``Calibration``), the keys no plan can name
-(``UnplannedKeys``), the policy run and the frame each forward starts from (``Policy``), the
-hooks that hear each gate (``GateHooks``), and the forward put on the model with the per-thread
-stack of running provisioners (``provision/forward.py``).
+small objects it holds, each owning its own state (``bagualu2/provision/``): the settings it was
+enabled with (``Options``, frozen), what a gate decides and the planner it solves with
+(``GateDecisions``), what it learned (``Learned``: the cost model, the micro-batches in flight
+(``Stacking``), what one holds that no plan releases and the room that leaves (``Footprint``),
+the routing seen (``RoutingRecord``), the calibrating micro-batches (``Calibration``), the keys
+no plan can name (``UnplannedKeys``), the excess an allocator view showed), what the budget
+leaves each micro-batch's activations (``Limits``), what the run counted (``RunCounters``), the
+policy run and the frame each forward starts from (``Policy``), the hooks that hear each gate
+(``GateHooks``), and the forward put on the model, where it went and what it calls
+(``Wrapping``), with the per-thread stack of running provisioners (``provision/forward.py``).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -73,22 +75,20 @@ from bagualu2.runtime.residency import Residency
 from bagualu2.plan.cost_model import CostModel
 from bagualu2.errors import BudgetExceededError, recorded_memory_violation, recorded_violation
 from bagualu2.inputs import (
-    check_materialized, check_options, device_of, input_bytes, resolve_budget,
+    Options, check_materialized, check_policy, device_of, input_bytes, resolve_budget,
 )
 from bagualu2.provision.block_reruns import BlockReruns
-from bagualu2.provision.calibration import Calibration, learn
+from bagualu2.provision.calibration import learn
+from bagualu2.provision.counters import RunCounters
 from bagualu2.provision.copy_engine import arena_need, make_engine, measure_copy_costs, reserve_arena
 from bagualu2.provision.decisions import GateDecisions
-from bagualu2.provision.excess import AllocatorView, WholeMemory, checked_allocator
-from bagualu2.provision.footprint import Footprint
+from bagualu2.provision.excess import AllocatorView, checked_allocator
+from bagualu2.provision.learned import Learned
 from bagualu2.provision.limits import Limits
-from bagualu2.provision.forward import ProvisionedForward, active, plain_forward, unwrap_compiled
+from bagualu2.provision.forward import Wrapping, active, plain_forward, unwrap_compiled
 from bagualu2.provision.policy import POLICIES, Policy
-from bagualu2.provision.routing import RoutingRecord
 from bagualu2.provision import state
-from bagualu2.provision.stacking import Stacking
 from bagualu2.provision.teardown import Teardown
-from bagualu2.provision.unplanned import UnplannedKeys
 from bagualu2.runtime.gates import GateSpec, find_gates
 from bagualu2.provision.gate_hooks import GateHook, GateHooks
 from bagualu2.provision.region_gates import RegionGates
@@ -101,7 +101,28 @@ from bagualu2.telemetry import MicroBatch, Telemetry
 __all__ = ["Provisioner", "POLICIES"]
 
 
-RELEASES = ("reruns", "operators")  # how adaptive releases (enable's ``releases``)
+def _traces(frame: Frame) -> bool:
+    """Whether ``frame``'s forward is traced: one that only reruns blocks traces nothing."""
+    return frame.traced and frame.rerun_chosen is None
+
+
+def _rng_rewinder(device: torch.device) -> Callable[[], None]:
+    """What puts the RNG back as it is now (and, on a GPU, the cached memory a failed try left),
+    so a micro-batch run again draws what its first try drew."""
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def rewind() -> None:
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.empty_cache()
+            torch.cuda.set_rng_state(cuda_rng, device)
+    return rewind
+
+
+def _piece(name: str, doc: str) -> property:
+    """A learned piece (``Learned``) that integrations and tests read on the provisioner."""
+    return property(lambda self: getattr(self.learned, name), doc=doc)
 
 
 class Provisioner:
@@ -110,24 +131,25 @@ class Provisioner:
     Create with :func:`enable`. See the module note for how decisions are made.
     """
 
+    cost = _piece("cost", "The cost model (``bagualu2.plan.cost_model.CostModel``).")
+    footprint = _piece("footprint", "What one micro-batch holds that no plan releases (``Footprint``).")
+    routing = _piece("routing", "The tokens per expert each MoE layer routed (``RoutingRecord``).")
+    stacking = _piece("stacking", "The micro-batches in flight on this rank (``Stacking``).")
+    excess = _piece("excess", "What the allocator showed beyond the activations at a peak (``WholeMemory``).")
+
     def __init__(self, model: torch.nn.Module, budget: Union[str, int, float, None] = "auto",
                  policy: Union[str, Mapping[str, Choice]] = "adaptive", *,
-                 on_exceed: str = "record", min_bytes: int = 64 << 10,
-                 arena_bytes: Optional[int] = None, arena_max_bytes: Optional[int] = None,
-                 reserve_bytes: int = 1 << 30,
-                 profile_frames: int = 2, calibrate_frames: int = 3, recalibrate_every: int = 0,
-                 margin: float = 0.02,
                  telemetry_path: Union[str, Path, None] = None, gates: Optional[Sequence[GateSpec]] = None,
                  engine: Any = None, allocator: Union[None, str, Callable[[], Any]] = None,
-                 verify: Optional[str] = None, on_mismatch: str = "raise", releases: str = "reruns") -> None:
+                 **settings: Any) -> None:
+        """See :func:`bagualu2.enable`; ``settings`` are its ``Options``."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"enable() needs a torch.nn.Module, got {type(model).__name__}")
-        self._compiled_root, model = unwrap_compiled(model)  # torch.compile(model): the wrapper, what it wraps
+        root, model = unwrap_compiled(model)  # torch.compile(model): the wrapper, what it wraps
         regions = compiled_regions(model)
         for path, region in regions.items():
             check_compile_options(region, f"module {path!r} ({type(region).__name__})")
-        self._root_rerunnable = self._compiled_root is None or not holds_collectives(model)
-        if regions or self._compiled_root is not None:
+        if regions or root is not None:
             check_compile_config()
             # A gate's region hook is traced into the graph that calls its gate; run as a frame of
             # its own (its gate's call fell back to eager), it runs eagerly, as no graph of its own.
@@ -135,86 +157,63 @@ class Provisioner:
                              Residency.unpack,
                              RegionGates._report, RegionGates._traced, AttachedHook.__call__, RerunCapture.__call__,
                              GateHook.__call__)
-        check_options(policy, POLICIES, on_exceed, margin, profile_frames, calibrate_frames, recalibrate_every,
-                      min_bytes, reserve_bytes, arena_bytes, arena_max_bytes)
-        if releases not in RELEASES:
-            raise ValueError(f"releases={releases!r}: use 'reruns' (rerun whole blocks where the model has them, "
-                             f"untraced) or 'operators' (trace, and plan operator by operator)")
-        self._reruns = releases == "reruns"
+        check_policy(policy, POLICIES)
+        self.options = options = Options(**settings)
         check_materialized(model)
         if "forward" in model.__dict__ and not plain_forward(model):
             raise RuntimeError(f"{type(model).__name__} already has bagualu2 (or another forward wrapper) enabled; "
                                f"call disable() on the existing Provisioner first")
         self.model = model
+        self.wrapping = Wrapping(model, root, list(regions), root is None or not holds_collectives(model))
         self.device = device_of(model)
         # A view of the allocator: the budget is then on the whole memory it counts, and the
         # activations get what the excess it shows leaves (provision/excess.py).
         read = checked_allocator(allocator, self.device)
-        budget = resolve_budget(budget, self.device, reserve_bytes, whole=read is not None)
-        self._policy = Policy(policy, model, compiled=self._compiled_root is not None)
-        self.on_exceed = on_exceed
-        self.min_bytes = min_bytes
-        self.profile_frames = profile_frames
-        self.calibrate_frames = calibrate_frames
-        self.recalibrate_every = recalibrate_every
+        budget = resolve_budget(budget, self.device, options.reserve_bytes, whole=read is not None)
+        self._policy = Policy(policy, model, compiled=self.wrapping.compiled)
         self.telemetry = Telemetry(Path(telemetry_path) if telemetry_path else None)
-        self.engine = engine if engine is not None else make_engine(self.device, arena_bytes, arena_max_bytes)
-        self._arena_chosen = engine is not None or arena_bytes is not None  # _reserve_arena leaves it
+        self.engine = engine if engine is not None else make_engine(self.device, options.arena_bytes,
+                                                                         options.arena_max_bytes)
+        self._arena_chosen = engine is not None or options.arena_bytes is not None  # _reserve_arena leaves it
         self.runtime = ActivationRuntime(
             # its ``budget_bytes`` is written by ``self.limits`` below, the budget's one home
-            self.engine, min_bytes=min_bytes, enforce_budget=self._policy.adaptive,
-            on_exceed=self._exceeded if on_exceed == "raise" else None,
-            verify=verify if verify is not None else os.environ.get("BAGUALU2_VERIFY", "off"), on_mismatch=on_mismatch,
+            self.engine, min_bytes=options.min_bytes, enforce_budget=self._policy.adaptive,
+            on_exceed=self._exceeded if options.on_exceed == "raise" else None,
+            verify=options.verify if options.verify is not None else os.environ.get("BAGUALU2_VERIFY", "off"),
+            on_mismatch=options.on_mismatch,
         )
         # Learning from what each backward measured; ``unsubscribe()`` it to read the runtime's
         # measurements (``take_replay_times``, ``take_copy_times``) yourself.
         self.learning = self.runtime.residency.on_backward_end.subscribe(self._learn)
         self.gates: List[GateSpec] = list(gates) if gates is not None else find_gates(model)
         in_place = self.runtime.residency.reload_in_place and self.device.type == "cpu"  # a reload reads the host copy
-        self.cost = CostModel({g.layer: g.experts_path for g in self.gates},
-                              *measure_copy_costs(self.engine, self.device, in_place),
-                              copies_overlap=self.device.type != "cpu")  # the cpu's copy threads hide nothing
+        cost = CostModel({g.layer: g.experts_path for g in self.gates},
+                         *measure_copy_costs(self.engine, self.device, in_place),
+                         copies_overlap=self.device.type != "cpu")  # the cpu's copy threads hide nothing
         modules = dict(model.named_modules())
         for spec in self.gates:
             experts = modules.get(spec.experts_path)
             if isinstance(experts, torch.nn.ModuleList) and len(experts) < spec.num_experts:
-                self.cost.memory.local_experts[spec.layer] = len(experts)
+                cost.memory.local_experts[spec.layer] = len(experts)
+        # What decisions are made from, each piece the one owner of its state.
+        self.learned = Learned(cost)
         self._teardown = Teardown()  # what disable() undoes, last first (on_disable)
-        for handle in self.runtime.attach(model, root_compiled=self._compiled_root is not None):
+        for handle in self.runtime.attach(model, root_compiled=self.wrapping.compiled):
             self.on_disable(handle.remove)
         self.gate_hooks = GateHooks(self.runtime, self.on_gate)
         self.on_disable(self.gate_hooks.regions.close)
-        self._region_paths = [""] if self._compiled_root is not None else list(regions)
         for spec in self.gates:
-            self.on_disable(self.gate_hooks.install(spec, self._region_paths).remove)
-        host = self._compiled_root if self._compiled_root is not None else model
-        self._forward = host.forward
-        host.forward = ProvisionedForward(self._provisioned_forward, self._forward)  # type: ignore[method-assign]
-        # a compiled wrapper gets its compiled forward back; the model, its class's
-        self.on_disable(lambda: setattr(host, "forward", self._forward) if host is not model
-                        else model.__dict__.pop("forward", None))
-        # What decisions are made with, each piece the one owner of its state.
-        self.stacking = Stacking()  # the micro-batches in flight on this rank
-        self.footprint = Footprint(self.cost)  # what one holds that no plan releases, and the room left
-        self.routing = RoutingRecord()  # tokens per expert, this micro-batch's and summed
-        self.calibration = Calibration()  # the micro-batches that release all they can
-        self.unplanned = UnplannedKeys()  # saved keys no plan can name
-        self.excess = WholeMemory()  # what the allocator shows beyond the activations at a peak, by load
-        self.memory = AllocatorView(read, self.excess, self.cost, model) if read is not None else None
+            self.on_disable(self.gate_hooks.install(spec, self.wrapping.regions).remove)
+        self.on_disable(self.wrapping.install(self._provisioned_forward))
+        memory = AllocatorView(read, self.excess, cost, model) if read is not None else None
         # what the budget leaves each micro-batch's activations, and its saves are planned to
-        self.limits = Limits(budget, margin, self.runtime, self.footprint, self.stacking, self.memory)
+        self.limits = Limits(budget, options.margin, self.runtime, self.footprint, self.stacking, memory)
         # what each gate decides, and the planner it solves with
-        self.decisions = GateDecisions(self.cost, self.runtime, self.routing, self.stacking, self.gates, min_bytes)
+        self.decisions = GateDecisions(self.cost, self.runtime, self.routing, self.stacking, self.gates,
+                                       options.min_bytes)
         self.reruns = BlockReruns(self.cost)  # which blocks a micro-batch reruns whole, untraced
-        self._module_index = {name: i for i, (name, _) in enumerate(model.named_modules())}  # model order
-        self._copies_failed = False  # an offload failed: releases are not left to offloads (_offload_seconds)
-        self._frames = 0
-        self._step = 0
-        self._oom_recoveries = 0
-        self._peak_with_backward = 0  # the ledger's high-water mark over the run (_note_peak)
+        self.counters = RunCounters()
         self.overlap: Any = None  # an OverlapDriver on a pipeline rank (pipeline.enable_bagualu2)
-        self._last_choices: Optional[Dict[str, Choice]] = None  # what the last one that planned ran
-        self._told_violation = False  # on_exceed="record" warns at the first violation only
         self.enabled = True
 
     # -- public API -------------------------------------------------------------------------
@@ -239,7 +238,7 @@ class Provisioner:
         spec = GateSpec(module, name, layer, num_experts, counts_fn, None, name.rpartition(".")[0])
         self.gates.append(spec)
         self.cost.expert_prefixes[layer] = spec.experts_path
-        self.on_disable(self.gate_hooks.install(spec, self._region_paths).remove)
+        self.on_disable(self.gate_hooks.install(spec, self.wrapping.regions).remove)
         return spec
 
     def on_disable(self, fn: Callable[[], Any]) -> None:
@@ -279,7 +278,7 @@ class Provisioner:
             raise RuntimeError("plan_for needs the cost model: run at least one micro-batch first")
         if self.budget is None:
             return Plan.keep_all(self.cost.order)
-        candidates, floor = self.cost.candidates(self.cost.order, counts, self.min_bytes, self.engine is not None)
+        candidates, floor = self.cost.candidates(self.cost.order, counts, self.options.min_bytes, self.engine is not None)
         total = self.cost.predict_total(self.cost.order, counts)
         offload_window, reload_window = self.cost.windows(1.0, self.stacking.declared)
         return self.decisions.planner.solve(candidates, total - int(self.limits.limit() * (1.0 - self.limits.margin)),
@@ -291,7 +290,8 @@ class Provisioner:
         as its gates left it (an operator not in it was kept), without what the runtime
         released beyond it to stay under the budget. None before any; profiling, calibrating
         and untraced (calm) micro-batches do not plan."""
-        return None if self._last_choices is None else Plan(dict(self._last_choices))
+        choices = self.counters.last_choices
+        return None if choices is None else Plan(dict(choices))
 
     @property
     def policy(self) -> Union[str, Plan]:
@@ -317,13 +317,12 @@ class Provisioner:
 
     def step(self) -> None:
         """Mark the end of a training step (optional; numbers the telemetry records)."""
-        self._step += 1
+        self.counters.step += 1
 
     def _note_peak(self) -> int:
         """The ledger's high-water mark over the run, backward passes included (the ledger's
         own restarts as each forward begins, which then reads it first)."""
-        self._peak_with_backward = max(self._peak_with_backward, self.runtime.ledger.peak)
-        return self._peak_with_backward
+        return self.counters.note_peak(self.runtime.ledger.peak)
 
     @property
     def budget(self) -> Optional[int]:
@@ -339,6 +338,21 @@ class Provisioner:
         self.limits.set_budget(resolve_budget(value, self.device, 0, whole=self.memory is not None))
 
     @property
+    def memory(self) -> Optional[AllocatorView]:
+        """The allocator view (``enable``'s ``allocator``), or None: the budget is on the activations alone."""
+        return self.limits.memory
+
+    @property
+    def profile_frames(self) -> int:
+        """Micro-batches profiled before any plan (``enable``'s ``profile_frames``)."""
+        return self.options.profile_frames
+
+    @property
+    def calibrate_frames(self) -> int:
+        """Micro-batches that release all they can once profiled (``enable``'s ``calibrate_frames``)."""
+        return self.options.calibrate_frames
+
+    @property
     def margin(self) -> float:
         """The fraction of the activations' limit plans leave free (``enable``'s ``margin``)."""
         return self.limits.margin
@@ -351,7 +365,7 @@ class Provisioner:
         arena = self.engine.arena.stats() if self.engine is not None else {}
         return {
             "policy": self._policy.name,
-            "steps": self._step,
+            "steps": self.counters.step,
             "micro_batches": totals.micro_batches,
             "traced_micro_batches": totals.traced,
             "budget_bytes": self.budget,
@@ -364,24 +378,19 @@ class Provisioner:
             "excess_bytes": self.memory.now if self.memory is not None else None,
             "fallbacks": totals.fallbacks,
             "room_made_bytes": totals.room_made_bytes,
-            "oom_recoveries": self._oom_recoveries,
+            "oom_recoveries": self.counters.oom_recoveries,
             "saved_bytes_by_choice": dict(totals.bytes_by_choice),
             "decisions": totals.decisions,
             "decision_latency_us": self.telemetry.decision_latency_us(),
             "arena_in_use_bytes": arena.get("in_use", 0),
             "arena_capacity_bytes": arena.get("capacity", 0),  # host memory reserved for offloads
             "gates": [g.name for g in self.gates],
-            "unplanned_keys": len(self.unplanned),
+            "unplanned_keys": len(self.learned.unplanned),
             "overlap": self.overlap.report() if self.overlap is not None else None,
             "verify": self.runtime.verifier.report(),
         }
 
     # -- checkpoint state (torch's Stateful convention; bagualu2/provision/state.py) ----------
-    def _learned(self) -> Dict[str, Any]:
-        return {"cost": self.cost, "footprint": self.footprint, "routing": self.routing,
-                "stacking": self.stacking, "calibration": self.calibration, "unplanned": self.unplanned,
-                "excess": self.excess}
-
     def state_dict(self) -> Dict[str, Any]:
         """What this provisioner learned, this rank's under its own key, for a checkpoint beside
         the model and optimizer (``torch.distributed.checkpoint`` saves it as any ``Stateful``):
@@ -389,10 +398,9 @@ class Provisioner:
         calibration done. Loaded into a new run's provisioner (``load_state_dict``), it decides
         as this run would have: nothing is profiled or calibrated again. Versioned; see
         ``bagualu2.provision.state`` for the format."""
-        counters = {"frames": self._frames, "step": self._step, "peak_with_backward": self._peak_with_backward,
-                    "last_choices": self._last_choices, "backward_passes": self.runtime.residency.backward_passes,
+        counters = {**self.counters.saved(), "backward_passes": self.runtime.residency.backward_passes,
                     "arena_bytes": self.engine.arena.capacity if self.engine is not None else 0}
-        return state.save(self._learned(), counters, state.signature(self.model, self.gates))
+        return state.save(self.learned.pieces(), counters, state.signature(self.model, self.gates))
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Resume from a ``state_dict()`` saved by this model's provisioner on this rank.
@@ -402,9 +410,9 @@ class Provisioner:
                 profiled operators differ), another rank layout's, or cannot be read whole; the
                 message names the difference, and nothing was loaded.
         """
-        counters = state.load(state_dict, self._learned(), state.signature(self.model, self.gates), self.cost.order)
-        self._frames, self._step = counters["frames"], counters["step"]
-        self._peak_with_backward, self._last_choices = counters["peak_with_backward"], counters["last_choices"]
+        counters = state.load(state_dict, self.learned.pieces(), state.signature(self.model, self.gates),
+                              self.cost.order)
+        self.counters.restore(counters)
         # Stacking counts runs of forwards by the runtime's backward passes: they go on counting.
         self.runtime.residency.backward_passes = counters["backward_passes"]
         if self.engine is not None and not self._arena_chosen:
@@ -433,18 +441,85 @@ class Provisioner:
             self.runtime.residency.set_parameters(())
 
     # -- forward ----------------------------------------------------------------------------
-    def _new_frame(self, conservative: bool) -> Frame:
+    def _provisioned_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """One micro-batch: the model's forward, provisioned. Its steps: begin (count it, learn
+        the window that ended, refuse it if nothing can fit), then run it; if the device runs
+        out of memory, the partial micro-batch is dropped (its graph and saved activations died
+        with the exception), the RNG rewound, and it runs again recomputing everything."""
+        if not self._provisions():
+            return self.wrapping.forward(*args, **kwargs)
+        self._begin()
+        rewind = _rng_rewinder(self.device)
+        try:
+            return self._micro_batch(args, kwargs, conservative=False)
+        except torch.OutOfMemoryError:
+            self.counters.oom_recoveries += 1
+            rewind()
+            return self._micro_batch(args, kwargs, conservative=True)
+
+    def _micro_batch(self, args: tuple, kwargs: dict, conservative: bool) -> Any:
+        """One try at a micro-batch's forward, as its steps: catch up with what changed since the
+        last, choose its frame, open it (the pieces readied, the budget it is held to), run the
+        forward in it, learn from it, and record it (``conservative``: the try after running out
+        of memory, recomputing everything)."""
+        self._catch_up()
+        frame = self._choose_frame(conservative)
+        inputs = self._open(frame, args, kwargs)
+        out, seconds, anchored = self._run_forward(frame, args, kwargs)
+        self._learn_from(frame, inputs, seconds, anchored)
+        self._record(frame, seconds, conservative)
+        return out
+
+    def _provisions(self) -> bool:
+        """Whether this forward is provisioned. Without grad (evaluation, inference mode)
+        autograd saves nothing: there is nothing to provision, and such a forward must not
+        count as one the cost model learned from; nor does a rerun in backward, or a forward
+        once disabled."""
+        if torch._C._current_graph_task_id() == -1:
+            reset_replay_depth()  # no replay runs outside a backward pass: an interrupt left it
+        return not is_recomputing() and self.enabled and torch.is_grad_enabled()
+
+    def _begin(self) -> None:
+        """As a micro-batch begins: count it in the stacking, learn what the allocator showed
+        in the window that ended (told once if it crossed the budget), and refuse it if no
+        plan can fit it."""
+        self.stacking.count_forward(self.runtime.residency.backward_passes)
+        crossed = self.limits.begin(not self.counters.frames, self.routing.counts)
+        if crossed is not None and self.counters.first_violation():  # the first crossing, told once
+            warnings.warn(recorded_memory_violation(self.counters.frames - 1, self.budget, crossed), UserWarning,
+                          stacklevel=4)
+        self._check_feasible()
+
+    def _learn(self) -> None:
+        """Learn what the runtime measured (``provision.calibration.learn``). Called as each
+        backward pass ends (``learning``: where the step pays for it) and as each
+        forward begins."""
+        learn(self.cost, self.runtime, self.routing.counts or self.routing.mean())
+
+    def _catch_up(self) -> None:
+        """What a try reads first: the model's parameters now, not at enable (a wrapper applied
+        since, FSDP2's fully_shard, replaced them, and their old addresses may hold activations
+        by now), the run's peak, and what no backward's end learned (a forward's offloads, in a
+        pipeline)."""
+        self.runtime.residency.set_parameters_of(self.model)
+        self._note_peak()
+        self._learn()
+
+    def _choose_frame(self, conservative: bool) -> Frame:
+        """The frame this micro-batch runs in: what it profiles, calibrates, traces or reruns.
+        ``conservative``: the rerun after an out-of-memory error, recomputing everything."""
         if conservative:
-            return Frame(default=Choice.RECOMPUTE, index=self._frames)
+            return Frame(default=Choice.RECOMPUTE, index=self.counters.frames)
         # recompute_all's blocks recompute all they save: rerun whole in backward, they need no
         # tracing and its dispatch. The overlap scheduler moves per-operator recomputes into
         # pipeline bubbles: with it, they stay traced.
-        frame, final = self._policy.frame(self._frames, rerun_blocks=self.overlap is None)
+        frame, final = self._policy.frame(self.counters.frames, rerun_blocks=self.overlap is None)
         if final:
             return frame
-        frame.profile = self.cost.frames < self.profile_frames
-        if not frame.profile and self._calibrates() and self.calibration.begin(
-                frame, self.cost, self.engine is not None, self.calibrate_frames, self.recalibrate_every):
+        frame.profile = self.cost.frames < self.options.profile_frames
+        if not frame.profile and self._calibrates() and self.learned.calibration.begin(
+                frame, self.cost, self.engine is not None, self.options.calibrate_frames,
+                self.options.recalibrate_every):
             return frame
         # Stable phases cost nothing: a forward whose plan is not expected to release anything
         # is not traced (its recipes would never be used): keep_all's, a fixed plan's that
@@ -477,7 +552,7 @@ class Provisioner:
         and until one fails (the engine refused it, its arena was full)."""
         if nbytes <= 0:
             return 0.0
-        if self.engine is None or self._copies_failed or not self.cost.copies.copies_overlap:
+        if self.engine is None or self.counters.copies_failed or not self.cost.copies.copies_overlap:
             return float("inf")
         cost = self.cost
         out, back = cost.windows(0.0)
@@ -488,12 +563,12 @@ class Provisioner:
         """Whether an adaptive micro-batch may release by rerunning whole blocks untraced
         (``Frame.rerun_chosen``): under a budget, profiled, with plain blocks to rerun, and no
         pipeline schedule or compiled region that plans per operator."""
-        return (self._reruns and self._policy.adaptive and self.budget is not None and self.cost.ready
+        return (self.options.releases == "reruns" and self._policy.adaptive and self.budget is not None and self.cost.ready
                 and self.overlap is None
-                and not self._region_paths and bool(self.runtime.rerunnable_blocks()))
+                and not self.wrapping.regions and bool(self.runtime.rerunnable_blocks()))
 
     def _calibrates(self) -> bool:
-        """Whether this micro-batch may be one that recomputes all it can (``_new_frame``):
+        """Whether this micro-batch may be one that recomputes all it can (``_choose_frame``):
         only where a plan may have to release, an adaptive policy under a budget that the worst
         routing of the profiled micro-batches would not fit."""
         worst = self.footprint.worst_bytes
@@ -509,50 +584,13 @@ class Provisioner:
             reserve_arena(self.engine, arena_need(self.footprint.worst_bytes, self.stacking.deepest(), self.budget,
                                                   self._policy.adaptive, self._policy.offloads))
 
-    def _provisioned_forward(self, *args: Any, **kwargs: Any) -> Any:
-        # Without grad (evaluation, inference mode) autograd saves nothing: there is nothing to
-        # provision, and such a forward must not count as one the cost model learned from.
-        if torch._C._current_graph_task_id() == -1:
-            reset_replay_depth()  # no replay runs outside a backward pass: an interrupt left it
-        if is_recomputing() or not self.enabled or not torch.is_grad_enabled():
-            return self._forward(*args, **kwargs)
-        self.stacking.count_forward(self.runtime.residency.backward_passes)
-        crossed = self.limits.begin(not self._frames, self.routing.counts)
-        if crossed is not None and not self._told_violation:  # the first crossing, told once
-            self._told_violation = True
-            warnings.warn(recorded_memory_violation(self._frames - 1, self.budget, crossed), UserWarning, stacklevel=3)
-        self._check_feasible()
-        rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        try:
-            return self._run_frame(args, kwargs, conservative=False)
-        except torch.OutOfMemoryError:
-            # The failed attempt's graph and saved activations died with the exception.
-            self._oom_recoveries += 1
-            torch.set_rng_state(rng)
-            if cuda_rng is not None:
-                torch.cuda.empty_cache()
-                torch.cuda.set_rng_state(cuda_rng, self.device)
-            return self._run_frame(args, kwargs, conservative=True)
-
-    def _learn(self) -> None:
-        """Learn what the runtime measured (``provision.calibration.learn``). Called as each
-        backward pass ends (``learning``: where the step pays for it) and as each
-        forward begins."""
-        learn(self.cost, self.runtime, self.routing.counts or self.routing.mean())
-
-    def _run_frame(self, args: tuple, kwargs: dict, conservative: bool) -> Any:
-        # The model's parameters now, not at enable: a wrapper applied since (FSDP2's
-        # fully_shard) replaced them, and their old addresses may hold activations by now.
-        self.runtime.residency.set_parameters_of(self.model)
-        self._note_peak()
-        self._learn()  # what no backward's end learned (a forward's offloads, in a pipeline)
-        frame = self._new_frame(conservative)
-        traced = frame.traced and frame.rerun_chosen is None  # a frame that only reruns traces nothing
+    def _open(self, frame: Frame, args: tuple, kwargs: dict) -> int:
+        """Ready the pieces for ``frame`` and hold it to the budget; returns the bytes of the
+        forward's inputs (0 where nothing reads them)."""
+        traced = _traces(frame)
         self.limits.framed(traced)
         self.routing.begin()
         self.decisions.begin()
-        start = time.perf_counter()
         adaptive = self.budget is not None and self._policy.adaptive
         inputs = input_bytes(args, kwargs) if adaptive or traced else 0
         if adaptive:
@@ -564,29 +602,36 @@ class Provisioner:
             limit = self.limits.limit()
             headroom = self.footprint.pin_headroom(inputs, limit, self.limits.margin) if traced else 0
             frame.budget = Budget(limit, self.limits.reserve(), headroom)
+        return inputs
+
+    def _run_forward(self, frame: Frame, args: tuple, kwargs: dict) -> Tuple[Any, float, int]:
+        """Run the model's forward in ``frame``, this provisioner on the thread's stack (where
+        ``on_gating`` finds it); returns its output, its seconds, and the bytes its anchors held
+        (read before the frame closes and lets them go)."""
         running = active()
+        start = time.perf_counter()
         try:
             running.append(self)
             with self.runtime.frame(frame):
-                if self._compiled_root is not None:
-                    self.runtime.regions.enter(self._forward, "", args, kwargs, self._root_rerunnable)
-                    try:
-                        out = self._forward(*args, **kwargs)
-                    finally:
-                        self.runtime.regions.leave()
-                else:
-                    out = self._forward(*args, **kwargs)
+                out = self.wrapping.call(self.runtime, args, kwargs)
                 anchored = sum(node.nbytes for node in frame.anchors)
         finally:
             while self in running:  # and above it, what an interrupt left there
                 running.pop()
         seconds = time.perf_counter() - start
-        self._frames += 1
+        self.counters.frames += 1
+        if frame.stats.offload_failures:
+            self.counters.copies_failed = True
+        self.gate_hooks.regions.check_heard()
+        return out, seconds, anchored
+
+    def _learn_from(self, frame: Frame, inputs: int, seconds: float, anchored: int) -> None:
+        """What the forward just run teaches: an untraced one's seconds (what a rerun costs),
+        what a traced one held, a profiled one's costs, the routing's footprint, the worst
+        routing once profiled, and an adaptive plan's choices (``last_plan``)."""
+        traced = _traces(frame)
         if not traced and not frame.profile and not frame.calibrating:
             self.reruns.observe_forward(seconds)
-        if frame.stats.offload_failures:
-            self._copies_failed = True
-        self.gate_hooks.regions.check_heard()
         counts = self.routing.counts
         if traced:
             stats = frame.stats
@@ -594,30 +639,33 @@ class Provisioner:
                                         stats.traced_pin_bytes)
         if frame.profile:
             self.cost.observe(frame.saved_profile, counts, seconds, frame.unsaved_seconds)
-            self.unplanned.profiled(self.model.training)
+            self.learned.unplanned.profiled(self.model.training)
         elif traced and self.cost.ready:
-            self.unplanned.note(frame, self.cost, self.model.training)
-        self.footprint.observe_routed(anchored, counts, self.min_bytes, self.engine is not None)
-        if frame.profile and self.cost.frames >= self.profile_frames:
+            self.learned.unplanned.note(frame, self.cost, self.model.training)
+        self.footprint.observe_routed(anchored, counts, self.options.min_bytes, self.engine is not None)
+        if frame.profile and self.cost.frames >= self.options.profile_frames:
             worst = self.routing.worst(self.gates)
             self.footprint.observe_worst(worst, counts)
             if self.memory is not None:
                 self.memory.profiled(worst)
             self._reserve_arena()
+        if self._policy.adaptive and traced and not frame.profile and not frame.calibrating:
+            self.counters.last_choices = frame.choices  # the frame's, which its forward is done with
+
+    def _record(self, frame: Frame, seconds: float, conservative: bool) -> None:
+        """The micro-batch's telemetry record, and the run's first violation told."""
+        counts = self.routing.counts
         imbalance = max((max(c) * len(c) / max(1, sum(c)) for c in counts.values()), default=1.0)
         self.telemetry.add(MicroBatch(
-            step=self._step, micro_batch=frame.index, peak_bytes=frame.stats.peak_resident,
+            step=self.counters.step, micro_batch=frame.index, peak_bytes=frame.stats.peak_resident,
             predicted_peak_bytes=self.decisions.predicted, budget_bytes=self.budget,
             imbalance=imbalance, bytes_by_choice=dict(frame.stats.bytes_by_choice),
             violations=frame.stats.violations, fallbacks=len(frame.stats.fallbacks),
-            forward_seconds=seconds, oom_recovered=conservative, traced=traced,
+            forward_seconds=seconds, oom_recovered=conservative, traced=_traces(frame),
             calibrating=frame.calibrating, room_made_bytes=frame.stats.room_made_bytes,
         ))
-        if self._policy.adaptive and traced and not frame.profile and not frame.calibrating:
-            self._last_choices = frame.choices  # the frame's, which its forward is done with
-        if frame.stats.violations and not self._told_violation:
+        if frame.stats.violations and self.counters.first_violation():
             self._tell_violation(frame)
-        return out
 
     def _rerun_more(self, frame: Frame, layer: int, values: List[int]) -> None:
         """A gate of a micro-batch that only reruns blocks (``Frame.rerun_chosen``): at its own
@@ -627,13 +675,14 @@ class Provisioner:
         self.decisions.predict(frame, values, self.footprint.outside_held)
         counts = self.decisions.counts_at(layer, values)
         blocks = self.runtime.rerunnable_blocks()
-        gate = self._module_index.get(next((g.name for g in self.gates if g.layer == layer), ""), -1)
+        order = self.wrapping.order
+        gate = order.get(next((g.name for g in self.gates if g.layer == layer), ""), -1)
         chosen = frozenset(frame.rerun_chosen)
         sizes = self.reruns.sizes([b for b in blocks if b in chosen], counts, self.runtime.block_outputs)
         saves = frame.stats.start_resident + self.footprint.outside_held + self.cost.predict_total(self.cost.order, counts)
         need = saves - sum(n for n, _ in sizes.values()) - self.limits.target()
         # the blocks still to begin: after the gate in the model (its own layer's experts too)
-        later = [b for b in blocks if b not in chosen and self._module_index.get(b, -1) > gate]
+        later = [b for b in blocks if b not in chosen and order.get(b, -1) > gate]
         room = self.limits.target() - frame.stats.start_resident - self.footprint.outside_held
         more = self.reruns.choose(need, later, counts, self.runtime.block_outputs, self._offload_seconds, room,
                                   sorted(chosen))
@@ -648,9 +697,8 @@ class Provisioner:
     def _tell_violation(self, frame: Frame) -> None:
         """The first violation under ``on_exceed="record"``, told once: on a device it would have
         been an out-of-memory crash, and a recorded count alone goes unread."""
-        self._told_violation = True
         warnings.warn(recorded_violation(frame.index, self.budget, frame.stats.peak_resident, frame.stats.violations,
-                                         self._policy.name), UserWarning, stacklevel=4)
+                                         self._policy.name), UserWarning, stacklevel=5)
 
     def _check_feasible(self) -> None:
         """Refuse a micro-batch no plan can fit, before it allocates anything. With an allocator
@@ -663,7 +711,7 @@ class Provisioner:
         outside = self.memory.outside if self.memory is not None else None
         self.footprint.check_feasible(self.limits.limit(outside), self.runtime.ledger.resident,
                                       self.runtime.residency.movable_bytes,
-                                      f"micro-batch {self._frames}")
+                                      f"micro-batch {self.counters.frames}")
 
     def _exceeded(self, resident: int, budget: int, key: str) -> None:
         raise BudgetExceededError(resident, budget, key, self._policy.name)
@@ -698,7 +746,7 @@ class Provisioner:
                 self.runtime.residency.make_room(self.decisions.predicted - self.runtime.ledger.resident)
             return
         start = time.perf_counter()
-        decision = self.decisions.decide(frame, layer, values, self.limits.target(), self.limits.limit(), self._step,
+        decision = self.decisions.decide(frame, layer, values, self.limits.target(), self.limits.limit(), self.counters.step,
                                          self.engine is not None)
         decision.latency_us = (time.perf_counter() - start) * 1e6
         self.telemetry.add(decision)

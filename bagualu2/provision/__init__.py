@@ -9,8 +9,10 @@ where ``enable`` and ``on_gating`` are) decides with, and keeps its own state.
   (``Calibration``);
 - ``copy_engine.py``: the copy engine a provisioner makes, what its copies cost, and its arena;
 - ``unplanned.py``: saved keys no plan can name, and telling the user why (``UnplannedKeys``);
+- ``learned.py``: those pieces together, what a checkpoint saves (``Learned``);
+- ``counters.py``: what a run counts apart from what it learns (``RunCounters``);
 - ``state.py``: the learned state a checkpoint saves and a resumed run loads
   (``Provisioner.state_dict`` / ``load_state_dict``);
-- ``forward.py``: the forward put on a provisioned model, and the provisioners running on each
-  thread.
+- ``forward.py``: the forward put on a provisioned model, where it went and what it calls
+  (``Wrapping``), and the provisioners running on each thread.
 """

@@ -1,8 +1,10 @@
 """The provisioned forward: what ``enable`` puts on a model in place of its own forward, and the
 provisioners whose forward runs on each thread.
 
-Owns ``ProvisionedForward`` (the wrapper), ``plain_forward`` (whether a model's forward is its
-own), ``unwrap_compiled`` (where the wrapper goes on a ``torch.compile``d model) and ``active`` (the per-thread stack of running provisioners, innermost last).
+Owns ``ProvisionedForward`` (the wrapper), ``Wrapping`` (where it went and what it calls),
+``plain_forward`` (whether a model's forward is its own), ``unwrap_compiled`` (where the wrapper
+goes on a ``torch.compile``d model) and ``active`` (the per-thread stack of running
+provisioners, innermost last).
 
 Invariants: a routing report (``on_gating``) belongs to the thread that makes it, and so to the
 model that thread runs: the stack is per thread, and a provisioner is on it only while its
@@ -21,7 +23,7 @@ import torch
 
 from bagualu2.runtime.regions import check_compile_options, is_compiled
 
-__all__ = ["ProvisionedForward", "active", "plain_forward", "unwrap_compiled"]
+__all__ = ["ProvisionedForward", "Wrapping", "active", "plain_forward", "unwrap_compiled"]
 
 _LOCAL = threading.local()
 
@@ -63,6 +65,55 @@ class ProvisionedForward:
 
     def __reduce__(self) -> Tuple[Any, tuple]:
         return _same, (self.original,)  # pickled as the bound method it is
+
+
+class Wrapping:
+    """Where a provisioner's forward goes on a model, and what it calls: the compile facts found
+    at ``enable``.
+
+    ``root`` is the ``torch.compile`` wrapper the provisioned forward goes on (``unwrap_compiled``),
+    or None for the model itself; ``regions``, the paths of the compiled regions gates report
+    from (``[""]``: the whole model is one); ``root_rerunnable``, whether a compiled root may
+    rerun whole (it issues no collective); ``order``, each module's place in the model.
+    """
+
+    def __init__(self, model: torch.nn.Module, root: Optional[torch.nn.Module], regions: List[str],
+                 root_rerunnable: bool) -> None:
+        self.root = root
+        self.regions = [""] if root is not None else regions
+        self.root_rerunnable = root_rerunnable
+        self.order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+        self._host = root if root is not None else model
+        self.forward = self._host.forward  # the host's own: what the provisioned forward calls
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the whole model is one compiled region (a ``torch.compile`` wrapper's)."""
+        return self.root is not None
+
+    def install(self, run: Callable[..., Any]) -> Callable[[], None]:
+        """Put ``run`` on the host as its forward; returns what takes it off again."""
+        host = self._host
+        host.forward = ProvisionedForward(run, self.forward)  # type: ignore[method-assign]
+
+        def undo() -> None:  # a compiled wrapper gets its compiled forward back; the model, its class's
+            if self.root is not None:
+                host.forward = self.forward  # type: ignore[method-assign]
+            else:
+                host.__dict__.pop("forward", None)
+        return undo
+
+    def call(self, runtime: Any, args: tuple, kwargs: dict) -> Any:
+        """The model's own forward, in the runtime's running frame: a compiled root's call is one
+        compiled region (``runtime.regions``, key ``':compiled'``), which a rerun calls again
+        where ``root_rerunnable``."""
+        if self.root is None:
+            return self.forward(*args, **kwargs)
+        runtime.regions.enter(self.forward, "", args, kwargs, self.root_rerunnable)
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            runtime.regions.leave()
 
 
 def _same(x: Any) -> Any:

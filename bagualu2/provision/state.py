@@ -4,11 +4,11 @@ Owns ``save`` and ``load``, which ``Provisioner.state_dict`` / ``load_state_dict
 (torch's ``Stateful`` convention, so ``torch.distributed.checkpoint`` saves the provisioner
 beside the model and the optimizer), and ``signature``, what a state is checked against.
 
-A state holds what decisions are made from (the provisioner's pieces: the cost model, the
-footprint, the routing record, the stacking, the calibration count, the unplanned keys) and a
-few counters the provisioner passes; a resumed run with it decides as the run that saved it
-would have: no micro-batch is profiled or calibrated again, and one that the saved run would
-have planned is planned.
+A state holds what decisions are made from (the provisioner's pieces, ``Learned.pieces``: the
+cost model, the footprint, the routing record, the stacking, the calibration count, the
+unplanned keys, the excess) and a few counters the provisioner passes (``RunCounters.saved``);
+a resumed run with it decides as the run that saved it would have: no micro-batch is profiled
+or calibrated again, and one that the saved run would have planned is planned.
 
 Format: ``{"rank_<r>": {"version", "gates", "modules", "learned"}}``, ``r`` this process's rank
 in the default process group (0 without one). Each rank saves its own entry (expert-parallel
