@@ -60,16 +60,22 @@ class BudgetExceededError(RuntimeError):
 
 class InfeasibleBudgetError(ValueError):
     """No plan fits the budget: even releasing every activation that can be released leaves too
-    many bytes resident. Raised before anything of the micro-batch is allocated."""
+    many bytes resident. Raised before anything of the micro-batch is allocated. ``budget`` is the
+    whole budget; ``outside``, what an allocator view showed allocated beyond the activations (0
+    without one), which the activations' ``floor`` must fit beside."""
 
-    def __init__(self, budget: int, floor: int, where: str) -> None:
+    def __init__(self, budget: int, floor: int, where: str, outside: int = 0) -> None:
         self.budget = budget
         self.floor = floor
         self.where = where
+        self.outside = outside  # what an allocator view showed allocated beyond the activations
+        head = f"budget {budget:,} bytes cannot be met at {where}"
+        if outside:
+            head += (f": the allocator shows {outside:,} bytes allocated beyond the activations, which "
+                     f"leaves them {max(0, budget - outside):,}")
         super().__init__(
-            f"budget {budget:,} bytes cannot be met at {where}: even with every activation "
-            f"offloaded or recomputed, {floor:,} bytes stay resident; raise the budget to at least "
-            f"{floor:,} bytes or shrink the micro-batch"
+            f"{head}: even with every activation offloaded or recomputed, {floor:,} bytes of them stay "
+            f"resident; raise the budget to at least {floor + outside:,} bytes or shrink the micro-batch"
         )
 
 

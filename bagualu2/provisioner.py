@@ -708,10 +708,9 @@ class Provisioner:
         (the micro-batch releases all it can instead, and its window teaches the excess)."""
         if self.budget is None or not self._policy.adaptive or not self.cost.ready:
             return
-        outside = self.memory.outside if self.memory is not None else None
-        self.footprint.check_feasible(self.limits.limit(outside), self.runtime.ledger.resident,
-                                      self.runtime.residency.movable_bytes,
-                                      f"micro-batch {self.counters.frames}")
+        self.footprint.check_feasible(self.budget, self.runtime.ledger.resident, self.runtime.residency.movable_bytes,
+                                      f"micro-batch {self.counters.frames}",
+                                      self.memory.outside if self.memory is not None else 0)
 
     def _exceeded(self, resident: int, budget: int, key: str) -> None:
         raise BudgetExceededError(resident, budget, key, self._policy.name)

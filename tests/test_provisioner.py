@@ -407,6 +407,25 @@ def test_an_excess_predicted_from_profiled_forwards_does_not_refuse_a_budget_the
     assert prov.limits.limit() > 0, "the untraced windows did not teach the excess back down"
 
 
+def test_a_refusal_under_an_allocator_view_names_the_budget_and_what_lies_beyond_the_activations() -> None:
+    """The budget a user set, what the view shows allocated beyond the activations, and the budget
+    that would do (what they cannot release plus that), not the activations' share alone."""
+    model = make_model()
+    tokens = tokens_for(model, 0)
+    budget = 1 << 20
+    outside = budget - tokens.untyped_storage().nbytes() // 2  # leaves less than the input recipes hold
+    prov = bagualu2.enable(model, budget=budget, allocator=lambda: (prov.runtime.ledger.resident + outside,) * 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the profiled micro-batch crosses, and is told
+        step(model, 0)
+    with pytest.raises(bagualu2.InfeasibleBudgetError) as refused:
+        step(model, 1)
+    err = refused.value
+    assert err.budget == budget and err.outside == outside
+    assert f"budget {budget:,} bytes" in str(err) and f"{outside:,} bytes allocated beyond" in str(err)
+    assert f"at least {err.floor + outside:,} bytes" in str(err)
+
+
 def test_a_tight_budget_is_not_refused_while_releasing_small_activations_meets_it() -> None:
     """min_bytes is a preference: small activations are kept unless the budget needs their
     room, so a budget that only releasing them can meet is met, not refused."""

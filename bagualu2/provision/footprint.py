@@ -114,16 +114,18 @@ class Footprint:
             return True
         return can_offload and self.last_bytes is not None and self.last_bytes <= room + self.traced_bytes
 
-    def check_feasible(self, budget: int, resident: int, movable: Callable[[], int], what: str) -> None:
+    def check_feasible(self, budget: int, resident: int, movable: Callable[[], int], what: str,
+                       outside: int = 0) -> None:
         """Refuse micro-batch ``what`` when no plan can fit it, before it allocates anything.
 
         Loads of the previous micro-batch stand in for this one's, not yet routed. What no
         release can take back: the storages that can be neither offloaded nor recomputed, and
         what the forward holds from outside it (its inputs, saved or pinned by recipes). What
         earlier micro-batches still keep (``resident``) counts only where nothing can offload it
-        (``movable()``, asked only when the micro-batch would not fit otherwise)."""
+        (``movable()``, asked only when the micro-batch would not fit otherwise). ``outside``:
+        what an allocator view shows allocated beyond the activations, beside which they must fit."""
         floor = self.hard_floor + self.outside_held
-        if resident + floor > budget:
+        if resident + floor + outside > budget:
             resident -= movable()
-        if resident + floor > budget:
-            raise InfeasibleBudgetError(budget, resident + floor, what)
+        if resident + floor + outside > budget:
+            raise InfeasibleBudgetError(budget, resident + floor, what, outside)
